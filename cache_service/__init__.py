@@ -1,0 +1,1 @@
+"""Level-1 host adapter cache: converted adapters in shared memory or Redis, byte-budget LRU."""

@@ -1,0 +1,1 @@
+"""The GPU compute service: the engine, the level-2 paged adapter cache, the Compute API."""

@@ -1,0 +1,1 @@
+"""The public gateway: validates, tokenizes, resolves adapters, routes to compute."""

@@ -1,0 +1,1 @@
+"""The `loraplex` command line."""

@@ -1,0 +1,110 @@
+"""Running an asyncio gRPC server the loraplex way: health, reflection, SIGTERM.
+
+Every service starts through `run_server`: it binds the address (port 0 picks a
+free port), registers `grpc.health.v1` and server reflection, prints one line
+`<service> listening on HOST:PORT` (tests and `loraplex serve` read it), and on
+SIGTERM/SIGINT marks itself NOT_SERVING, stops accepting calls and lets running
+calls finish within a grace period.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# Adapters can be hundreds of MB; services raise these from their settings.
+DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+async def run_server(
+    name: str,
+    address: str,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    grace_s: float = 5.0,
+    on_started: Callable[[int], Awaitable[None]] | None = None,
+    on_stopping: Callable[[], Awaitable[None]] | None = None,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> None:
+    """Serves until SIGTERM/SIGINT. `register` adds servicers and returns their full names."""
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
+    service_names = list(register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"{name}: cannot listen on {address} (address in use or not local?)")
+    await server.start()
+    for svc in service_names + [""]:
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    host = address.rsplit(":", 1)[0]
+    print(f"{name} listening on {host}:{port}", flush=True)
+    if on_started is not None:
+        await on_started(port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s: stopping (grace %.1fs)", name, grace_s)
+    for svc in service_names + [""]:
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if on_stopping is not None:
+        await on_stopping()
+    await server.stop(grace_s)
+    print(f"{name} stopped", flush=True)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def abort_code_for(exc: BaseException) -> grpc.StatusCode:
+    """Maps a domain exception to a status code by its `grpc_code` attribute."""
+    code = getattr(exc, "grpc_code", None)
+    if isinstance(code, grpc.StatusCode):
+        return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def wait_healthy(target: str, timeout_s: float = 60.0, service: str = "") -> None:
+    """Polls grpc.health.v1 on `target` until SERVING or timeout (raises TimeoutError)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{target} not healthy after {timeout_s:.0f}s")
+            await asyncio.sleep(0.2)
