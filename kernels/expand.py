@@ -1,0 +1,133 @@
+"""LoRA expand (SGMV): y[t, slice cols] += s[i, t, :r] @ B[a(t), layer, module_i].T, reading B^T in place.
+
+One launch covers every slice and adapter. Grid: (token tiles, slices, column
+blocks of the widest slice). A program maps its tile to a segment on the
+device, loops over its adapter's true rank in BLOCK_R chunks (so a rank-8 and
+a rank-64 adapter read only their own rows), and adds into `y` in fp32.
+Programs past the last tile, past the slice's width or on a module the
+adapter lacks exit at once.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.meta import LoraBatchMeta
+from kernels.paged import LoraRowTables
+from kernels.shrink import DECODE_MAX_TOKENS, MAX_SLICES, _next_pow2, check_launch
+from kernels.tiles import segment_tile
+
+
+@triton.jit
+def _expand_kernel(
+    s_ptr, s_stride_s, s_stride_t, pool_ptr, b_off_ptr, ranks_ptr, y_ptr, y_stride,
+    tok_ptr, seg_starts_ptr, seg_slots_ptr, num_segs_ptr,
+    layer, num_layers, num_modules, max_rank,
+    mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MAX_SEGS: tl.constexpr,
+):
+    pid_tile = tl.program_id(0)
+    slice_id = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, num_segs_ptr, BLOCK_M, MAX_SEGS)
+    if pid_tile >= num_tiles:
+        return
+    col0 = tl.where(slice_id == 0, off0, tl.where(slice_id == 1, off1, tl.where(slice_id == 2, off2, off3)))
+    col1 = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, tl.where(slice_id == 2, off3, off4)))
+    n0 = pid_n * BLOCK_N
+    if n0 >= col1 - col0:
+        return
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    module = tl.where(slice_id == 0, mod0, tl.where(slice_id == 1, mod1, tl.where(slice_id == 2, mod2, mod3)))
+    entry = (slot * num_layers + layer) * num_modules + module
+    rank = tl.load(ranks_ptr + entry)
+    if rank == 0:
+        return
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_end
+    toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                # [BLOCK_M]
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < col1 - col0
+    offs_rb = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + offs_rb
+        r_mask = offs_r < rank
+        rows = tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0)     # [BLOCK_R] int64
+        st = tl.load(s_ptr + slice_id * s_stride_s + toks[:, None] * s_stride_t + offs_r[None, :],
+                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)                 # [BLOCK_M, BLOCK_R] fp32
+        bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :],
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)                 # [BLOCK_R, BLOCK_N]
+        acc += tl.dot(st.to(bt.dtype), bt)
+
+    y_ptrs = y_ptr + toks[:, None] * y_stride + col0 + offs_n[None, :]
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
+
+
+def expand_config(T: int, max_rank: int) -> dict[str, int]:
+    """Block sizes for a launch; depends only on host-known shapes (graph-stable)."""
+    block_r = min(max(16, _next_pow2(max_rank)), 64)
+    if T <= DECODE_MAX_TOKENS:
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=block_r, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=block_r, num_warps=4, num_stages=2)
+
+
+def lora_expand_triton(
+    s: torch.Tensor,                 # [num_slices, T, >= tables.max_rank] float32, contiguous (shrink's out)
+    pool: torch.Tensor,              # [num_pages * page_elems]
+    tables: LoraRowTables,
+    meta: LoraBatchMeta,             # prepared for these T tokens
+    layer: int,
+    module_indices: Sequence[int],   # dense module index per slice (1..4 slices)
+    y: torch.Tensor,                 # [T, >= slice_offsets[-1]] same dtype as pool, rows contiguous
+    slice_offsets: Sequence[int],    # num_slices + 1 increasing column boundaries in y
+) -> None:
+    """Expand for every slice and adapter in one launch, adding into `y` in place.
+
+    Semantics:
+        for t with slot a = a(t) >= 0, for i, m in enumerate(module_indices):
+            r = tables.ranks[a, layer, m]
+            y[t, off[i]:off[i+1]] += s[i, t, :r] @ B[a, layer, m].T      (fp32 add, then y's dtype)
+        rows of tokens without adapter, and slices of absent modules, are left as they were.
+    """
+    check_launch(s, pool, tables, meta, layer, module_indices)
+    num_slices = len(module_indices)
+    T = y.shape[0]
+    if y.dtype != pool.dtype:
+        raise ValueError(f"y dtype {y.dtype} differs from pool dtype {pool.dtype}")
+    if y.dim() != 2 or y.stride(1) != 1:
+        raise ValueError("y must be 2-D with contiguous rows (stride(1) == 1)")
+    if s.dtype != torch.float32 or not s.is_contiguous():
+        raise ValueError(f"s must be contiguous float32, got {s.dtype}")
+    if s.dim() != 3 or s.shape[0] != num_slices or s.shape[1] != T or s.shape[2] < tables.max_rank:
+        raise ValueError(f"s must be [{num_slices}, {T}, >= {tables.max_rank}], got {tuple(s.shape)}")
+    offs = [int(o) for o in slice_offsets]
+    if len(offs) != num_slices + 1 or offs[0] < 0 or any(b <= a for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"slice_offsets must be {num_slices + 1} increasing boundaries, got {offs}")
+    if offs[-1] > y.shape[1]:
+        raise ValueError(f"slice_offsets end {offs[-1]} beyond y's {y.shape[1]} columns")
+    if T != meta.num_tokens:
+        raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, y has {T}")
+    if T == 0 or (meta.has_lora is False and not torch.cuda.is_current_stream_capturing()):
+        return  # host-known empty batch; a graph being captured always gets the launch
+    cfg = expand_config(T, tables.max_rank)
+    mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
+    offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
+    widest = max(b - a for a, b in zip(offs, offs[1:]))
+    tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
+    grid = (tiles, num_slices, triton.cdiv(widest, cfg["BLOCK_N"]))
+    _expand_kernel[grid](
+        s, s.stride(0), s.stride(1), pool, tables.b_offsets, tables.ranks, y, y.stride(0),
+        meta.token_indices, meta.seg_starts, meta.seg_slots, meta.num_segments,
+        layer, tables.num_layers, tables.num_modules, tables.max_rank,
+        *mods, *offs,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+        MAX_SEGS=_next_pow2(meta.max_slots),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

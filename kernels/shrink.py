@@ -1,0 +1,178 @@
+"""LoRA shrink (SGMV): s[i, t, :r] = x[t] @ A[a(t), layer, module_i].T, reading A in place from pages.
+
+One launch covers every slice and every adapter of the batch, whatever their
+ranks. Grid: (token tiles, slices, rank blocks x K splits). A program maps its
+tile to a segment (one adapter) on the device, reads that adapter's rank and
+row offsets, and exits at once when the tile, the rank block or the module is
+empty, so tokens without adapter and unused slots launch no work. Decode
+(few tokens per adapter) splits the reduction over H_in and adds partial sums
+atomically into a zeroed fp32 output; prefill keeps the whole reduction in one
+program and stores.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.meta import LoraBatchMeta
+from kernels.paged import LoraRowTables
+from kernels.tiles import segment_tile
+
+MAX_SLICES = 4
+DECODE_MAX_TOKENS = 128  # at or below this many tokens the split-K (decode) configuration is used
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, x_stride, pool_ptr, a_off_ptr, ranks_ptr, out_ptr, out_stride_s, out_stride_t,
+    tok_ptr, seg_starts_ptr, seg_slots_ptr, num_segs_ptr,
+    layer, num_layers, num_modules, max_rank, K, K_PER_SPLIT,
+    mod0, mod1, mod2, mod3,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_tile = tl.program_id(0)
+    slice_id = tl.program_id(1)
+    pid_rk = tl.program_id(2)
+    num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, num_segs_ptr, BLOCK_M, MAX_SEGS)
+    if pid_tile >= num_tiles:
+        return
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    module = tl.where(slice_id == 0, mod0, tl.where(slice_id == 1, mod1, tl.where(slice_id == 2, mod2, mod3)))
+    entry = (slot * num_layers + layer) * num_modules + module
+    rank = tl.load(ranks_ptr + entry)
+    r_block = pid_rk // SPLIT_K
+    r0 = r_block * BLOCK_R
+    if r0 >= rank:
+        return
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    rows = tl.load(a_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0)        # [BLOCK_R] int64
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_end
+    toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)               # [BLOCK_M]
+
+    k_lo = (pid_rk % SPLIT_K) * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    offs_kb = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k + offs_kb
+        if EVEN_K:
+            xt = tl.load(x_ptr + toks[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :], mask=r_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K
+            xt = tl.load(x_ptr + toks[:, None] * x_stride + offs_k[None, :],
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :],
+                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(xt, tl.trans(at))                                                # [BLOCK_M, BLOCK_R]
+
+    out_ptrs = out_ptr + slice_id * out_stride_s + toks[:, None] * out_stride_t + offs_r[None, :]
+    out_mask = m_mask[:, None] & r_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: keep the grid small
+
+
+def shrink_config(T: int, K: int, max_rank: int, num_slices: int, device: torch.device) -> dict[str, int]:
+    """Block sizes and K split for a launch; depends only on host-known shapes (graph-stable)."""
+    block_r = min(max(16, _next_pow2(max_rank)), 64)
+    r_blocks = triton.cdiv(max_rank, block_r)
+    if T <= DECODE_MAX_TOKENS:
+        block_m, block_k = 16, (256 if block_r <= 32 else 128)
+        # Enough programs to cover the GPU about twice, assuming the tokens share few adapters.
+        programs = triton.cdiv(T, block_m) * num_slices * r_blocks
+        split_k = max(1, min(triton.cdiv(2 * _num_sms(device), programs), triton.cdiv(K, block_k)))
+        num_warps, num_stages = 4, 3
+    else:
+        block_m, block_k, split_k = 64, 128 if block_r <= 32 else 64, 1
+        num_warps, num_stages = 4, 3
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+                K_PER_SPLIT=k_per_split, R_BLOCKS=r_blocks, num_warps=num_warps, num_stages=num_stages)
+
+
+def check_launch(x_or_s: torch.Tensor, pool: torch.Tensor, tables: LoraRowTables, meta: LoraBatchMeta,
+                 layer: int, module_indices: Sequence[int]) -> None:
+    """Checks shared by shrink and expand wrappers."""
+    if not isinstance(meta, LoraBatchMeta):
+        raise TypeError(f"the Triton path needs a LoraBatchMeta, got {type(meta).__name__}")
+    if pool.dim() != 1 or not pool.is_contiguous():
+        raise ValueError("pool must be a contiguous 1-D tensor")
+    for name, t in (("pool", pool), ("tables", tables.ranks), ("meta", meta.token_indices)):
+        if t.device != x_or_s.device:
+            raise ValueError(f"{name} is on {t.device}, inputs on {x_or_s.device}")
+    if not 0 <= layer < tables.num_layers:
+        raise ValueError(f"layer {layer} out of range [0, {tables.num_layers})")
+    if not 1 <= len(module_indices) <= MAX_SLICES:
+        raise ValueError(f"1..{MAX_SLICES} slices per launch, got {len(module_indices)}")
+    for m in module_indices:
+        if not 0 <= m < tables.num_modules:
+            raise ValueError(f"module index {m} out of range [0, {tables.num_modules})")
+
+
+def lora_shrink_triton(
+    x: torch.Tensor,                 # [T, H_in] fp16/bf16/fp32, rows contiguous
+    pool: torch.Tensor,              # [num_pages * page_elems], same dtype as x
+    tables: LoraRowTables,
+    meta: LoraBatchMeta,             # prepared for these T tokens
+    layer: int,
+    module_indices: Sequence[int],   # dense module index per slice (1..4 slices)
+    out: torch.Tensor,               # [num_slices, T, >= tables.max_rank] float32, contiguous
+) -> None:
+    """Shrink for every slice and adapter in one launch.
+
+    Semantics:
+        for t with slot a = a(t) >= 0, for i, m in enumerate(module_indices):
+            r = tables.ranks[a, layer, m]
+            out[i, t, :r] = (x[t].float() @ A[a, layer, m].float().T)
+        other entries of `out` are unspecified (zeroed when the K split is used).
+    """
+    check_launch(x, pool, tables, meta, layer, module_indices)
+    T, K = x.shape
+    num_slices = len(module_indices)
+    if x.dtype != pool.dtype:
+        raise ValueError(f"x dtype {x.dtype} differs from pool dtype {pool.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError("x rows must be contiguous (stride(1) == 1)")
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32, got {out.dtype}")
+    if out.dim() != 3 or out.shape[0] != num_slices or out.shape[1] != T or out.shape[2] < tables.max_rank:
+        raise ValueError(f"out must be [{num_slices}, {T}, >= {tables.max_rank}], got {tuple(out.shape)}")
+    if T != meta.num_tokens:
+        raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, x has {T}")
+    if T == 0 or (meta.has_lora is False and not torch.cuda.is_current_stream_capturing()):
+        return  # host-known empty batch; a graph being captured always gets the launch
+    cfg = shrink_config(T, K, tables.max_rank, num_slices, x.device)
+    if cfg["SPLIT_K"] > 1:
+        out.zero_()
+    mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
+    tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
+    grid = (tiles, num_slices, cfg["R_BLOCKS"] * cfg["SPLIT_K"])
+    _shrink_kernel[grid](
+        x, x.stride(0), pool, tables.a_offsets, tables.ranks, out, out.stride(0), out.stride(1),
+        meta.token_indices, meta.seg_starts, meta.seg_slots, meta.num_segments,
+        layer, tables.num_layers, tables.num_modules, tables.max_rank, K, cfg["K_PER_SPLIT"],
+        *mods,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
+        MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
