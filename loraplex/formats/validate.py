@@ -1,0 +1,113 @@
+"""Validation of a converted adapter against a base model, at the door.
+
+Checks (each failure a specific `AdapterError` naming the row and what was
+expected): rows present; weights dtype storable; module id in the table and
+enabled; layer in range; `1 <= rank <= max_lora_rank`; no duplicate
+`(module, layer)`; the row is long enough for `A [rank, in]` + `B [out, rank]`
+of the module's real in/out features; everything after them is zero padding
+(non-zero values there mean the rows were built for other shapes); no NaN/Inf
+(also after conversion to the storage dtype); total bytes within the limit.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from loraplex.formats.adapter import Adapter
+from loraplex.formats.errors import (AdapterTooLargeError, BaseModelMismatchError, DtypeError,
+                                     DuplicateRowError, EmptyAdapterError, LayerOutOfRangeError,
+                                     ModuleNotEnabledError, NonFiniteError, PaddingError, RankError,
+                                     RowShapeError, UnknownModuleError)
+from loraplex.formats.model_spec import ModelSpec
+from loraplex.formats.modules import MODULE_NAMES, SERVED_MODULE_IDS
+from loraplex.formats.tensors import STORAGE_DTYPES, cast_adapter
+
+
+def _row_shapes(adapter: Adapter, spec: ModelSpec, max_lora_rank: int,
+                enabled: frozenset[int]) -> list[tuple[int, int]]:
+    """Per-row (in, out) features, checking ids, layers, ranks, duplicates and lengths."""
+    width = int(adapter.weights.shape[1])
+    seen: dict[tuple[int, int], int] = {}
+    in_out: list[tuple[int, int]] = []
+    for i, (module_id, layer, rank) in enumerate(adapter.config.tolist()):
+        if module_id not in MODULE_NAMES:
+            raise UnknownModuleError(f"module id {module_id} is not in the module table "
+                                     f"(0-{max(MODULE_NAMES)})", row=i)
+        name = MODULE_NAMES[module_id]
+        if module_id not in enabled:
+            raise ModuleNotEnabledError(f"module {name} (id {module_id}) is not enabled on this "
+                                        f"server (enabled ids: {sorted(enabled)})", row=i)
+        if not 0 <= layer < spec.num_layers:
+            raise LayerOutOfRangeError(f"{name}: layer {layer} is outside [0, {spec.num_layers}) "
+                                       "of the base model", row=i)
+        if not 1 <= rank <= max_lora_rank:
+            raise RankError(f"{name} layer {layer}: rank {rank} is outside [1, {max_lora_rank}] "
+                            "(max_lora_rank)", row=i)
+        if (module_id, layer) in seen:
+            raise DuplicateRowError(f"{name} layer {layer} already appears in row "
+                                    f"{seen[(module_id, layer)]}", row=i)
+        seen[(module_id, layer)] = i
+        try:
+            shape = spec.module_shape(module_id)
+        except KeyError as e:
+            raise ModuleNotEnabledError(str(e.args[0]), row=i) from None
+        need = rank * (shape.in_features + shape.out_features)
+        if need > width:
+            raise RowShapeError(f"{name} layer {layer} rank {rank}: A [{rank}, {shape.in_features}] "
+                                f"+ B [{shape.out_features}, {rank}] need {need} values but rows "
+                                f"have {width}", row=i)
+        in_out.append((shape.in_features, shape.out_features))
+    return in_out
+
+
+def _first_bad_row(mask: torch.Tensor) -> tuple[int, int] | None:
+    """(row, column) of the first True in a [N, W] mask, or None."""
+    if not bool(mask.any()):
+        return None
+    row = int(mask.any(dim=1).nonzero()[0, 0])
+    return row, int(mask[row].nonzero()[0, 0])
+
+
+def _check_values(adapter: Adapter, in_out: list[tuple[int, int]]) -> None:
+    w = adapter.weights
+    bad = _first_bad_row(~torch.isfinite(w))
+    if bad is not None:
+        raise NonFiniteError(f"{w[bad].item()} at column {bad[1]}", row=bad[0])
+    used = torch.tensor([r * (fin + fout) for r, (fin, fout) in zip(adapter.config[:, 2].tolist(), in_out)])
+    padding = torch.arange(w.shape[1])[None, :] >= used[:, None]
+    bad = _first_bad_row((w != 0) & padding)
+    if bad is not None:
+        row = bad[0]
+        module_id, layer, rank = adapter.config[row].tolist()
+        fin, fout = in_out[row]
+        raise PaddingError(f"{MODULE_NAMES[module_id]} layer {layer} rank {rank} uses "
+                           f"{int(used[row])} values (A [{rank}, {fin}] + B [{fout}, {rank}]) but "
+                           f"column {bad[1]} after them is non-zero: the rows were built for "
+                           "other shapes, or the padding is garbage", row=row)
+
+
+def validate(adapter: Adapter, spec: ModelSpec, max_lora_rank: int, *,
+             enabled_module_ids: Iterable[int] = SERVED_MODULE_IDS,
+             dtype: str | torch.dtype | None = None, max_bytes: int | None = None,
+             fingerprint: str | None = None) -> Adapter:
+    """Checks `adapter` against `spec`; returns it with `in_out` filled, the fingerprint set,
+    and (if `dtype` is given) converted to that storage dtype."""
+    fp = fingerprint if fingerprint is not None else spec.fingerprint
+    if adapter.metadata.fingerprint and adapter.metadata.fingerprint != fp:
+        raise BaseModelMismatchError(f"adapter was validated for base model "
+                                     f"{adapter.metadata.fingerprint}, this server runs {fp}")
+    if adapter.num_rows == 0:
+        raise EmptyAdapterError("the adapter has no rows")
+    if adapter.weights.dtype not in STORAGE_DTYPES.values():
+        raise DtypeError(f"weights dtype {adapter.weights.dtype} is not float16, bfloat16 or float32")
+    if adapter.weights.dim() != 2 or adapter.weights.shape[0] != adapter.num_rows:
+        raise RowShapeError(f"weights shape {list(adapter.weights.shape)} does not match "
+                            f"{adapter.num_rows} config rows")
+    in_out = _row_shapes(adapter, spec, max_lora_rank, frozenset(enabled_module_ids))
+    _check_values(adapter, in_out)
+    out = cast_adapter(adapter, dtype) if dtype is not None else adapter
+    if max_bytes is not None and out.num_bytes > max_bytes:
+        raise AdapterTooLargeError(f"adapter is {out.num_bytes} bytes, over the limit of {max_bytes}")
+    out = Adapter(config=out.config, weights=out.weights, in_out=tuple(in_out), metadata=out.metadata)
+    return out.with_metadata(fingerprint=fp)
