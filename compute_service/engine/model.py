@@ -1,0 +1,100 @@
+"""A Llama-family decoder written for serving: flat token batches over a paged KV cache.
+
+Covers Llama 2/3, Mistral, Qwen2 and SmolLM2: RMSNorm, RoPE (plain or Llama-3
+scaled), grouped-query attention, SwiGLU, tied or untied head, optional
+q/k/v (and o, mlp) biases. q/k/v and gate/up are fused into one matmul each;
+LoRA deltas are added to the fused outputs' slices by a `LoraBackend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from compute_service.engine.attention import AttentionMetadata, paged_attention
+from compute_service.engine.lora_backend import LoraBackend
+from compute_service.engine.rope import RotaryEmbedding
+from compute_service.engine.spec import ModelSpec
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor             # [H]
+    qkv: torch.Tensor                    # [q + 2kv, H]
+    qkv_bias: torch.Tensor | None        # [q + 2kv]
+    o: torch.Tensor                      # [H, q]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor              # [H]
+    gate_up: torch.Tensor                # [2I, H]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor                   # [H, I]
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor                  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor                   # [H]
+    lm_head: torch.Tensor                # [V, H] (the embedding itself when tied)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Computed in float32 and cast back before the weight, as transformers does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Forward over a flat batch of T tokens from any number of sequences."""
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, max_positions: int) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling, self.device)
+        self.scale = spec.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoraBackend | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, H] (after the last norm)."""
+        spec = self.spec
+        h = self.weights.embed[input_ids]                                     # [T, H]
+        for i, lw in enumerate(self.weights.layers):
+            residual = h
+            x = rms_norm(h, lw.input_norm, spec.rms_norm_eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)                            # [T, q + 2kv]
+            q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+            if lora is not None:
+                lora.apply(i, "qkv", x, [q, k, v])
+            t = x.shape[0]
+            q = self.rope.apply(q.reshape(t, spec.num_heads, spec.head_dim), positions)
+            k = self.rope.apply(k.reshape(t, spec.num_kv_heads, spec.head_dim), positions)
+            v = v.reshape(t, spec.num_kv_heads, spec.head_dim)
+            attn = paged_attention(q, k, v, kv_caches[i][0], kv_caches[i][1], meta, self.scale)
+            attn = attn.reshape(t, spec.q_size)
+            o = F.linear(attn, lw.o, lw.o_bias)
+            if lora is not None:
+                lora.apply(i, "o", attn, [o])
+            h = residual + o
+            residual = h
+            x = rms_norm(h, lw.post_norm, spec.rms_norm_eps)
+            gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)                # [T, 2I]
+            gate, up = gate_up.split([spec.intermediate_size, spec.intermediate_size], dim=-1)
+            if lora is not None:
+                lora.apply(i, "gate_up", x, [gate, up])
+            act = F.silu(gate) * up
+            down = F.linear(act, lw.down, lw.down_bias)
+            if lora is not None:
+                lora.apply(i, "down", act, [down])
+            h = residual + down
+        return rms_norm(h, self.weights.norm, spec.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32 (matmul in the model dtype, as transformers)."""
+        return F.linear(hidden, self.weights.lm_head).float()

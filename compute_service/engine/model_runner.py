@@ -1,0 +1,48 @@
+"""Turns a scheduled step into model inputs, runs the model, returns logits of the rows that sample."""
+from __future__ import annotations
+
+import torch
+
+from compute_service.engine.attention import AttentionMetadata
+from compute_service.engine.lora_backend import NO_ADAPTER, AdapterSlots, LoraBackend
+from compute_service.engine.model import LlamaModel
+from compute_service.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the KV cache tensors; the only part of the engine that runs the model."""
+
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 slots: AdapterSlots | None, lora: LoraBackend | None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.slots = slots
+        self.lora = lora
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [N, V] float32 for each scheduled sequence with `sample`, in schedule order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        query_lens, context_lens, tables, sample_rows = [], [], [], []
+        for s in out.scheduled:
+            end = s.start + s.num_new_tokens
+            input_ids.extend(s.seq.token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            slot = NO_ADAPTER if s.seq.adapter_key is None else self.slots.slot_of(s.seq.adapter_key)  # type: ignore[union-attr]
+            token_slots.extend([slot] * s.num_new_tokens)
+            query_lens.append(s.num_new_tokens)
+            context_lens.append(end)
+            tables.append(s.seq.block_table)
+            if s.sample:
+                sample_rows.append(len(input_ids) - 1)
+        dev = self.model.device
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, dev)
+        lora = None
+        if self.lora is not None and any(t != NO_ADAPTER for t in token_slots):
+            self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))
+            lora = self.lora
+        hidden = self.model.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                                    meta, self.kv_caches, lora)
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev, dtype=torch.int64)])

@@ -1,0 +1,188 @@
+"""Continuous batching: which sequences run this step, and with how many tokens.
+
+Plain Python (no torch), so it is unit-tested on its own. Each step:
+1. running sequences, oldest first, get their next chunk (1 token in decode, up
+   to the token budget in prefill); when KV blocks run out the newest running
+   sequence is preempted (blocks freed, progress dropped, put back at the head
+   of the queue) and recomputed later from its prompt and the tokens it has
+   already produced, so nothing is dropped;
+2. if nothing was preempted, waiting sequences whose adapter is ready are
+   admitted, oldest first, while token, sequence and block budgets allow; an
+   adapter that is still loading keeps only its own requests waiting.
+Long prompts are prefilled in chunks, so decodes keep running beside them.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from compute_service.engine.block_manager import BlockManager
+from compute_service.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class AdapterGate(Protocol):
+    """What the scheduler needs from the adapter slots."""
+
+    def is_ready(self, key: str) -> bool: ...
+    def pin(self, key: str) -> None: ...
+    def unpin(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError(f"scheduler limits must be positive (max_model_len >= 2): {self}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """`seq` runs tokens [start, start + num_new_tokens); `sample` when that reaches its end."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, adapters: AdapterGate | None = None) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.adapters = adapters
+        self.waiting: list[Sequence] = []   # sorted by arrival
+        self.running: list[Sequence] = []   # sorted by arrival
+        self._by_id: dict[str, Sequence] = {}
+
+    # -- queue changes -------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+        if seq.adapter_key is not None and self.adapters is None:
+            raise ValueError("this scheduler has no adapter slots; requests cannot name an adapter")
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_arrival)
+        self._by_id[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends `seq`: frees its blocks, drops its adapter pin, forgets it."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._by_id.pop(seq.request_id, None)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._by_id.get(request_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            end = seq.num_computed_tokens + n
+            while not self.blocks.can_grow(seq, end):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            self.blocks.grow(seq, end)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[j]
+            if seq.adapter_key is not None and not self.adapters.is_ready(seq.adapter_key):  # type: ignore[union-attr]
+                j += 1          # its adapter is loading: let the ones behind it go first
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            end = seq.num_computed_tokens + n
+            if not self.blocks.can_grow(seq, end):
+                break           # oldest first: do not let younger ones overtake on blocks
+            self.waiting.pop(j)
+            self.blocks.grow(seq, end)
+            if seq.adapter_key is not None:
+                self.adapters.pin(seq.adapter_key)  # type: ignore[union-attr]
+                seq.pinned = True
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drops `seq`'s KV cache and queues it for recompute (prompt + its outputs)."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_arrival)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        if seq.pinned:
+            self.adapters.unpin(seq.adapter_key)  # type: ignore[union-attr, arg-type]
+            seq.pinned = False
+
+    # -- after the model ran ---------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advances computed counts and appends sampled tokens; returns sequences that grew."""
+        grown = []
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            if s.sample:
+                s.seq.token_ids.append(sampled[s.seq.request_id])
+                grown.append(s.seq)
+        return grown

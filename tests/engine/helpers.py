@@ -1,0 +1,91 @@
+"""Test helpers: tiny random transformers models, PEFT adapters, and PEFT -> converted Adapter."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loraplex.formats.adapter import Adapter
+from loraplex.formats.modules import HF_TO_MODULE_ID
+
+TINY_DIMS = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def tiny_model(kind: str, seed: int = 0):
+    """A random fp32 transformers model: "llama" (untied, llama3 rope), "qwen2" (qkv bias), "llama_tied"."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "qwen2":
+        cfg = Qwen2Config(**TINY_DIMS, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        cfg = LlamaConfig(**TINY_DIMS, tie_word_embeddings=kind == "llama_tied", rms_norm_eps=1e-5,
+                          rope_parameters=rope if kind == "llama" else None)
+        model = LlamaForCausalLM(cfg)
+    # Random init is small; widen it so logits differ clearly between tokens and adapters matter.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+    return model.eval()
+
+
+def save_tiny(model, folder: Path) -> Path:
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def peft_adapter_to_converted(peft_model, adapter_name: str) -> Adapter:
+    """Each lora_A/lora_B pair -> one row A.flatten() ++ (scale * B).flatten(), zero-padded."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    rows, configs, in_out = [], [], []
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, LoraLinear) or adapter_name not in module.lora_A:
+            continue
+        m = re.search(r"layers\.(\d+)\..*\.(\w+_proj)$", name)
+        assert m, name
+        a = module.lora_A[adapter_name].weight.detach().float()          # [r, in]
+        b = module.lora_B[adapter_name].weight.detach().float() * module.scaling[adapter_name]  # [out, r]
+        configs.append([HF_TO_MODULE_ID[m.group(2)], int(m.group(1)), a.shape[0]])
+        rows.append(torch.cat([a.flatten(), b.flatten()]))
+        in_out.append((a.shape[1], b.shape[0]))
+    width = max(r.numel() for r in rows)
+    weights = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        weights[i, : r.numel()] = r
+    return Adapter(config=np.asarray(configs, dtype=np.int32), weights=weights, in_out=tuple(in_out))
+
+
+def add_peft_adapters(model, specs: dict[str, dict], seed: int = 1):
+    """Wraps `model` in PEFT with one random (non-zero B) adapter per LoraConfig kwargs in `specs`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    peft_model = None
+    for name, kwargs in specs.items():
+        cfg = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kwargs)
+        if peft_model is None:
+            peft_model = get_peft_model(model, cfg, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, cfg)
+    with torch.no_grad():   # random B so every delta is visible
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.1)
+    return peft_model.eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to the logit scale of b."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
