@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.shrink import DECODE_MAX_TOKENS, MAX_SLICES, _next_pow2, check_launch
+from kernels.shrink import DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, check_launch
 from kernels.tiles import segment_tile
 
 
@@ -114,7 +114,7 @@ def lora_expand_triton(
         raise ValueError(f"slice_offsets end {offs[-1]} beyond y's {y.shape[1]} columns")
     if T != meta.num_tokens:
         raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, y has {T}")
-    if T == 0 or (meta.has_lora is False and not torch.cuda.is_current_stream_capturing()):
+    if T == 0 or (meta.has_lora is False and not _capturing(y.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
     cfg = expand_config(T, tables.max_rank)
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)

@@ -85,6 +85,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured (then host-side shortcuts must not drop launches)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -159,7 +164,7 @@ def lora_shrink_triton(
         raise ValueError(f"out must be [{num_slices}, {T}, >= {tables.max_rank}], got {tuple(out.shape)}")
     if T != meta.num_tokens:
         raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, x has {T}")
-    if T == 0 or (meta.has_lora is False and not torch.cuda.is_current_stream_capturing()):
+    if T == 0 or (meta.has_lora is False and not _capturing(x.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
     cfg = shrink_config(T, K, tables.max_rank, num_slices, x.device)
     if cfg["SPLIT_K"] > 1:
