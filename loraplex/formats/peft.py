@@ -145,8 +145,10 @@ def read_peft(path: str | Path, *, dtype: str | torch.dtype | None = None,
         if target not in STORAGE_DTYPES.values():
             raise DtypeError(f"{folder}: LoRA factor dtype {target} is not float16/bfloat16/float32")
     flats, config, in_out = [], [], []
+    # a bar only for large adapters, and only on a terminal (disable=None)
+    quiet = not progress or len(groups) < 64
     for (layer, proj), e in tqdm(groups.items(), desc="converting", unit="module",
-                                 disable=not progress):
+                                 disable=True if quiet else None):
         if "A" not in e or "B" not in e:
             raise AdapterFormatError(f"{e['path']}: lora_{'B' if 'A' in e else 'A'} is missing")
         flat, rank, fin, fout = _row(proj, str(e["path"]), e["A"], e["B"], cfg,  # type: ignore[arg-type]
