@@ -1,0 +1,65 @@
+"""The engine's `LoraBackend` over the paged pool: shrink/expand read adapter rows in place.
+
+One `LoraBatchMeta` is prepared per step (outside CUDA graphs); each layer's
+group then costs one shrink launch over all its slices and one expand launch
+writing every slice (q/k/v, or gate/up) of the fused output in place. Triton
+kernels on CUDA, the torch reference on CPU (kernels/__init__.py dispatches).
+"""
+from __future__ import annotations
+
+import torch
+
+from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
+from compute_service.engine.lora_backend import GROUP_MODULE_IDS
+from kernels import LoraBatchMeta, lora_expand, lora_shrink
+
+
+class PagedLoraBackend:
+    """Reads weights from `slots.pool` through `slots.tables`; call `allocate()` on the slots first."""
+
+    def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
+        if slots.tables is None or slots.pool is None:
+            raise RuntimeError("allocate the adapter pool before building its LoRA backend")
+        self.slots = slots
+        tables = slots.tables
+        self.meta = LoraBatchMeta(max_num_batched_tokens, tables.max_slots, device=slots.device)
+        self._group_modules = {g: [tables.module_index(m) for m in ids] for g, ids in GROUP_MODULE_IDS.items()}
+        # Shrink output for up to 3 slices at the largest step, fp32 as the kernels want it.
+        self._shrink_buf = torch.empty(3 * max_num_batched_tokens * tables.max_rank, dtype=torch.float32,
+                                       device=slots.device)
+
+    def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
+        self.meta.prepare(token_slot_ids_cpu.to(torch.int32))
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        tables, pool = self.slots.tables, self.slots.pool
+        assert tables is not None and pool is not None
+        mods = self._group_modules[group]
+        T = x.shape[0]
+        s = self._shrink_buf[: len(mods) * T * tables.max_rank].view(len(mods), T, tables.max_rank)
+        lora_shrink(x.contiguous(), pool, tables, self.meta, layer, mods, s)
+        y, offsets = _as_one_matrix(outs)
+        if y is not None:
+            lora_expand(s, pool, tables, self.meta, layer, mods, y, offsets)
+            return
+        for i, out in enumerate(outs):   # slices not side by side in memory: one launch each
+            lora_expand(s[i: i + 1].contiguous(), pool, tables, self.meta, layer, [mods[i]], out,
+                        [0, out.shape[1]])
+
+
+def _as_one_matrix(outs: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int]]:
+    """When `outs` are adjacent column slices of one matrix (q/k/v of the fused qkv), that matrix."""
+    first = outs[0]
+    if first.dim() != 2 or first.stride(1) != 1:
+        return None, []
+    elem = first.element_size()
+    offsets = [0]
+    for o in outs:
+        if o.stride() != first.stride() or o.shape[0] != first.shape[0] or \
+                o.data_ptr() != first.data_ptr() + offsets[-1] * elem:
+            return None, []
+        offsets.append(offsets[-1] + o.shape[1])
+    if offsets[-1] > first.stride(0) and first.shape[0] > 1:
+        return None, []
+    y = first.as_strided((first.shape[0], offsets[-1]), first.stride())
+    return y, offsets

@@ -1,0 +1,217 @@
+"""`AdapterSlots` over a paged pool: the level-2 adapter cache the engine schedules against.
+
+Holds the pool tensor and row tables (kernels.paged layout), the residency book
+(pages, slots, pins, wants, LRU) and the loads in flight. Not thread-safe: the
+runner calls every method between engine steps, on one thread.
+
+Two ways in:
+- `load(key, adapter)`: synchronous (the engine's `add_adapter`, tests);
+- `want(key, staged)` with an adapter staged by `compute_service.adapter_cache.loader`,
+  then `pump()` each loop turn: grants pages FIFO, queues copies on the side
+  stream, and marks copies that finished as resident.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compute_service.adapter_cache.errors import AdapterTooLargeError
+from compute_service.adapter_cache.layout import PoolLayout, adapter_rows, rows_pages
+from compute_service.adapter_cache.residency import AdapterResidency, Entry, State
+from compute_service.adapter_cache.staging import CopyHandle, Staged, stage, start_copy
+from compute_service.engine.adapter_check import check_adapter
+from compute_service.engine.errors import CapacityError
+from compute_service.engine.spec import ModelSpec
+from kernels import DEFAULT_MODULE_IDS, LoraRowTables
+from loraplex.formats.adapter import Adapter
+
+
+@dataclass
+class LoadTiming:
+    """Per-load figures, for stats and the swap benchmark."""
+
+    num_bytes: int
+    queued_at: float
+    copy_started_at: float = 0.0
+    done_at: float = 0.0
+
+
+@dataclass
+class _InFlight:
+    handle: CopyHandle
+    timing: LoadTiming | None = None
+
+
+@dataclass
+class PoolStats:
+    pages_used: int
+    pages_total: int
+    bytes_used: int
+    bytes_total: int
+    num_resident: int
+    num_loading: int
+    num_queued: int
+    num_evictions: int
+    resident_keys: list[str] = field(default_factory=list)
+
+
+class PagedAdapterSlots:
+    """The paged adapter cache; `allocate()` must run before use (after the KV cache took its share)."""
+
+    def __init__(self, spec: ModelSpec, max_lora_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.max_lora_rank = max_lora_rank
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.layout: PoolLayout | None = None
+        self.pool: torch.Tensor | None = None
+        self.tables: LoraRowTables | None = None
+        self.residency: AdapterResidency | None = None
+        self._staged: dict[str, Staged] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.timings: dict[str, LoadTiming] = {}
+
+    def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
+        """Preallocates the pool (`num_bytes`) and the row tables."""
+        layout = PoolLayout.for_budget(self.spec, num_bytes, self.dtype, self.max_lora_rank,
+                                       optimal_adapter_size, max_slots)
+        self.layout = layout
+        # Filled with NaN so a read through a stale or wrong offset shows up in outputs, never passes silently.
+        self.pool = torch.full((layout.num_pages * layout.page_elems,), float("nan"), dtype=self.dtype,
+                               device=self.device)
+        self.tables = LoraRowTables(layout.max_slots, self.spec.num_layers, layout.max_rank, self.device,
+                                    DEFAULT_MODULE_IDS)
+        self.residency = AdapterResidency(layout.num_pages, layout.max_slots, layout.page_bytes,
+                                          on_evict=self._on_evict)
+        return layout
+
+    @property
+    def max_slots(self) -> int:
+        return self._res.max_slots
+
+    @property
+    def _res(self) -> AdapterResidency:
+        if self.residency is None:
+            raise RuntimeError("the adapter pool is not allocated yet")
+        return self.residency
+
+    # -- preparing an adapter (may run in a worker thread: touches no shared state) -------------
+    def stage_adapter(self, key: str, adapter: Adapter) -> Staged:
+        """Validates against the model, refuses what can never fit, packs pages in host memory."""
+        assert self.layout is not None
+        checked = check_adapter(adapter, self.spec, self.max_lora_rank)
+        rows = adapter_rows(checked, self.spec)
+        n = rows_pages(rows, self.layout.page_elems)
+        if n > self.layout.num_pages:
+            raise AdapterTooLargeError(key, n, self.layout.num_pages, self.layout.page_bytes)
+        return stage(rows, self.layout, pin=self.device.type == "cuda")
+
+    # -- the AdapterSlots protocol ---------------------------------------------------------------
+    def load(self, key: str, adapter: Adapter) -> int:
+        """Synchronous load: stages, evicts idle LRU adapters if needed, copies; returns the slot."""
+        if self.is_ready(key):
+            return self._res.slot_of(key)
+        self.add_staged(key, self.stage_adapter(key, adapter))
+        self._res.prefetch(key, self._staged[key].num_pages)
+        self.pump()
+        self.wait_loads()
+        if not self.is_ready(key):
+            self._res.drop(key)
+            self._staged.pop(key, None)
+            raise CapacityError(f"adapter {key} does not fit now: the pool's pages are held by adapters in use "
+                                f"({self.stats().pages_used}/{self.stats().pages_total} pages)")
+        return self._res.slot_of(key)
+
+    def resident(self, key: str) -> bool:
+        e = self._res.get(key)
+        return e is not None and e.state is not State.QUEUED
+
+    def is_ready(self, key: str) -> bool:
+        return self._res.is_ready(key)
+
+    def slot_of(self, key: str) -> int:
+        return self._res.slot_of(key)
+
+    def pin(self, key: str) -> None:
+        self._res.pin(key)
+
+    def unpin(self, key: str) -> None:
+        self._res.unpin(key)
+
+    def evict(self, key: str) -> bool:
+        e = self._res.get(key)
+        if e is None or not e.idle:
+            return False
+        return self._res.drop(key)
+
+    # -- the asynchronous path -----------------------------------------------------------------------
+    def add_staged(self, key: str, staged: Staged) -> None:
+        self._staged.setdefault(key, staged)
+
+    def want(self, key: str, num_pages: int | None = None) -> Entry:
+        """A request naming `key` enters the engine; the adapter must be known (resident, queued or staged)."""
+        if num_pages is None:
+            e = self._res.get(key)
+            num_pages = e.num_pages if e is not None else self._staged[key].num_pages
+        return self._res.want(key, num_pages)
+
+    def unwant(self, key: str) -> None:
+        self._res.unwant(key)
+
+    def knows(self, key: str) -> bool:
+        """True when `key` needs no fetch: it is resident, loading or queued with its pages staged."""
+        return self._res.get(key) is not None
+
+    def pump(self, now: float = 0.0) -> list[str]:
+        """Grants pages to queued loads, queues their copies, and returns keys whose copies finished."""
+        res = self._res
+        assert self.pool is not None and self.tables is not None and self.layout is not None
+        for e in res.start_loads():
+            staged = self._staged.pop(e.key)
+            t = self.timings.get(e.key)
+            if t is not None:
+                t.copy_started_at = now
+            handle = start_copy(staged, self.pool, self.tables, e.pages, e.slot, self.layout, self._stream)
+            self._in_flight[e.key] = _InFlight(handle, t)
+        done = [k for k, f in self._in_flight.items() if f.handle.done()]
+        for k in done:
+            f = self._in_flight.pop(k)
+            if f.timing is not None:
+                f.timing.done_at = now
+            res.finish_load(k)
+        # Staged copies nobody waits for any more (their requests left while queued).
+        for k in [k for k in self._staged if res.get(k) is None]:
+            del self._staged[k]
+        return done
+
+    def wait_loads(self) -> None:
+        """Blocks until every queued copy finished (synchronous load, tests, shutdown)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.pump()
+
+    def drop_staged(self, key: str) -> None:
+        if self._res.get(key) is None:
+            self._staged.pop(key, None)
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._in_flight) or self._res.has_queued
+
+    def stats(self) -> PoolStats:
+        res = self._res
+        assert self.layout is not None
+        ents = res.entries()
+        return PoolStats(
+            pages_used=res.pages.num_used, pages_total=res.pages.num_pages,
+            bytes_used=res.pages.num_used * self.layout.page_bytes, bytes_total=self.layout.pool_bytes,
+            num_resident=sum(e.state is State.RESIDENT for e in ents),
+            num_loading=sum(e.state is State.LOADING for e in ents), num_queued=res.num_queued,
+            num_evictions=res.num_evictions, resident_keys=res.resident_keys())
+
+    def _on_evict(self, e: Entry) -> None:
+        assert self.tables is not None
+        # Clear the slot's ranks so a stale slot id can never read the pages' next owner.
+        self.tables.ranks[e.slot].zero_()
