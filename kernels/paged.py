@@ -167,14 +167,14 @@ def write_adapter(
         mine = torch.tensor(page_list[next_page: next_page + n_pages], dtype=torch.int64)
         next_page += n_pages
         # Destination offset of row k: its page start plus its place in the page.
-        k = torch.arange(src.shape[0])
+        k = torch.arange(src.shape[0])                                  # host: offsets are small
         dst = mine[k // per_page] * page_elems + (k % per_page) * width
         start = 0
         for t, off_view in group:
             off_view.copy_(dst[start: start + t.shape[0]])
             start += t.shape[0]
         # Pad the group to whole pages so it lands with one indexed copy.
-        padded = torch.zeros(n_pages * per_page, width, dtype=pool.dtype)
+        padded = torch.zeros(n_pages * per_page, width, dtype=pool.dtype, device=src.device)
         padded[: src.shape[0]] = src
         body = padded.view(n_pages, per_page * width).to(pool.device, non_blocking=True)
         pages_2d[mine.to(pool.device), : per_page * width] = body

@@ -1,7 +1,7 @@
 """LoRA shrink (SGMV): s[i, t, :r] = x[t] @ A[a(t), layer, module_i].T, reading A in place from pages.
 
 One launch covers every slice and every adapter of the batch, whatever their
-ranks. Grid: (token tiles, slices, rank blocks x K splits). A program maps its
+ranks. Grid: (slices x rank blocks x K splits, token tiles). A program maps its
 tile to a segment (one adapter) on the device, reads that adapter's rank and
 row offsets, and exits at once when the tile, the rank block or the module is
 empty, so tokens without adapter and unused slots launch no work. Decode
@@ -32,11 +32,14 @@ def _shrink_kernel(
     layer, num_layers, num_modules, max_rank, K, K_PER_SPLIT,
     mod0, mod1, mod2, mod3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
+    MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr,
 ):
-    pid_tile = tl.program_id(0)
-    slice_id = tl.program_id(1)
-    pid_rk = tl.program_id(2)
+    # Slice / rank block / K split vary fastest, so programs sharing a token tile run together and
+    # the tile of x is read from DRAM once, then from L2.
+    pid_sub = tl.program_id(0)
+    pid_tile = tl.program_id(1)
+    slice_id = pid_sub // (R_BLOCKS * SPLIT_K)
+    pid_rk = pid_sub % (R_BLOCKS * SPLIT_K)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, num_segs_ptr, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
         return
@@ -106,9 +109,13 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, device: torch.
         programs = triton.cdiv(T, block_m) * num_slices * r_blocks
         split_k = max(1, min(triton.cdiv(2 * _num_sms(device), programs), triton.cdiv(K, block_k)))
         num_warps, num_stages = 4, 3
-    else:
+    elif T <= 1024:
         block_m, block_k, split_k = 64, 128 if block_r <= 32 else 64, 1
         num_warps, num_stages = 4, 3
+    else:
+        # Larger token tiles halve how often A is re-read (from L2) per token.
+        block_m, block_k, split_k = 128, 64, 1
+        num_warps, num_stages = 8, 3
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
@@ -171,13 +178,13 @@ def lora_shrink_triton(
         out.zero_()
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
     tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
-    grid = (tiles, num_slices, cfg["R_BLOCKS"] * cfg["SPLIT_K"])
+    grid = (num_slices * cfg["R_BLOCKS"] * cfg["SPLIT_K"], tiles)
     _shrink_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.ranks, out, out.stride(0), out.stride(1),
         meta.token_indices, meta.seg_starts, meta.seg_slots, meta.num_segments,
         layer, tables.num_layers, tables.num_modules, tables.max_rank, K, cfg["K_PER_SPLIT"],
         *mods,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
-        MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0),
+        MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

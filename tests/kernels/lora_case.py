@@ -84,14 +84,15 @@ def dense_shrink(case: Case, x: torch.Tensor, slot_ids: torch.Tensor, layer: int
     s = torch.zeros(len(mods), T, R, dtype=torch.float32)
     defined = torch.zeros(len(mods), T, R, dtype=torch.bool)
     xf = x.float().cpu()
-    for t, slot in enumerate(slot_ids.tolist()):
-        for i, m in enumerate(mods):
-            if slot < 0 or (slot, layer, m) not in case.dense:
-                continue
-            a, _ = case.dense[(slot, layer, m)]
-            r = a.shape[0]
-            s[i, t, :r] = xf[t] @ a.float().t()
-            defined[i, t, :r] = True
+    ids = slot_ids.cpu()
+    for (slot, lay, m), (a, _) in case.dense.items():
+        if lay != layer or m not in mods:
+            continue
+        rows = torch.nonzero(ids == slot).flatten()
+        r = a.shape[0]
+        for i in [i for i, mm in enumerate(mods) if mm == m]:
+            s[i, rows, :r] = xf[rows] @ a.float().t()
+            defined[i, rows, :r] = True
     return s, defined
 
 
@@ -100,13 +101,14 @@ def dense_expand(case: Case, s: torch.Tensor, y0: torch.Tensor, slot_ids: torch.
     """fp32 oracle: y0 + LoRA expand from the dense weights."""
     y = y0.float().cpu().clone()
     sf = s.float().cpu()
-    for t, slot in enumerate(slot_ids.tolist()):
-        for i, m in enumerate(mods):
-            if slot < 0 or (slot, layer, m) not in case.dense:
-                continue
-            _, b = case.dense[(slot, layer, m)]
-            r = b.shape[1]
-            y[t, offsets[i]:offsets[i + 1]] += sf[i, t, :r] @ b.float().t()
+    ids = slot_ids.cpu()
+    for (slot, lay, m), (_, b) in case.dense.items():
+        if lay != layer or m not in mods:
+            continue
+        rows = torch.nonzero(ids == slot).flatten()
+        r = b.shape[1]
+        for i in [i for i, mm in enumerate(mods) if mm == m]:
+            y[rows, offsets[i]:offsets[i + 1]] += sf[i, rows, :r] @ b.float().t()
     return y
 
 
