@@ -16,6 +16,7 @@ _EXPORTS = {
     "LoadedModel": "loader", "default_model_path": "loader", "load_model": "loader", "load_tokenizer": "loader",
     "AdapterSlots": "lora_backend", "LoraBackend": "lora_backend",
     "InMemoryAdapterSlots": "lora_slots", "TorchLoraBackend": "lora_torch",
+    "PagedAdapterSlots": "lora_paged", "KernelLoraBackend": "lora_paged",
     "EngineStats": "outputs", "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
     "ModelSpec": "spec",

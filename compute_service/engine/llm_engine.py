@@ -178,6 +178,13 @@ class LLMEngine:
 
 def _default_lora(config: EngineConfig, spec: ModelSpec, device: torch.device,
                   dtype: torch.dtype) -> tuple[AdapterSlots, LoraBackend]:
+    """In-memory slots + torch math, or the kernels' paged pool + shrink/expand (default on CUDA)."""
+    use_kernels = config.lora_backend == "kernels" or (config.lora_backend == "auto" and device.type == "cuda")
+    if use_kernels:
+        from compute_service.engine.lora_paged import KernelLoraBackend, PagedAdapterSlots
+
+        paged = PagedAdapterSlots(spec, config.max_loras, config.max_lora_rank, device, dtype)
+        return paged, KernelLoraBackend(paged, config.max_num_batched_tokens)
     from compute_service.engine.lora_slots import InMemoryAdapterSlots
     from compute_service.engine.lora_torch import TorchLoraBackend
 
