@@ -8,11 +8,12 @@ from loraplex.settings import SettingsError
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Settings of `loraplex cache`."""
+    """Settings of `loraplex cache` (TensorRT-LLM/Triton names in docs/host_cache.md)."""
 
     listen: str = field(default="127.0.0.1:50052", metadata={"help": "address to serve AdapterCache on"})
     backend: str = field(default="shm", metadata={"help": "where adapters live: shm (shared memory) or redis"})
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"help": "Redis server for --backend redis"})
+    redis_prefix: str = field(default="loraplex", metadata={"help": "key prefix in Redis (keys are <prefix>:<fingerprint>:...)"})
     host_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "byte budget of the LRU (lora_cache_host_memory_bytes)"})
     lora_root: str = field(default="", metadata={"help": "folder of named adapters (<root>/<name>/ or <root>/<name>.safetensors)"})
@@ -20,6 +21,9 @@ class CacheConfig:
     model: str = field(default="", metadata={"help": "base model (GGUF, HF folder or config.json) adapters are validated against; default SmolLM2"})
     max_lora_rank: int = field(default=256, metadata={"help": "largest adapter rank accepted"})
     max_message_bytes: int = field(default=64 << 20, metadata={"help": "largest gRPC message; adapters move in chunks below it"})
+    chunk_bytes: int = field(default=4 << 20, metadata={"help": "weight bytes per streamed message (below max_message_bytes)"})
+    retired_grace_s: float = field(
+        default=60.0, metadata={"help": "redis: seconds an evicted or replaced version stays readable for streams already reading it"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
@@ -30,3 +34,12 @@ class CacheConfig:
             raise SettingsError("host_cache_bytes: must be positive")
         if not 1 <= self.max_lora_rank <= 1024:
             raise SettingsError("max_lora_rank: must be in 1..1024")
+        if self.max_message_bytes < (1 << 20):
+            raise SettingsError("max_message_bytes: must be at least 1 MiB")
+        if not 4096 <= self.chunk_bytes <= self.max_message_bytes - (64 << 10):
+            raise SettingsError(f"chunk_bytes: must be in [4096, max_message_bytes - 64 KiB] "
+                                f"({self.max_message_bytes - (64 << 10)}), got {self.chunk_bytes}")
+        if self.retired_grace_s < 0:
+            raise SettingsError("retired_grace_s: must be >= 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise SettingsError("metrics_port: must be in 0..65535")

@@ -56,6 +56,7 @@ class SourceEntry:
     path: str        # file or folder on the cache host
     name: str = ""   # llgtrt-style name ("" for prefetch-folder adapters)
     kind: str = ""   # "root", "prefetch" or "path"
+    signature: str = ""  # sizes and mtimes of its files when loaded: a change means a new version
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the host cache, served on `--metrics-port`.
+
+Cache-wide numbers (hits, misses, evictions, bytes, adapters) are read from
+the backend at scrape time, so with Redis they describe the shared cache that
+every replica sees; latencies are this process's own.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from loraplex.errors import UnavailableError
+from cache_service.records import CacheStats
+
+log = logging.getLogger(__name__)
+_LATENCY_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], CacheStats], backend: str) -> None:
+        self._stats = stats
+        self._backend = backend
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        try:
+            s = self._stats()
+        except UnavailableError as exc:
+            log.warning("metrics: cache stats unavailable: %s", exc)
+            return
+        labels = ["backend"]
+        for name, doc, value in (("hits", "gets that found the adapter", s.hits),
+                                 ("misses", "gets that did not find the adapter", s.misses),
+                                 ("evictions", "adapters evicted by the LRU", s.evictions)):
+            c = CounterMetricFamily(f"loraplex_host_cache_{name}", doc, labels=labels)
+            c.add_metric([self._backend], value)
+            yield c
+        for name, doc, value in (("bytes_used", "bytes of cached adapters", s.bytes_used),
+                                 ("bytes_total", "byte budget (lora_cache_host_memory_bytes)", s.bytes_total),
+                                 ("adapters", "cached adapters", s.num_adapters)):
+            g = GaugeMetricFamily(f"loraplex_host_cache_{name}", doc, labels=labels)
+            g.add_metric([self._backend], value)
+            yield g
+
+
+class CacheMetrics:
+    """Latency histograms plus the stats collector, in a registry of their own."""
+
+    def __init__(self, stats: Callable[[], CacheStats], backend: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(stats, backend))
+        self.load_seconds = Histogram(
+            "loraplex_host_cache_load_seconds", "reading + validating + storing an adapter from disk",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.put_seconds = Histogram(
+            "loraplex_host_cache_put_seconds", "PutAdapter from first to last byte, validation included",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.get_seconds = Histogram(
+            "loraplex_host_cache_get_seconds", "GetAdapter until the last message is sent",
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Starts the /metrics HTTP endpoint in a daemon thread."""
+        start_http_server(port, addr=host, registry=self.registry)
