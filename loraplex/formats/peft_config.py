@@ -120,6 +120,7 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoraConfig:
                                      "only 'none' can be served")
     if "r" not in raw or "lora_alpha" not in raw:
         raise AdapterFormatError("adapter_config.json lacks 'r' or 'lora_alpha'")
+    targets = _check_targets(raw.get("target_modules"))
     layers = raw.get("layers_to_transform")
     if isinstance(layers, int):
         layers = [layers]
@@ -129,7 +130,7 @@ def parse_peft_config(raw: dict[str, Any]) -> PeftLoraConfig:
             use_rslora=bool(raw.get("use_rslora", False)),
             rank_pattern={str(k): int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
             alpha_pattern={str(k): float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
-            target_modules=_check_targets(raw.get("target_modules")),
+            target_modules=targets,
             layers_to_transform=[int(x) for x in layers] if layers else None,
             fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
             base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),

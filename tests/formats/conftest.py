@@ -1,7 +1,6 @@
 """Fixtures for the adapter-format tests: a tiny random Llama and PEFT adapters made on it."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,14 +52,3 @@ def make_peft(tmp_path: Path, tiny_llama) -> Callable[..., tuple[Any, Path]]:
         return model, folder
 
     return make
-
-
-def write_peft_folder(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
-    """A hand-made PEFT folder (for shapes and options PEFT itself would not produce)."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    base = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "bias": "none", "target_modules": ["q_proj"]}
-    (folder / "adapter_config.json").write_text(json.dumps({**base, **config}))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
-    return folder

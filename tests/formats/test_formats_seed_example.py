@@ -2,28 +2,11 @@
 the last with rank 8. It converts to every format and back, rows intact."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from loraplex.formats import (ModelSpec, adapter_from_tensors, load_adapter, save_adapter,
-                              validate)
-
-SEED_CONFIG = [[1, 0, 2], [2, 0, 4], [1, 1, 2], [2, 1, 4], [1, 2, 2], [1, 3, 8]]
-# 4 heads of dim 1 and 4 KV heads: q and k both map 4 -> 4, as in the seed
-SEED_SPEC = ModelSpec(num_layers=4, hidden_size=4, num_attention_heads=4, num_key_value_heads=4,
-                      head_dim=1, intermediate_size=8)
-
-
-def seed_tensors(gen: torch.Generator) -> tuple[np.ndarray, torch.Tensor, list]:
-    """config, weights [6, 64] and the (A, B) pairs they were built from."""
-    pairs = [(torch.randn(r, 4, generator=gen), torch.randn(4, r, generator=gen)) for _, _, r in SEED_CONFIG]
-    weights = torch.zeros(len(pairs), 64)
-    for i, (a, b) in enumerate(pairs):
-        flat = torch.cat([a.flatten(), b.flatten()])
-        weights[i, : flat.numel()] = flat
-    return np.array(SEED_CONFIG, dtype=np.int32), weights, pairs
-
+from formats_helpers import SEED_CONFIG, SEED_SPEC, seed_tensors
+from loraplex.formats import adapter_from_tensors, load_adapter, save_adapter, validate
 
 @pytest.fixture
 def seed():

