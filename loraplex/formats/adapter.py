@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -97,7 +97,7 @@ class Adapter:
             out[MODULE_NAMES.get(module_id, str(module_id))] = (len(ranks), int(ranks.min()), int(ranks.max()))
         return out
 
-    def with_metadata(self, **changes: object) -> "Adapter":
+    def with_metadata(self, **changes: Any) -> "Adapter":
         return replace(self, metadata=replace(self.metadata, **changes))
 
 

@@ -18,13 +18,14 @@ import json
 import pickle
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from loraplex.formats.adapter import Adapter, AdapterMetadata
 from loraplex.formats.errors import (AdapterError, AdapterFormatError, DtypeError,
@@ -83,9 +84,18 @@ def _refuse_key(key: str) -> None:
                              "<proj>.lora_A.weight')")
 
 
-def _group(sd: dict[str, torch.Tensor], cfg: PeftLoraConfig) -> dict[tuple[int, str], dict[str, object]]:
-    """(layer, proj) -> {'path', 'A', 'B'} in the converters' order."""
-    by_layer: dict[int, dict[str, dict[str, object]]] = {}
+@dataclass
+class _Factors:
+    """One adapted module's tensors as found in the file."""
+
+    path: str
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+
+def _group(sd: dict[str, torch.Tensor], cfg: PeftLoraConfig) -> dict[tuple[int, str], _Factors]:
+    """(layer, proj) -> factors, in the converters' order (layer first-seen, then module)."""
+    by_layer: dict[int, dict[str, _Factors]] = {}
     for key, t in sd.items():
         m = _KEY.match(key)
         if m is None:
@@ -100,8 +110,11 @@ def _group(sd: dict[str, torch.Tensor], cfg: PeftLoraConfig) -> dict[tuple[int, 
         if cfg.layers_to_transform is not None and layer not in cfg.layers_to_transform:
             raise AdapterFormatError(f"tensor {key!r} is for layer {layer}, outside "
                                      f"layers_to_transform={cfg.layers_to_transform}")
-        entry = by_layer.setdefault(layer, {}).setdefault(proj, {"path": path})
-        entry[m["ab"]] = t
+        entry = by_layer.setdefault(layer, {}).setdefault(proj, _Factors(path))
+        if m["ab"] == "A":
+            entry.a = t
+        else:
+            entry.b = t
     return {(layer, proj): e for layer, mods in by_layer.items() for proj, e in mods.items()}
 
 
@@ -135,7 +148,10 @@ def read_peft(path: str | Path, *, dtype: str | torch.dtype | None = None,
     groups = _group(load_state_dict(folder), cfg)
     if not groups:
         raise AdapterFormatError(f"{folder}: no LoRA tensors found")
-    all_dtypes = [t.dtype for e in groups.values() for k, t in e.items() if k != "path"]
+    for e in groups.values():
+        if e.a is None or e.b is None:
+            raise AdapterFormatError(f"{e.path}: lora_{'B' if e.a is not None else 'A'} is missing")
+    all_dtypes = [t.dtype for e in groups.values() for t in (e.a, e.b) if t is not None]
     if dtype is not None:
         target = storage_dtype(dtype)
     else:
@@ -149,10 +165,8 @@ def read_peft(path: str | Path, *, dtype: str | torch.dtype | None = None,
     quiet = not progress or len(groups) < 64
     for (layer, proj), e in tqdm(groups.items(), desc="converting", unit="module",
                                  disable=True if quiet else None):
-        if "A" not in e or "B" not in e:
-            raise AdapterFormatError(f"{e['path']}: lora_{'B' if 'A' in e else 'A'} is missing")
-        flat, rank, fin, fout = _row(proj, str(e["path"]), e["A"], e["B"], cfg,  # type: ignore[arg-type]
-                                     target)
+        assert e.a is not None and e.b is not None  # checked above
+        flat, rank, fin, fout = _row(proj, e.path, e.a, e.b, cfg, target)
         flats.append(flat)
         config.append((HF_TO_MODULE_ID[proj], layer, rank))
         in_out.append((fin, fout))

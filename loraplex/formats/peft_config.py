@@ -95,6 +95,9 @@ def _check_targets(target_modules: Any) -> list[str] | str | None:
             raise UnsupportedOptionError("target_modules", f"{target_modules!r} targets an "
                                          "embedding or lm_head, which loraplex does not adapt")
         return target_modules
+    if not isinstance(target_modules, (list, tuple)):
+        raise AdapterFormatError(f"target_modules must be a list of names or a regex string, "
+                                 f"got {type(target_modules).__name__}")
     names = [str(t) for t in target_modules]
     for name in names:
         short = name.rsplit(".", 1)[-1]

@@ -159,6 +159,7 @@ CASES: dict[str, tuple[Callable[[Path], object], type[Exception], str]] = {
     "lora_B missing": (_peft({"target_modules": ["q_proj", "v_proj"]}, {f"{Q.replace('q_proj', 'v_proj')}.lora_A.weight": torch.ones(2, 4)}),
                        AdapterFormatError, "lora_B is missing"),
     "outside layers_to_transform": (_peft({"layers_to_transform": [1]}), AdapterFormatError, "layers_to_transform"),
+    "target_modules not a list": (_peft({"target_modules": 7}), AdapterFormatError, "target_modules"),
     "bad json": (lambda tmp: load_adapter(_bad_json(tmp)), AdapterFormatError, "JSON"),
 }
 

@@ -107,3 +107,29 @@ def test_rows_follow_the_converters_order(make_peft):
     assert ids == ["down_proj", "gate_proj", "up_proj", "k_proj", "o_proj", "q_proj", "v_proj"]
     layers = [layer for _, layer, _ in read_peft(folder).config.tolist()]
     assert layers == sorted(layers)
+
+
+def test_gate_up_proj_is_module_5_with_b_halves_swapped(tmp_path):
+    from formats_helpers import write_peft_folder
+
+    a, b = torch.randn(2, 6), torch.randn(10, 2)  # fused gate_up: out = 2 x 5
+    key = "base_model.model.model.layers.1.mlp.gate_up_proj"
+    folder = write_peft_folder(tmp_path / "p", {"target_modules": ["gate_up_proj"], "lora_alpha": 6},
+                               {f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b})
+    adapter = read_peft(folder)
+    assert adapter.config.tolist() == [[5, 1, 2]]
+    row = next(adapter.rows())
+    assert torch.equal(row.a, a)
+    torch.testing.assert_close(row.b, torch.cat([b[5:], b[:5]]) * 3.0)
+
+
+def test_fan_in_fan_out_does_not_change_rows(tmp_path):
+    from formats_helpers import write_peft_folder
+
+    a, b = torch.randn(2, 4), torch.randn(4, 2)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b}
+    plain = read_peft(write_peft_folder(tmp_path / "a", {}, tensors))
+    fifo = read_peft(write_peft_folder(tmp_path / "b", {"fan_in_fan_out": True}, tensors))
+    assert torch.equal(plain.weights, fifo.weights)
+    assert fifo.metadata.extra["fan_in_fan_out"] == "True"
