@@ -1,9 +1,12 @@
-"""The CPU override turns compute into a CPU service with no GPU reservation, and still validates."""
+"""Overrides of compose.yaml: the CPU one, and the GPU-replica example in docs/deploy.md, validate."""
 from __future__ import annotations
+
+import re
 
 import yaml
 
 from compute_service.config import ComputeConfig
+from gateway.config import GatewayConfig
 from loraplex.settings import settings_from_args
 
 from compose_files import COMPOSE, COMPOSE_CPU, _Reset, compose_config, load_with_reset, merge, service_env
@@ -32,3 +35,20 @@ def test_merged_file_validates_and_runs_compute_on_cpu(tmp_path):
         assert config["services"][name] == base["services"][name]
     assert compute["depends_on"] == base["services"]["compute"]["depends_on"]
     assert compute["volumes"] == base["services"]["compute"]["volumes"]
+
+
+def test_documented_gpu_replica_override_validates(tmp_path):
+    """The two-GPU example in docs/deploy.md is a working override of compose.yaml."""
+    doc = (COMPOSE.parent / "docs" / "deploy.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "compute-1:" in b)
+    path = tmp_path / "compose.override.yaml"
+    path.write_text(block)
+    config = compose_config(COMPOSE, path)
+    replica = config["services"]["compute-1"]
+    assert replica["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["1"]
+    assert service_env(config, "compute-1") == {
+        k: v for k, v in service_env(config, "compute").items() if k in service_env(config, "compute-1")}
+    assert "ports" not in replica
+    gateway = settings_from_args(GatewayConfig, None, environ=service_env(config, "gateway"))
+    assert gateway.compute_addresses == ("dns:///compute:50053", "dns:///compute-1:50053")
+    assert set(config["services"]["gateway"]["depends_on"]) == {"cache", "compute", "compute-1"}

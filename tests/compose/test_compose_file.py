@@ -112,7 +112,7 @@ def test_variables_reach_the_services():
     env = dict(os.environ, LORAPLEX_MODEL="/models/llama.gguf", LORAPLEX_GATEWAY_PORT="6000",
                LORAPLEX_COMPUTE_ADDRESSES="10.0.0.2:50053,10.0.0.3:50053")
     config = compose_config(COMPOSE, env=env)
-    for name in ("cache", "compute"):
+    for name in ("cache", "compute", "gateway"):
         assert service_env(config, name)["LORAPLEX_MODEL"] == "/models/llama.gguf"
     assert config["services"]["gateway"]["ports"] == [{"published": 6000, "target": 50051}]
     gateway = settings_from_args(GatewayConfig, None, environ=service_env(config, "gateway"))
