@@ -14,8 +14,15 @@ class GatewayConfig:
     cache_address: str = field(default="127.0.0.1:50052", metadata={"help": "host cache service address"})
     compute_addresses: tuple[str, ...] = field(
         default=("127.0.0.1:50053",), metadata={"help": "compute service addresses, comma-separated"})
+    model: str = field(
+        default="", metadata={"help": "base model whose tokenizer the gateway uses (GGUF file or HF folder); "
+                                      "default SmolLM2-135M-Instruct; must match the compute service's"})
+    default_max_tokens: int = field(
+        default=16, metadata={"help": "new tokens generated when a request leaves max_tokens at 0"})
     max_message_bytes: int = field(
         default=1 << 30, metadata={"help": "largest request accepted, in bytes (inline adapters can be ~335 MB)"})
+    downstream_timeout_s: float = field(
+        default=30.0, metadata={"help": "deadline of calls to the cache and of non-streaming compute calls"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
@@ -23,3 +30,7 @@ class GatewayConfig:
             raise SettingsError("compute_addresses: give at least one compute service address")
         if self.max_message_bytes < 4 << 20:
             raise SettingsError("max_message_bytes: must be at least 4 MiB")
+        if self.default_max_tokens < 1:
+            raise SettingsError("default_max_tokens: must be at least 1")
+        if self.downstream_timeout_s <= 0:
+            raise SettingsError("downstream_timeout_s: must be positive")

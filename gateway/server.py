@@ -1,19 +1,61 @@
-"""The aio gRPC server of gateway: health, reflection, graceful shutdown."""
+"""The aio gRPC server of the gateway: builds its parts, serves health and reflection.
+
+The tokenizer loads before the server listens (about 7 s for the default
+SmolLM2 GGUF), so a gateway that says `listening` can tokenize at once.
+Connections to the cache and compute services are lazy: the gateway starts
+(and answers UNAVAILABLE for requests that need them) while they are down.
+"""
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 import grpc
 
+from loraplex.formats import ModelSpec
+from loraplex.model_files import load_tokenizer, resolve_model_path
 from loraplex.serving import run_server
 from loraplex.v1 import gateway_pb2_grpc
+from gateway.adapters import AdapterResolver, AdapterStore
 from gateway.config import GatewayConfig
+from gateway.requests import PromptCodec
+from gateway.router import ComputeRouter, build_router
 from gateway.servicer import GatewayServicer
+
+log = logging.getLogger(__name__)
+
+
+def transport_limit(max_message_bytes: int) -> int:
+    """gRPC's own receive limit: above the gateway's, so a request a little over the limit reaches
+    the servicer, which refuses it with a message naming the setting (gRPC's own says only numbers)."""
+    return min(2 * max_message_bytes, 2**31 - 1)
+
+
+def build_servicer(config: GatewayConfig, tokenizer: Any, model_spec: ModelSpec, store: AdapterStore,
+                   router: ComputeRouter) -> GatewayServicer:
+    """Wires the gateway's parts (tests pass their own store and router)."""
+    codec = PromptCodec(tokenizer)
+    return GatewayServicer(config, codec, store, AdapterResolver(store, model_spec), router)
 
 
 async def serve(config: GatewayConfig) -> None:
     """Serves loraplex.v1.Gateway on `config.listen` until SIGTERM."""
+    from gateway.cache_store import CacheStore
+
+    model_path = resolve_model_path(config.model)
+    tokenizer = load_tokenizer(model_path)
+    model_spec = ModelSpec.from_path(model_path)
+    store = CacheStore(config.cache_address, config.max_message_bytes, config.downstream_timeout_s)
+    router = build_router(config.compute_addresses, config.max_message_bytes)
+    servicer = build_servicer(config, tokenizer, model_spec, store, router)
 
     def register(server: grpc.aio.Server) -> list[str]:
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(), server)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         return ["loraplex.v1.Gateway"]
 
-    await run_server("gateway", config.listen, register, max_message_bytes=config.max_message_bytes)
+    log.info("gateway: model %s, cache %s, compute %s", model_path, config.cache_address,
+             ",".join(config.compute_addresses))
+    # Channels close with the process: closing them before the server's grace period ends
+    # would cut the streams it is letting finish.
+    await run_server("gateway", config.listen, register,
+                     max_message_bytes=transport_limit(config.max_message_bytes))

@@ -1,0 +1,142 @@
+"""One Generate call: a compute stream per entry, detokenized, stop strings cut, merged.
+
+`entry_stream` runs one entry (one adapter, or the base model) on a compute
+replica and yields public `GenerateResponse`s; when a stop string appears it
+cancels the compute stream, so the sequence's KV blocks and adapter pin are
+released at once. `merge_entries` runs several entries concurrently (they land
+in the same batches on the compute service) and interleaves their messages;
+an entry that fails ends with finish_reason ERROR and never disturbs the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Sequence
+
+import grpc
+
+from loraplex.detokenize import StopStringMatcher
+from loraplex.errors import UnavailableError
+from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2
+from gateway.adapters import ResolvedLora
+from gateway.downstream import from_rpc_error
+from gateway.requests import PromptCodec
+from gateway.router import ComputeRouter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EntryJob:
+    """Everything one entry of a Generate call needs."""
+
+    index: int
+    request_id: str
+    prompt_ids: Sequence[int]
+    sampling: common_pb2.SamplingParams   # as sent to compute (defaults filled, no stop strings)
+    stop: Sequence[str]
+    timeout_s: float | None               # the caller's remaining deadline, passed on to compute
+
+
+def _response(job: EntryJob, lora: ResolvedLora, token_ids: Sequence[int], text: str,
+              finish: int = common_pb2.FINISH_REASON_UNSPECIFIED, completion_tokens: int = 0,
+              error: str = "") -> gateway_pb2.GenerateResponse:
+    msg = gateway_pb2.GenerateResponse(index=job.index, token_ids=list(token_ids), text=text,
+                                       finish_reason=finish, error=error)
+    if lora.task_id is not None:
+        msg.task_id, msg.has_task_id = lora.task_id, True
+    if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+        msg.usage.prompt_tokens = len(job.prompt_ids)
+        msg.usage.completion_tokens = completion_tokens
+    return msg
+
+
+async def entry_stream(job: EntryJob, lora: ResolvedLora, router: ComputeRouter,
+                       codec: PromptCodec) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Runs one entry on compute; yields its messages, the last one with finish_reason and usage."""
+    request = compute_pb2.GenerateTokensRequest(request_id=job.request_id, input_ids=list(job.prompt_ids),
+                                                sampling=job.sampling)
+    if lora.task_id is not None:
+        request.adapter.task_id, request.adapter.version = lora.task_id, lora.version
+    detok = codec.detokenizer(job.prompt_ids)
+    matcher = StopStringMatcher(job.stop)
+    completion = 0
+    async with router.lease(lora.task_id) as replica:
+        call = replica.stub.GenerateTokens(request, timeout=job.timeout_s)
+        try:
+            async for msg in call:
+                completion += len(msg.token_ids)
+                text, stopped = matcher.push(detok.push(msg.token_ids))
+                if stopped:
+                    call.cancel()  # frees the sequence on compute now, not after max_tokens
+                    yield _response(job, lora, msg.token_ids, text, common_pb2.STOP, completion)
+                    return
+                if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    tail, stopped = matcher.push(detok.flush())
+                    finish = common_pb2.STOP if stopped else msg.finish_reason
+                    tail += "" if stopped else matcher.flush()
+                    used = completion if stopped or not msg.HasField("usage") else msg.usage.completion_tokens
+                    yield _response(job, lora, msg.token_ids, text + tail, finish, used)
+                    return
+                if msg.token_ids or text:
+                    yield _response(job, lora, msg.token_ids, text)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "compute", replica.address) from exc
+        finally:
+            if not call.done():
+                call.cancel()  # the caller went away (cancel, deadline) or we failed: tell compute
+    raise UnavailableError(f"the compute service at {replica.address} ended request {job.request_id} "
+                           "without a finish reason")
+
+
+EntryFactory = Callable[[], Awaitable[AsyncIterator[gateway_pb2.GenerateResponse]]]
+
+
+def error_response(index: int, exc: BaseException, task_id: int | None = None) -> gateway_pb2.GenerateResponse:
+    """The last message of an entry that failed: finish_reason ERROR and why."""
+    code = getattr(exc, "grpc_code", None)
+    prefix = f"{code.name}: " if isinstance(code, grpc.StatusCode) else "INTERNAL: "
+    msg = gateway_pb2.GenerateResponse(index=index, finish_reason=common_pb2.ERROR, error=prefix + str(exc))
+    if task_id is not None:
+        msg.task_id, msg.has_task_id = task_id, True
+    return msg
+
+
+async def merge_entries(entries: Sequence[tuple[int, EntryFactory, int | None]]
+                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Runs entries concurrently; yields their messages as they come.
+
+    `entries` holds (index, factory, task id if known); a factory resolves the
+    entry's adapter and returns its stream. A failing entry yields an ERROR
+    message; cancelling this generator cancels every entry (and so its compute call).
+    """
+    queue: asyncio.Queue[gateway_pb2.GenerateResponse | None] = asyncio.Queue()
+
+    async def pump(index: int, factory: EntryFactory, task_id: int | None) -> None:
+        try:
+            stream = await factory()
+            async for item in stream:
+                await queue.put(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this entry fails alone
+            if getattr(exc, "grpc_code", None) is None:
+                log.exception("entry %d failed", index)
+            await queue.put(error_response(index, exc, task_id))
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, f, t)) for i, f, t in entries]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,188 @@
+"""The loraplex Python client, sync (`Client`) and asyncio (`AsyncClient`).
+
+    from loraplex.client import Client, Lora
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("The capital of France is", lora=Lora(name="my_adapter")).text)
+        for chunk in c.stream("Hi", lora=1, max_tokens=32):   # task id 1
+            print(chunk.text, end="", flush=True)
+        outs = c.fan_out("Translate: hello", [None, 1, 2])  # base model + two adapters
+
+Errors arrive as `loraplex.errors` exceptions (NotFoundError, InvalidArgumentError,
+UnavailableError, ...) whose `grpc_code` is the call's status.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from loraplex.client_types import (Chunk, Completion, Lora, LoraLike, build_generate_request, collect,
+                                   error_from_rpc)
+from loraplex.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+# Inline adapters can be hundreds of MB (a rank-64 all-module 8B adapter is ~335 MB).
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+__all__ = ["Client", "AsyncClient", "Lora", "Chunk", "Completion", "DEFAULT_ADDRESS"]
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def _loras(lora: LoraLike | Sequence[LoraLike]) -> list[LoraLike]:
+    if isinstance(lora, (list, tuple)):
+        return list(lora)
+    return [] if lora is None else [lora]
+
+
+def _load_request(task_id: int | None, name: str, path: str, local_path: str | Path | None,
+                  weights: Any, config: Any, replace: bool, dtype: str | None) -> gateway_pb2.LoadLoraRequest:
+    from loraplex.tensor_proto import tensor_to_proto
+    req = gateway_pb2.LoadLoraRequest(name=name, path=path, replace=replace)
+    if task_id is not None:
+        req.task_id = task_id
+    if local_path is not None:
+        from loraplex.formats import load_adapter
+        adapter = load_adapter(local_path, dtype=dtype)
+        weights, config = adapter.weights, adapter.config
+    if weights is not None:
+        req.weights.CopyFrom(tensor_to_proto(weights))
+        req.config.CopyFrom(tensor_to_proto(config))
+    return req
+
+
+def _unload_request(task_id: int | None, name: str) -> gateway_pb2.UnloadLoraRequest:
+    req = gateway_pb2.UnloadLoraRequest(name=name)
+    if task_id is not None:
+        req.task_id = task_id
+    return req
+
+
+class Client:
+    """Blocking client of loraplex.v1.Gateway. `timeout` (seconds) applies to every call."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=_options(max_message_bytes))
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(self, prompt: str | Sequence[int], lora: LoraLike | Sequence[LoraLike] = None,
+               **sampling: Any) -> Iterator[Chunk]:
+        """Streams chunks; with a list of loras, chunks of every entry interleave (see `Chunk.index`).
+        Closing the iterator early cancels the request on the server."""
+        request = build_generate_request(prompt, _loras(lora), **sampling)
+        call = self._stub.Generate(request, timeout=self.timeout)
+        try:
+            for msg in call:
+                yield Chunk.from_proto(msg)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; cancels compute when the caller stopped early
+
+    def generate(self, prompt: str | Sequence[int], lora: LoraLike = None, **sampling: Any) -> Completion:
+        """The whole output for one adapter (None: the base model)."""
+        return collect(self.stream(prompt, lora, **sampling), 1)[0]
+
+    def fan_out(self, prompt: str | Sequence[int], loras: Sequence[LoraLike], **sampling: Any) -> list[Completion]:
+        """The same prompt through each adapter (None: the base model), one Completion per entry;
+        a failed entry has finish_reason "error" and its `error`."""
+        return collect(self.stream(prompt, list(loras), **sampling), len(loras))
+
+    def load_lora(self, *, task_id: int | None = None, name: str = "", path: str = "",
+                  local_path: str | Path | None = None, weights: Any = None, config: Any = None,
+                  replace: bool = False, dtype: str | None = None) -> common_pb2.AdapterInfo:
+        """Loads an adapter from a server-side `path`, a `local_path` read here and sent inline,
+        or inline `weights` + `config`; returns what was stored."""
+        req = _load_request(task_id, name, path, local_path, weights, config, replace, dtype)
+        return self._call(self._stub.LoadLora, req).adapter
+
+    def unload_lora(self, *, task_id: int | None = None, name: str = "") -> bool:
+        return self._call(self._stub.UnloadLora, _unload_request(task_id, name)).unloaded
+
+    def list_loras(self) -> gateway_pb2.ListLorasResponse:
+        return self._call(self._stub.ListLoras, gateway_pb2.ListLorasRequest())
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        return self._call(self._stub.GetModelInfo, gateway_pb2.GetModelInfoRequest()).model
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+
+class AsyncClient:
+    """asyncio client of loraplex.v1.Gateway; the same methods as `Client`, awaited."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=_options(max_message_bytes))
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def stream(self, prompt: str | Sequence[int], lora: LoraLike | Sequence[LoraLike] = None,
+                     **sampling: Any) -> AsyncIterator[Chunk]:
+        request = build_generate_request(prompt, _loras(lora), **sampling)
+        call = self._stub.Generate(request, timeout=self.timeout)
+        try:
+            async for msg in call:
+                yield Chunk.from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | Sequence[int], lora: LoraLike = None, **sampling: Any) -> Completion:
+        return collect([c async for c in self.stream(prompt, lora, **sampling)], 1)[0]
+
+    async def fan_out(self, prompt: str | Sequence[int], loras: Sequence[LoraLike],
+                      **sampling: Any) -> list[Completion]:
+        return collect([c async for c in self.stream(prompt, list(loras), **sampling)], len(loras))
+
+    async def load_lora(self, *, task_id: int | None = None, name: str = "", path: str = "",
+                        local_path: str | Path | None = None, weights: Any = None, config: Any = None,
+                        replace: bool = False, dtype: str | None = None) -> common_pb2.AdapterInfo:
+        req = _load_request(task_id, name, path, local_path, weights, config, replace, dtype)
+        return (await self._call(self._stub.LoadLora, req)).adapter
+
+    async def unload_lora(self, *, task_id: int | None = None, name: str = "") -> bool:
+        return (await self._call(self._stub.UnloadLora, _unload_request(task_id, name))).unloaded
+
+    async def list_loras(self) -> gateway_pb2.ListLorasResponse:
+        return await self._call(self._stub.ListLoras, gateway_pb2.ListLorasRequest())
+
+    async def model_info(self) -> common_pb2.ModelInfo:
+        return (await self._call(self._stub.GetModelInfo, gateway_pb2.GetModelInfoRequest())).model
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
