@@ -116,11 +116,13 @@ def cast_adapter(adapter: Adapter, dtype: str | torch.dtype) -> Adapter:
     target = storage_dtype(dtype)
     if adapter.weights.dtype == target:
         return adapter
-    cast = adapter.weights.to(target)
-    bad = torch.isfinite(adapter.weights) & ~torch.isfinite(cast)
-    if bool(bad.any()):
-        row = int(bad.any(dim=1).nonzero()[0, 0])
-        raise NonFiniteError(f"values overflow {target} (largest finite is "
-                             f"{torch.finfo(target).max:g})", row=row)
-    return Adapter(config=adapter.config, weights=cast.contiguous(), in_out=adapter.in_out,
+    cast = adapter.weights.to(target).contiguous()
+    # one reduction on the common path; the [N, W] masks only when something is not finite
+    if cast.numel() and not bool(torch.isfinite(cast.abs().amax())):
+        bad = torch.isfinite(adapter.weights) & ~torch.isfinite(cast)
+        if bool(bad.any()):
+            row = int(bad.any(dim=1).nonzero()[0, 0])
+            raise NonFiniteError(f"values overflow {target} (largest finite is "
+                                 f"{torch.finfo(target).max:g})", row=row)
+    return Adapter(config=adapter.config, weights=cast, in_out=adapter.in_out,
                    metadata=adapter.metadata)
