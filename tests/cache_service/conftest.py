@@ -112,10 +112,9 @@ def valid_adapter(spec, *, rank: int = 4, module_ids=(1, 2, 3, 4, 5, 6, 7), laye
     rows = [(m, layer) for layer in layers for m in module_ids]
     shapes = [spec.module_shape(m) for m, _ in rows]
     width = max(rank * (s.in_features + s.out_features) for s in shapes)
-    weights = torch.zeros(len(rows), width, dtype=dtype)
+    weights = torch.empty(len(rows), width, dtype=dtype).uniform_(0.01, 0.21, generator=gen)
     for i, s in enumerate(shapes):
-        used = rank * (s.in_features + s.out_features)
-        weights[i, :used] = (torch.rand(used, generator=gen) * 0.2 + 0.01).to(dtype)
+        weights[i, rank * (s.in_features + s.out_features):] = 0  # padding must be zero
     config = np.array([[m, layer, rank] for m, layer in rows], dtype=np.int32)
     return Adapter(config=config, weights=weights, metadata=AdapterMetadata(source="inline"))
 
