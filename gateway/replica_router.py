@@ -114,7 +114,7 @@ class ReplicaRouter:
     async def lease(self, task_id: int | None) -> AsyncIterator[ComputeReplica]:
         """A replica chosen for adapter `task_id`, counted as busy until the block ends (no retry)."""
         self._ensure_started()
-        replica = self._pick(task_id, ())
+        replica = self._pick(task_id, {})
         self._acquire(replica)
         try:
             yield replica
@@ -128,10 +128,9 @@ class ReplicaRouter:
         self._ensure_started()
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        tried: list[str] = []
+        failed: dict[str, str] = {}  # replica -> why this request could not start there
         while True:
-            replica = self._pick(task_id, tried)
-            tried.append(replica.address)
+            replica = self._pick(task_id, failed)
             remaining = None if deadline is None else max(deadline - loop.time(), 0.001)
             self._acquire(replica)
             call = replica.stub.GenerateTokens(request, timeout=remaining)
@@ -141,16 +140,20 @@ class ReplicaRouter:
                 self._release(replica)
                 if exc.code() not in _RETRY_BEFORE_START:
                     raise
-                self.take_out(replica.address, f"{exc.code().name}: {exc.details()}")
+                failed[replica.address] = f"{exc.code().name}: {exc.details()}"
+                if replica.channel.get_state() != grpc.ChannelConnectivity.READY:
+                    # the connection is gone: out for everyone until a health check says otherwise;
+                    # a replica that answered (draining, its own downstream down) is skipped only here
+                    self.take_out(replica.address, failed[replica.address])
                 continue
             except BaseException:
                 call.cancel()
                 self._release(replica)
                 raise
             break
-        if len(tried) > 1:
-            log.info("request %s: retried on %s after %s failed", request.request_id, replica.address,
-                     ", ".join(tried[:-1]))
+        if failed:
+            log.info("request %s: runs on %s after %s", request.request_id, replica.address,
+                     "; ".join(f"{a} failed ({why})" for a, why in failed.items()))
         try:
             yield ReplicaStream(self, replica.address, call, first)
         finally:
@@ -257,14 +260,11 @@ class ReplicaRouter:
         channel = grpc.aio.insecure_channel(address, options=options)
         return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel))
 
-    def _pick(self, task_id: int | None, tried: Sequence[str]) -> ComputeReplica:
+    def _pick(self, task_id: int | None, failed: dict[str, str]) -> ComputeReplica:
         try:
-            address = self._set.choose(None if task_id is None else str(task_id), exclude=tried)
+            address = self._set.choose(None if task_id is None else str(task_id), exclude=failed)
         except NoReplicaError as exc:
-            detail = ""
-            if tried:
-                detail = "; " + "; ".join(f"{a}: {self._set.state(a).reason}" for a in tried
-                                          if a in self._set.addresses)
+            detail = "".join(f"; {a}: {why}" for a, why in failed.items())
             raise DownstreamError(grpc.StatusCode.UNAVAILABLE,
                                   f"{exc}{detail}; compute addresses: {', '.join(self._targets)}") from exc
         return self._replicas[address]
