@@ -133,3 +133,15 @@ def test_fan_in_fan_out_does_not_change_rows(tmp_path):
     fifo = read_peft(write_peft_folder(tmp_path / "b", {"fan_in_fan_out": True}, tensors))
     assert torch.equal(plain.weights, fifo.weights)
     assert fifo.metadata.extra["fan_in_fan_out"] == "True"
+
+
+def test_bin_weights_read_like_safetensors(make_peft, tmp_path):
+    from safetensors.torch import load_file
+
+    _, folder = make_peft("s", r=4, lora_alpha=8)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    torch.save(dict(sorted(tensors.items())), bin_dir / "adapter_model.bin")
+    assert read_peft(bin_dir).content_hash == read_peft(folder).content_hash
