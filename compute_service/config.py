@@ -19,6 +19,10 @@ class ComputeConfig:
     lora_gpu_memory_fraction: float = field(
         default=0.05, metadata={"help": "adapter pool as a fraction of memory free after weights and KV cache"})
     lora_gpu_cache_bytes: int = field(default=0, metadata={"help": "adapter pool size in bytes (overrides the fraction)"})
+    lora_cache_optimal_adapter_size: int = field(
+        default=8, metadata={"help": "rank rows of the widest module per adapter page (the seed's page sizing)"})
+    max_resident_adapters: int = field(
+        default=0, metadata={"help": "most adapters resident at once (0 = as many as pages and row tables allow)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (prefill is chunked)"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + output"})
@@ -31,6 +35,12 @@ class ComputeConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.lora_gpu_memory_fraction < 1.0:
             raise SettingsError("lora_gpu_memory_fraction: must be in (0, 1)")
+        if self.lora_cache_optimal_adapter_size < 1 or self.max_resident_adapters < 0:
+            raise SettingsError("lora_cache_optimal_adapter_size must be >= 1 and max_resident_adapters >= 0")
+        if self.lora_gpu_cache_bytes < 0 or not 1 <= self.max_lora_rank <= 4096:
+            raise SettingsError("lora_gpu_cache_bytes must be >= 0 and max_lora_rank in [1, 4096]")
+        if not 0 <= self.metrics_port <= 65535:
+            raise SettingsError("metrics_port: must be in 0..65535")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise SettingsError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -1,12 +1,126 @@
-"""loraplex.v1.Compute: protobuf <-> domain objects.
+"""loraplex.v1.Compute: protobuf <-> domain objects, nothing else.
 
-NOT FINISHED: this is the foundation's skeleton; every RPC still answers
-UNIMPLEMENTED (the generated base class) until its issue lands.
+Errors of the engine and the adapter cache become `loraplex.errors` here, so
+`@maps_errors` answers with the right status code; a cancelled call or a
+passed deadline lands in the runner's stream, which aborts the request.
 """
 from __future__ import annotations
 
-from loraplex.v1 import compute_pb2_grpc
+from collections.abc import AsyncIterator
+
+import grpc
+
+from compute_service.adapter_cache.errors import AdapterLoadError, AdapterTooLargeError
+from compute_service.adapter_cache.loader import task_of
+from compute_service.build import Runtime
+from compute_service.engine import errors as engine_errors
+from compute_service.engine.sampling_params import SamplingParams
+from loraplex import errors
+from loraplex.grpc_errors import maps_errors
+from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
+
+DEFAULT_MAX_TOKENS = 16
+_FINISH = {"stop": common_pb2.STOP, "length": common_pb2.LENGTH, "abort": common_pb2.CANCELLED}
+
+
+def domain_error(exc: BaseException) -> BaseException:
+    """Engine and adapter-cache errors as loraplex errors (which carry their gRPC code)."""
+    if isinstance(exc, errors.LoraplexError):
+        return exc
+    if isinstance(exc, (engine_errors.InvalidRequestError, engine_errors.InvalidAdapterError)):
+        return errors.InvalidArgumentError(str(exc))
+    if isinstance(exc, (engine_errors.CapacityError, AdapterTooLargeError)):
+        return errors.ResourceExhaustedError(str(exc))
+    if isinstance(exc, AdapterLoadError):
+        return domain_error(exc.cause)
+    return exc
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Zero values mean the documented defaults; stop strings are the gateway's business."""
+    try:
+        return SamplingParams(
+            max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
+            top_p=p.top_p or 1.0, seed=p.seed or None, stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos)
+    except engine_errors.InvalidRequestError as exc:
+        raise errors.InvalidArgumentError(f"sampling: {exc}") from None
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
-    """Skeleton: RPCs are UNIMPLEMENTED until their issue lands."""
+    """Serves one runtime (engine + paged adapter cache)."""
+
+    def __init__(self, runtime: Runtime, max_model_len: int) -> None:
+        self.rt = runtime
+        self.max_model_len = max_model_len
+
+    @maps_errors
+    async def GenerateTokens(self, request: compute_pb2.GenerateTokensRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[compute_pb2.GenerateTokensResponse]:
+        params = sampling_from_proto(request.sampling)
+        task_id, version = None, ""
+        if request.HasField("adapter"):
+            task_id, version = request.adapter.task_id, request.adapter.version
+        rid = request.request_id or f"compute-{id(request):x}"
+        try:
+            async for out in self.rt.runner.generate(rid, request.input_ids, params, task_id, version):
+                resp = compute_pb2.GenerateTokensResponse(token_ids=out.new_token_ids)
+                if out.finished:
+                    resp.finish_reason = _FINISH.get(out.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
+                    resp.usage.prompt_tokens = out.num_prompt_tokens
+                    resp.usage.completion_tokens = out.num_output_tokens
+                yield resp
+        except Exception as exc:  # noqa: BLE001 - mapped to a status by maps_errors
+            raise domain_error(exc) from exc
+
+    @maps_errors
+    async def PrefetchAdapter(self, request: compute_pb2.PrefetchAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> compute_pb2.PrefetchAdapterResponse:
+        try:
+            resident = await self.rt.runner.prefetch(request.adapter.task_id, request.adapter.version)
+        except Exception as exc:  # noqa: BLE001
+            raise domain_error(exc) from exc
+        return compute_pb2.PrefetchAdapterResponse(resident=resident)
+
+    @maps_errors
+    async def DropAdapter(self, request: compute_pb2.DropAdapterRequest,
+                          context: grpc.aio.ServicerContext) -> compute_pb2.DropAdapterResponse:
+        return compute_pb2.DropAdapterResponse(dropped=await self.rt.runner.drop(request.task_id))
+
+    @maps_errors
+    async def GetStats(self, request: compute_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext) -> compute_pb2.GetStatsResponse:
+        eng, pool = self.rt.engine.stats(), self.rt.slots.stats()
+        resp = compute_pb2.GetStatsResponse(
+            num_running=eng.num_running, num_waiting=eng.num_waiting,
+            kv_blocks_used=eng.num_kv_blocks_used, kv_blocks_total=eng.num_kv_blocks_total,
+            adapter_pool_bytes_used=pool.bytes_used, adapter_pool_bytes_total=pool.bytes_total,
+            adapter_pages_used=pool.pages_used, adapter_pages_total=pool.pages_total,
+            resident_task_ids=sorted({task_of(k) for k in pool.resident_keys}))
+        keys = (set(eng.running_per_adapter) | set(eng.waiting_per_adapter)) - {""}
+        per_task: dict[int, list[int]] = {}
+        for k in keys:
+            c = per_task.setdefault(task_of(k), [0, 0])
+            c[0] += eng.running_per_adapter.get(k, 0)
+            c[1] += eng.waiting_per_adapter.get(k, 0)
+        for t, (run, wait) in sorted(per_task.items()):
+            resp.adapter_requests.add(task_id=t, num_running=run, num_waiting=wait)
+        return resp
+
+    @maps_errors
+    async def GetModelInfo(self, request: compute_pb2.ComputeModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> compute_pb2.ComputeModelInfoResponse:
+        spec, loaded = self.rt.engine.spec, self.rt.loaded
+        info = common_pb2.ModelInfo(
+            model_name=spec.name or loaded.path.name, architecture=_ARCH.get(spec.architecture, spec.architecture),
+            fingerprint=loaded.fingerprint, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+            max_model_len=self.rt.engine.max_model_len, max_lora_rank=self.rt.slots.max_lora_rank,
+            lora_module_ids=[0, 1, 2, 3, 4, 5, 6, 7], dtype=str(loaded.model.dtype).removeprefix("torch."),
+            device=str(self.rt.device), tokenizer=str(loaded.path),
+            eos_token_id=spec.eos_token_id if spec.eos_token_id is not None else 0)
+        return compute_pb2.ComputeModelInfoResponse(model=info)
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

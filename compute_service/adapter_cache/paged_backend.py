@@ -15,35 +15,47 @@ from kernels import LoraBatchMeta, lora_expand, lora_shrink
 
 
 class PagedLoraBackend:
-    """Reads weights from `slots.pool` through `slots.tables`; call `allocate()` on the slots first."""
+    """Reads weights from `slots.pool` through `slots.tables`.
+
+    Built before the pool exists (the engine takes it at construction, the pool
+    is sized after the KV cache); its buffers are allocated on first use.
+    """
 
     def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
-        if slots.tables is None or slots.pool is None:
-            raise RuntimeError("allocate the adapter pool before building its LoRA backend")
         self.slots = slots
-        tables = slots.tables
-        self.meta = LoraBatchMeta(max_num_batched_tokens, tables.max_slots, device=slots.device)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.meta: LoraBatchMeta | None = None
+        self._group_modules: dict[str, list[int]] = {}
+        self._shrink_buf = torch.empty(0)
+
+    def _allocate(self) -> LoraBatchMeta:
+        tables = self.slots.tables
+        if tables is None:
+            raise RuntimeError("the adapter pool is not allocated yet")
+        self.meta = LoraBatchMeta(self.max_num_batched_tokens, tables.max_slots, device=self.slots.device)
         self._group_modules = {g: [tables.module_index(m) for m in ids] for g, ids in GROUP_MODULE_IDS.items()}
         # Shrink output for up to 3 slices at the largest step, fp32 as the kernels want it.
-        self._shrink_buf = torch.empty(3 * max_num_batched_tokens * tables.max_rank, dtype=torch.float32,
-                                       device=slots.device)
+        self._shrink_buf = torch.empty(3 * self.max_num_batched_tokens * tables.max_rank, dtype=torch.float32,
+                                       device=self.slots.device)
+        return self.meta
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
-        self.meta.prepare(token_slot_ids_cpu.to(torch.int32))
+        meta = self.meta if self.meta is not None else self._allocate()
+        meta.prepare(token_slot_ids_cpu.to(torch.int32))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        tables, pool = self.slots.tables, self.slots.pool
-        assert tables is not None and pool is not None
+        tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
+        assert tables is not None and pool is not None and meta is not None
         mods = self._group_modules[group]
         T = x.shape[0]
         s = self._shrink_buf[: len(mods) * T * tables.max_rank].view(len(mods), T, tables.max_rank)
-        lora_shrink(x.contiguous(), pool, tables, self.meta, layer, mods, s)
+        lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s)
         y, offsets = _as_one_matrix(outs)
         if y is not None:
-            lora_expand(s, pool, tables, self.meta, layer, mods, y, offsets)
+            lora_expand(s, pool, tables, meta, layer, mods, y, offsets)
             return
         for i, out in enumerate(outs):   # slices not side by side in memory: one launch each
-            lora_expand(s[i: i + 1].contiguous(), pool, tables, self.meta, layer, [mods[i]], out,
+            lora_expand(s[i: i + 1].contiguous(), pool, tables, meta, layer, [mods[i]], out,
                         [0, out.shape[1]])
 
 

@@ -12,6 +12,7 @@ Two ways in:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +33,10 @@ class LoadTiming:
     """Per-load figures, for stats and the swap benchmark."""
 
     num_bytes: int
-    queued_at: float
+    staged_at: float                # host clock (perf_counter seconds)
     copy_started_at: float = 0.0
-    done_at: float = 0.0
+    done_at: float = 0.0            # when a step boundary saw the copy finished
+    copy_ms: float = 0.0            # device time of the host-to-device copy (CUDA)
 
 
 @dataclass
@@ -70,8 +72,10 @@ class PagedAdapterSlots:
         self.residency: AdapterResidency | None = None
         self._staged: dict[str, Staged] = {}
         self._in_flight: dict[str, _InFlight] = {}
+        self._claims: dict[str, int] = {}
+        self.failed: dict[str, BaseException] = {}  # loads that failed; the runner fails their requests
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.timings: dict[str, LoadTiming] = {}
+        self.timings: dict[str, LoadTiming] = {}   # last load of each key
 
     def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
         """Preallocates the pool (`num_bytes`) and the row tables."""
@@ -148,7 +152,23 @@ class PagedAdapterSlots:
 
     # -- the asynchronous path -----------------------------------------------------------------------
     def add_staged(self, key: str, staged: Staged) -> None:
-        self._staged.setdefault(key, staged)
+        if key not in self._staged:
+            self._staged[key] = staged
+            self.timings[key] = LoadTiming(staged.num_bytes, time.perf_counter())
+
+    def has_staged(self, key: str) -> bool:
+        return key in self._staged
+
+    def claim(self, key: str) -> None:
+        """Keeps `key`'s staged copy while a request is between `prepare` and `want`."""
+        self._claims[key] = self._claims.get(key, 0) + 1
+
+    def release(self, key: str) -> None:
+        n = self._claims.get(key, 0) - 1
+        if n > 0:
+            self._claims[key] = n
+        else:
+            self._claims.pop(key, None)
 
     def want(self, key: str, num_pages: int | None = None) -> Entry:
         """A request naming `key` enters the engine; the adapter must be known (resident, queued or staged)."""
@@ -157,32 +177,45 @@ class PagedAdapterSlots:
             num_pages = e.num_pages if e is not None else self._staged[key].num_pages
         return self._res.want(key, num_pages)
 
+    def prefetch(self, key: str) -> None:
+        """Queues a staged (or known) adapter with no request behind it."""
+        e = self._res.get(key)
+        self._res.prefetch(key, e.num_pages if e is not None else self._staged[key].num_pages)
+
     def unwant(self, key: str) -> None:
-        self._res.unwant(key)
+        if self._res.get(key) is not None:   # absent after a failed load, which forgot it
+            self._res.unwant(key)
 
     def knows(self, key: str) -> bool:
         """True when `key` needs no fetch: it is resident, loading or queued with its pages staged."""
         return self._res.get(key) is not None
 
-    def pump(self, now: float = 0.0) -> list[str]:
+    def pump(self) -> list[str]:
         """Grants pages to queued loads, queues their copies, and returns keys whose copies finished."""
         res = self._res
         assert self.pool is not None and self.tables is not None and self.layout is not None
         for e in res.start_loads():
             staged = self._staged.pop(e.key)
             t = self.timings.get(e.key)
+            now = time.perf_counter()
             if t is not None:
                 t.copy_started_at = now
-            handle = start_copy(staged, self.pool, self.tables, e.pages, e.slot, self.layout, self._stream)
+            try:
+                handle = start_copy(staged, self.pool, self.tables, e.pages, e.slot, self.layout, self._stream)
+            except Exception as exc:  # noqa: BLE001 - reported to the requests waiting for it
+                res.fail_load(e.key)
+                self.failed[e.key] = exc
+                continue
             self._in_flight[e.key] = _InFlight(handle, t)
         done = [k for k, f in self._in_flight.items() if f.handle.done()]
         for k in done:
             f = self._in_flight.pop(k)
             if f.timing is not None:
-                f.timing.done_at = now
+                f.timing.done_at = time.perf_counter()
+                f.timing.copy_ms = f.handle.copy_ms()
             res.finish_load(k)
         # Staged copies nobody waits for any more (their requests left while queued).
-        for k in [k for k in self._staged if res.get(k) is None]:
+        for k in [k for k in self._staged if res.get(k) is None and k not in self._claims]:
             del self._staged[k]
         return done
 

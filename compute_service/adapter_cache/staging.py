@@ -76,9 +76,16 @@ class CopyHandle:
 
     event: "torch.cuda.Event | None"
     keep_alive: tuple[object, ...] = ()
+    start_event: "torch.cuda.Event | None" = None
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
+
+    def copy_ms(self) -> float:
+        """Device time of the copies (CUDA only, once done; 0 on CPU)."""
+        if self.event is None or self.start_event is None:
+            return 0.0
+        return self.start_event.elapsed_time(self.event)
 
 
 def start_copy(staged: Staged, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int], slot: int,
@@ -104,13 +111,15 @@ def start_copy(staged: Staged, pool: torch.Tensor, tables: LoraRowTables, page_i
     # evicted adapter used are not overwritten under a kernel still reading them.
     stream.wait_stream(torch.cuda.current_stream(pool.device))
     with torch.cuda.stream(stream):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         for lo, p, n in _runs(page_ids):
             pages_2d[p: p + n].copy_(staged.pages[lo: lo + n], non_blocking=True)
         tables.a_offsets[slot].copy_(a_off, non_blocking=True)
         tables.b_offsets[slot].copy_(b_off, non_blocking=True)
         tables.ranks[slot].copy_(staged.ranks, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
     tables.shapes_cpu[slot] = staged.shapes
     # Host buffers must outlive the copies: the handle keeps them until it is polled done.
-    return CopyHandle(event, (staged, a_off, b_off))
+    return CopyHandle(event, (staged, a_off, b_off), start)

@@ -1,0 +1,86 @@
+"""Builds the compute runtime from ComputeConfig: model, KV cache, paged adapter pool, loader, runner.
+
+Order matters: weights, then the KV cache (inside the engine), then the
+adapter pool, sized from what is left (`lora_gpu_memory_fraction` of the free
+GPU memory, as the seed's `lora_cache_gpu_memory_fraction`) unless
+`lora_gpu_cache_bytes` fixes it. On CPU the fraction applies to a nominal
+4 GiB, so a laptop does not give a quarter of its RAM to adapters.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from compute_service.adapter_cache.loader import AdapterLoader, Fetch
+from compute_service.adapter_cache.paged_backend import PagedLoraBackend
+from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
+from compute_service.config import ComputeConfig
+from compute_service.engine.config import EngineConfig
+from compute_service.engine.llm_engine import LLMEngine
+from compute_service.engine.loader import LoadedModel, load_model
+from compute_service.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+CPU_NOMINAL_BYTES = 4 << 30
+
+
+@dataclass
+class Runtime:
+    engine: LLMEngine
+    slots: PagedAdapterSlots
+    loader: AdapterLoader
+    runner: EngineRunner
+    loaded: LoadedModel
+    device: torch.device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def engine_config(config: ComputeConfig, device: torch.device) -> EngineConfig:
+    return EngineConfig(
+        model=config.model or None, device=str(device), dtype=config.dtype,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len, kv_cache_bytes=config.kv_cache_bytes or None,
+        gpu_memory_fraction=config.gpu_memory_utilization, max_lora_rank=config.max_lora_rank,
+        lora_backend="kernels")
+
+
+def pool_bytes(config: ComputeConfig, device: torch.device) -> int:
+    if config.lora_gpu_cache_bytes:
+        return config.lora_gpu_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.lora_gpu_memory_fraction)
+    return int(CPU_NOMINAL_BYTES * config.lora_gpu_memory_fraction)
+
+
+def zero_kv_cache(engine: LLMEngine) -> None:
+    """Zeroes the KV cache once: attention pads its gathers with unwritten slots, masked out, but a NaN
+    left there by an earlier owner of the memory would still poison the masked product."""
+    for k, v in engine.runner.kv_caches:
+        k.zero_()
+        v.zero_()
+
+
+def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | None = None) -> Runtime:
+    """Loads the model (unless given) and wires engine, pool, loader and runner (call `runner.start()`)."""
+    device = resolve_device(config.device)
+    ecfg = engine_config(config, device)
+    if loaded is None:
+        loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device)
+    slots = PagedAdapterSlots(loaded.spec, config.max_lora_rank, device, loaded.model.dtype)
+    backend = PagedLoraBackend(slots, config.max_num_batched_tokens)
+    engine = LLMEngine(ecfg, loaded, None, slots, backend)
+    zero_kv_cache(engine)
+    layout = slots.allocate(pool_bytes(config, device), config.lora_cache_optimal_adapter_size,
+                            config.max_resident_adapters)
+    log.info("adapter pool: %d pages of %d bytes (%.1f MiB), up to %d resident adapters",
+             layout.num_pages, layout.page_bytes, layout.pool_bytes / 2**20, layout.max_slots)
+    loader = AdapterLoader(slots, fetch)
+    return Runtime(engine, slots, loader, EngineRunner(engine, slots, loader), loaded, device)
