@@ -62,8 +62,8 @@ async def entry_stream(job: EntryJob, lora: ResolvedLora, router: ComputeRouter,
     detok = codec.detokenizer(job.prompt_ids)
     matcher = StopStringMatcher(job.stop)
     completion = 0
-    async with router.lease(lora.task_id) as replica:
-        call = replica.stub.GenerateTokens(request, timeout=job.timeout_s)
+    # the router retries on another replica until the stream's first message is in
+    async with router.stream(lora.task_id, request, job.timeout_s) as call:
         try:
             async for msg in call:
                 completion += len(msg.token_ids)
@@ -82,11 +82,11 @@ async def entry_stream(job: EntryJob, lora: ResolvedLora, router: ComputeRouter,
                 if msg.token_ids or text:
                     yield _response(job, lora, msg.token_ids, text)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, "compute", replica.address) from exc
+            raise from_rpc_error(exc, "compute", call.address) from exc
         finally:
             if not call.done():
                 call.cancel()  # the caller went away (cancel, deadline) or we failed: tell compute
-    raise UnavailableError(f"the compute service at {replica.address} ended request {job.request_id} "
+    raise UnavailableError(f"the compute service at {call.address} ended request {job.request_id} "
                            "without a finish reason")
 
 

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplex.v1 import compute_pb2, compute_pb2_grpc
-from gateway.downstream import DownstreamError
+from gateway.downstream import DownstreamError, from_rpc_error
 from gateway.replicas import NoReplicaError, ReplicaSet, format_address, is_dns_target, split_target
 from gateway.router import ComputeReplica
 
@@ -48,12 +48,12 @@ def resolve_all(host: str, port: int) -> list[str]:
 class ReplicaStream:
     """A started GenerateTokens call: iterate it for messages; `address` says where it runs."""
 
-    def __init__(self, router: ReplicaRouter, address: str, call: grpc.aio.UnaryStreamCall,
-                 first: object) -> None:
+    def __init__(self, address: str, call: grpc.aio.UnaryStreamCall, first: object,
+                 on_failure: Callable[[str, str], None] | None = None) -> None:
         self.address = address
-        self._router = router
         self._call = call
         self._first = first
+        self._on_failure = on_failure  # (address, reason) when the replica fails mid-stream
 
     def cancel(self) -> bool:
         return self._call.cancel()
@@ -70,12 +70,30 @@ class ReplicaStream:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _REPLICA_FAILED:
                     raise
-                self._router.take_out(self.address, f"{exc.code().name}: {exc.details()}")
+                if self._on_failure is not None:
+                    self._on_failure(self.address, f"{exc.code().name}: {exc.details()}")
                 raise DownstreamError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"the compute replica at {self.address} failed during generation "
                     f"({exc.code().name}: {exc.details()}); tokens were already sent, so the request "
                     "was not retried: send it again") from exc
+
+
+async def start_stream(replica: ComputeReplica, request: compute_pb2.GenerateTokensRequest,
+                       timeout_s: float | None,
+                       on_failure: Callable[[str, str], None] | None = None) -> ReplicaStream:
+    """Calls GenerateTokens on `replica` and waits for its first message.
+
+    Raises the call's AioRpcError if it fails before that (nothing was sent
+    to the client yet, so the caller may retry elsewhere). The caller cancels
+    the stream when done with it (`if not s.done(): s.cancel()`)."""
+    call = replica.stub.GenerateTokens(request, timeout=timeout_s)
+    try:
+        first = await call.read()
+    except BaseException:
+        call.cancel()
+        raise
+    return ReplicaStream(replica.address, call, first, on_failure)
 
 
 class ReplicaRouter:
@@ -133,13 +151,12 @@ class ReplicaRouter:
             replica = self._pick(task_id, failed)
             remaining = None if deadline is None else max(deadline - loop.time(), 0.001)
             self._acquire(replica)
-            call = replica.stub.GenerateTokens(request, timeout=remaining)
             try:
-                first = await call.read()
+                stream = await start_stream(replica, request, remaining, self.take_out)
             except grpc.aio.AioRpcError as exc:
                 self._release(replica)
                 if exc.code() not in _RETRY_BEFORE_START:
-                    raise
+                    raise from_rpc_error(exc, "compute", replica.address) from exc
                 failed[replica.address] = f"{exc.code().name}: {exc.details()}"
                 if replica.channel.get_state() != grpc.ChannelConnectivity.READY:
                     # the connection is gone: out for everyone until a health check says otherwise;
@@ -147,7 +164,6 @@ class ReplicaRouter:
                     self.take_out(replica.address, failed[replica.address])
                 continue
             except BaseException:
-                call.cancel()
                 self._release(replica)
                 raise
             break
@@ -155,10 +171,10 @@ class ReplicaRouter:
             log.info("request %s: runs on %s after %s", request.request_id, replica.address,
                      "; ".join(f"{a} failed ({why})" for a, why in failed.items()))
         try:
-            yield ReplicaStream(self, replica.address, call, first)
+            yield stream
         finally:
-            if not call.done():
-                call.cancel()
+            if not stream.done():
+                stream.cancel()
             self._release(replica)
 
     async def close(self) -> None:

@@ -1,22 +1,27 @@
 """Which compute replica serves a request.
 
-The gateway reaches compute services only through a `ComputeRouter`. Today
-there is one implementation, `SingleReplicaRouter`; routing over many replicas
-by adapter affinity (rendezvous hashing weighted by load) slots in behind the
-same interface: `lease(task_id)` picks a replica and counts the request on it
-until the lease ends, so a load-aware router has the numbers it needs.
+The gateway reaches compute services only through a `ComputeRouter`:
+`lease(task_id)` picks a replica and counts the request on it until the lease
+ends; `stream(task_id, request, timeout_s)` opens a GenerateTokens stream and
+returns once its first message is in. The server uses `ReplicaRouter`
+(gateway/replica_router.py: adapter affinity, load, health, failover before the
+first token) for one address or many; `SingleReplicaRouter` is the plain
+one-address form.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 import grpc
 
 from loraplex.serving import server_options
-from loraplex.settings import SettingsError
-from loraplex.v1 import compute_pb2_grpc
+from gateway.downstream import from_rpc_error
+from loraplex.v1 import compute_pb2, compute_pb2_grpc
+
+if TYPE_CHECKING:
+    from gateway.replica_router import ReplicaStream
 
 
 @dataclass
@@ -44,6 +49,10 @@ class ComputeRouter(Protocol):
     def lease(self, task_id: int | None) -> contextlib.AbstractAsyncContextManager[ComputeReplica]:
         """The replica for a request using adapter `task_id` (None: the base model)."""
 
+    def stream(self, task_id: int | None, request: compute_pb2.GenerateTokensRequest,
+               timeout_s: float | None) -> contextlib.AbstractAsyncContextManager[ReplicaStream]:
+        """A GenerateTokens stream for adapter `task_id` that has received its first message."""
+
     async def close(self) -> None:
         """Closes every channel."""
 
@@ -66,14 +75,28 @@ class SingleReplicaRouter:
         finally:
             replica.num_in_flight -= 1
 
+    @contextlib.asynccontextmanager
+    async def stream(self, task_id: int | None, request: compute_pb2.GenerateTokensRequest,
+                     timeout_s: float | None) -> AsyncIterator[ReplicaStream]:
+        from gateway.replica_router import start_stream  # it builds on ComputeReplica, defined here
+
+        async with self.lease(task_id) as replica:
+            try:
+                stream = await start_stream(replica, request, timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, "compute", replica.address) from exc
+            try:
+                yield stream
+            finally:
+                if not stream.done():
+                    stream.cancel()
+
     async def close(self) -> None:
         await self._replica.channel.close()
 
 
 def build_router(addresses: tuple[str, ...], max_message_bytes: int) -> ComputeRouter:
-    """The router for the configured compute addresses."""
-    if len(addresses) != 1:
-        raise SettingsError(
-            f"{len(addresses)} compute addresses given; this gateway routes to one compute service "
-            "(give one address in --compute-addresses)")
-    return SingleReplicaRouter(addresses[0], max_message_bytes)
+    """The router for the configured compute addresses (one or more; `dns:///name:port` expands)."""
+    from gateway.replica_router import ReplicaRouter  # it builds on ComputeReplica, defined here
+
+    return ReplicaRouter(addresses, max_message_bytes)
