@@ -1,7 +1,7 @@
 """LoRA expand (SGMV): y[t, slice cols] += s[i, t, :r] @ B[a(t), layer, module_i].T, reading B^T in place.
 
-One launch covers every slice and adapter. Grid: (token tiles, slices, column
-blocks of the widest slice). A program maps its tile to a segment on the
+One launch covers every slice and adapter. Grid: (slices x column groups,
+token tiles). A program maps its tile to a segment on the
 device, loops over its adapter's true rank in BLOCK_R chunks (so a rank-8 and
 a rank-64 adapter read only their own rows), and adds into `y` in fp32.
 Programs past the last tile, past the slice's width or on a module the
@@ -17,65 +17,90 @@ import triton.language as tl
 
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.shrink import DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, check_launch
+from kernels.shrink import DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_launch
 from kernels.tiles import segment_tile
 
 
 @triton.jit
 def _expand_kernel(
     s_ptr, s_stride_s, s_stride_t, pool_ptr, b_off_ptr, ranks_ptr, y_ptr, y_stride,
-    tok_ptr, seg_starts_ptr, seg_slots_ptr, num_segs_ptr,
+    tok_ptr, seg_starts_ptr, seg_slots_ptr, max_slots,
     layer, num_layers, num_modules, max_rank,
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MAX_SEGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_N: tl.constexpr,
+    N_GROUPS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr,
 ):
-    pid_tile = tl.program_id(0)
-    slice_id = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, num_segs_ptr, BLOCK_M, MAX_SEGS)
-    if pid_tile >= num_tiles:
-        return
+    # Column groups of one slice vary fastest; each program walks GROUP_N columns in BLOCK_N steps.
+    pid_sub = tl.program_id(0)
+    pid_tile = tl.program_id(1)
+    slice_id = pid_sub // N_GROUPS
+    n_start = (pid_sub % N_GROUPS) * GROUP_N
     col0 = tl.where(slice_id == 0, off0, tl.where(slice_id == 1, off1, tl.where(slice_id == 2, off2, off3)))
     col1 = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, tl.where(slice_id == 2, off3, off4)))
-    n0 = pid_n * BLOCK_N
-    if n0 >= col1 - col0:
+    width = col1 - col0
+    if n_start >= width:
+        return
+    num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
+    if pid_tile >= num_tiles:
         return
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     module = tl.where(slice_id == 0, mod0, tl.where(slice_id == 1, mod1, tl.where(slice_id == 2, mod2, mod3)))
     entry = (slot * num_layers + layer) * num_modules + module
+    # Independent loads issued together before the first branch on their values.
     rank = tl.load(ranks_ptr + entry)
-    if rank == 0:
-        return
-
+    offs_rb = tl.arange(0, BLOCK_R)
+    rows0 = tl.load(b_off_ptr + entry * max_rank + offs_rb, mask=offs_rb < max_rank, other=0)  # [BLOCK_R] int64
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
-    toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                # [BLOCK_M]
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < col1 - col0
-    offs_rb = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + offs_rb
-        r_mask = offs_r < rank
-        rows = tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0)     # [BLOCK_R] int64
-        st = tl.load(s_ptr + slice_id * s_stride_s + toks[:, None] * s_stride_t + offs_r[None, :],
-                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)                 # [BLOCK_M, BLOCK_R] fp32
-        bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :],
-                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)                 # [BLOCK_R, BLOCK_N]
-        acc += tl.dot(st.to(bt.dtype), bt)
+    toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                       # [BLOCK_M]
+    if rank == 0:
+        return
+    s_row = s_ptr + slice_id * s_stride_s + toks[:, None] * s_stride_t                         # [BLOCK_M, 1]
+    r_mask0 = offs_rb < rank
+    # Ranks up to BLOCK_R: the s tile is read once and kept in registers for every column block.
+    s0 = tl.load(s_row + offs_rb[None, :], mask=m_mask[:, None] & r_mask0[None, :], other=0.0)
+    s0 = s0.to(pool_ptr.dtype.element_ty)
+    n_end = tl.minimum(n_start + GROUP_N, width)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < width
+        bt = tl.load(pool_ptr + rows0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(s0, bt)                                                                     # [BLOCK_M, BLOCK_N]
+        if not ONE_R_BLOCK:
+            for r0 in range(BLOCK_R, rank, BLOCK_R):
+                offs_r = r0 + offs_rb
+                r_mask = offs_r < rank
+                rows = tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0)
+                st = tl.load(s_row + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+                bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                             other=0.0)
+                acc += tl.dot(st.to(bt.dtype), bt)
+        y_ptrs = y_ptr + toks[:, None] * y_stride + col0 + offs_n[None, :]
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
 
-    y_ptrs = y_ptr + toks[:, None] * y_stride + col0 + offs_n[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
 
+def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, device: torch.device
+                  ) -> dict[str, int]:
+    """Block sizes and column grouping; depends only on host-known shapes (graph-stable).
 
-def expand_config(T: int, max_rank: int) -> dict[str, int]:
-    """Block sizes for a launch; depends only on host-known shapes (graph-stable)."""
+    Each program walks a group of column blocks with its s tile in registers, so
+    s is read once per group instead of once per block; groups are as wide as
+    possible while the launch keeps about four programs per SM.
+    """
     block_r = min(max(16, _next_pow2(max_rank)), 64)
     if T <= DECODE_MAX_TOKENS:
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=block_r, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_R=block_r, num_warps=4, num_stages=2)
+        block_m, block_n, num_warps = 16, 128, 4
+    else:
+        block_m, block_n, num_warps = 64, 128, 4
+    tiles = triton.cdiv(T, block_m) + min(max_slots, T)
+    blocks = tiles * sum(triton.cdiv(w, block_n) for w in widths)
+    per_group = max(1, blocks // (4 * _num_sms(device)))
+    per_group = 1 << (per_group.bit_length() - 1)                     # a power of two, rounded down
+    group_n = block_n * min(per_group, triton.cdiv(max(widths), block_n))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, GROUP_N=group_n,
+                num_warps=num_warps, num_stages=2)
 
 
 def lora_expand_triton(
@@ -117,19 +142,20 @@ def lora_expand_triton(
         raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, y has {T}")
     if T == 0 or (meta.has_lora is False and not _capturing(y.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
-    cfg = expand_config(T, tables.max_rank)
+    widths = [b - a for a, b in zip(offs, offs[1:])]
+    cfg = expand_config(T, tables.max_rank, widths, meta.max_slots, y.device)
     cfg.update(config or {})
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
-    widest = max(b - a for a, b in zip(offs, offs[1:]))
+    n_groups = triton.cdiv(max(widths), cfg["GROUP_N"])
     tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
-    grid = (tiles, num_slices, triton.cdiv(widest, cfg["BLOCK_N"]))
+    grid = (num_slices * n_groups, tiles)
     _expand_kernel[grid](
         s, s.stride(0), s.stride(1), pool, tables.b_offsets, tables.ranks, y, y.stride(0),
-        meta.token_indices, meta.seg_starts, meta.seg_slots, meta.num_segments,
+        meta.token_indices, meta.seg_starts, meta.seg_slots, meta.max_slots,
         layer, tables.num_layers, tables.num_modules, tables.max_rank,
         *mods, *offs,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
-        MAX_SEGS=_next_pow2(meta.max_slots),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], GROUP_N=cfg["GROUP_N"],
+        N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=_next_pow2(meta.max_slots),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -28,7 +28,7 @@ DECODE_MAX_TOKENS = 128  # at or below this many tokens the split-K (decode) con
 @triton.jit
 def _shrink_kernel(
     x_ptr, x_stride, pool_ptr, a_off_ptr, ranks_ptr, out_ptr, out_stride_s, out_stride_t,
-    tok_ptr, seg_starts_ptr, seg_slots_ptr, num_segs_ptr,
+    tok_ptr, seg_starts_ptr, seg_slots_ptr, max_slots,
     layer, num_layers, num_modules, max_rank, K, K_PER_SPLIT,
     mod0, mod1, mod2, mod3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -40,24 +40,23 @@ def _shrink_kernel(
     pid_tile = tl.program_id(1)
     slice_id = pid_sub // (R_BLOCKS * SPLIT_K)
     pid_rk = pid_sub % (R_BLOCKS * SPLIT_K)
-    num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, num_segs_ptr, BLOCK_M, MAX_SEGS)
+    num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
         return
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     module = tl.where(slice_id == 0, mod0, tl.where(slice_id == 1, mod1, tl.where(slice_id == 2, mod2, mod3)))
     entry = (slot * num_layers + layer) * num_modules + module
+    # Rank, row offsets and token ids are independent loads: issue them together, then branch.
     rank = tl.load(ranks_ptr + entry)
-    r_block = pid_rk // SPLIT_K
-    r0 = r_block * BLOCK_R
-    if r0 >= rank:
-        return
+    r0 = (pid_rk // SPLIT_K) * BLOCK_R
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    rows = tl.load(a_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0)        # [BLOCK_R] int64
-
+    rows = tl.load(a_off_ptr + entry * max_rank + offs_r, mask=offs_r < max_rank, other=0)  # [BLOCK_R] int64
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
-    toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)               # [BLOCK_M]
+    toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                  # [BLOCK_M]
+    if r0 >= rank:
+        return
+    r_mask = offs_r < rank
 
     k_lo = (pid_rk % SPLIT_K) * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
@@ -99,27 +98,29 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: keep the grid small
 
 
-def shrink_config(T: int, K: int, max_rank: int, num_slices: int, device: torch.device) -> dict[str, int]:
-    """Block sizes and K split for a launch; depends only on host-known shapes (graph-stable)."""
+def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int, device: torch.device
+                  ) -> dict[str, int]:
+    """Block sizes and K split for a launch; depends only on host-known shapes (graph-stable).
+
+    The reduction over H_in is split until the launch has about four programs per
+    SM (counting the upper bound of token tiles), so few-token batches and long
+    reductions (down_proj) still spread over the whole GPU.
+    """
     block_r = min(max(16, _next_pow2(max_rank)), 64)
     r_blocks = triton.cdiv(max_rank, block_r)
     if T <= DECODE_MAX_TOKENS:
-        block_m, block_k = 16, (256 if block_r <= 32 else 128)
-        # Enough programs to cover the GPU about twice, assuming the tokens share few adapters.
-        programs = triton.cdiv(T, block_m) * num_slices * r_blocks
-        split_k = max(1, min(triton.cdiv(2 * _num_sms(device), programs), triton.cdiv(K, block_k)))
-        num_warps, num_stages = 4, 3
+        block_m, block_k, num_warps, min_k_split = 16, (256 if block_r <= 32 else 128), 4, 256
     elif T <= 1024:
-        block_m, block_k, split_k = 64, 128 if block_r <= 32 else 64, 1
-        num_warps, num_stages = 4, 3
+        block_m, block_k, num_warps, min_k_split = 32, (256 if block_r <= 32 else 128), 4, 512
     else:
-        # Larger token tiles halve how often A is re-read (from L2) per token.
-        block_m, block_k, split_k = 128, 64, 1
-        num_warps, num_stages = 8, 3
+        block_m, block_k, num_warps, min_k_split = 128, 64, 8, 512
+    tiles = triton.cdiv(T, block_m) + min(max_slots, T)
+    programs = tiles * num_slices * r_blocks
+    split_k = max(1, min(triton.cdiv(4 * _num_sms(device), programs), K // min_k_split))
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
-                K_PER_SPLIT=k_per_split, R_BLOCKS=r_blocks, num_warps=num_warps, num_stages=num_stages)
+                K_PER_SPLIT=k_per_split, R_BLOCKS=r_blocks, num_warps=num_warps, num_stages=3)
 
 
 def check_launch(x_or_s: torch.Tensor, pool: torch.Tensor, tables: LoraRowTables, meta: LoraBatchMeta,
@@ -174,7 +175,7 @@ def lora_shrink_triton(
         raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, x has {T}")
     if T == 0 or (meta.has_lora is False and not _capturing(x.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
-    cfg = shrink_config(T, K, tables.max_rank, num_slices, x.device)
+    cfg = shrink_config(T, K, tables.max_rank, num_slices, meta.max_slots, x.device)
     if config:
         cfg.update(config)
         cfg["R_BLOCKS"] = triton.cdiv(tables.max_rank, cfg["BLOCK_R"])
@@ -187,7 +188,7 @@ def lora_shrink_triton(
     grid = (num_slices * cfg["R_BLOCKS"] * cfg["SPLIT_K"], tiles)
     _shrink_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.ranks, out, out.stride(0), out.stride(1),
-        meta.token_indices, meta.seg_starts, meta.seg_slots, meta.num_segments,
+        meta.token_indices, meta.seg_starts, meta.seg_slots, meta.max_slots,
         layer, tables.num_layers, tables.num_modules, tables.max_rank, K, cfg["K_PER_SPLIT"],
         *mods,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],

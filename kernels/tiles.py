@@ -4,21 +4,22 @@ Segments (tokens of one adapter) are cut into tiles of BLOCK_M tokens. The
 launch grid has an upper bound of tiles known on the host (cdiv(T, BLOCK_M) plus
 one per possible segment); each program finds its tile from the segment
 starts with one vector scan, so no host sync or per-step tile table is needed
-and programs past the last tile exit at once.
+and programs past the last tile exit at once. Entries of `seg_starts` past the
+active segments repeat the end, so they count zero tiles and the scan needs no
+segment count (one dependent memory round trip fewer).
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def segment_tile(pid, seg_starts_ptr, num_segments_ptr, BLOCK_M: tl.constexpr, MAX_SEGS: tl.constexpr):
+def segment_tile(pid, seg_starts_ptr, max_slots, BLOCK_M: tl.constexpr, MAX_SEGS: tl.constexpr):
     """Returns (number of tiles, segment, first sorted position of the tile, end of the segment).
 
     The program has no work when pid >= number of tiles.
     """
-    num_segs = tl.load(num_segments_ptr)
     idx = tl.arange(0, MAX_SEGS)
-    live = idx < num_segs
+    live = idx < max_slots
     starts = tl.load(seg_starts_ptr + idx, mask=live, other=0)
     ends = tl.load(seg_starts_ptr + idx + 1, mask=live, other=0)
     tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M                 # tiles per segment

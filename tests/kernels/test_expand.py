@@ -3,12 +3,13 @@ import pytest
 import torch
 
 from kernels import lora_expand, lora_shrink
+from kernels.expand import lora_expand_triton
 from lora_case import DEVICE, build_case, dense_expand, dense_shrink, prepare_meta, random_slot_ids, rel_err
 
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3}
 
 
-def run_expand(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.float16, extra_cols=3):
+def run_expand(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.float16, extra_cols=3, config=None):
     slots = slots if slots is not None else sorted({s for s, _, _ in case.dense})
     ids = random_slot_ids(T, slots, frac_none, gen)
     meta = prepare_meta(ids, case.tables.max_slots)
@@ -18,7 +19,10 @@ def run_expand(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.flo
     s = torch.randn(len(mods), T, case.tables.max_rank, generator=gen).to(DEVICE)
     y0 = torch.randn(T, offs[-1] + extra_cols, generator=gen).to(dtype).to(DEVICE)
     y = y0.clone()
-    lora_expand(s, case.pool, case.tables, meta, layer, mods, y, offs, use_triton=True)
+    if config:
+        lora_expand_triton(s, case.pool, case.tables, meta, layer, mods, y, offs, config=config)
+    else:
+        lora_expand(s, case.pool, case.tables, meta, layer, mods, y, offs, use_triton=True)
     want = dense_expand(case, s, y0, ids, layer, mods, offs)
     err = rel_err(y, want)
     assert err < TOL[dtype], f"rel err {err} (T={T}, none={frac_none}, mods={mods})"
@@ -56,6 +60,8 @@ def test_expand_mixed_ranks_odd_width(out, ranks):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     case = build_case(ranks=ranks, h_in=32, outs=[out], num_layers=1, dtype=torch.float16, gen=gen)
     run_expand(case, 9, 0.1, [0], layer=0, gen=gen)
+    # Column groups of several blocks per program, as large batches get on the GPU.
+    run_expand(case, 9, 0.1, [0], layer=0, gen=gen, config={"GROUP_N": 256})
 
 
 @pytest.mark.parametrize("T", [5, 131])
