@@ -10,12 +10,16 @@ an adapter too large for the whole pool raises AdapterTooLargeError.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from loraplex.formats.adapter import Adapter
 
 Fetch = Callable[[int, "str | None"], Awaitable[Adapter]]
+# Staging is CPU work partly under the GIL (per-row Python); two workers keep a burst of
+# loads moving without starving the thread that runs engine steps.
+STAGING_WORKERS = 2
 
 
 def adapter_key(task_id: int, version: str) -> str:
@@ -34,6 +38,7 @@ class AdapterLoader:
         self.slots = slots
         self.fetch = fetch
         self._pending: dict[str, asyncio.Task[None]] = {}
+        self._staging = ThreadPoolExecutor(STAGING_WORKERS, thread_name_prefix="adapter-staging")
         self.num_fetches = 0
 
     async def prepare(self, key: str, task_id: int, version: str | None) -> None:
@@ -50,5 +55,6 @@ class AdapterLoader:
     async def _fetch_and_stage(self, key: str, task_id: int, version: str | None) -> None:
         self.num_fetches += 1
         adapter = await self.fetch(task_id, version or None)
-        staged = await asyncio.to_thread(self.slots.stage_adapter, key, adapter)
+        loop = asyncio.get_running_loop()
+        staged = await loop.run_in_executor(self._staging, self.slots.stage_adapter, key, adapter)
         self.slots.add_staged(key, staged)

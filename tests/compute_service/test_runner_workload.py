@@ -24,7 +24,12 @@ def loaded(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
-def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0):
+@pytest.fixture(scope="module")
+def loaded_cuda(tiny_model_dir):
+    return load_model(tiny_model_dir, device="cuda")
+
+
+def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0, device="cpu"):
     fetches: list[int] = []
 
     async def fetch(task_id, version):
@@ -32,7 +37,7 @@ def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0):
         await asyncio.sleep(fetch_delay)
         return adapters[task_id]
 
-    cfg = ComputeConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_lora_rank=64,
+    cfg = ComputeConfig(model=str(tiny_model_dir), device=device, dtype="float32", max_lora_rank=64,
                         lora_gpu_cache_bytes=pool_bytes, max_model_len=96, max_num_batched_tokens=128,
                         max_num_seqs=16, kv_cache_bytes=1 << 20)
     rt = build_runtime(cfg, fetch, loaded=loaded)
@@ -40,8 +45,8 @@ def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0):
     return rt
 
 
-def reference_engine(loaded, tiny_model_dir, adapters):
-    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_lora_rank=64, max_loras=len(adapters) or 1,
+def reference_engine(loaded, tiny_model_dir, adapters, device="cpu"):
+    eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), device=device, max_lora_rank=64, max_loras=len(adapters) or 1,
                                  max_num_batched_tokens=128, max_model_len=96, kv_cache_bytes=1 << 20), loaded)
     zero_kv_cache(eng)
     for tid, a in adapters.items():
@@ -88,13 +93,16 @@ def test_runner_outputs_equal_engine_and_one_fetch_per_adapter(loaded, tiny_mode
     assert rt.engine.stats().num_kv_blocks_used == 0
 
 
-def test_200_requests_over_50_adapters_with_pool_of_8(loaded, tiny_model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_200_requests_over_50_adapters_with_pool_of_8(request, tiny_model_dir, device):
+    """On CUDA the loads really go through pinned buffers and the side stream, and Triton does the math."""
+    loaded = request.getfixturevalue("loaded" if device == "cpu" else "loaded_cuda")
     gen = random.Random(11)
     adapters = {t: random_adapter(loaded.spec, gen.choice([4, 8]), seed=1000 + t) for t in range(50)}
     layout = PoolLayout.for_budget(loaded.spec, 2 << 20, torch.float32, 64)
     biggest = max(rows_pages(adapter_rows(check_adapter(a, loaded.spec, 64), loaded.spec), layout.page_elems)
                   for a in adapters.values())
-    rt = make_runtime(loaded, tiny_model_dir, adapters, 8 * biggest * layout.page_bytes)
+    rt = make_runtime(loaded, tiny_model_dir, adapters, 8 * biggest * layout.page_bytes, device=device)
     assert rt.slots.layout.num_pages == 8 * biggest
     busy_evictions = []
     res = rt.slots.residency
@@ -123,7 +131,7 @@ def test_200_requests_over_50_adapters_with_pool_of_8(loaded, tiny_model_dir):
             await rt.runner.stop()
 
     got = asyncio.run(main())
-    ref = reference_engine(loaded, tiny_model_dir, {})
+    ref = reference_engine(loaded, tiny_model_dir, {}, device=device)
     for i, (p, t, sp) in enumerate(reqs):
         if t is not None:
             key = adapter_key(t, "")
@@ -134,6 +142,8 @@ def test_200_requests_over_50_adapters_with_pool_of_8(loaded, tiny_model_dir):
         assert got[i][0] == want, f"request {i} (adapter {t}) differs from running it alone"
     assert not busy_evictions, busy_evictions
     assert res.num_evictions > 0                     # 50 adapters through 8 places: it did swap
+    if device == "cuda":
+        assert all(t.copy_ms > 0 for t in rt.slots.timings.values())   # timed side-stream copies
     assert rt.engine.stats().num_kv_blocks_used == 0
     assert all(e.pins == 0 and e.wants == 0 for e in res.entries())
     for e in list(res.entries()):
