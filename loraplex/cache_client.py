@@ -130,12 +130,17 @@ def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> errors.Loraplex
     return err
 
 
-def adapter_header(adapter: Adapter, task_id: int, name: str = "") -> cache_pb2.AdapterHeader:
-    """An adapter's header message (everything but the weight bytes)."""
+def adapter_header(adapter: Adapter, task_id: int, name: str = "", *, with_version: bool = True
+                   ) -> cache_pb2.AdapterHeader:
+    """An adapter's header message (everything but the weight bytes).
+
+    `with_version` hashes the weights (a full pass over them) so the receiver
+    can check it got the same bytes; without it the receiver computes the version.
+    """
     config = np.ascontiguousarray(adapter.config, dtype=np.int32)
     meta = adapter.metadata
     return cache_pb2.AdapterHeader(
-        task_id=task_id, name=name, version=adapter.content_hash,
+        task_id=task_id, name=name, version=adapter.content_hash if with_version else "",
         config=common_pb2.Tensor(dtype=common_pb2.INT32, shape=list(config.shape), data=config.tobytes()),
         weights_dtype=DTYPE_TO_PROTO[adapter.weights.dtype], weights_shape=list(adapter.weights.shape),
         weights_num_bytes=adapter.num_bytes, fingerprint=meta.fingerprint, source=meta.source,
@@ -198,10 +203,14 @@ class CacheClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def put_adapter(self, adapter: Adapter, task_id: int, *, name: str = "",
-                          replace: bool = False, timeout_s: float | None = None) -> PutResult:
-        """Stores `adapter` under `task_id` (validated by the cache against its base model)."""
-        header = adapter_header(adapter, task_id, name)
+    async def put_adapter(self, adapter: Adapter, task_id: int, *, name: str = "", replace: bool = False,
+                          verify: bool = False, timeout_s: float | None = None) -> PutResult:
+        """Stores `adapter` under `task_id` (validated by the cache against its base model).
+
+        The cache computes the version (content hash) and returns it; `verify`
+        also hashes here and has the cache refuse bytes that do not match.
+        """
+        header = adapter_header(adapter, task_id, name, with_version=verify)
         data = memoryview(adapter.weights.contiguous().reshape(-1).view(torch.uint8).numpy())
         chunk = self.chunk_bytes
 

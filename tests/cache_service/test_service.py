@@ -211,3 +211,40 @@ def test_metrics_endpoint(tmp_path, tiny_model, free_port):
         svc.proc.stop()
     assert 'loraplex_host_cache_hits_total{backend="shm"} 1.0' in text
     assert "loraplex_host_cache_bytes_used" in text and "loraplex_host_cache_load_seconds_count" in text
+
+
+def test_verify_and_corrupted_or_short_uploads(service):
+    import grpc
+
+    from loraplex.cache_client import adapter_header
+    from loraplex.v1 import cache_pb2, cache_pb2_grpc
+
+    adapter = valid_adapter(service.spec, rank=2)
+    data = adapter.weights.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    async def send(header, payload):
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = cache_pb2_grpc.AdapterCacheStub(channel)
+
+            async def requests():
+                yield cache_pb2.PutAdapterRequest(header=header)
+                yield cache_pb2.PutAdapterRequest(chunk=payload)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.PutAdapter(requests())
+            return info.value
+
+    async def body():
+        async with CacheClient(service.address) as c:
+            ok = await c.put_adapter(adapter, 8001, verify=True, replace=True)
+            assert ok.adapter.version == adapter.content_hash
+        flipped = bytearray(data)
+        flipped[100] ^= 0x01
+        corrupted = await send(adapter_header(adapter, 8002), bytes(flipped))
+        short = await send(adapter_header(adapter, 8003), data[:-2])
+        async with CacheClient(service.address) as c:
+            assert await c.has(8002) is None and await c.has(8003) is None
+        return corrupted, short
+
+    corrupted, short = run(body())
+    assert corrupted.code() == grpc.StatusCode.INVALID_ARGUMENT and "corrupted transfer" in corrupted.details()
+    assert short.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream ended after" in short.details()
