@@ -81,6 +81,6 @@ def read_gguf(path: Path) -> tuple[ModelSpec, Callable[[str], torch.Tensor | Non
             w = _unpermute(w, spec.num_heads)
         elif permute and name.endswith("k_proj.weight"):
             w = _unpermute(w, spec.num_kv_heads)
-        return torch.from_numpy(np.ascontiguousarray(w))
+        return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a writable copy
 
     return spec, get, fields.get("tokenizer.chat_template")

@@ -37,7 +37,7 @@ def run_collecting(engine: LLMEngine, requests: dict[str, tuple[list[int], str |
 def reference_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     """transformers' logits at the positions our engine sampled from: [len(output), V]."""
     with torch.no_grad():
-        full = model(torch.tensor([prompt + output])).logits[0]
+        full = model(torch.tensor([prompt + output], device=model.device)).logits[0]
     return full[len(prompt) - 1: len(prompt) - 1 + len(output)]
 
 

@@ -1,0 +1,103 @@
+"""bf16 on a CUDA GPU: tiny models within bf16 tolerance of an fp32 reference, SmolLM2 greedy tokens equal.
+
+"Within bf16 tolerance" is measured against transformers itself: our bf16
+logits may be off the fp32 reference by at most a small multiple of
+transformers' own bf16 error (+ a floor). With LORAPLEX_RESULTS_DIR set, the
+measured numbers are written there as JSON.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import TINY_DIMS, add_peft_adapters, rel_err
+from loraplex.formats import read_peft
+from test_mixed_batch import ADAPTERS, REQUESTS
+from test_parity import reference_logits, run_collecting
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+RESULTS: dict[str, object] = {}
+
+
+def _record(name: str, value: object) -> None:
+    RESULTS[name] = value
+    out = os.environ.get("LORAPLEX_RESULTS_DIR")
+    if out:
+        Path(out, "engine_gpu_parity.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_mixed_batch_bf16(tiny_models, tmp_path, kind, backend):
+    model, folder = tiny_models[kind]
+    peft32 = add_peft_adapters(copy.deepcopy(model), ADAPTERS).cuda()
+    peft32.save_pretrained(tmp_path)
+    peft16 = copy.deepcopy(peft32).to(torch.bfloat16)
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", block_size=4,
+                                    max_num_batched_tokens=16, lora_backend=backend, max_loras=4))
+    for name in ADAPTERS:
+        engine.add_adapter(name, read_peft(tmp_path / name))
+    g = torch.Generator().manual_seed(3)
+    reqs = {rid: (torch.randint(0, TINY_DIMS["vocab_size"], (n,), generator=g).tolist(), key)
+            for rid, (key, n, _) in REQUESTS.items()}
+    joins = {rid: step for rid, (_, _, step) in REQUESTS.items()}
+    tokens, logits = run_collecting(engine, reqs, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                    join_at=joins)
+    worst = {}
+    for rid, (prompt, key) in reqs.items():
+        refs = []
+        for m in (peft32, peft16):
+            if key is None:
+                with m.disable_adapter():
+                    refs.append(reference_logits(m, prompt, tokens[rid]).float())
+            else:
+                m.set_adapter(key)
+                refs.append(reference_logits(m, prompt, tokens[rid]).float())
+        ours = torch.stack(logits[rid])
+        worst[rid] = (rel_err(ours, refs[0]), rel_err(refs[1], refs[0]))
+    _record(f"tiny_{kind}_{backend}", {r: {"ours_vs_fp32": a, "transformers_bf16_vs_fp32": b}
+                                        for r, (a, b) in worst.items()})
+    for rid, (ours_err, hf_err) in worst.items():
+        assert ours_err <= 3 * hf_err + 1e-2, (rid, ours_err, hf_err)
+
+
+def _smollm2_path() -> Path:
+    env = os.environ.get("LORAPLEX_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    from compute_service.engine import default_model_path
+    return default_model_path()
+
+
+def test_smollm2_bf16_greedy_32_tokens():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _smollm2_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).cuda()
+    ref.generation_config.eos_token_id = None       # run all 32 steps, like ignore_eos below
+    ref.generation_config.pad_token_id = tok.eos_token_id
+    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_model_len=1024),
+                       tokenizer=tok)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.",
+               "List three prime numbers and explain why they are prime."]
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for p in prompts]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    got = engine.generate(ids, params)
+    report = []
+    for p, out in zip(ids, got):
+        x = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32,
+                                do_sample=False)[0, len(p):].tolist()
+        same = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), len(want))
+        report.append({"equal_prefix": same, "ours": tok.decode(out), "transformers": tok.decode(want)})
+    _record("smollm2_bf16_greedy", report)
+    assert all(r["equal_prefix"] == 32 for r in report), report
