@@ -128,13 +128,19 @@ class HostCache:
         disk.check_name(name)
         task_id = self.backend.task_for_name(name)
         source = self.backend.source(task_id) if task_id is not None else None
-        if source is None and self.lora_root is not None:
+        if (source is None or source.kind == "root") and self.lora_root is not None:
+            # Look on disk every time: the adapter may have been added, removed or
+            # rewritten (even in another format) since it was last loaded.
             try:
                 path = disk.find_named(self.lora_root, name)
             except NotFoundError:
+                if source is not None:
+                    raise NotFoundError(f"adapter {name!r} is no longer under the adapter root "
+                                        f"{self.lora_root}") from None
                 path = None
             if path is not None:
-                source = SourceEntry(disk.task_id_for_name(name), str(path), name, "root")
+                known = source.signature if source is not None and source.path == str(path) else ""
+                source = SourceEntry(disk.task_id_for_name(name), str(path), name, "root", known)
         if source is None:
             where = f"under the adapter root {self.lora_root}" if self.lora_root else "(no --lora-root is set)"
             raise NotFoundError(f"no adapter named {name!r}: none was loaded under that name and none is {where}")
@@ -144,6 +150,8 @@ class HostCache:
                 hint = "resend its weights" if source.kind not in RELOADABLE else "load it first (load mode never)"
                 raise NotFoundError(f"adapter {name!r} (task id {source.task_id}) is not cached: {hint}")
             return source.task_id, cached
+        if not Path(source.path).exists():
+            raise NotFoundError(f"adapter {name!r}: {source.path} no longer exists")
         if load_mode == "auto" and cached is not None and source.signature:
             if disk.signature(Path(source.path)) == source.signature:
                 return source.task_id, cached
@@ -188,6 +196,9 @@ class HostCache:
 
     def start(self) -> None:
         """Indexes the adapter root and loads the prefetch folder (errors are logged, not fatal)."""
+        for folder, flag in ((self.lora_root, "--lora-root"), (self.prefetch_dir, "--lora-prefetch-dir")):
+            if folder is not None and not folder.is_dir():
+                raise FailedPreconditionError(f"{flag} {folder} is not a folder")
         if self.lora_root is not None:
             for name, path in list_adapter_root(self.lora_root).items():
                 try:
@@ -206,5 +217,4 @@ class HostCache:
                     self._reload(source)
                 except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the rest
                     log.error("prefetch %s (task id %d) not loaded: %s", path, tid, exc)
-        log.info("host cache ready: %d sources known, %d adapters cached",
-                 len(self._local_sources), self.backend.stats().num_adapters)
+        log.info("host cache ready: %d adapters on disk known", len(self._local_sources))

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 import grpc
 
-from loraplex.formats import ModelSpec
+from loraplex.errors import LoraplexError
+from loraplex.formats import AdapterError, ModelSpec
 from loraplex.model_files import resolve_model_path
 from loraplex.serving import run_server
 from loraplex.v1 import cache_pb2_grpc
@@ -44,9 +46,17 @@ def build_cache(config: CacheConfig) -> HostCache:
 
 async def serve(config: CacheConfig) -> None:
     """Serves loraplex.v1.AdapterCache on `config.listen` until SIGTERM; shm segments are unlinked on the way out."""
-    cache = build_cache(config)
     try:
-        await asyncio.to_thread(cache.start)
+        cache = build_cache(config)
+    except (LoraplexError, AdapterError) as exc:
+        print(f"loraplex cache_service: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    try:
+        try:
+            await asyncio.to_thread(cache.start)
+        except (LoraplexError, AdapterError) as exc:
+            print(f"loraplex cache_service: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         if config.metrics_port:
             cache.metrics.serve(config.metrics_port)
             log.info("metrics on :%d/metrics", config.metrics_port)

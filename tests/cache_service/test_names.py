@@ -143,3 +143,30 @@ def test_inline_named_adapter_not_reloadable(service):
                 await c.resolve_name("inline_one")
 
     run(body())
+
+
+def test_removed_or_reformatted_adapter(service):
+    _write(service, "moving", "npy", seed=21)
+    second = _write(service, "moving_tmp", "safetensors", seed=22)
+
+    async def body():
+        async with CacheClient(service.address) as c:
+            await c.resolve_name("moving")
+            shutil.rmtree(service.root / "moving")
+            with pytest.raises(errors.NotFoundError, match="no longer"):
+                await c.resolve_name("moving")
+            (service.root / "moving_tmp.safetensors").rename(service.root / "moving.safetensors")
+            return await c.resolve_name("moving")
+
+    resolved = run(body())
+    assert resolved.version == second.content_hash
+
+
+def test_bad_settings_exit_with_a_message(tmp_path):
+    from loraplex.procs import start_service
+
+    for args, message in ((["--lora-root", str(tmp_path / "nope")], "--lora-root"),
+                          (["--model", str(tmp_path / "missing.gguf")], "does not exist")):
+        with pytest.raises(RuntimeError, match=message) as info:
+            start_service("cache", ["cache", "--listen", "127.0.0.1:0", *args], timeout_s=60)
+        assert "exited with 2" in str(info.value)
