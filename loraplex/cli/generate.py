@@ -109,9 +109,15 @@ def run(args: argparse.Namespace) -> int:
         if args.stream and num_entries == 1:
             print()
         for out, lora in zip(outs, loras or [None]):
-            label = f"[{out.index}] {'base' if lora is None else lora}" if num_entries > 1 else ""
+            label = f"[{out.index}] {_entry_label(lora)}" if num_entries > 1 else ""
             _print_completion(out, args if num_entries == 1 else _no_stream(args), label)
     return 1 if any(o.finish_reason == "error" for o in outs) else 0
+
+
+def _entry_label(lora: LoraLike) -> str:
+    if lora is None:
+        return "base"
+    return f"task_id={lora}" if isinstance(lora, int) else f"name={lora}"
 
 
 def _no_stream(args: argparse.Namespace) -> argparse.Namespace:

@@ -66,7 +66,7 @@ def test_generate_fan_out_prints_each_entry(capsys, tokenizer, tmp_path):
     code, out, err = fan
     assert code == 1  # entry 5 is not cached: its own error, the others print their text
     assert f"[0] base\n{text_of(tokenizer, None, 6)}\n" in out
-    assert f"[1] jp\n{text_of(tokenizer, 2, 6)}\n" in out
+    assert f"[1] name=jp\n{text_of(tokenizer, 2, 6)}\n" in out
     assert "NOT_FOUND" in err and "task id 5" in err
 
 

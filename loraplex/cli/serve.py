@@ -1,0 +1,133 @@
+"""`loraplex serve`: the whole system in one command.
+
+Starts redis-server (with `--backend redis` and no `--redis-url`), the host
+cache service, the compute service (on the GPU when there is one, else the
+CPU) and the gateway; waits until each answers its health check; prints
+`gateway listening on HOST:PORT`; then forwards the services' logs (prefixed
+with their names) until Ctrl-C or SIGTERM, when it stops them all, gateway
+first. If any service exits on its own, the others are stopped too.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import sys
+import threading
+import time
+
+from loraplex.cli.serve_procs import RedisServer, forward_logs, stop_all
+from loraplex.procs import ServiceProcess, start_service
+from loraplex.serving import wait_healthy
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="Start redis (optional), cache, compute and gateway together.",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--listen", default="127.0.0.1:50051", help="gateway address (default 127.0.0.1:50051)")
+    p.add_argument("--model", default="", help="GGUF file or HF folder; default SmolLM2-135M-Instruct")
+    p.add_argument("--backend", choices=("shm", "redis"), default="shm",
+                   help="host cache backend: shm (shared memory, default) or redis")
+    p.add_argument("--redis-url", default="", help="use this Redis server instead of starting redis-server")
+    p.add_argument("--lora-root", default="", help="folder of named adapters (<root>/<name>/ or <name>.safetensors)")
+    p.add_argument("--lora-prefetch-dir", default="",
+                   help="folder of <task_id>/model.lora_{config,weights}.npy loaded at start")
+    p.add_argument("--host-cache-bytes", default="", help="host cache byte budget (default 1 GiB)")
+    p.add_argument("--max-lora-rank", default="", help="largest adapter rank accepted (default 256)")
+    p.add_argument("--device", default="auto", help="compute device: auto (GPU if present), cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, float16 or bfloat16")
+    p.add_argument("--max-model-len", default="", help="longest prompt + output")
+    p.add_argument("--cache-flags", default="", help='more flags for the cache service, e.g. "--metrics-port 9101"')
+    p.add_argument("--compute-flags", default="", help='more flags for the compute service, e.g. "--max-num-seqs 8"')
+    p.add_argument("--gateway-flags", default="", help="more flags for the gateway")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
+    p.add_argument("--quiet", action="store_true", help="do not forward the services' logs")
+    p.set_defaults(func=run)
+
+
+def _opt(flag: str, value: str) -> list[str]:
+    return [flag, value] if value else []
+
+
+def service_args(args: argparse.Namespace, redis_url: str) -> tuple[list[str], list[str]]:
+    """Flags of the cache and compute services (their addresses are picked by the OS)."""
+    shared = _opt("--model", args.model) + _opt("--max-lora-rank", args.max_lora_rank)
+    cache = (["cache", "--listen", "127.0.0.1:0", "--backend", args.backend] + _opt("--redis-url", redis_url)
+             + _opt("--lora-root", args.lora_root) + _opt("--lora-prefetch-dir", args.lora_prefetch_dir)
+             + _opt("--host-cache-bytes", args.host_cache_bytes) + shared + shlex.split(args.cache_flags))
+    compute = (["compute", "--listen", "127.0.0.1:0", "--device", args.device, "--dtype", args.dtype]
+               + _opt("--max-model-len", args.max_model_len) + shared + shlex.split(args.compute_flags))
+    return cache, compute
+
+
+def _wait_stop_signal(services: list[ServiceProcess]) -> str:
+    """Blocks until SIGINT/SIGTERM or a service exits; returns why."""
+    stop = threading.Event()
+    reason = ["signal"]
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.wait(0.5):
+        for svc in services:
+            if svc.proc.poll() is not None:
+                reason[0] = f"{svc.name} exited with code {svc.proc.returncode}"
+                return reason[0]
+    return reason[0]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    started: list[ServiceProcess] = []
+    redis: RedisServer | None = None
+    timeout = args.startup_timeout
+    # Until everything is up, SIGTERM acts like Ctrl-C, so a half-started system is still stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        redis_url = args.redis_url
+        if args.backend == "redis" and not redis_url:
+            redis = RedisServer.start()
+            redis_url = redis.url
+            print(f"serve: redis-server at {redis_url}", file=sys.stderr, flush=True)
+        cache_args, compute_args = service_args(args, redis_url)
+        t0 = time.monotonic()
+        cache = start_service("cache", cache_args, timeout_s=timeout)
+        started.append(cache)
+        compute = start_service("compute", compute_args + ["--cache-address", cache.address], timeout_s=timeout)
+        started.append(compute)
+        gateway = start_service("gateway", ["gateway", "--listen", args.listen, "--cache-address", cache.address,
+                                            "--compute-addresses", compute.address]
+                                + _opt("--model", args.model) + shlex.split(args.gateway_flags), timeout_s=timeout)
+        started.append(gateway)
+        for svc in started:
+            asyncio.run(wait_healthy(svc.address, timeout_s=timeout))
+        print(f"serve: cache at {cache.address} ({args.backend}), compute at {compute.address}, "
+              f"ready in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        # The one line tools read (same form as every service's): where the public API is.
+        print(f"gateway listening on {gateway.address}", flush=True)
+        if not args.quiet:
+            forward_logs(started)
+        reason = _wait_stop_signal(started)
+        print(f"serve: stopping ({reason})", file=sys.stderr, flush=True)
+        failed = reason != "signal"
+        if failed:
+            dead = next(s for s in started if s.proc.poll() is not None)
+            sys.stderr.write("".join(dead.lines[-40:]))
+        return 1 if failed else 0
+    except KeyboardInterrupt:
+        print("serve: interrupted while starting; stopping", file=sys.stderr, flush=True)
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"serve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_all(started, redis)
+        print("serve: stopped", file=sys.stderr, flush=True)
