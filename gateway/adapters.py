@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loraplex.errors import (AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, NotFoundError,
-                             ResourceExhaustedError)
+                             ResourceExhaustedError, UnavailableError)
 from loraplex.formats import (Adapter, AdapterError, AdapterMetadata, AdapterTooLargeError,
                               BaseModelMismatchError, ModelSpec, adapter_from_tensors, validate)
 from loraplex.tensor_proto import tensor_from_proto
@@ -101,6 +101,30 @@ class AdapterResolver:
     def __init__(self, store: AdapterStore, model_spec: ModelSpec) -> None:
         self._store = store
         self._spec = model_spec
+        # Last versions the cache confirmed, so adapters already in use keep serving while the
+        # cache is down (the compute service holds them); new adapters need the cache.
+        self._known: dict[int, str] = {}
+        self._known_names: dict[str, tuple[int, str]] = {}
+
+    def forget(self, task_id: int | None, name: str = "") -> None:
+        """Drops what this gateway remembers of an unloaded adapter."""
+        if task_id is not None:
+            self._known.pop(task_id, None)
+        self._known_names = {n: v for n, v in self._known_names.items() if n != name and v[0] != task_id}
+
+    async def _cached_version(self, task_id: int) -> str | None:
+        try:
+            version = await self._store.cached_version(task_id)
+        except UnavailableError:
+            if task_id not in self._known:
+                raise
+            log.warning("host cache unavailable: serving task id %d at its last known version", task_id)
+            return self._known[task_id]
+        if version is None:
+            self._known.pop(task_id, None)
+        else:
+            self._known[task_id] = version
+        return version
 
     async def validate_inline(self, weights: common_pb2.Tensor, config: common_pb2.Tensor, what: str) -> Adapter:
         """Decodes and validates inline tensors against the base model (nothing is stored)."""
@@ -137,7 +161,7 @@ class AdapterResolver:
         if mode == common_pb2.LOAD_MODE_ALWAYS:
             raise InvalidArgumentError(f"{what}: load_mode ALWAYS reloads an adapter, so it needs weights "
                                        "and config (or a name to reload from the adapter root)")
-        version = await self._store.cached_version(task_id)
+        version = await self._cached_version(task_id)
         if version is None:
             raise NotFoundError(f"{what}: task id {task_id} is not cached; send weights and config with "
                                 "it (its first request) or load it with LoadLora")
@@ -145,7 +169,7 @@ class AdapterResolver:
 
     async def _resolve_inline(self, spec: common_pb2.LoraSpec, task_id: int, what: str) -> ResolvedLora:
         if spec.load_mode == common_pb2.LOAD_MODE_AUTO:
-            version = await self._store.cached_version(task_id)
+            version = await self._cached_version(task_id)
             if version is not None:
                 # As in the seed: once cached, the task id alone identifies it; use ALWAYS to replace.
                 return ResolvedLora(task_id, version)
@@ -154,10 +178,11 @@ class AdapterResolver:
             info = await self._store.put(task_id, adapter, replace=spec.load_mode == common_pb2.LOAD_MODE_ALWAYS)
         except AlreadyExistsError:
             # A concurrent first request cached it meanwhile: AUTO uses that copy.
-            version = await self._store.cached_version(task_id)
+            version = await self._cached_version(task_id)
             if version is None:
                 raise
             return ResolvedLora(task_id, version)
+        self._known[task_id] = info.version
         log.info("cached inline adapter task_id=%d version=%s (%d bytes)", task_id, info.version, adapter.num_bytes)
         return ResolvedLora(task_id, info.version)
 
@@ -165,7 +190,14 @@ class AdapterResolver:
         if spec.HasField("weights"):
             raise InvalidArgumentError(f"{what}: give either a name or inline weights with a task_id, not "
                                        "both (use LoadLora to store inline weights under a name)")
-        task_id, version = await self._store.resolve_name(spec.name, spec.load_mode)
+        try:
+            task_id, version = await self._store.resolve_name(spec.name, spec.load_mode)
+        except UnavailableError:
+            if spec.name not in self._known_names or spec.load_mode == common_pb2.LOAD_MODE_ALWAYS:
+                raise
+            task_id, version = self._known_names[spec.name]
+            log.warning("host cache unavailable: serving %r at its last known version", spec.name)
+        self._known_names[spec.name] = (task_id, version)
         if spec.HasField("task_id") and spec.task_id != task_id:
             raise InvalidArgumentError(f"{what}: name {spec.name!r} is task id {task_id}, "
                                        f"not {spec.task_id}; give one of them")

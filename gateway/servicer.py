@@ -144,6 +144,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if task_id is None:
             task_id = await self._task_id_of(request.name)
         unloaded = await self._store.evict(task_id, request.name)
+        self._resolver.forget(task_id, request.name)
         if task_id is not None:
             await self._drop_from_compute(task_id)
         return gateway_pb2.UnloadLoraResponse(unloaded=unloaded)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from loraplex.errors import AlreadyExistsError, NotFoundError
+from loraplex.errors import AlreadyExistsError, NotFoundError, UnavailableError
 from loraplex.formats import Adapter, ModelSpec
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 from gateway.adapters import StoreLimits
@@ -99,6 +99,11 @@ class MemoryStore:
         self.names: dict[str, int] = {}
         self.root: dict[str, tuple[int, Adapter]] = {}  # adapters "on disk" under the adapter root
         self.puts = 0
+        self.down = False  # True: every call fails as if the cache service were unreachable
+
+    def _check(self):
+        if self.down:
+            raise UnavailableError("the host cache service at 127.0.0.1:1 is unavailable")
 
     def info(self, task_id: int) -> common_pb2.AdapterInfo:
         a = self.adapters[task_id]
@@ -107,10 +112,12 @@ class MemoryStore:
                                       num_bytes=a.num_bytes, in_host_cache=True, max_rank=a.max_rank)
 
     async def cached_version(self, task_id):
+        self._check()
         a = self.adapters.get(task_id)
         return None if a is None else a.content_hash
 
     async def put(self, task_id, adapter, *, name="", replace=False):
+        self._check()
         if task_id in self.adapters and not replace:
             raise AlreadyExistsError(f"task id {task_id} is cached")
         self.puts += 1
@@ -120,6 +127,7 @@ class MemoryStore:
         return self.info(task_id)
 
     async def resolve_name(self, name, load_mode):
+        self._check()
         if name in self.names and self.names[name] in self.adapters and load_mode != common_pb2.LOAD_MODE_ALWAYS:
             return self.names[name], self.adapters[self.names[name]].content_hash
         if name not in self.root or load_mode == common_pb2.LOAD_MODE_NEVER:
@@ -129,18 +137,21 @@ class MemoryStore:
         return task_id, adapter.content_hash
 
     async def limits(self):
+        self._check()
         return StoreLimits(self.spec.fingerprint, self.max_lora_rank, self.max_bytes)
 
     async def load_path(self, path, task_id, name, replace):
         raise NotFoundError(f"{path} is not under the adapter root")
 
     async def evict(self, task_id, name):
+        self._check()
         if task_id is None:
             task_id = self.names.get(name)
         self.names = {n: t for n, t in self.names.items() if t != task_id and n != name}
         return self.adapters.pop(task_id, None) is not None
 
     async def list(self):
+        self._check()
         return [self.info(t) for t in self.adapters], sum(a.num_bytes for a in self.adapters.values()), 1 << 30
 
 

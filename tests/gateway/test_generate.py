@@ -221,3 +221,27 @@ def test_sync_client_against_the_same_server(tokenizer):
     out, chunks = run(go())
     assert out.text == expected(tokenizer, None, 6)[1] and out.finish_reason == "length"
     assert sum(len(c.token_ids) for c in chunks) == 3
+
+
+def test_cache_down_keeps_known_adapters_serving_and_refuses_new_ones(tokenizer):
+    from loraplex.errors import UnavailableError
+
+    async def go():
+        async with gateway_stack(tokenizer) as st:
+            w, c = random_adapter()
+            await st.client.generate("q", lora=Lora(task_id=1, weights=w, config=c), max_tokens=3)
+            from loraplex.formats import adapter_from_tensors
+            st.store.root["jp"] = (2, adapter_from_tensors(*random_adapter()))
+            await st.client.generate("q", lora="jp", max_tokens=3)
+            st.store.down = True
+            known = await st.client.generate("q", lora=1, max_tokens=5)
+            named = await st.client.generate("q", lora="jp", max_tokens=5)
+            errs = []
+            for lora in (Lora(task_id=3, weights=w, config=c), 9, Lora(name="jp", load_mode="always")):
+                with pytest.raises(UnavailableError) as e:
+                    await st.client.generate("q", lora=lora)
+                errs.append(str(e.value))
+            return known, named, errs
+    known, named, errs = run(go())
+    assert known.text == expected(tokenizer, 1, 5)[1] and named.text == expected(tokenizer, 2, 5)[1]
+    assert all("host cache" in e for e in errs)
