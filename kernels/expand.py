@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
@@ -28,8 +29,11 @@ def _expand_kernel(
     layer, num_layers, num_modules, max_rank,
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_N: tl.constexpr,
-    N_GROUPS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr,
+    N_GROUPS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_wait()                     # see the shrink kernel: launched early, waits for its predecessor
+        gdc_launch_dependents()
     # Column groups of one slice vary fastest; each program walks GROUP_N columns in BLOCK_N steps.
     pid_sub = tl.program_id(0)
     pid_tile = tl.program_id(1)
@@ -157,5 +161,6 @@ def lora_expand_triton(
         *mods, *offs,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], GROUP_N=cfg["GROUP_N"],
         N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=_next_pow2(meta.max_slots),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"launch_pdl": True} if cfg.get("PDL") else {}),
     )

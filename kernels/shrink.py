@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
@@ -32,8 +33,13 @@ def _shrink_kernel(
     layer, num_layers, num_modules, max_rank, K, K_PER_SPLIT,
     mod0, mod1, mod2, mod3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr,
+    MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        # Programmatic dependent launch: this grid was launched while the previous one ran; wait for it
+        # before touching anything, then let the next grid launch.
+        gdc_wait()
+        gdc_launch_dependents()
     # Slice / rank block / K split vary fastest, so programs sharing a token tile run together and
     # the tile of x is read from DRAM once, then from L2.
     pid_sub = tl.program_id(0)
@@ -193,5 +199,6 @@ def lora_shrink_triton(
         *mods,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
         MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"launch_pdl": True} if cfg.get("PDL") else {}),
     )

@@ -2,13 +2,16 @@
 import pytest
 import torch
 
-from kernels import LoraBatchMeta, lora_expand, lora_shrink
+from kernels import LoraBatchMeta
+from kernels.expand import lora_expand_triton
+from kernels.shrink import lora_shrink_triton
 from lora_case import build_case, dense_expand, dense_shrink, random_slot_ids, rel_err
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [8, 256])
-def test_graph_replay_follows_new_metadata(T):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_graph_replay_follows_new_metadata(T, pdl):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ranks = {s: [[8, 16, 64][(s + i) % 3] for i in range(3)] for s in range(10)}
     case = build_case(ranks=ranks, h_in=4096, outs=[4096, 1024, 1024], num_layers=1, max_slots=16,
@@ -19,9 +22,11 @@ def test_graph_replay_follows_new_metadata(T):
     y = torch.empty(T, 6144, dtype=torch.bfloat16, device="cuda")
     s = torch.empty(3, T, case.tables.max_rank, device="cuda")
 
+    cfg = {"PDL": 1} if pdl else None       # programmatic dependent launch between the two kernels
+
     def step():
-        lora_shrink(x, case.pool, case.tables, meta, 0, mods, s)
-        lora_expand(s, case.pool, case.tables, meta, 0, mods, y, offs)
+        lora_shrink_triton(x, case.pool, case.tables, meta, 0, mods, s, config=cfg)
+        lora_expand_triton(s, case.pool, case.tables, meta, 0, mods, y, offs, config=cfg)
 
     meta.prepare(random_slot_ids(T, [0, 1], 0.0, gen).cuda())
     x.copy_(torch.randn(T, 4096, generator=gen))
