@@ -148,11 +148,36 @@ async def decode_phase(rt, batch: int, steps: int, vocab: int, warm_key_task: in
         stop_at["t"] = time.perf_counter()
         for task_id, t0, _ in futs:
             tm = rt.slots.timings[key_of[task_id]]
-            loads.append(dict(task_id=task_id, rank=dict(storm)[task_id], bytes=tm.num_bytes,
-                              latency_ms=(tm.done_at - t0) * 1e3, fetch_and_stage_ms=(tm.staged_at - t0) * 1e3,
-                              queued_ms=(tm.copy_started_at - tm.staged_at) * 1e3, copy_ms=tm.copy_ms))
+            loads.append(load_record(task_id, dict(storm)[task_id], tm, t0))
     await asyncio.gather(*tasks)
     return dict(gaps=gaps, loads=loads)
+
+
+def load_record(task_id: int, rank: int, tm, t0: float) -> dict:
+    """One load's figures: request -> resident latency, and where the time went."""
+    return dict(task_id=task_id, rank=rank, bytes=tm.num_bytes, registered=tm.registered,
+                latency_ms=(tm.done_at - t0) * 1e3, fetch_and_upload_ms=(tm.staged_at - t0) * 1e3,
+                wait_for_pages_ms=(tm.copy_started_at - tm.staged_at) * 1e3,
+                upload_device_ms=tm.upload_ms, upload_host_ms=tm.upload_host_ms, pack_device_ms=tm.copy_ms,
+                upload_gbps=tm.num_bytes / (tm.upload_ms * 1e6) if tm.upload_ms else 0.0)
+
+
+async def isolated_loads(rt, adapters_by_rank: dict[int, int], register: bool) -> list[dict]:
+    """Loads with no batch running: the pipeline's own latency (registered vs pageable host memory)."""
+    rt.slots.register_host_memory = register
+    out = []
+    for rank, task_id in adapters_by_rank.items():
+        key = f"{task_id}@"
+        rt.slots.drop_staged(key)
+        await rt.runner.drop(task_id)
+        t0 = time.perf_counter()
+        await rt.runner.prefetch(task_id, "")
+        while not rt.slots.is_ready(key):
+            await asyncio.sleep(0.0005)
+        out.append(load_record(task_id, rank, rt.slots.timings[key], t0))
+        await rt.runner.drop(task_id)
+    rt.slots.register_host_memory = True
+    return out
 
 
 def summary(gaps: list[float]) -> dict:
@@ -214,6 +239,9 @@ def main() -> None:
             storm = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, storm_list,
                                        args.gap_ms / 1e3)
             del warm
+            for register in (True, False):
+                result[f"isolated_loads_{'registered' if register else 'pageable'}"] = await isolated_loads(
+                    rt, {16: 1000, 64: 1001}, register)
             result["quiet"] = summary(quiet["gaps"])
             result["storm"] = summary(storm["gaps"])
             result["loads"] = storm["loads"]
@@ -222,21 +250,26 @@ def main() -> None:
 
     asyncio.run(run())
     pinned = result.get("h2d_pinned_gbps")
-    for ld in result["loads"]:
+    all_loads = result["loads"] + result.get("isolated_loads_registered", []) + \
+        result.get("isolated_loads_pageable", [])
+    for ld in all_loads:
         if pinned:
             ld["pinned_copy_ideal_ms"] = ld["bytes"] / (pinned * 1e9) * 1e3
-            ld["copy_vs_ideal"] = ld["copy_ms"] / ld["pinned_copy_ideal_ms"]
+            ld["latency_vs_pinned_copy"] = ld["latency_ms"] / ld["pinned_copy_ideal_ms"]
+            ld["upload_vs_pinned_copy"] = ld["upload_device_ms"] / ld["pinned_copy_ideal_ms"]
     for rank in (16, 64):
         sel = [ld for ld in result["loads"] if ld["rank"] == rank]
         if sel:
             result[f"rank{rank}"] = dict(
                 bytes=sel[0]["bytes"], latency_ms_p50=pct([s["latency_ms"] for s in sel], 50),
-                copy_ms_p50=pct([s["copy_ms"] for s in sel], 50),
-                fetch_and_stage_ms_p50=pct([s["fetch_and_stage_ms"] for s in sel], 50))
+                upload_device_ms_p50=pct([s["upload_device_ms"] for s in sel], 50),
+                pack_device_ms_p50=pct([s["pack_device_ms"] for s in sel], 50),
+                fetch_and_upload_ms_p50=pct([s["fetch_and_upload_ms"] for s in sel], 50))
     q, s = result["quiet"], result["storm"]
     result["p99_ratio_storm_vs_quiet"] = s["p99_ms"] / q["p99_ms"]
     result["p50_ratio_storm_vs_quiet"] = s["p50_ms"] / q["p50_ms"]
     print(json.dumps({k: v for k, v in result.items() if k != "loads"}, indent=1))
+    print(json.dumps(result["loads"][:4], indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

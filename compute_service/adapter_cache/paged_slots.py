@@ -13,18 +13,19 @@ Two ways in:
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from compute_service.adapter_cache.errors import AdapterTooLargeError
-from compute_service.adapter_cache.layout import PoolLayout, adapter_rows, rows_pages
+from compute_service.adapter_cache.checks import check_structure
+from compute_service.adapter_cache.errors import AdapterLoadError, AdapterTooLargeError
+from compute_service.adapter_cache.layout import PoolLayout
 from compute_service.adapter_cache.residency import AdapterResidency, Entry, State
-from compute_service.adapter_cache.staging import CopyHandle, Staged, stage, start_copy
-from compute_service.engine.adapter_check import check_adapter
-from compute_service.engine.errors import CapacityError
+from compute_service.adapter_cache.staging import CopyHandle, Uploaded, pack, upload
+from compute_service.engine.errors import CapacityError, InvalidAdapterError
 from compute_service.engine.spec import ModelSpec
-from kernels import DEFAULT_MODULE_IDS, LoraRowTables
+from kernels import DEFAULT_MODULE_IDS, LoraRowTables, pages_needed
 from loraplex.formats.adapter import Adapter
 
 
@@ -33,16 +34,23 @@ class LoadTiming:
     """Per-load figures, for stats and the swap benchmark."""
 
     num_bytes: int
-    staged_at: float                # host clock (perf_counter seconds)
-    copy_started_at: float = 0.0
-    done_at: float = 0.0            # when a step boundary saw the copy finished
-    copy_ms: float = 0.0            # device time of the host-to-device copy (CUDA)
+    staged_at: float                # host clock (perf_counter seconds): uploaded, waiting for pages
+    copy_started_at: float = 0.0    # pages granted, pack queued
+    done_at: float = 0.0            # when a step boundary saw the pack finished
+    upload_ms: float = 0.0          # device time of the host-to-device copy (CUDA)
+    upload_host_ms: float = 0.0     # worker wall time of the upload
+    copy_ms: float = 0.0            # device time of the pack into pages (CUDA)
+    registered: bool = False        # the upload was a DMA from registered host memory
 
 
 @dataclass
 class _InFlight:
-    handle: CopyHandle
+    job: "Future[CopyHandle]"
+    up: Uploaded
     timing: LoadTiming | None = None
+
+    def done(self) -> bool:
+        return self.job.done() and (self.job.exception() is not None or self.job.result().done())
 
 
 @dataclass
@@ -70,11 +78,14 @@ class PagedAdapterSlots:
         self.pool: torch.Tensor | None = None
         self.tables: LoraRowTables | None = None
         self.residency: AdapterResidency | None = None
-        self._staged: dict[str, Staged] = {}
+        self._staged: dict[str, Uploaded] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._claims: dict[str, int] = {}
         self.failed: dict[str, BaseException] = {}  # loads that failed; the runner fails their requests
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Packs run here, so their Python (a few ms per adapter) never sits between two steps.
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="adapter-pack")
+        self.register_host_memory = True
         self.timings: dict[str, LoadTiming] = {}   # last load of each key
 
     def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
@@ -102,15 +113,20 @@ class PagedAdapterSlots:
         return self.residency
 
     # -- preparing an adapter (may run in a worker thread: touches no shared state) -------------
-    def stage_adapter(self, key: str, adapter: Adapter) -> Staged:
-        """Validates against the model, refuses what can never fit, packs pages in host memory."""
+    def stage_adapter(self, key: str, adapter: Adapter) -> Uploaded:
+        """Checks against the model, refuses what can never fit, uploads the rows (see staging.py)."""
         assert self.layout is not None
-        checked = check_adapter(adapter, self.spec, self.max_lora_rank)
-        rows = adapter_rows(checked, self.spec)
-        n = rows_pages(rows, self.layout.page_elems)
+        checked = check_structure(adapter, self.spec, self.max_lora_rank)
+        shapes = []
+        for (module_id, _layer, rank), (fin, fout) in zip(checked.config.tolist(), checked.in_out):
+            if module_id == 0:   # fused qkv: one A per q, k, v slice
+                shapes += [(rank, fin, self.spec.q_size), (rank, fin, self.spec.kv_size), (rank, fin, self.spec.kv_size)]
+            else:
+                shapes.append((rank, fin, fout))
+        n = pages_needed(shapes, self.layout.page_elems)
         if n > self.layout.num_pages:
             raise AdapterTooLargeError(key, n, self.layout.num_pages, self.layout.page_bytes)
-        return stage(rows, self.layout, pin=self.device.type == "cuda")
+        return upload(checked, self.spec, self.layout, self.device, self._stream, self.register_host_memory)
 
     # -- the AdapterSlots protocol ---------------------------------------------------------------
     def load(self, key: str, adapter: Adapter) -> int:
@@ -151,10 +167,11 @@ class PagedAdapterSlots:
         return self._res.drop(key)
 
     # -- the asynchronous path -----------------------------------------------------------------------
-    def add_staged(self, key: str, staged: Staged) -> None:
+    def add_staged(self, key: str, staged: Uploaded) -> None:
         if key not in self._staged:
             self._staged[key] = staged
-            self.timings[key] = LoadTiming(staged.num_bytes, time.perf_counter())
+            self.timings[key] = LoadTiming(staged.num_bytes, time.perf_counter(), upload_host_ms=staged.host_ms,
+                                           registered=staged.registered)
 
     def has_staged(self, key: str) -> bool:
         return key in self._staged
@@ -200,20 +217,27 @@ class PagedAdapterSlots:
             now = time.perf_counter()
             if t is not None:
                 t.copy_started_at = now
-            try:
-                handle = start_copy(staged, self.pool, self.tables, e.pages, e.slot, self.layout, self._stream)
-            except Exception as exc:  # noqa: BLE001 - reported to the requests waiting for it
-                res.fail_load(e.key)
-                self.failed[e.key] = exc
+            job = self._packer.submit(pack, staged, self.pool, self.tables, list(e.pages), e.slot, self.layout,
+                                      self._stream)
+            self._in_flight[e.key] = _InFlight(job, staged, t)
+        done = []
+        for k, f in list(self._in_flight.items()):
+            if not f.done():
                 continue
-            self._in_flight[e.key] = _InFlight(handle, t)
-        done = [k for k, f in self._in_flight.items() if f.handle.done()]
-        for k in done:
-            f = self._in_flight.pop(k)
+            del self._in_flight[k]
+            exc = f.job.exception()
+            if exc is None and f.up.finite_host is not None and not bool(f.up.finite_host):
+                exc = InvalidAdapterError(f"adapter {k}: weights contain NaN or Inf")
+            if exc is not None:     # reported to the requests waiting for it
+                res.fail_load(k)
+                self.failed[k] = AdapterLoadError(k, exc)
+                continue
             if f.timing is not None:
                 f.timing.done_at = time.perf_counter()
-                f.timing.copy_ms = f.handle.copy_ms()
+                f.timing.copy_ms = f.job.result().copy_ms()
+                f.timing.upload_ms = f.up.upload_ms()
             res.finish_load(k)
+            done.append(k)
         # Staged copies nobody waits for any more (their requests left while queued).
         for k in [k for k in self._staged if res.get(k) is None and k not in self._claims]:
             del self._staged[k]
@@ -221,6 +245,8 @@ class PagedAdapterSlots:
 
     def wait_loads(self) -> None:
         """Blocks until every queued copy finished (synchronous load, tests, shutdown)."""
+        for f in list(self._in_flight.values()):
+            f.job.exception()          # waits for the pack job
         if self._stream is not None:
             self._stream.synchronize()
         self.pump()

@@ -1,78 +1,114 @@
-"""Staging an adapter in (pinned) host memory and copying it into pool pages.
+"""Moving an adapter onto the device and into its pool pages, off the event loop and off the batch's stream.
 
-`stage` lays the adapter's rows out as whole pages in a host buffer, exactly as
-they will sit in the pool, but numbered 0..n-1; it runs in a worker thread, so
-the CPU work (casting, packing) never holds up the step loop. `start_copy` then
-moves the staged pages into the pages the cache granted and fills the slot's
-row tables, renumbering local page offsets into pool offsets. On CUDA the
-copies are queued on a side stream from pinned memory (full PCIe speed, and
-the running batch's kernels are not delayed) and an event says when they are
-done; on CPU they are plain copies.
+1. `upload` (worker thread, before pages are granted): each row's used prefix
+   (A then B, no padding) goes into one device buffer, on the side stream.
+   The host memory is first registered with CUDA (cudaHostRegister; works for
+   a mapped shared-memory segment as for any host tensor), so the copy is a
+   DMA at full PCIe speed with no CPU copy at all; where registering fails,
+   the driver stages the pageable memory itself (several times slower, still
+   off the batch's stream). NaN/Inf are checked on the device.
+2. `pack` (worker thread, once pages and a slot are granted):
+   `kernels.paged.write_adapter` on the side stream moves A rows and B^T rows
+   device-to-device into the pages and fills the slot's row tables; an event
+   says when it is done.
+On CPU the rows stay views of the host tensor and `pack` is a plain copy.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from compute_service.adapter_cache.layout import PoolLayout, Row, rows_pages
-from kernels import DEFAULT_MODULE_IDS, LoraRowTables, write_adapter
+from compute_service.engine.errors import InvalidAdapterError
+from compute_service.engine.spec import ModelSpec
+from kernels import LoraRowTables, write_adapter
+from loraplex.formats.adapter import Adapter
 
 
 @dataclass
-class Staged:
-    """An adapter packed into `num_pages` host pages, with slot tables relative to page 0."""
+class Uploaded:
+    """An adapter's rows where `pack` reads them: device views (CUDA) or host views (CPU)."""
 
-    pages: torch.Tensor       # [num_pages, page_elems] pool dtype, pinned on CUDA hosts
-    a_offsets: torch.Tensor   # [L, M, R] int64 local element offsets
-    b_offsets: torch.Tensor
-    ranks: torch.Tensor       # [L, M] int32
-    shapes: torch.Tensor      # [L, M, 3] int64 (rank, in, out)
+    rows: list[Row]
+    num_pages: int
+    num_bytes: int                         # bytes moved host -> device (rows without padding)
+    finite_host: torch.Tensor | None       # pinned bool, valid once `event` is done (CUDA)
+    event: "torch.cuda.Event | None"       # upload finished
+    start_event: "torch.cuda.Event | None" = None
+    host_ms: float = 0.0                   # wall time the worker spent uploading
+    registered: bool = False               # DMA straight from registered host memory
 
-    @property
-    def num_pages(self) -> int:
-        return self.pages.shape[0]
-
-    @property
-    def num_bytes(self) -> int:
-        return self.pages.numel() * self.pages.element_size()
-
-
-def stage(rows: list[Row], layout: PoolLayout, pin: bool) -> Staged:
-    """Packs rows into host pages numbered from 0 (pinned when `pin`, for asynchronous H2D copies)."""
-    n = rows_pages(rows, layout.page_elems)
-    pages = torch.empty(n * layout.page_elems, dtype=layout.dtype, pin_memory=pin)
-    tables = LoraRowTables(1, layout.num_layers, layout.max_rank, device="cpu", module_ids=DEFAULT_MODULE_IDS)
-    write_adapter(pages, list(range(n)), rows, tables, 0, layout.page_elems)
-    ranks = tables.ranks[0]
-    # Pin the small tables too, so their copies are asynchronous like the pages'.
-    a_off, b_off = tables.a_offsets[0], tables.b_offsets[0]
-    if pin:
-        a_off, b_off, ranks = a_off.pin_memory(), b_off.pin_memory(), ranks.pin_memory()
-    return Staged(pages.view(n, layout.page_elems), a_off, b_off, ranks, tables.shapes_cpu[0].clone())
+    def upload_ms(self) -> float:
+        if self.event is None or self.start_event is None:
+            return 0.0
+        return self.start_event.elapsed_time(self.event)
 
 
-def _runs(page_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(local start, pool start, length) of runs of consecutive pool page ids."""
-    runs: list[tuple[int, int, int]] = []
-    for i, p in enumerate(page_ids):
-        if runs and runs[-1][1] + runs[-1][2] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+def _row_views(adapter: Adapter, spec: ModelSpec, src: torch.Tensor, offsets: list[int]) -> list[Row]:
+    """(module, layer, rank, A, B) views into `src` at `offsets`; fused qkv split into q, k, v (shared A)."""
+    rows: list[Row] = []
+    split = [spec.q_size, spec.kv_size, spec.kv_size]
+    for i, (module_id, layer, rank) in enumerate(adapter.config.tolist()):
+        fin, fout = adapter.in_out[i]
+        o = offsets[i]
+        a = src[o: o + rank * fin].view(rank, fin)
+        b = src[o + rank * fin: o + rank * (fin + fout)].view(fout, rank)
+        if module_id == 0:
+            rows.extend((m, layer, rank, a, bp) for m, bp in zip((1, 2, 3), b.split(split, dim=0)))
         else:
-            runs.append((i, p, 1))
-    return runs
+            rows.append((module_id, layer, rank, a, b))
+    return rows
 
 
-def _relocate(local: torch.Tensor, page_ids: list[int], page_elems: int, rank_mask: torch.Tensor) -> torch.Tensor:
-    """Local element offsets -> pool offsets (entries beyond each rank stay 0)."""
-    ids = torch.tensor(page_ids, dtype=torch.int64)
-    out = ids[local // page_elems] * page_elems + local % page_elems
-    return torch.where(rank_mask, out, torch.zeros_like(out))
+def _register(t: torch.Tensor) -> bool:
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    except Exception:  # noqa: BLE001 - no cudart binding: fall back to pageable copies
+        return False
+    return int(err) == 0
+
+
+def upload(adapter: Adapter, spec: ModelSpec, layout: PoolLayout, device: torch.device,
+           stream: "torch.cuda.Stream | None", register: bool = True) -> Uploaded:
+    """Puts a structurally checked adapter (in_out known) where `pack` can read it."""
+    t0 = time.perf_counter()
+    used = [int(r) * (fi + fo) for r, (fi, fo) in zip(adapter.config[:, 2].tolist(), adapter.in_out)]
+    offsets = [sum(used[:i]) for i in range(len(used))] if used else []
+    w = adapter.weights
+    if device.type != "cuda" or stream is None:
+        rows = [(m, l, r, a, b) for m, l, r, a, b in _row_views(adapter, spec, w.reshape(-1), [
+            i * w.shape[1] for i in range(w.shape[0])])]
+        if not all(torch.isfinite(a).all() and torch.isfinite(b).all() for _, _, _, a, b in rows):
+            raise InvalidAdapterError("adapter weights contain NaN or Inf")
+        return Uploaded(rows, rows_pages(rows, layout.page_elems), sum(used) * w.element_size(), None, None)
+    w = w.contiguous()
+    registered = register and _register(w)
+    try:
+        with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            raw = torch.empty(sum(used), dtype=w.dtype, device=device)
+            for i, n in enumerate(used):
+                raw[offsets[i]: offsets[i] + n].copy_(w[i, :n], non_blocking=True)
+            finite_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            finite_host.copy_(torch.isfinite(raw).all(), non_blocking=True)
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(stream)
+        if registered:
+            done.synchronize()       # the DMA reads the host memory: keep it registered until then
+    finally:
+        if registered:
+            torch.cuda.cudart().cudaHostUnregister(w.data_ptr())
+    rows = _row_views(adapter, spec, raw, offsets)
+    return Uploaded(rows, rows_pages(rows, layout.page_elems), sum(used) * w.element_size(), finite_host, done,
+                    start, (time.perf_counter() - t0) * 1e3, registered)
 
 
 @dataclass
 class CopyHandle:
-    """A queued copy: done when `event` is (None on CPU: done at once). Holds the host buffers until then."""
+    """A queued pack: done when `event` is (None on CPU: done at once). Holds the buffers until then."""
 
     event: "torch.cuda.Event | None"
     keep_alive: tuple[object, ...] = ()
@@ -82,44 +118,29 @@ class CopyHandle:
         return self.event is None or self.event.query()
 
     def copy_ms(self) -> float:
-        """Device time of the copies (CUDA only, once done; 0 on CPU)."""
+        """Device time of the pack (CUDA only, once done; 0 on CPU)."""
         if self.event is None or self.start_event is None:
             return 0.0
         return self.start_event.elapsed_time(self.event)
 
 
-def start_copy(staged: Staged, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int], slot: int,
-               layout: PoolLayout, stream: "torch.cuda.Stream | None") -> CopyHandle:
-    """Queues the pages and the slot's tables (on `stream` when given, else synchronously)."""
-    if len(page_ids) != staged.num_pages:
-        raise ValueError(f"staged {staged.num_pages} pages, granted {len(page_ids)}")
-    R = layout.max_rank
-    mask = torch.arange(R)[None, None, :] < staged.ranks[:, :, None]
-    a_off = _relocate(staged.a_offsets, page_ids, layout.page_elems, mask)
-    b_off = _relocate(staged.b_offsets, page_ids, layout.page_elems, mask)
-    pages_2d = pool.view(-1, layout.page_elems)
+def pack(up: Uploaded, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int], slot: int,
+         layout: PoolLayout, stream: "torch.cuda.Stream | None") -> CopyHandle:
+    """Writes the uploaded rows into the granted pages and fills `slot`'s tables (queued on `stream`)."""
+    if len(page_ids) != up.num_pages:
+        raise ValueError(f"adapter needs {up.num_pages} pages, granted {len(page_ids)}")
     if stream is None:
-        for lo, p, n in _runs(page_ids):
-            pages_2d[p: p + n].copy_(staged.pages[lo: lo + n])
-        tables.a_offsets[slot].copy_(a_off)
-        tables.b_offsets[slot].copy_(b_off)
-        tables.ranks[slot].copy_(staged.ranks)
-        tables.shapes_cpu[slot] = staged.shapes
+        write_adapter(pool, page_ids, up.rows, tables, slot, layout.page_elems)
         return CopyHandle(None)
-    a_off, b_off = a_off.pin_memory(), b_off.pin_memory()
-    # The side stream waits for work already queued on the main stream, so pages that an
-    # evicted adapter used are not overwritten under a kernel still reading them.
-    stream.wait_stream(torch.cuda.current_stream(pool.device))
+    # The pages may have belonged to an adapter evicted a moment ago: let kernels already queued on
+    # the batch's stream finish reading them before they are overwritten.
+    stream.wait_stream(torch.cuda.default_stream(pool.device))
+    if up.event is not None:
+        stream.wait_event(up.event)
     with torch.cuda.stream(stream):
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        for lo, p, n in _runs(page_ids):
-            pages_2d[p: p + n].copy_(staged.pages[lo: lo + n], non_blocking=True)
-        tables.a_offsets[slot].copy_(a_off, non_blocking=True)
-        tables.b_offsets[slot].copy_(b_off, non_blocking=True)
-        tables.ranks[slot].copy_(staged.ranks, non_blocking=True)
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-    tables.shapes_cpu[slot] = staged.shapes
-    # Host buffers must outlive the copies: the handle keeps them until it is polled done.
-    return CopyHandle(event, (staged, a_off, b_off), start)
+        write_adapter(pool, page_ids, up.rows, tables, slot, layout.page_elems)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(stream)
+    return CopyHandle(done, (up,), start)

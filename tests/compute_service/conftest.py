@@ -25,7 +25,8 @@ def random_adapter(spec: ModelSpec, rank: int, seed: int, modules=(1, 2, 3, 4, 5
                    dtype: torch.dtype = torch.float32, scale: float = 0.3) -> Adapter:
     """Every layer x module at `rank`, fresh random A and B (never zeros), converted form."""
     gen = torch.Generator().manual_seed(seed)
-    feats = module_features(spec)
+    feats = dict(module_features(spec))
+    feats[0] = (spec.hidden_size, spec.q_size + 2 * spec.kv_size)   # fused qkv
     cfg, rows, in_out = [], [], []
     for layer in range(spec.num_layers):
         for m in modules:

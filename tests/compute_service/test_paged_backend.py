@@ -30,7 +30,7 @@ def test_paged_backend_equals_torch_backend(device, dtype, tol):
     paged.allocate(4 << 20, optimal_adapter_size=4)
     dense = InMemoryAdapterSlots(SPEC, 8, 64, dev, dtype)
     # Mixed ranks and partial module sets; loads interleaved with an eviction so slots and pages get reused.
-    specs = [(8, (1, 2, 3, 4, 5, 6, 7)), (64, (1, 3, 6)), (1, (2, 5, 7)), (17, (1, 2, 3, 4, 5, 6, 7))]
+    specs = [(8, (1, 2, 3, 4, 5, 6, 7)), (64, (1, 3, 6)), (1, (0, 5, 7)), (17, (1, 2, 3, 4, 5, 6, 7))]
     for i, (rank, mods) in enumerate(specs):
         a = random_adapter(SPEC, rank, seed=int(torch.randint(0, 10**6, (1,), generator=gen)), modules=mods,
                            scale=1.0)
@@ -61,3 +61,16 @@ def test_paged_backend_equals_torch_backend(device, dtype, tol):
             assert err <= tol * max(1.0, scale), f"layer {layer} {group}: max err {err} (delta scale {scale})"
             untouched = keys == 0
             assert torch.equal(got[untouched.to(dev)], base[untouched.to(dev)]), "tokens without adapter changed"
+
+
+def test_nan_or_misshaped_adapter_refused_naming_the_problem():
+    from compute_service.engine.errors import InvalidAdapterError
+    slots = PagedAdapterSlots(SPEC, 16, torch.device("cpu"), torch.float32)
+    slots.allocate(1 << 20)
+    bad = random_adapter(SPEC, 4, seed=3)
+    bad.weights[5, 7] = float("nan")
+    with pytest.raises(InvalidAdapterError, match="NaN or Inf"):
+        slots.load("nan", bad)
+    with pytest.raises(InvalidAdapterError, match=r"row 0 .*rank must be in \[1, max_lora_rank=16\]"):
+        slots.load("big", random_adapter(SPEC, 32, seed=4))
+    assert slots.stats().pages_used == 0 and not slots.resident("nan")

@@ -47,7 +47,8 @@ def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0, 
 
 def reference_engine(loaded, tiny_model_dir, adapters, device="cpu"):
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), device=device, max_lora_rank=64, max_loras=len(adapters) or 1,
-                                 max_num_batched_tokens=128, max_model_len=96, kv_cache_bytes=1 << 20), loaded)
+                                 max_num_batched_tokens=128, max_model_len=96, kv_cache_bytes=1 << 20,
+                                 lora_backend="torch"), loaded)
     zero_kv_cache(eng)
     for tid, a in adapters.items():
         eng.add_adapter(adapter_key(tid, ""), a)
