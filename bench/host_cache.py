@@ -125,6 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = ModelSpec.from_hf_config(LLAMA_8B)
     results: list[dict] = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_8B))
         for backend in args.backends.split(","):
@@ -147,7 +148,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"benchmark": "host_cache", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": commit, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                                         "python": platform.python_version(), "torch": torch.__version__},
+                                         "python": platform.python_version(), "torch": torch.__version__,
+                                         "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
            "base_model_shapes": "Llama-3-8B (hidden 4096, 32 layers, GQA 8, intermediate 14336), fp16 adapters",
            "chunk_bytes": 4 << 20, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

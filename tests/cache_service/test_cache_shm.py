@@ -27,7 +27,7 @@ def _segments(pid: int) -> list[str]:
 
 def test_backend_unlinks_on_evict_replace_and_close():
     backend = ShmBackend(1 << 20)
-    from test_backends import _put
+    from test_cache_backends import _put
 
     _put(backend, 1, 1000)
     _put(backend, 2, 1000)
