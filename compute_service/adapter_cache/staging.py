@@ -62,12 +62,22 @@ def _row_views(adapter: Adapter, spec: ModelSpec, src: torch.Tensor, offsets: li
     return rows
 
 
+CUDA_HOST_REGISTER_READ_ONLY = 8   # the device only reads: no copy-on-write of a private shm mapping
+
+
 def _register(t: torch.Tensor) -> bool:
+    nbytes = t.numel() * t.element_size()
     try:
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        cudart = torch.cuda.cudart()
+        for flags in (CUDA_HOST_REGISTER_READ_ONLY, 0):
+            if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, flags)) == 0:
+                return True
+            clear = getattr(cudart, "cudaGetLastError", None)   # clear the failed call's sticky-free error
+            if clear is not None:
+                clear()
     except Exception:  # noqa: BLE001 - no cudart binding: fall back to pageable copies
-        return False
-    return int(err) == 0
+        pass
+    return False
 
 
 def upload(adapter: Adapter, spec: ModelSpec, layout: PoolLayout, device: torch.device,
