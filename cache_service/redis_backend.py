@@ -148,12 +148,12 @@ class RedisBackend(CacheBackend):
 
     @_maps_redis_errors
     def _getrange(self, key: str, start: int, end: int) -> bytes:
-        return self._client.getrange(key, start, end)
+        return bytes(self._client.getrange(key, start, end))  # type: ignore[arg-type]
 
     @_maps_redis_errors
     def has(self, task_id: int) -> str | None:
-        ver = self._client.hget(f"{self.base}:cur", task_id)
-        return ver.decode() if ver is not None else None
+        ver = self._client.hget(f"{self.base}:cur", str(task_id))
+        return bytes(ver).decode() if ver is not None else None  # type: ignore[arg-type]
 
     @_maps_redis_errors
     def evict(self, task_id: int) -> bool:

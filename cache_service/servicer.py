@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
@@ -36,7 +36,7 @@ def record_to_header(r: AdapterRecord) -> cache_pb2.AdapterHeader:
         row_features=[v for pair in r.in_out for v in pair], original_format=r.original_format)
 
 
-def _dtype_proto(name: str) -> int:
+def _dtype_proto(name: str) -> Any:
     return next(v for k, v in DTYPE_TO_PROTO.items() if str(k) == f"torch.{name}")
 
 

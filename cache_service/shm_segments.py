@@ -62,11 +62,15 @@ class OwnedSegment:
     @property
     def data(self) -> memoryview:
         """The weight bytes (writable)."""
-        return self._shm.buf[HEADER_BYTES:HEADER_BYTES + self.num_bytes]
+        buf = self._shm.buf
+        assert buf is not None, "segment already closed"
+        return buf[HEADER_BYTES:HEADER_BYTES + self.num_bytes]
 
     def seal(self, version: str, task_id: int) -> None:
         """Writes the header once the bytes are final."""
-        self._shm.buf[:_HEADER.size] = pack_header(version, task_id, self.num_bytes)
+        buf = self._shm.buf
+        assert buf is not None, "segment already closed"
+        buf[:_HEADER.size] = pack_header(version, task_id, self.num_bytes)
 
     def pin(self) -> None:
         with self._lock:

@@ -127,7 +127,7 @@ class Upload:
             raise InvalidArgumentError(f"task id {c.task_id}: the bytes hash to version {version}, "
                                        f"the header says {c.version} (corrupted transfer?)")
         return AdapterRecord(
-            task_id=c.task_id, version=version, config=tuple(tuple(int(v) for v in r) for r in c.config),
+            task_id=c.task_id, version=version, config=tuple((int(r[0]), int(r[1]), int(r[2])) for r in c.config),
             dtype=c.dtype, shape=(int(c.shape[0]), int(c.shape[1])), num_bytes=c.num_bytes,
             fingerprint=self._fingerprint, source=c.source, name=c.name, original_format=c.original_format,
             extra=dict(c.extra), in_out=tuple((int(a), int(b)) for a, b in in_out), stored_unix_s=time.time())
@@ -148,6 +148,6 @@ def claim_for(adapter: Adapter, task_id: int, *, name: str = "") -> UploadClaim:
 
 def weight_bytes(adapter: Adapter) -> memoryview:
     """The adapter's weights as flat bytes, without a copy when already contiguous."""
-    return memoryview(adapter.weights.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return adapter.weights.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 

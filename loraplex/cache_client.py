@@ -33,6 +33,7 @@ from loraplex.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 DTYPE_TO_PROTO = {torch.float32: common_pb2.FLOAT32, torch.float16: common_pb2.FLOAT16,
                   torch.bfloat16: common_pb2.BFLOAT16}
 PROTO_TO_DTYPE = {v: k for k, v in DTYPE_TO_PROTO.items()}
+_NAME_TO_PROTO = {str(k).removeprefix("torch."): v for k, v in DTYPE_TO_PROTO.items()}
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 _SHM_MAGIC = b"LPXSHM01"
@@ -84,7 +85,7 @@ class CachedAdapter:
         return common_pb2.AdapterInfo(
             task_id=self.task_id, name=self.name, version=self.version, num_bytes=self.num_bytes,
             in_host_cache=self.in_host_cache, last_used_unix_s=self.last_used_unix_s, source=self.source,
-            dtype=DTYPE_TO_PROTO.get(getattr(torch, self.dtype, None), common_pb2.DTYPE_UNSPECIFIED),
+            dtype=_NAME_TO_PROTO.get(self.dtype, common_pb2.DTYPE_UNSPECIFIED),
             max_rank=self.max_rank,
             modules=[common_pb2.AdapterModule(module_id=m.module_id, module_name=m.module_name,
                                               num_layers=m.num_layers, min_rank=m.min_rank, max_rank=m.max_rank)
@@ -211,7 +212,7 @@ class CacheClient:
         also hashes here and has the cache refuse bytes that do not match.
         """
         header = adapter_header(adapter, task_id, name, with_version=verify)
-        data = memoryview(adapter.weights.contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = adapter.weights.contiguous().reshape(-1).view(torch.uint8).numpy().data
         chunk = self.chunk_bytes
 
         async def requests() -> AsyncIterator[cache_pb2.PutAdapterRequest]:
