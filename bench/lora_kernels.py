@@ -266,6 +266,24 @@ def summarize(rows: list[dict], steps: list[dict]) -> dict:
     )
 
 
+def print_table(rows: list[dict], sweeps: list[dict]) -> None:
+    """One line per case family: us / % of copy bandwidth per M (and x vs vLLM's table where it has the case)."""
+    keys = sorted({(r["op"], r["kind"], r["L"], r["ranks"]) for r in rows}, key=lambda k: (k[0], k[1], k[2], k[3]))
+    for k in keys:
+        cells = []
+        for r in (r for r in rows if (r["op"], r["kind"], r["L"], r["ranks"]) == k):
+            vs = f" {r['speedup_vs_vllm']:.1f}x" if "speedup_vs_vllm" in r else ""
+            cells.append(f"{r['us']:.1f}/{100 * r['frac']:.0f}%{vs}")
+        print(f"{k[0]:4} {k[1]:6} L={k[2]:<2} r={k[3]:5} " + " | ".join(cells))
+    best: dict[tuple, dict] = {}
+    for v in sweeps:
+        key = (v["op"], v["kind"], v["L"], v["ranks"], v["M"])
+        if v["us"] == v["us"] and v["us"] < best.get(key, {"us": v["default_us"]})["us"]:
+            best[key] = v
+    for key, v in sorted(best.items()):
+        print("sweep better:", key, v["config"], v["us"], "vs", v["default_us"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/lora_kernels.json")
@@ -293,6 +311,7 @@ def main() -> None:
                   grid=rows, decode_step=steps, sweep=sweeps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print_table(rows, sweeps)
     print(json.dumps(result["summary"], indent=1))
 
 
