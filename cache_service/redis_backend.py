@@ -75,6 +75,9 @@ class RedisReader(Reader):
             want = min(chunk_bytes, total - start)
             part = self._backend._getrange(self._key, start, start + want - 1)
             if len(part) != want:
+                # Dropped behind the index's back (Redis maxmemory eviction, or a
+                # restart mid-read): forget it so the next get reloads or says NOT_FOUND.
+                self._backend._drop_broken(self.record.task_id, self.record.version)
                 raise UnavailableError(
                     f"task id {self.record.task_id} version {self.record.version} expired from redis "
                     "while being read (evicted long ago, or redis restarted); retry")
@@ -102,6 +105,7 @@ class RedisBackend(CacheBackend):
         self._evict = self._client.register_script(redis_scripts.EVICT)
         self._stats = self._client.register_script(redis_scripts.STATS)
         self._list = self._client.register_script(redis_scripts.LIST)
+        self._drop = self._client.register_script(redis_scripts.DROP_BROKEN)
 
     @_maps_redis_errors
     def ping(self) -> None:
@@ -149,6 +153,10 @@ class RedisBackend(CacheBackend):
     @_maps_redis_errors
     def _getrange(self, key: str, start: int, end: int) -> bytes:
         return bytes(self._client.getrange(key, start, end))  # type: ignore[arg-type]
+
+    @_maps_redis_errors
+    def _drop_broken(self, task_id: int, version: str) -> None:
+        self._drop(args=[self.base, task_id, version])
 
     @_maps_redis_errors
     def has(self, task_id: int) -> str | None:

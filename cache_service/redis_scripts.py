@@ -104,6 +104,14 @@ EVICT = _RETIRE + """
 return retire(ARGV[1], ARGV[2], tonumber(ARGV[3]))
 """
 
+# ARGV: base, task, version -> 1 when that version was current but its bytes are gone (now dropped)
+DROP_BROKEN = _RETIRE + """
+local base, task, ver = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('HGET', base .. ':cur', task) ~= ver then return 0 end
+if redis.call('EXISTS', base .. ':blob:' .. task .. ':' .. ver) == 1 then return 0 end
+return retire(base, task, 0)
+"""
+
 # ARGV: base -> {used, n, hits, misses, evictions}
 STATS = """
 local base = ARGV[1]

@@ -116,3 +116,23 @@ def test_sources_and_names(backend):
     backend.forget_source(11)
     assert backend.task_for_name("a") is None and backend.source(11) is None
     assert [s.task_id for s in backend.sources()] == [12]
+
+
+def test_redis_bytes_dropped_behind_the_index(redis_server):
+    """A blob deleted outside the cache (maxmemory eviction) fails one read, then reads as a miss."""
+    import uuid
+
+    import redis as redis_lib
+
+    from loraplex.errors import UnavailableError
+    from cache_service.redis_backend import RedisBackend
+
+    backend = RedisBackend(redis_server.url, 4096, fingerprint=uuid.uuid4().hex[:8])
+    _, data = _put(backend, 5, 1000)
+    client = redis_lib.Redis.from_url(redis_server.url)
+    assert client.delete(f"{backend.base}:blob:5:{data[:8].hex()}") == 1
+    reader = backend.get(5)
+    with pytest.raises(UnavailableError, match="retry"):
+        b"".join(reader.chunks(100))
+    assert backend.get(5) is None and backend.stats().bytes_used == 0
+    backend.close()
