@@ -44,6 +44,8 @@ class LLMEngine:
         if loaded.model.rope.max_positions < self.max_model_len:
             raise ValueError(f"model RoPE table covers {loaded.model.rope.max_positions} positions, "
                              f"max_model_len is {self.max_model_len}")
+        if (slots is None) != (lora_backend is None):
+            raise ValueError("pass both slots and lora_backend (the backend reads the slots' weights), or neither")
         if slots is None:
             slots, lora_backend = _default_lora(config, self.spec, dev, loaded.model.dtype)
         self.slots = slots

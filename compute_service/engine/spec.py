@@ -1,7 +1,7 @@
 """ModelSpec: the shape of a Llama-family decoder, read from a HF config or GGUF metadata."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from compute_service.engine.errors import ModelLoadError, UnsupportedModelError
@@ -83,7 +83,7 @@ class ModelSpec:
             hidden = int(cfg["hidden_size"])
             rope_theta, scaling = _rope_from_hf(cfg)
             eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
                 architecture=family,
                 num_layers=int(cfg["num_hidden_layers"]),
@@ -102,11 +102,17 @@ class ModelSpec:
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 rope_scaling=scaling,
                 eos_token_ids=eos_ids,
-                bos_token_id=cfg.get("bos_token_id"),
+                bos_token_id=_first_int(cfg.get("bos_token_id")),
                 name=name,
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _first_int(v: Any) -> int | None:
+    if isinstance(v, list):
+        return int(v[0]) if v else None
+    return None if v is None else int(v)
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
