@@ -31,8 +31,11 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
     def opt(name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
         return need(name, shape) if present else None
 
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    def cast_opt(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else cast(t)
 
     s = spec
     hid, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
@@ -57,13 +60,13 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
             hasher.add(f"qkv{i}", qkv[:, :8])
         layers.append(LayerWeights(
             input_norm=cast(need(p + "input_layernorm.weight", (hid,))),
-            qkv=cast(qkv), qkv_bias=cast(qkv_bias),
+            qkv=cast(qkv), qkv_bias=cast_opt(qkv_bias),
             o=cast(need(p + "self_attn.o_proj.weight", (hid, q))),
-            o_bias=cast(opt(p + "self_attn.o_proj.bias", (hid,), s.o_bias)),
+            o_bias=cast_opt(opt(p + "self_attn.o_proj.bias", (hid,), s.o_bias)),
             post_norm=cast(need(p + "post_attention_layernorm.weight", (hid,))),
-            gate_up=cast(gate_up), gate_up_bias=cast(gate_up_bias),
+            gate_up=cast(gate_up), gate_up_bias=cast_opt(gate_up_bias),
             down=cast(need(p + "mlp.down_proj.weight", (hid, inter))),
-            down_bias=cast(opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias)),
+            down_bias=cast_opt(opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias)),
         ))
     norm = need("model.norm.weight", (hid,))
     hasher.add("norm", norm)
@@ -74,7 +77,7 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
         head = need("lm_head.weight", (s.vocab_size, hid))
         hasher.add("lm_head", head[:8])
         lm_head = cast(head)
-    weights = ModelWeights(embed=embed_c, layers=layers, norm=cast(norm), lm_head=lm_head)  # type: ignore[arg-type]
+    weights = ModelWeights(embed=embed_c, layers=layers, norm=cast(norm), lm_head=lm_head)
     return weights, hasher.hexdigest()
 
 
