@@ -35,7 +35,12 @@ def cuda_kv_budget(device: torch.device, fraction: float) -> int:
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim], one allocation."""
-    cache = torch.empty(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+    """Per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim], one allocation.
+
+    Zeroed: attention reads whole blocks and masks the unwritten slots, and a
+    masked NaN left over from earlier use of the memory would still poison the
+    softmax (0 * NaN); written slots always hold finite values.
+    """
+    cache = torch.zeros(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
                         dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
