@@ -30,6 +30,7 @@ def _expand_kernel(
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_N: tl.constexpr,
     N_GROUPS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, USE_PDL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     if USE_PDL:
         gdc_wait()                     # see the shrink kernel: launched early, waits for its predecessor
@@ -54,6 +55,7 @@ def _expand_kernel(
     rank = tl.load(ranks_ptr + entry)
     offs_rb = tl.arange(0, BLOCK_R)
     rows0 = tl.load(b_off_ptr + entry * max_rank + offs_rb, mask=offs_rb < max_rank, other=0)  # [BLOCK_R] int64
+    rows0 = tl.multiple_of(rows0, ROW_ALIGN)     # 16-byte loads along each B^T row
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                       # [BLOCK_M]
@@ -66,23 +68,42 @@ def _expand_kernel(
     s0 = s0.to(pool_ptr.dtype.element_ty)
     n_end = tl.minimum(n_start + GROUP_N, width)
     for n0 in range(n_start, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < width
-        bt = tl.load(pool_ptr + rows0[:, None] + offs_n[None, :], mask=r_mask0[:, None] & n_mask[None, :], other=0.0)
+        offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+        # Alignment hints let the compiler move y and B^T 16 bytes at a time; with every slice width a
+        # multiple of BLOCK_N the column mask is dropped, which keeps those loads vectorised too.
+        cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
+        y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
+        if EVEN_N:
+            b_mask0 = r_mask0[:, None]
+            y_mask = m_mask[:, None]
+        else:
+            n_mask = offs_n < width
+            b_mask0 = r_mask0[:, None] & n_mask[None, :]
+            y_mask = m_mask[:, None] & n_mask[None, :]
+        bt = tl.load(pool_ptr + rows0[:, None] + offs_n[None, :], mask=b_mask0, other=0.0)
         acc = tl.dot(s0, bt)                                                                     # [BLOCK_M, BLOCK_N]
         if not ONE_R_BLOCK:
             for r0 in range(BLOCK_R, rank, BLOCK_R):
                 offs_r = r0 + offs_rb
                 r_mask = offs_r < rank
-                rows = tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0)
+                rows = tl.multiple_of(tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0), ROW_ALIGN)
                 st = tl.load(s_row + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-                bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                             other=0.0)
+                if EVEN_N:
+                    b_mask = r_mask[:, None]
+                else:
+                    b_mask = r_mask[:, None] & (offs_n < width)[None, :]
+                bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=b_mask, other=0.0)
                 acc += tl.dot(st.to(bt.dtype), bt)
-        y_ptrs = y_ptr + toks[:, None] * y_stride + col0 + offs_n[None, :]
-        y_mask = m_mask[:, None] & n_mask[None, :]
         cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
         tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
+
+
+def _alignment(values: Sequence[int], limit: int = 8) -> int:
+    """Largest power of two <= limit dividing every value."""
+    align = limit
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
 
 
 def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, device: torch.device
@@ -151,6 +172,8 @@ def lora_expand_triton(
     cfg.update(config or {})
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
+    if cfg["GROUP_N"] % cfg["BLOCK_N"]:
+        raise ValueError(f"GROUP_N {cfg['GROUP_N']} must be a multiple of BLOCK_N {cfg['BLOCK_N']}")
     n_groups = triton.cdiv(max(widths), cfg["GROUP_N"])
     tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
     grid = (num_slices * n_groups, tiles)
@@ -161,6 +184,8 @@ def lora_expand_triton(
         *mods, *offs,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], GROUP_N=cfg["GROUP_N"],
         N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=_next_pow2(meta.max_slots),
+        ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
+        EVEN_N=all(w % cfg["BLOCK_N"] == 0 for w in widths),
         USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if cfg.get("PDL") else {}),
     )

@@ -16,6 +16,7 @@ module only places rows into pages it is given.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -61,6 +62,15 @@ class LoraRowTables:
         self.ranks = torch.zeros(shape, dtype=torch.int32, device=device)
         # Host copy of each filled entry's (rank, in_features, out_features), for unpack and checks.
         self.shapes_cpu = torch.zeros(*shape, 3, dtype=torch.int64)
+        # gcd of every row offset ever written (0 = none yet): lets kernels use wide vector loads.
+        self.row_align = 0
+
+    def row_alignment(self, limit: int = 8) -> int:
+        """Largest power of two <= limit dividing every row offset (1 when rows are unaligned)."""
+        align = limit
+        while align > 1 and self.row_align % align:
+            align //= 2
+        return align
 
     @property
     def device(self) -> torch.device:
@@ -158,6 +168,7 @@ def write_adapter(
         raise ValueError(f"adapter needs {need} pages of {page_elems} elements, got {len(page_list)}")
 
     pages_2d = pool.view(num_pages, page_elems)
+    tables.row_align = math.gcd(tables.row_align, page_elems, *by_width)
     next_page = 0
     for width in sorted(by_width):
         group = by_width[width]

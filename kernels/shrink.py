@@ -34,6 +34,7 @@ def _shrink_kernel(
     mod0, mod1, mod2, mod3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     if USE_PDL:
         # Programmatic dependent launch: this grid was launched while the previous one ran; wait for it
@@ -57,6 +58,7 @@ def _shrink_kernel(
     r0 = (pid_rk // SPLIT_K) * BLOCK_R
     offs_r = r0 + tl.arange(0, BLOCK_R)
     rows = tl.load(a_off_ptr + entry * max_rank + offs_r, mask=offs_r < max_rank, other=0)  # [BLOCK_R] int64
+    rows = tl.multiple_of(rows, ROW_ALIGN)       # lets the compiler issue 16-byte loads along each row
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                  # [BLOCK_M]
@@ -69,7 +71,7 @@ def _shrink_kernel(
     offs_kb = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k + offs_kb
+        offs_k = tl.max_contiguous(tl.multiple_of(k + offs_kb, BLOCK_K), BLOCK_K)
         if EVEN_K:
             xt = tl.load(x_ptr + toks[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
             at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :], mask=r_mask[:, None], other=0.0)
@@ -199,6 +201,7 @@ def lora_shrink_triton(
         *mods,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
         MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
+        ROW_ALIGN=tables.row_alignment(),
         USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if cfg.get("PDL") else {}),
     )

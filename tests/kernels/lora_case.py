@@ -23,7 +23,7 @@ class Case:
 def build_case(
     *, ranks: dict[int, list[int]], h_in: int, outs: list[int], num_layers: int = 2, max_slots: int = 8,
     dtype: torch.dtype = torch.float16, device: str = DEVICE, gen: torch.Generator | None = None,
-    absent: set[tuple[int, int, int]] = frozenset(), spare_pages: int = 7,
+    absent: set[tuple[int, int, int]] = frozenset(), spare_pages: int = 7, page_elems: int | None = None,
 ) -> Case:
     """`ranks[slot][module]` gives each adapter's rank per module (0 = absent); same for every layer.
 
@@ -34,7 +34,8 @@ def build_case(
     max_rank = max(max(r) for r in ranks.values())
     module_ids = tuple(range(1, len(outs) + 1))
     tables = LoraRowTables(max_slots, num_layers, max_rank, device=device, module_ids=module_ids)
-    page_elems = max([h_in, *outs]) * 3 + 5        # not a multiple of any width: rows must not straddle
+    # By default not a multiple of any width (rows must not straddle) and not aligned (no vector-load hints).
+    page_elems = page_elems or max([h_in, *outs]) * 3 + 5
     per_slot_rows = {}
     total = 0
     for slot, mod_ranks in ranks.items():

@@ -64,6 +64,23 @@ def test_expand_mixed_ranks_odd_width(out, ranks):
     run_expand(case, 9, 0.1, [0], layer=0, gen=gen, config={"GROUP_N": 256})
 
 
+@pytest.mark.parametrize("T", [9, 140])
+def test_aligned_rows_and_whole_column_blocks(T):
+    """Pages and widths multiples of 8 and of the column block: the vector-load, unmasked-column path."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = build_case(ranks={0: [16, 8], 2: [64, 1], 5: [3, 32]}, h_in=256, outs=[256, 128], dtype=torch.float16,
+                      gen=gen, page_elems=1024)
+    assert case.tables.row_alignment() == 8
+    run_expand(case, T, 0.2, [0, 1], layer=1, gen=gen, extra_cols=0)
+    ids = random_slot_ids(T, [0, 2, 5], 0.2, gen)
+    meta = prepare_meta(ids, case.tables.max_slots)
+    x = torch.randn(T, 256, generator=gen).half().to(DEVICE)
+    s = torch.full((2, T, case.tables.max_rank), float("nan"), device=DEVICE)
+    lora_shrink(x, case.pool, case.tables, meta, 1, [0, 1], s, use_triton=True)
+    want, defined = dense_shrink(case, x, ids, 1, [0, 1])
+    assert rel_err(s.cpu()[defined], want[defined]) < 1e-3
+
+
 @pytest.mark.parametrize("T", [5, 131])
 def test_shrink_then_expand(T):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
@@ -98,12 +115,14 @@ def test_expand_checks_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [1, 16, 128, 129, 1000, 4096])
 @pytest.mark.parametrize("outs,mods", [([4096, 1024, 1024], [0, 1, 2]), ([14336, 4096, 4096], [1])])
-def test_expand_gpu_large(dtype, T, outs, mods):
+def test_expand_gpu_large(dtype, T, outs, mods, aligned):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ranks = {s: [[8, 16, 64, 256][(s + i) % 4] for i in range(3)] for s in range(12)}
     ranks[3][1] = 0
-    case = build_case(ranks=ranks, h_in=64, outs=outs, num_layers=2, max_slots=16, dtype=dtype, gen=gen)
+    case = build_case(ranks=ranks, h_in=64, outs=outs, num_layers=2, max_slots=16, dtype=dtype, gen=gen,
+                      page_elems=2 * max(64, *outs) if aligned else None)
     run_expand(case, T, 0.25, mods, layer=1, gen=gen, dtype=dtype)

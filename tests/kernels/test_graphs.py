@@ -15,7 +15,7 @@ def test_graph_replay_follows_new_metadata(T, pdl):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ranks = {s: [[8, 16, 64][(s + i) % 3] for i in range(3)] for s in range(10)}
     case = build_case(ranks=ranks, h_in=4096, outs=[4096, 1024, 1024], num_layers=1, max_slots=16,
-                      dtype=torch.bfloat16, gen=gen)
+                      dtype=torch.bfloat16, gen=gen, page_elems=4096 * 4)
     mods, offs = [0, 1, 2], [0, 4096, 5120, 6144]
     meta = LoraBatchMeta(T, 16, device="cuda")
     x = torch.empty(T, 4096, dtype=torch.bfloat16, device="cuda")

@@ -77,12 +77,14 @@ def test_shrink_checks_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [1, 16, 128, 129, 1000, 4096])
 @pytest.mark.parametrize("h_in,mods", [(4096, [0, 1, 2]), (14336, [0])])
-def test_shrink_gpu_large(dtype, T, h_in, mods):
+def test_shrink_gpu_large(dtype, T, h_in, mods, aligned):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     ranks = {s: [[8, 16, 64, 256][(s + i) % 4] for i in range(3)] for s in range(12)}
     ranks[3][1] = 0
-    case = build_case(ranks=ranks, h_in=h_in, outs=[64, 32, 32], num_layers=2, max_slots=16, dtype=dtype, gen=gen)
+    case = build_case(ranks=ranks, h_in=h_in, outs=[64, 32, 32], num_layers=2, max_slots=16, dtype=dtype, gen=gen,
+                      page_elems=2 * h_in if aligned else None)
     run_shrink(case, T, 0.25, mods, layer=1, gen=gen, dtype=dtype)
