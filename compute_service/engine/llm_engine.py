@@ -102,7 +102,7 @@ class LLMEngine:
         if self.scheduler.get(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
         seed = sampling_params.seed if sampling_params.seed is not None else self._rng.randrange(2**63)
-        gen = torch.Generator(device=self.config.torch_device)
+        gen = torch.Generator(device=self.runner.model.device)   # where the logits are
         gen.manual_seed(seed)
         seq = Sequence(request_id, prompt, len(prompt), sampling_params, adapter_key, self._arrivals)
         self._arrivals += 1
