@@ -49,6 +49,8 @@ def _convert(name: str, tp: Any, text: str) -> Any:
         if base is list or base is tuple:
             items = [p.strip() for p in text.split(",") if p.strip()]
             return tuple(items) if base is tuple else items
+        if base is int and name.endswith("_bytes"):
+            return parse_size(text)
         if base is int:
             return int(float(text)) if "e" in text.lower() else int(text, 0)
         if base is float:

@@ -42,6 +42,17 @@ def test_bad_values_are_clear():
         parse(["--size", "-1"], {})
 
 
+def test_byte_fields_take_sizes():
+    @dataclass(frozen=True)
+    class WithBytes:
+        cache_bytes: int = 1
+
+    p = argparse.ArgumentParser()
+    add_dataclass_flags(p, WithBytes)
+    assert settings_from_args(WithBytes, p.parse_args(["--cache-bytes", "1GiB"]), environ={}).cache_bytes == 1 << 30
+    assert settings_from_args(WithBytes, p.parse_args([]), environ={"LORAPLEX_CACHE_BYTES": "2M"}).cache_bytes == 2 << 20
+
+
 def test_parse_size():
     assert parse_size("1GiB") == 1 << 30
     assert parse_size("512M") == 512 << 20
