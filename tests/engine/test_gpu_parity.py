@@ -101,3 +101,23 @@ def test_smollm2_bf16_greedy_32_tokens():
         report.append({"equal_prefix": same, "ours": tok.decode(out), "transformers": tok.decode(want)})
     _record("smollm2_bf16_greedy", report)
     assert all(r["equal_prefix"] == 32 for r in report), report
+
+
+def test_seeded_sampling_and_preemption_on_cuda(tiny_models):
+    """fp32 on CUDA: per-request generators on the GPU; batch mates and preemption leave seeded tokens unchanged."""
+    _, folder = tiny_models["qwen2"]
+    prompts = [torch.randint(0, TINY_DIMS["vocab_size"], (8 + 3 * i,), generator=torch.Generator().manual_seed(i))
+               .tolist() for i in range(4)]
+    params = [SamplingParams(max_tokens=24, temperature=1.0, top_k=40, seed=100 + i, ignore_eos=True)
+              for i in range(4)]
+    results = []
+    for kv_bytes in (1 << 22, 2048 * 20):
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", block_size=4,
+                                        max_model_len=64, kv_cache_bytes=kv_bytes, max_num_batched_tokens=24))
+        results.append((engine.generate(prompts, params), engine.stats().num_preemptions))
+    alone = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", block_size=4))
+    first_alone = alone.generate(prompts[:1], params[:1])[0]
+    _record("cuda_seeded", {"preemptions": [n for _, n in results], "equal": results[0][0] == results[1][0]})
+    (roomy, n_roomy), (tight, n_tight) = results
+    assert n_roomy == 0 and n_tight > 0 and tight == roomy
+    assert first_alone == roomy[0] and len(set(first_alone)) > 1
