@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from conftest import valid_adapter
+from cache_helpers import valid_adapter
 from loraplex import errors
 from loraplex.cache_client import CacheClient
 from cache_service.records import AdapterRecord

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import run, valid_adapter
+from cache_helpers import run, valid_adapter
 from loraplex.cache_client import CacheClient
 from loraplex.formats import ModelSpec
 from loraplex.procs import start_service

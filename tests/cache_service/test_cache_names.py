@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import run, valid_adapter
+from cache_helpers import run, valid_adapter
 from loraplex import errors
 from loraplex.cache_client import CacheClient
 from loraplex.formats import save_adapter, validate

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import run, start_cache, valid_adapter
+from cache_helpers import run, start_cache, valid_adapter
 from loraplex import errors
 from loraplex.cache_client import CacheClient
 from loraplex.formats import save_adapter

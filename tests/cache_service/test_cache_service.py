@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run, valid_adapter
+from cache_helpers import run, valid_adapter
 from loraplex import errors
 from loraplex.cache_client import CacheClient
 from loraplex.formats import ModelSpec
@@ -199,7 +199,7 @@ async def _list(service):
 def test_metrics_endpoint(tmp_path, tiny_model, free_port):
     import urllib.request
 
-    from conftest import start_cache
+    from cache_helpers import start_cache
 
     svc = start_cache(tmp_path, tiny_model, "shm", extra=("--metrics-port", str(free_port)))
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run, start_cache, valid_adapter
+from cache_helpers import run, start_cache, valid_adapter
 from loraplex.cache_client import CacheClient
 from cache_service.shm_backend import ShmBackend
 from cache_service.shm_segments import OwnedSegment, sweep_dead_owners
