@@ -15,7 +15,7 @@ import sys
 
 from loraplex.cli._gateway_client import add_client_flags, print_json, reports_errors
 from loraplex.client import Client
-from loraplex.client_types import Chunk, Completion, Lora, LoraLike, collect
+from loraplex.client_types import Chunk, Completion, Lora, LoraLike, build_generate_request, collect
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="print text as it is generated")
     p.add_argument("--request-id", default="", help="id echoed in the server's logs")
     p.add_argument("--verbose", "-v", action="store_true", help="also print token ids and usage")
+    p.add_argument("--dump-json", action="store_true",
+                   help="print the GenerateRequest as JSON (for `grpcurl -d @`) instead of sending it")
     add_client_flags(p)
     p.set_defaults(func=run)
 
@@ -95,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,
                     ignore_eos=args.ignore_eos, chat=args.chat, request_id=args.request_id)
+    if args.dump_json:
+        from google.protobuf.json_format import MessageToJson
+        print(MessageToJson(build_generate_request(prompt, loras, **sampling), preserving_proto_field_name=True))
+        return 0
     num_entries = max(1, len(loras))
     chunks: list[Chunk] = []
     with Client(args.url, timeout=args.timeout) as client:

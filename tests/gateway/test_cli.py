@@ -92,3 +92,19 @@ def test_gateway_down_is_one_line_and_exit_1(capsys, free_port):
     code = main(["list", "--url", f"127.0.0.1:{free_port}", "--timeout", "5"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("loraplex list: UNAVAILABLE") and err.count("\n") == 1
+
+
+def test_dump_json_is_a_request_grpcurl_can_send(capsys, tmp_path):
+    from google.protobuf.json_format import Parse
+
+    from loraplex.tensor_proto import tensor_from_proto
+    from loraplex.v1 import gateway_pb2
+    w, c = random_adapter()
+    write_npy_dir(adapter_from_tensors(w, c), tmp_path / "a")
+    code = main(["generate", "--text", "首都", "--lora-path", str(tmp_path / "a"), "--lora-task-id", "3",
+                 "-o", "5", "--stop", "\n", "--dump-json"])
+    req = Parse(capsys.readouterr().out, gateway_pb2.GenerateRequest())
+    assert code == 0 and req.text == "首都" and req.sampling.max_tokens == 5 and list(req.sampling.stop) == ["\n"]
+    assert req.loras[0].task_id == 3
+    assert (tensor_from_proto(req.loras[0].weights) == w).all()
+    assert (tensor_from_proto(req.loras[0].config).numpy() == c).all()
