@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/adapter_swap.json")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a dry run of the script)")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--num-adapters", type=int, default=16)
     ap.add_argument("--gap-ms", type=float, default=40.0, help="time between cold loads")
     ap.add_argument("--pool-gib", type=float, default=4.0)
@@ -233,25 +233,31 @@ def main() -> None:
         rt.runner.start()
         try:
             await rt.runner.prefetch(1, "")
-            warm = await decode_phase(rt, args.batch, 40, spec.vocab_size, 1, None, 0)   # compile, warm up
-            quiet = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, None, 0)
-            storm_list = [(1000 + i, (16, 64)[i % 2]) for i in range(args.num_adapters)]
-            storm = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, storm_list,
-                                       args.gap_ms / 1e3)
-            del warm
+            await decode_phase(rt, args.batch, 40, spec.vocab_size, 1, None, 0)   # compile, warm up
             for register in (True, False):
                 result[f"isolated_loads_{'registered' if register else 'pageable'}"] = await isolated_loads(
                     rt, {16: 1000, 64: 1001}, register)
-            result["quiet"] = summary(quiet["gaps"])
-            result["storm"] = summary(storm["gaps"])
-            result["loads"] = storm["loads"]
+            # Python's default thread switch interval, then the service's default (ComputeConfig).
+            for label, interval in (("py_default", 0.005), ("service", cfg.gil_switch_interval_us / 1e6)):
+                sys.setswitchinterval(interval)
+                for t in range(1000, 1000 + args.num_adapters):
+                    await rt.runner.drop(t)
+                quiet = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, None, 0)
+                storm_list = [(1000 + i, (16, 64)[i % 2]) for i in range(args.num_adapters)]
+                storm = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, storm_list,
+                                           args.gap_ms / 1e3)
+                result[f"switch_interval_{label}"] = dict(
+                    interval_s=interval, quiet=summary(quiet["gaps"]), storm=summary(storm["gaps"]),
+                    loads=storm["loads"])
         finally:
             await rt.runner.stop()
 
     asyncio.run(run())
     pinned = result.get("h2d_pinned_gbps")
-    all_loads = result["loads"] + result.get("isolated_loads_registered", []) + \
-        result.get("isolated_loads_pageable", [])
+    main_run = result["switch_interval_service"]
+    result["quiet"], result["storm"], result["loads"] = main_run["quiet"], main_run["storm"], main_run["loads"]
+    all_loads = result["loads"] + result["switch_interval_py_default"]["loads"] + \
+        result.get("isolated_loads_registered", []) + result.get("isolated_loads_pageable", [])
     for ld in all_loads:
         if pinned:
             ld["pinned_copy_ideal_ms"] = ld["bytes"] / (pinned * 1e9) * 1e3
@@ -268,8 +274,12 @@ def main() -> None:
     q, s = result["quiet"], result["storm"]
     result["p99_ratio_storm_vs_quiet"] = s["p99_ms"] / q["p99_ms"]
     result["p50_ratio_storm_vs_quiet"] = s["p50_ms"] / q["p50_ms"]
-    print(json.dumps({k: v for k, v in result.items() if k != "loads"}, indent=1))
-    print(json.dumps(result["loads"][:4], indent=1))
+    for label in ("py_default", "service"):
+        run_ = result[f"switch_interval_{label}"]
+        run_["p99_ratio_storm_vs_quiet"] = run_["storm"]["p99_ms"] / run_["quiet"]["p99_ms"]
+        run_["p50_ratio_storm_vs_quiet"] = run_["storm"]["p50_ms"] / run_["quiet"]["p50_ms"]
+    brief = {k: v for k, v in result.items() if k != "loads" and not k.startswith(("switch_", "isolated_"))}
+    print(json.dumps(brief, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -23,6 +23,9 @@ class ComputeConfig:
         default=8, metadata={"help": "rank rows of the widest module per adapter page (the seed's page sizing)"})
     max_resident_adapters: int = field(
         default=0, metadata={"help": "most adapters resident at once (0 = as many as pages and row tables allow)"})
+    gil_switch_interval_us: int = field(
+        default=500, metadata={"help": "Python thread switch interval while serving, in microseconds (0 = Python's "
+                                       "5000): short, so adapter loads in side threads do not hold up engine steps"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (prefill is chunked)"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + output"})
@@ -37,6 +40,8 @@ class ComputeConfig:
             raise SettingsError("lora_gpu_memory_fraction: must be in (0, 1)")
         if self.lora_cache_optimal_adapter_size < 1 or self.max_resident_adapters < 0:
             raise SettingsError("lora_cache_optimal_adapter_size must be >= 1 and max_resident_adapters >= 0")
+        if self.gil_switch_interval_us < 0:
+            raise SettingsError("gil_switch_interval_us must be >= 0")
         if self.lora_gpu_cache_bytes < 0 or not 1 <= self.max_lora_rank <= 4096:
             raise SettingsError("lora_gpu_cache_bytes must be >= 0 and max_lora_rank in [1, 4096]")
         if not 0 <= self.metrics_port <= 65535:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,15 @@ class EngineRunner:
         self.num_steps = 0
 
     # -- lifecycle -----------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, switch_interval_s: float = 0.0) -> None:
+        """Starts the loop; `switch_interval_s` > 0 sets Python's thread switch interval.
+
+        The thread running a step gives up the GIL at every kernel launch; with
+        Python's default 5 ms interval a side thread that got it (an adapter
+        upload or pack) can keep it that long, many times per step.
+        """
+        if switch_interval_s > 0:
+            sys.setswitchinterval(switch_interval_s)
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="engine-loop")
 

@@ -30,7 +30,7 @@ async def serve(config: ComputeConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port)
         log.info("metrics on :%d/metrics", config.metrics_port)
-    rt.runner.start()
+    rt.runner.start(config.gil_switch_interval_us / 1e6)
 
     def register(server: grpc.aio.Server) -> list[str]:
         compute_pb2_grpc.add_ComputeServicer_to_server(ComputeServicer(rt, config.max_model_len), server)

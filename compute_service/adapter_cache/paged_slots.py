@@ -126,7 +126,7 @@ class PagedAdapterSlots:
         n = pages_needed(shapes, self.layout.page_elems)
         if n > self.layout.num_pages:
             raise AdapterTooLargeError(key, n, self.layout.num_pages, self.layout.page_bytes)
-        return upload(checked, self.spec, self.layout, self.device, self._stream, self.register_host_memory)
+        return upload(checked, n, self.device, self._stream, self.register_host_memory)
 
     # -- the AdapterSlots protocol ---------------------------------------------------------------
     def load(self, key: str, adapter: Adapter) -> int:
@@ -217,8 +217,8 @@ class PagedAdapterSlots:
             now = time.perf_counter()
             if t is not None:
                 t.copy_started_at = now
-            job = self._packer.submit(pack, staged, self.pool, self.tables, list(e.pages), e.slot, self.layout,
-                                      self._stream)
+            job = self._packer.submit(pack, staged, self.spec, self.pool, self.tables, list(e.pages), e.slot,
+                                      self.layout, self._stream)
             self._in_flight[e.key] = _InFlight(job, staged, t)
         done = []
         for k, f in list(self._in_flight.items()):

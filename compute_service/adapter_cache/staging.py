@@ -1,39 +1,46 @@
 """Moving an adapter onto the device and into its pool pages, off the event loop and off the batch's stream.
 
-1. `upload` (worker thread, before pages are granted): each row's used prefix
-   (A then B, no padding) goes into one device buffer, on the side stream.
-   The host memory is first registered with CUDA (cudaHostRegister; works for
-   a mapped shared-memory segment as for any host tensor), so the copy is a
-   DMA at full PCIe speed with no CPU copy at all; where registering fails,
-   the driver stages the pageable memory itself (several times slower, still
-   off the batch's stream). NaN/Inf are checked on the device.
-2. `pack` (worker thread, once pages and a slot are granted):
-   `kernels.paged.write_adapter` on the side stream moves A rows and B^T rows
-   device-to-device into the pages and fills the slot's row tables; an event
-   says when it is done.
-On CPU the rows stay views of the host tensor and `pack` is a plain copy.
+1. `upload` (worker thread, before pages are granted): the converted weights
+   `[N, W]` go to the device in one copy on the side stream. The host memory
+   (a mapped shared-memory segment, or any host tensor) is registered with
+   CUDA first (cudaHostRegister, read-only), so the copy is a DMA at full PCIe
+   speed with no CPU copy; where registering fails the driver stages the
+   pageable memory itself. NaN/Inf are checked on the device.
+2. `pack` (worker thread, once pages and a slot are granted): rows are
+   gathered per (module, rank) group, B transposed, rows of one width
+   concatenated and written into the granted pages with one indexed copy per
+   width; the slot's row tables follow the layout of `kernels.paged`
+   (rows grouped by width, widths ascending, pages filled in order, no row
+   straddling two pages). A handful of tensor ops per group, not per row:
+   Python in a side thread competes for the GIL with the thread that runs the
+   engine step, so it is kept to the minimum.
+On CPU the same code runs on host tensors.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from compute_service.adapter_cache.layout import PoolLayout, Row, rows_pages
+from compute_service.adapter_cache.layout import PoolLayout
 from compute_service.engine.errors import InvalidAdapterError
 from compute_service.engine.spec import ModelSpec
-from kernels import LoraRowTables, write_adapter
+from kernels import LoraRowTables, rows_per_page
 from loraplex.formats.adapter import Adapter
+
+CUDA_HOST_REGISTER_READ_ONLY = 8   # the device only reads: no copy-on-write of a private shm mapping
 
 
 @dataclass
 class Uploaded:
-    """An adapter's rows where `pack` reads them: device views (CUDA) or host views (CPU)."""
+    """An adapter's converted weights where `pack` reads them (device on CUDA, host on CPU)."""
 
-    rows: list[Row]
+    adapter: Adapter                       # structurally checked: `in_out` filled
+    weights: torch.Tensor                  # [N, W] on the pool's device
     num_pages: int
-    num_bytes: int                         # bytes moved host -> device (rows without padding)
+    num_bytes: int                         # bytes moved host -> device
     finite_host: torch.Tensor | None       # pinned bool, valid once `event` is done (CUDA)
     event: "torch.cuda.Event | None"       # upload finished
     start_event: "torch.cuda.Event | None" = None
@@ -46,25 +53,6 @@ class Uploaded:
         return self.start_event.elapsed_time(self.event)
 
 
-def _row_views(adapter: Adapter, spec: ModelSpec, src: torch.Tensor, offsets: list[int]) -> list[Row]:
-    """(module, layer, rank, A, B) views into `src` at `offsets`; fused qkv split into q, k, v (shared A)."""
-    rows: list[Row] = []
-    split = [spec.q_size, spec.kv_size, spec.kv_size]
-    for i, (module_id, layer, rank) in enumerate(adapter.config.tolist()):
-        fin, fout = adapter.in_out[i]
-        o = offsets[i]
-        a = src[o: o + rank * fin].view(rank, fin)
-        b = src[o + rank * fin: o + rank * (fin + fout)].view(fout, rank)
-        if module_id == 0:
-            rows.extend((m, layer, rank, a, bp) for m, bp in zip((1, 2, 3), b.split(split, dim=0)))
-        else:
-            rows.append((module_id, layer, rank, a, b))
-    return rows
-
-
-CUDA_HOST_REGISTER_READ_ONLY = 8   # the device only reads: no copy-on-write of a private shm mapping
-
-
 def _register(t: torch.Tensor) -> bool:
     nbytes = t.numel() * t.element_size()
     try:
@@ -72,7 +60,7 @@ def _register(t: torch.Tensor) -> bool:
         for flags in (CUDA_HOST_REGISTER_READ_ONLY, 0):
             if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, flags)) == 0:
                 return True
-            clear = getattr(cudart, "cudaGetLastError", None)   # clear the failed call's sticky-free error
+            clear = getattr(cudart, "cudaGetLastError", None)   # forget the failed call's error
             if clear is not None:
                 clear()
     except Exception:  # noqa: BLE001 - no cudart binding: fall back to pageable copies
@@ -80,30 +68,25 @@ def _register(t: torch.Tensor) -> bool:
     return False
 
 
-def upload(adapter: Adapter, spec: ModelSpec, layout: PoolLayout, device: torch.device,
-           stream: "torch.cuda.Stream | None", register: bool = True) -> Uploaded:
-    """Puts a structurally checked adapter (in_out known) where `pack` can read it."""
+def upload(adapter: Adapter, num_pages: int, device: torch.device, stream: "torch.cuda.Stream | None",
+           register: bool = True) -> Uploaded:
+    """Puts a structurally checked adapter's weights where `pack` reads them."""
     t0 = time.perf_counter()
-    used = [int(r) * (fi + fo) for r, (fi, fo) in zip(adapter.config[:, 2].tolist(), adapter.in_out)]
-    offsets = [sum(used[:i]) for i in range(len(used))] if used else []
-    w = adapter.weights
+    w = adapter.weights.contiguous()
+    nbytes = w.numel() * w.element_size()
     if device.type != "cuda" or stream is None:
-        rows = [(m, l, r, a, b) for m, l, r, a, b in _row_views(adapter, spec, w.reshape(-1), [
-            i * w.shape[1] for i in range(w.shape[0])])]
-        if not all(torch.isfinite(a).all() and torch.isfinite(b).all() for _, _, _, a, b in rows):
+        if not bool(torch.isfinite(w).all()):
             raise InvalidAdapterError("adapter weights contain NaN or Inf")
-        return Uploaded(rows, rows_pages(rows, layout.page_elems), sum(used) * w.element_size(), None, None)
-    w = w.contiguous()
+        return Uploaded(adapter, w, num_pages, nbytes, None, None)
     registered = register and _register(w)
     try:
         with torch.cuda.stream(stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            raw = torch.empty(sum(used), dtype=w.dtype, device=device)
-            for i, n in enumerate(used):
-                raw[offsets[i]: offsets[i] + n].copy_(w[i, :n], non_blocking=True)
+            dev = torch.empty(w.shape, dtype=w.dtype, device=device)
+            dev.copy_(w, non_blocking=True)
             finite_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            finite_host.copy_(torch.isfinite(raw).all(), non_blocking=True)
+            finite_host.copy_(torch.isfinite(dev).all(), non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
         if registered:
@@ -111,9 +94,8 @@ def upload(adapter: Adapter, spec: ModelSpec, layout: PoolLayout, device: torch.
     finally:
         if registered:
             torch.cuda.cudart().cudaHostUnregister(w.data_ptr())
-    rows = _row_views(adapter, spec, raw, offsets)
-    return Uploaded(rows, rows_pages(rows, layout.page_elems), sum(used) * w.element_size(), finite_host, done,
-                    start, (time.perf_counter() - t0) * 1e3, registered)
+    return Uploaded(adapter, dev, num_pages, nbytes, finite_host, done, start,
+                    (time.perf_counter() - t0) * 1e3, registered)
 
 
 @dataclass
@@ -134,13 +116,36 @@ class CopyHandle:
         return self.start_event.elapsed_time(self.event)
 
 
-def pack(up: Uploaded, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int], slot: int,
+def _row_blocks(up: Uploaded, spec: ModelSpec, tables: LoraRowTables):
+    """Yields (width, rows [n*r, width], kind "a"|"b", module index, layers, rank, (in, out)) per group."""
+    cfg = np.asarray(up.adapter.config)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (module_id, _layer, rank) in enumerate(cfg.tolist()):
+        groups.setdefault((module_id, rank), []).append(i)
+    for (module_id, r), idx in groups.items():
+        fin, fout = up.adapter.in_out[idx[0]]
+        n = len(idx)
+        block = up.weights[torch.tensor(idx, device=up.weights.device), : r * (fin + fout)]   # [n, r*(in+out)]
+        a = block[:, : r * fin].reshape(n * r, fin)
+        b = block[:, r * fin:].reshape(n, fout, r)
+        layers = cfg[idx, 1]
+        if module_id == 0:      # fused qkv: q, k and v each get the shared A and their slice of B
+            parts = zip((1, 2, 3), b.split([spec.q_size, spec.kv_size, spec.kv_size], dim=1))
+        else:
+            parts = zip((module_id,), (b,))
+        for m, bm in parts:
+            mi = tables.module_index(m)
+            yield fin, a, "a", mi, layers, r, (fin, bm.shape[1])
+            yield bm.shape[1], bm.transpose(1, 2).reshape(n * r, bm.shape[1]), "b", mi, layers, r, (fin, bm.shape[1])
+
+
+def pack(up: Uploaded, spec: ModelSpec, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int], slot: int,
          layout: PoolLayout, stream: "torch.cuda.Stream | None") -> CopyHandle:
-    """Writes the uploaded rows into the granted pages and fills `slot`'s tables (queued on `stream`)."""
+    """Writes the adapter's rows into the granted pages and fills `slot`'s tables (queued on `stream`)."""
     if len(page_ids) != up.num_pages:
         raise ValueError(f"adapter needs {up.num_pages} pages, granted {len(page_ids)}")
     if stream is None:
-        write_adapter(pool, page_ids, up.rows, tables, slot, layout.page_elems)
+        _pack(up, spec, pool, tables, page_ids, slot, layout)
         return CopyHandle(None)
     # The pages may have belonged to an adapter evicted a moment ago: let kernels already queued on
     # the batch's stream finish reading them before they are overwritten.
@@ -150,7 +155,46 @@ def pack(up: Uploaded, pool: torch.Tensor, tables: LoraRowTables, page_ids: list
     with torch.cuda.stream(stream):
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        write_adapter(pool, page_ids, up.rows, tables, slot, layout.page_elems)
+        _pack(up, spec, pool, tables, page_ids, slot, layout)
         done = torch.cuda.Event(enable_timing=True)
         done.record(stream)
     return CopyHandle(done, (up,), start)
+
+
+def _pack(up: Uploaded, spec: ModelSpec, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int],
+          slot: int, layout: PoolLayout) -> None:
+    L, M, R, pe = tables.num_layers, tables.num_modules, tables.max_rank, layout.page_elems
+    offs = {"a": np.zeros((L, M, R), dtype=np.int64), "b": np.zeros((L, M, R), dtype=np.int64)}
+    ranks = np.zeros((L, M), dtype=np.int32)
+    shapes = np.zeros((L, M, 3), dtype=np.int64)
+    by_width: dict[int, list] = {}
+    for width, rows, kind, mi, layers, r, fio in _row_blocks(up, spec, tables):
+        by_width.setdefault(width, []).append((rows, kind, mi, layers, r, fio))
+    pages = np.asarray(page_ids, dtype=np.int64)
+    pages_2d = pool.view(-1, pe)
+    next_page = 0
+    for width in sorted(by_width):
+        parts = by_width[width]
+        per_page = rows_per_page(width, pe)
+        n_rows = sum(p[0].shape[0] for p in parts)
+        n_pages = -(-n_rows // per_page)
+        mine = pages[next_page: next_page + n_pages]
+        next_page += n_pages
+        k = np.arange(n_rows)
+        dst = mine[k // per_page] * pe + (k % per_page) * width          # element offset of each row
+        start = 0
+        for rows, kind, mi, layers, r, fio in parts:
+            n = len(layers)
+            offs[kind][layers, mi, :r] = dst[start: start + n * r].reshape(n, r)
+            ranks[layers, mi] = r
+            shapes[layers, mi] = (r, *fio)
+            start += n * r
+        body = torch.zeros(n_pages * per_page, width, dtype=pool.dtype, device=pool.device)
+        torch.cat([p[0] for p in parts], out=body[:n_rows]) if len(parts) > 1 else body[:n_rows].copy_(parts[0][0])
+        pages_2d[torch.from_numpy(mine).to(pool.device), : per_page * width] = body.view(n_pages, per_page * width)
+    if next_page != len(page_ids):
+        raise ValueError(f"adapter filled {next_page} pages, granted {len(page_ids)}")
+    tables.a_offsets[slot].copy_(torch.from_numpy(offs["a"]))
+    tables.b_offsets[slot].copy_(torch.from_numpy(offs["b"]))
+    tables.ranks[slot].copy_(torch.from_numpy(ranks))
+    tables.shapes_cpu[slot] = torch.from_numpy(shapes)

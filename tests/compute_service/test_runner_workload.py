@@ -55,6 +55,28 @@ def reference_engine(loaded, tiny_model_dir, adapters, device="cpu"):
     return eng
 
 
+def assert_equal_up_to_near_ties(ref, rid, prompt, params, key, got, rel_tol=1e-2):
+    """Greedy tokens equal the reference's, except where the reference's top two logits are within
+    `rel_tol` of the logit scale (TF32 Triton math vs fp32 torch may pick either); checked up to there."""
+    ref.add_request(rid, prompt, params, key)
+    want, j = [], 0
+    while ref.scheduler.get(rid) is not None:
+        outs, logits = ref.step_with_logits()
+        for out in outs:
+            for tok in out.new_token_ids:
+                if j < len(got) and tok != got[j]:
+                    row = logits[rid].float()
+                    gap = float(row[tok] - row[got[j]])
+                    ref.abort_request(rid)
+                    ref.step()
+                    assert gap <= rel_tol * float(row.abs().max()), \
+                        f"{rid}: token {j} is {got[j]}, reference {tok} wins by {gap:.4f} (not a near-tie)"
+                    return
+                want.append(tok)
+                j += 1
+    assert want == got, f"{rid}: {got} != {want}"
+
+
 async def collect(runner, rid, prompt, params, task_id):
     toks, last = [], None
     async for out in runner.generate(rid, prompt, params, task_id, ""):
@@ -139,8 +161,12 @@ def test_200_requests_over_50_adapters_with_pool_of_8(request, tiny_model_dir, d
             if not ref.slots.resident(key):
                 ref.slots.evict(next(iter(ref.slots.keys()), ""))  # keep the reference small
                 ref.add_adapter(key, adapters[t])
-        want = ref.generate([p], sp, [None if t is None else adapter_key(t, "")])[0]
-        assert got[i][0] == want, f"request {i} (adapter {t}) differs from running it alone"
+        key = None if t is None else adapter_key(t, "")
+        if device == "cpu":
+            want = ref.generate([p], sp, [key])[0]
+            assert got[i][0] == want, f"request {i} (adapter {t}) differs from running it alone"
+        else:
+            assert_equal_up_to_near_ties(ref, f"alone{i}", p, sp, key, got[i][0])
     assert not busy_evictions, busy_evictions
     assert res.num_evictions > 0                     # 50 adapters through 8 places: it did swap
     if device == "cuda":
