@@ -18,6 +18,7 @@ On CPU the same code runs on host tensors.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -172,6 +173,9 @@ def _pack(up: Uploaded, spec: ModelSpec, pool: torch.Tensor, tables: LoraRowTabl
         by_width.setdefault(width, []).append((rows, kind, mi, layers, r, fio))
     pages = np.asarray(page_ids, dtype=np.int64)
     pages_2d = pool.view(-1, pe)
+    # Kernels assume every row offset is a multiple of this (kernels.paged keeps it the same way);
+    # lowered before the slot's tables can name the new rows.
+    tables.row_align = math.gcd(tables.row_align, pe, *by_width)
     next_page = 0
     for width in sorted(by_width):
         parts = by_width[width]

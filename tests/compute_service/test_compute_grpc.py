@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 import pytest
-from conftest import random_adapter
+from compute_helpers import random_adapter
 from test_runner_workload import make_runtime, reference_engine
 
 from compute_service.adapter_cache.loader import adapter_key

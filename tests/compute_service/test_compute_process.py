@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 import pytest
-from conftest import random_adapter
+from compute_helpers import random_adapter
 
 from compute_service.engine.loader import load_model
 from compute_service.engine.sampling_params import SamplingParams

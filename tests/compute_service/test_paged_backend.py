@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_adapter
+from compute_helpers import random_adapter
 
 from compute_service.adapter_cache.paged_backend import PagedLoraBackend
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import random_adapter
+from compute_helpers import random_adapter
 
 from compute_service.adapter_cache.layout import PoolLayout, adapter_rows, rows_pages
 from compute_service.adapter_cache.loader import adapter_key
