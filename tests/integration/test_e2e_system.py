@@ -155,6 +155,50 @@ def test_unknown_task_id_is_not_found(client):
     assert "task id 4242" in str(e.value)
 
 
+def _compute_running(stack) -> int:
+    import grpc
+
+    from loraplex.v1 import compute_pb2, compute_pb2_grpc
+    with grpc.insecure_channel(stack.compute.address) as ch:
+        return compute_pb2_grpc.ComputeStub(ch).GetStats(compute_pb2.GetStatsRequest(), timeout=30).num_running
+
+
+def _wait_idle(stack, timeout_s: float = 30.0) -> bool:
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _compute_running(stack) == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_cancel_and_deadline_free_the_sequence_on_compute(stack, client):
+    stream = client.stream(PROMPT_EN, max_tokens=400, ignore_eos=True)
+    next(stream)
+    assert _compute_running(stack) == 1
+    stream.close()  # the client cancels mid-stream
+    assert _wait_idle(stack), "compute still runs a cancelled request"
+    from loraplex.errors import LoraplexError
+    with Client(stack.address, timeout=1.5) as short:
+        with pytest.raises(LoraplexError) as e:
+            short.generate(PROMPT_EN, max_tokens=400, ignore_eos=True)
+    assert e.value.grpc_code.name == "DEADLINE_EXCEEDED"
+    assert _wait_idle(stack), "compute still runs a request whose deadline passed"
+
+
+def test_unload_lets_running_requests_finish_and_refuses_new_ones(stack, client, adapters):
+    client.load_lora(task_id=31, local_path=adapters[2])
+    stream = client.stream(PROMPT_EN, lora=31, max_tokens=40, ignore_eos=True)
+    chunks = [next(stream)]
+    assert client.unload_lora(task_id=31) is True
+    chunks += list(stream)
+    assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 40
+    with pytest.raises(NotFoundError):
+        client.generate(PROMPT_EN, lora=31, max_tokens=2)
+    assert 31 not in {a.task_id for a in client.list_loras().adapters}
+
+
 def test_killing_the_cache_refuses_new_adapters_while_cached_ones_serve(stack, client, adapters):
     before = client.generate(PROMPT_EN, lora=1, max_tokens=6)
     stack.cache.proc.send_signal(signal.SIGKILL)
