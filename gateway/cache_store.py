@@ -17,7 +17,7 @@ from gateway.adapters import StoreLimits
 
 T = TypeVar("T")
 
-_MODE_NAMES = {common_pb2.LOAD_MODE_AUTO: "auto", common_pb2.LOAD_MODE_ALWAYS: "always",
+_MODE_NAMES: dict[int, str] = {common_pb2.LOAD_MODE_AUTO: "auto", common_pb2.LOAD_MODE_ALWAYS: "always",
                common_pb2.LOAD_MODE_NEVER: "never"}
 
 

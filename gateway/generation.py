@@ -40,7 +40,7 @@ class EntryJob:
 
 
 def _response(job: EntryJob, lora: ResolvedLora, token_ids: Sequence[int], text: str,
-              finish: int = common_pb2.FINISH_REASON_UNSPECIFIED, completion_tokens: int = 0,
+              finish: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED, completion_tokens: int = 0,
               error: str = "") -> gateway_pb2.GenerateResponse:
     msg = gateway_pb2.GenerateResponse(index=job.index, token_ids=list(token_ids), text=text,
                                        finish_reason=finish, error=error)

@@ -13,7 +13,7 @@ UnavailableError, ...) whose `grpc_code` is the call's status.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence, cast
 
 import grpc
 
@@ -36,7 +36,7 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
 def _loras(lora: LoraLike | Sequence[LoraLike]) -> list[LoraLike]:
     if isinstance(lora, (list, tuple)):
         return list(lora)
-    return [] if lora is None else [lora]
+    return [] if lora is None else [cast(LoraLike, lora)]
 
 
 def _load_request(task_id: int | None, name: str, path: str, local_path: str | Path | None,
