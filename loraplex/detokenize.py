@@ -71,7 +71,7 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts a text stream at the first stop string, never emitting part of one.
+    """Cuts a text stream at the first stop string to complete, never emitting part of one.
 
     Feed pieces with `push`; it returns `(text_to_emit, stopped)`. After a stop
     the matcher emits nothing more. `flush` releases the held-back tail when the
@@ -109,12 +109,17 @@ class StopStringMatcher:
         return out
 
     def _first_match(self) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
+        """The stop string that completes first in the pending text (ties: the one starting first).
+
+        Ordering by where a match ends makes the result independent of how the text was cut
+        into pieces: it is what reading one character at a time would find.
+        """
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for s in self._stop:
             pos = self._text.find(s)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
-        return best
+            if pos >= 0 and (best is None or (pos + len(s), pos) < best[:2]):
+                best = (pos + len(s), pos, s)
+        return None if best is None else (best[1], best[2])
 
     def _held_tail_len(self) -> int:
         """Length of the longest tail of the pending text that begins some stop string."""
