@@ -13,7 +13,14 @@ class GatewayConfig:
     listen: str = field(default="127.0.0.1:50051", metadata={"help": "address to serve the public API on"})
     cache_address: str = field(default="127.0.0.1:50052", metadata={"help": "host cache service address"})
     compute_addresses: tuple[str, ...] = field(
-        default=("127.0.0.1:50053",), metadata={"help": "compute service addresses, comma-separated"})
+        default=("127.0.0.1:50053",),
+        metadata={"help": "compute service addresses, comma-separated; dns:///NAME:PORT means every "
+                          "address NAME resolves to"})
+    replica_spill_threshold: int = field(
+        default=32, metadata={"help": "requests in flight on an adapter's home replica at which new ones "
+                                      "spill to the least-loaded replica"})
+    replica_health_interval_s: float = field(
+        default=1.0, metadata={"help": "seconds between health checks (and DNS lookups) of compute replicas"})
     model: str = field(
         default="", metadata={"help": "base model whose tokenizer the gateway uses (GGUF file or HF folder); "
                                       "default SmolLM2-135M-Instruct; must match the compute service's"})
@@ -28,6 +35,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.compute_addresses:
             raise SettingsError("compute_addresses: give at least one compute service address")
+        if self.replica_spill_threshold < 1 or self.replica_health_interval_s <= 0:
+            raise SettingsError("replica_spill_threshold must be >= 1 and replica_health_interval_s positive")
         if self.max_message_bytes < 4 << 20:
             raise SettingsError("max_message_bytes: must be at least 4 MiB")
         if self.default_max_tokens < 1:

@@ -95,8 +95,10 @@ class SingleReplicaRouter:
         await self._replica.channel.close()
 
 
-def build_router(addresses: tuple[str, ...], max_message_bytes: int) -> ComputeRouter:
+def build_router(addresses: tuple[str, ...], max_message_bytes: int, *, spill_threshold: int = 32,
+                 health_interval_s: float = 1.0) -> ComputeRouter:
     """The router for the configured compute addresses (one or more; `dns:///name:port` expands)."""
     from gateway.replica_router import ReplicaRouter  # it builds on ComputeReplica, defined here
 
-    return ReplicaRouter(addresses, max_message_bytes)
+    return ReplicaRouter(addresses, max_message_bytes, spill_threshold=spill_threshold,
+                         health_interval_s=health_interval_s)

@@ -46,7 +46,9 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = load_tokenizer(model_path)
     model_spec = ModelSpec.from_path(model_path)
     store = CacheStore(config.cache_address, config.max_message_bytes, config.downstream_timeout_s)
-    router = build_router(config.compute_addresses, config.max_message_bytes)
+    router = build_router(config.compute_addresses, config.max_message_bytes,
+                          spill_threshold=config.replica_spill_threshold,
+                          health_interval_s=config.replica_health_interval_s)
     servicer = build_servicer(config, tokenizer, model_spec, store, router)
 
     def register(server: grpc.aio.Server) -> list[str]:

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from loraplex.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from loraplex.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError
 from loraplex.grpc_errors import maps_errors
 from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.adapters import AdapterResolver, AdapterStore
@@ -47,13 +47,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """The compute service's model description, asked once and kept."""
         async with self._model_info_lock:
             if self._model_info is None:
-                replica = self._router.replicas()[0]
-                try:
-                    resp = await replica.stub.GetModelInfo(compute_pb2.ComputeModelInfoRequest(),
-                                                           timeout=self._config.downstream_timeout_s)
-                except grpc.aio.AioRpcError as exc:
-                    raise from_rpc_error(exc, "compute", replica.address) from exc
-                self._model_info = resp.model
+                # replicas serve the same model: the first one that answers will do
+                failure: Exception = UnavailableError("no compute replica is known (see --compute-addresses)")
+                for replica in self._router.replicas():
+                    try:
+                        resp = await replica.stub.GetModelInfo(compute_pb2.ComputeModelInfoRequest(),
+                                                               timeout=self._config.downstream_timeout_s)
+                    except grpc.aio.AioRpcError as exc:
+                        failure = from_rpc_error(exc, "compute", replica.address)
+                        continue
+                    self._model_info = resp.model
+                    break
+                else:
+                    raise failure
             return self._model_info
 
     def _check_size(self, request: gateway_pb2.GenerateRequest | gateway_pb2.LoadLoraRequest) -> None:
