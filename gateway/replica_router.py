@@ -63,7 +63,7 @@ class ReplicaStream:
 
     async def __aiter__(self) -> AsyncIterator[compute_pb2.GenerateTokensResponse]:
         msg, self._first = self._first, None
-        while msg is not grpc.aio.EOF and msg is not None:
+        while isinstance(msg, compute_pb2.GenerateTokensResponse):  # grpc.aio.EOF ends it
             yield msg
             try:
                 msg = await self._call.read()
