@@ -4,7 +4,8 @@ The metadata is built once per step on the host, shared by every layer. Queries
 and keys are gathered into padded per-sequence tiles so one SDPA call covers a
 batch that mixes prefill chunks and decodes; a mask makes each query see its
 own sequence's keys up to its own position. A paged-attention kernel replaces
-this later; the metadata stays.
+this for decode-only steps on CUDA: `DecodeMetadata` carries the block tables
+themselves and `kernels.paged_attention` reads the pages in place.
 """
 from __future__ import annotations
 
@@ -54,8 +55,29 @@ class AttentionMetadata:
                    mask[:, None].to(device), token_seq.to(device), token_pos.to(device))
 
 
+@dataclass
+class DecodeMetadata:
+    """A decode-only step (one new token per sequence) on CUDA; tensors may be a graph's static buffers."""
+
+    slot_mapping: torch.Tensor      # [B] int64: flat KV slot of each new token
+    block_tables: torch.Tensor      # [B, max_blocks] int32: page ids per sequence
+    context_lens: torch.Tensor      # [B] int32: keys each new token attends to (itself included)
+
+    @classmethod
+    def build(cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
+              device: torch.device) -> "DecodeMetadata":
+        width = max(len(t) for t in block_tables)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for b, t in enumerate(block_tables):
+            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                 for t, n in zip(block_tables, context_lens)]
+        return cls(torch.tensor(slots, dtype=torch.int64).to(device), tables.to(device),
+                   torch.tensor(context_lens, dtype=torch.int32).to(device))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float) -> torch.Tensor:
     """Writes k/v into the cache, then attends.
 
     q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D].
@@ -65,6 +87,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
+    if isinstance(meta, DecodeMetadata):
+        from kernels.paged_attention import paged_attention_decode  # Triton: imported on first CUDA decode
+
+        out = torch.empty_like(q)
+        paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, out, scale)
+        return out
     qg = q[meta.q_gather].transpose(1, 2)            # [B, H, Qmax, D]
     kg = k_flat[meta.kv_gather].transpose(1, 2)      # [B, KVH, Kmax, D]
     vg = v_flat[meta.kv_gather].transpose(1, 2)

@@ -17,6 +17,8 @@ class EngineConfig:
     kv_cache_bytes: KV budget in bytes; None = 256 MiB on CPU, or
       `gpu_memory_fraction` of the GPU memory free after the weights on CUDA.
     max_model_len: None = the model's max positions, capped at 8192.
+    enforce_eager: on CUDA, decode steps of up to `max_num_seqs` sequences
+      replay CUDA graphs unless this is True.
     """
 
     model: str | None = None
@@ -32,6 +34,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_backend: str = "auto"      # "torch" | "kernels" | "auto" (kernels on CUDA when present)
     seed: int = 0                   # seeds the generators of requests without their own seed
+    enforce_eager: bool = False     # True = no CUDA graphs for decode steps (debugging, profiling)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

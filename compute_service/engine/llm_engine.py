@@ -9,6 +9,7 @@ import torch
 
 from compute_service.engine.block_manager import BlockManager
 from compute_service.engine.config import EngineConfig
+from compute_service.engine.cuda_graphs import DecodeGraphs, host_tables_width
 from compute_service.engine.errors import InvalidRequestError
 from compute_service.engine.kv_cache import allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
 from compute_service.engine.loader import LoadedModel, load_model, load_tokenizer
@@ -54,11 +55,17 @@ class LLMEngine:
             budget = cuda_kv_budget(dev, config.gpu_memory_fraction) if dev.type == "cuda" else CPU_KV_BYTES
         kv_dtype = loaded.model.dtype
         num_blocks = num_blocks_for_budget(self.spec, config.block_size, kv_dtype, budget, self.max_model_len)
-        kv = allocate_kv_cache(self.spec, num_blocks, config.block_size, kv_dtype, dev)
+        graphs_on = dev.type == "cuda" and not config.enforce_eager
+        # With graphs, one extra block (never handed to the block manager) takes the padding rows' K/V.
+        kv = allocate_kv_cache(self.spec, num_blocks + int(graphs_on), config.block_size, kv_dtype, dev)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             BlockManager(num_blocks, config.block_size), slots)
-        self.runner = ModelRunner(loaded.model, kv, config.block_size, slots, lora_backend)
+        graphs = None
+        if graphs_on:
+            graphs = DecodeGraphs(loaded.model, kv, config.block_size, config.max_num_seqs,
+                                  host_tables_width(self.max_model_len, config.block_size), scratch_block=num_blocks)
+        self.runner = ModelRunner(loaded.model, kv, config.block_size, slots, lora_backend, graphs)
         self._rng = random.Random(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._arrivals = 0

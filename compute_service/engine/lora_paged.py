@@ -133,7 +133,13 @@ class PagedAdapterSlots:
 
 
 class KernelLoraBackend:
-    """`LoraBackend` over `PagedAdapterSlots`: one shrink and one expand per layer group."""
+    """`LoraBackend` over `PagedAdapterSlots`: one shrink and one expand per layer group.
+
+    Graph-safe: `prepare` refills preallocated metadata, the kernels' launch
+    shapes depend only on the token count, so decode graphs may capture it.
+    """
+
+    graph_safe = True
 
     def __init__(self, slots: PagedAdapterSlots, max_num_tokens: int) -> None:
         self.slots = slots

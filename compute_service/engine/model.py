@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compute_service.engine.attention import AttentionMetadata, paged_attention
+from compute_service.engine.attention import AttentionMetadata, DecodeMetadata, paged_attention
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
@@ -59,7 +59,7 @@ class LlamaModel:
         self.scale = spec.head_dim ** -0.5
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | DecodeMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoraBackend | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, H] (after the last norm)."""
         spec = self.spec

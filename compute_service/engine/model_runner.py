@@ -1,9 +1,16 @@
-"""Turns a scheduled step into model inputs, runs the model, returns logits of the rows that sample."""
+"""Turns a scheduled step into model inputs, runs the model, returns logits of the rows that sample.
+
+Three paths: mixed or prefill steps build padded-tile metadata and run SDPA;
+decode-only steps on CUDA use the paged-attention decode kernel, replayed from
+a CUDA graph of the batch's size bucket when graphs are on (and eagerly
+otherwise, or when the LoRA backend is not graph-safe).
+"""
 from __future__ import annotations
 
 import torch
 
-from compute_service.engine.attention import AttentionMetadata
+from compute_service.engine.attention import AttentionMetadata, DecodeMetadata
+from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.lora_backend import NO_ADAPTER, AdapterSlots, LoraBackend
 from compute_service.engine.model import LlamaModel
 from compute_service.engine.scheduler import SchedulerOutput
@@ -13,12 +20,16 @@ class ModelRunner:
     """Owns the KV cache tensors; the only part of the engine that runs the model."""
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 slots: AdapterSlots | None, lora: LoraBackend | None) -> None:
+                 slots: AdapterSlots | None, lora: LoraBackend | None, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.slots = slots
         self.lora = lora
+        self.graphs = graphs
+        self.num_graph_steps = 0       # decode steps replayed from a graph (for tests and stats)
+        # Paged-attention decode kernel for decode-only steps: Triton, so CUDA (or the interpreter in tests).
+        self.decode_kernel = model.device.type == "cuda"
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [N, V] float32 for each scheduled sequence with `sample`, in schedule order."""
@@ -38,11 +49,23 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.model.device
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, dev)
+        has_lora = self.lora is not None and any(t != NO_ADAPTER for t in token_slots)
+        decode = self.decode_kernel and len(sample_rows) == len(input_ids) == len(query_lens)
+        if decode and dev.type == "cuda" and self.graphs is not None and self.graphs.bucket_for(len(input_ids)) is not None \
+                and (not has_lora or getattr(self.lora, "graph_safe", False)):
+            self.num_graph_steps += 1
+            return self.graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None)
+        meta: AttentionMetadata | DecodeMetadata
+        if decode:
+            meta = DecodeMetadata.build(context_lens, tables, self.block_size, dev)
+        else:
+            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, dev)
         lora = None
-        if self.lora is not None and any(t != NO_ADAPTER for t in token_slots):
-            self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))
+        if has_lora:
+            self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))  # type: ignore[union-attr]
             lora = self.lora
         hidden = self.model.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
                                     meta, self.kv_caches, lora)
+        if decode:
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev, dtype=torch.int64)])

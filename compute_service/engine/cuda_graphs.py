@@ -1,0 +1,118 @@
+"""Decode steps as CUDA graphs, one per batch-size bucket (and with / without LoRA).
+
+A decode step's shapes depend only on its batch size, so the whole forward
+(embedding -> layers with paged-attention decode and LoRA kernels -> logits)
+is captured once per bucket against static buffers and then replayed: a step
+costs one graph launch instead of ~10 kernel launches per layer. Every input
+that changes between steps lives in a preallocated device tensor refilled with
+`copy_` from pinned host memory before the replay: token ids, positions, KV
+slots, block tables, context lengths, and the LoRA batch metadata (prepared by
+the backend outside the graph). A batch is padded up to its bucket with rows
+that attend one key in a scratch KV block no sequence owns and use no adapter,
+so padding never touches real state. Nothing inside the step syncs with the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from compute_service.engine.attention import DecodeMetadata
+from compute_service.engine.lora_backend import NO_ADAPTER, LoraBackend
+from compute_service.engine.model import LlamaModel
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to (and including) `max_batch`."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captures decode graphs lazily (first use of a bucket) and replays them."""
+
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 max_batch: int, max_blocks_per_seq: int, scratch_block: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.scratch_block = scratch_block
+        dev, n, m = model.device, self.max_batch, max_blocks_per_seq
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.meta = DecodeMetadata(torch.zeros(n, dtype=torch.int64, device=dev),
+                                   torch.zeros(n, m, dtype=torch.int32, device=dev),
+                                   torch.ones(n, dtype=torch.int32, device=dev))
+        # Host staging, pinned so the copies are true async DMA; one packed int64 row set + int32 tables.
+        self._host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)       # ids, positions, slots
+        self._host_tables = torch.zeros(n, m, dtype=torch.int32, pin_memory=True)
+        self._host_ctx = torch.ones(n, dtype=torch.int32, pin_memory=True)
+        self._i64 = self._host_i64.numpy()
+        self._tables = self._host_tables.numpy()
+        self._ctx = self._host_ctx.numpy()
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def bucket_for(self, batch: int) -> int | None:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def run(self, input_ids: list[int], positions: list[int], tables: list[list[int]], token_slots: list[int],
+            lora: LoraBackend | None) -> torch.Tensor:
+        """Logits [B, V] float32 (a fresh tensor) of one decode token per sequence; `lora` None = base only."""
+        n = len(input_ids)
+        bucket = self.bucket_for(n)
+        if bucket is None:
+            raise ValueError(f"decode batch {n} exceeds the largest graph bucket {self.max_batch}")
+        bs = self.block_size
+        self._i64[0, :n] = input_ids
+        self._i64[1, :n] = positions
+        self._i64[0:2, n:bucket] = 0
+        self._i64[2, n:bucket] = self.scratch_block * bs
+        self._ctx[n:bucket] = 1
+        self._tables[n:bucket, 0] = self.scratch_block
+        for b, (t, p) in enumerate(zip(tables, positions)):
+            self._i64[2, b] = t[p // bs] * bs + p % bs
+            self._ctx[b] = p + 1
+            self._tables[b, : len(t)] = t
+        self.input_ids[:bucket].copy_(self._host_i64[0, :bucket], non_blocking=True)
+        self.positions[:bucket].copy_(self._host_i64[1, :bucket], non_blocking=True)
+        self.meta.slot_mapping[:bucket].copy_(self._host_i64[2, :bucket], non_blocking=True)
+        self.meta.context_lens[:bucket].copy_(self._host_ctx[:bucket], non_blocking=True)
+        self.meta.block_tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
+        if lora is not None:
+            lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32))
+        key = (bucket, lora is not None)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, lora)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        # Graphs share one memory pool, so the next replay may reuse this output: hand out a copy.
+        return logits[:n].clone()
+
+    def _forward(self, bucket: int, lora: LoraBackend | None) -> torch.Tensor:
+        meta = DecodeMetadata(self.meta.slot_mapping[:bucket], self.meta.block_tables[:bucket],
+                              self.meta.context_lens[:bucket])
+        hidden = self.model.forward(self.input_ids[:bucket], self.positions[:bucket], meta, self.kv_caches, lora)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, bucket: int, lora: LoraBackend | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # One eager run first: compiles the Triton kernels and settles lazy allocations outside the capture.
+        # It computes exactly what the replay will, so writing this step's K/V twice is harmless.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(bucket, lora)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(bucket, lora)
+        return graph, logits
+
+
+def host_tables_width(max_model_len: int, block_size: int) -> int:
+    """Pages a sequence of `max_model_len` tokens can hold."""
+    return -(-max_model_len // block_size)
+
