@@ -155,16 +155,16 @@ async def decode_phase(rt, batch: int, steps: int, vocab: int, warm_key_task: in
 
 def load_record(task_id: int, rank: int, tm, t0: float) -> dict:
     """One load's figures: request -> resident latency, and where the time went."""
-    return dict(task_id=task_id, rank=rank, bytes=tm.num_bytes, registered=tm.registered,
+    return dict(task_id=task_id, rank=rank, bytes=tm.num_bytes, mode=tm.mode,
                 latency_ms=(tm.done_at - t0) * 1e3, fetch_and_upload_ms=(tm.staged_at - t0) * 1e3,
                 wait_for_pages_ms=(tm.copy_started_at - tm.staged_at) * 1e3,
                 upload_device_ms=tm.upload_ms, upload_host_ms=tm.upload_host_ms, pack_device_ms=tm.copy_ms,
                 upload_gbps=tm.num_bytes / (tm.upload_ms * 1e6) if tm.upload_ms else 0.0)
 
 
-async def isolated_loads(rt, adapters_by_rank: dict[int, int], register: bool) -> list[dict]:
-    """Loads with no batch running: the pipeline's own latency (registered vs pageable host memory)."""
-    rt.slots.register_host_memory = register
+async def isolated_loads(rt, adapters_by_rank: dict[int, int], mode: str) -> list[dict]:
+    """Loads with no batch running: the pipeline's own latency (pinned ring, registered or pageable memory)."""
+    rt.slots.upload_mode = mode
     out = []
     for rank, task_id in adapters_by_rank.items():
         key = f"{task_id}@"
@@ -176,7 +176,7 @@ async def isolated_loads(rt, adapters_by_rank: dict[int, int], register: bool) -
             await asyncio.sleep(0.0005)
         out.append(load_record(task_id, rank, rt.slots.timings[key], t0))
         await rt.runner.drop(task_id)
-    rt.slots.register_host_memory = True
+    rt.slots.upload_mode = "ring"
     return out
 
 
@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=40.0, help="time between cold loads")
     ap.add_argument("--pool-gib", type=float, default=4.0)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--both-intervals", action="store_true",
+                    help="also run quiet + storm under Python's default 5 ms thread switch interval")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -234,11 +236,11 @@ def main() -> None:
         try:
             await rt.runner.prefetch(1, "")
             await decode_phase(rt, args.batch, 40, spec.vocab_size, 1, None, 0)   # compile, warm up
-            for register in (True, False):
-                result[f"isolated_loads_{'registered' if register else 'pageable'}"] = await isolated_loads(
-                    rt, {16: 1000, 64: 1001}, register)
+            for mode in ("ring", "register", "pageable"):
+                result[f"isolated_loads_{mode}"] = await isolated_loads(rt, {16: 1000, 64: 1001}, mode)
             # Python's default thread switch interval, then the service's default (ComputeConfig).
-            for label, interval in (("py_default", 0.005), ("service", cfg.gil_switch_interval_us / 1e6)):
+            for label, interval in [("service", cfg.gil_switch_interval_us / 1e6)] + \
+                    ([("py_default", 0.005)] if args.both_intervals else []):
                 sys.setswitchinterval(interval)
                 for t in range(1000, 1000 + args.num_adapters):
                     await rt.runner.drop(t)
@@ -256,8 +258,8 @@ def main() -> None:
     pinned = result.get("h2d_pinned_gbps")
     main_run = result["switch_interval_service"]
     result["quiet"], result["storm"], result["loads"] = main_run["quiet"], main_run["storm"], main_run["loads"]
-    all_loads = result["loads"] + result["switch_interval_py_default"]["loads"] + \
-        result.get("isolated_loads_registered", []) + result.get("isolated_loads_pageable", [])
+    all_loads = result["loads"] + result.get("switch_interval_py_default", {}).get("loads", []) + [
+        ld for mode in ("ring", "register", "pageable") for ld in result.get(f"isolated_loads_{mode}", [])]
     for ld in all_loads:
         if pinned:
             ld["pinned_copy_ideal_ms"] = ld["bytes"] / (pinned * 1e9) * 1e3
@@ -275,7 +277,9 @@ def main() -> None:
     result["p99_ratio_storm_vs_quiet"] = s["p99_ms"] / q["p99_ms"]
     result["p50_ratio_storm_vs_quiet"] = s["p50_ms"] / q["p50_ms"]
     for label in ("py_default", "service"):
-        run_ = result[f"switch_interval_{label}"]
+        run_ = result.get(f"switch_interval_{label}")
+        if run_ is None:
+            continue
         run_["p99_ratio_storm_vs_quiet"] = run_["storm"]["p99_ms"] / run_["quiet"]["p99_ms"]
         run_["p50_ratio_storm_vs_quiet"] = run_["storm"]["p50_ms"] / run_["quiet"]["p50_ms"]
     brief = {k: v for k, v in result.items() if k != "loads" and not k.startswith(("switch_", "isolated_"))}

@@ -22,7 +22,7 @@ from compute_service.adapter_cache.checks import check_structure
 from compute_service.adapter_cache.errors import AdapterLoadError, AdapterTooLargeError
 from compute_service.adapter_cache.layout import PoolLayout
 from compute_service.adapter_cache.residency import AdapterResidency, Entry, State
-from compute_service.adapter_cache.staging import CopyHandle, Uploaded, pack, upload
+from compute_service.adapter_cache.staging import CopyHandle, PinnedRing, Uploaded, pack, upload
 from compute_service.engine.errors import CapacityError, InvalidAdapterError
 from compute_service.engine.spec import ModelSpec
 from kernels import DEFAULT_MODULE_IDS, LoraRowTables, pages_needed
@@ -40,7 +40,7 @@ class LoadTiming:
     upload_ms: float = 0.0          # device time of the host-to-device copy (CUDA)
     upload_host_ms: float = 0.0     # worker wall time of the upload
     copy_ms: float = 0.0            # device time of the pack into pages (CUDA)
-    registered: bool = False        # the upload was a DMA from registered host memory
+    mode: str = ""                  # how the bytes travelled: "ring", "register" or "pageable"
 
 
 @dataclass
@@ -85,7 +85,8 @@ class PagedAdapterSlots:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Packs run here, so their Python (a few ms per adapter) never sits between two steps.
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="adapter-pack")
-        self.register_host_memory = True
+        self.upload_mode = "ring"      # see staging.upload
+        self.ring: PinnedRing | None = None
         self.timings: dict[str, LoadTiming] = {}   # last load of each key
 
     def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
@@ -98,6 +99,8 @@ class PagedAdapterSlots:
                                device=self.device)
         self.tables = LoraRowTables(layout.max_slots, self.spec.num_layers, layout.max_rank, self.device,
                                     DEFAULT_MODULE_IDS)
+        if self.device.type == "cuda":
+            self.ring = PinnedRing()   # pinned once, at start, never while the batch decodes
         self.residency = AdapterResidency(layout.num_pages, layout.max_slots, layout.page_bytes,
                                           on_evict=self._on_evict)
         return layout
@@ -126,7 +129,7 @@ class PagedAdapterSlots:
         n = pages_needed(shapes, self.layout.page_elems)
         if n > self.layout.num_pages:
             raise AdapterTooLargeError(key, n, self.layout.num_pages, self.layout.page_bytes)
-        return upload(checked, n, self.device, self._stream, self.register_host_memory)
+        return upload(checked, n, self.device, self._stream, self.ring, self.upload_mode)
 
     # -- the AdapterSlots protocol ---------------------------------------------------------------
     def load(self, key: str, adapter: Adapter) -> int:
@@ -171,7 +174,7 @@ class PagedAdapterSlots:
         if key not in self._staged:
             self._staged[key] = staged
             self.timings[key] = LoadTiming(staged.num_bytes, time.perf_counter(), upload_host_ms=staged.host_ms,
-                                           registered=staged.registered)
+                                           mode=staged.mode)
 
     def has_staged(self, key: str) -> bool:
         return key in self._staged
