@@ -92,6 +92,29 @@ class DecodeGraphs:
         # Graphs share one memory pool, so the next replay may reuse this output: hand out a copy.
         return logits[:n].clone()
 
+    def time_replay(self, batch: int, with_lora: bool, iters: int = 20) -> float | None:
+        """Median GPU milliseconds of one replay of `batch`'s bucket graph, None if not captured yet.
+
+        Replays the last step's inputs again (it rewrites the same K/V slots), so
+        call it between steps; it measures the device time a step needs, without
+        the host's share.
+        """
+        bucket = self.bucket_for(batch)
+        entry = self._graphs.get((bucket, with_lora)) if bucket is not None else None
+        if entry is None:
+            return None
+        graph = entry[0]
+        graph.replay()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
     def _forward(self, bucket: int, lora: LoraBackend | None) -> torch.Tensor:
         meta = DecodeMetadata(self.meta.slot_mapping[:bucket], self.meta.block_tables[:bucket],
                               self.meta.context_lens[:bucket])

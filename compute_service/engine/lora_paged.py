@@ -70,7 +70,13 @@ class PagedAdapterSlots:
         self._pins: Counter[str] = Counter()
 
     def load(self, key: str, adapter: Adapter) -> int:
-        rows = split_rows(check_adapter(adapter, self.spec, self.max_lora_rank), self.spec)
+        return self.load_rows(key, split_rows(check_adapter(adapter, self.spec, self.max_lora_rank), self.spec))
+
+    def load_rows(self, key: str, rows: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]) -> int:
+        """Makes already validated (module_id, layer, rank, A [r, in], B [out, r]) rows resident under `key`.
+
+        Rows may live on the GPU (tools and benchmarks build adapters there); `load` validates first.
+        """
         need = kernels.pages_needed([(r, a.shape[1], b.shape[0]) for _, _, r, a, b in rows], self.page_elems)
         if key in self._slot_of:
             if self._pins[key]:

@@ -43,11 +43,14 @@ def _run(engine: LLMEngine, adapters_dir, seed: int, max_tokens: int = 6):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_kernel_matches_peft_cpu(peft_llama, block_size, monkeypatch):
+def test_decode_kernel_matches_peft(peft_llama, block_size, monkeypatch):
+    """fp32 on CPU (Triton interpreter) or on the GPU without graphs: decode steps through the kernel."""
     peft_model, folder, adapters_dir = peft_llama
-    engine = LLMEngine(EngineConfig(model=str(folder), block_size=block_size, max_num_batched_tokens=16,
-                                    lora_backend="kernels", max_loras=4))
-    engine.runner.decode_kernel = True          # the Triton kernel, in the interpreter on CPU
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float32", block_size=block_size,
+                                    max_num_batched_tokens=16, lora_backend="kernels", max_loras=4,
+                                    enforce_eager=True))
+    engine.runner.decode_kernel = True          # on CPU: the Triton kernel in the interpreter
     calls = []
     import kernels.paged_attention as pa
     real = pa.paged_attention_decode
@@ -68,7 +71,7 @@ def test_decode_kernel_matches_peft_cpu(peft_llama, block_size, monkeypatch):
             ref = reference_logits(peft_model, prompt, tokens[rid])
         assert len(logits[rid]) == 6
         for i, row in enumerate(logits[rid]):
-            assert rel_err(row, ref[i]) < TOL, (rid, key, i)
+            assert rel_err(row.cpu(), ref[i]) < TOL, (rid, key, i)
 
 
 @pytest.mark.gpu

@@ -50,8 +50,10 @@ def _check(B, H, KVH, D, block_size, max_ctx, dtype, device, tol, block_n=64):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("H,KVH,D", [(4, 1, 16), (4, 4, 32), (8, 2, 64), (6, 2, 80)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_matches_reference_cpu(dtype, tol, H, KVH, D, block_size):
-    _check(B=3, H=H, KVH=KVH, D=D, block_size=block_size, max_ctx=70, dtype=dtype, device="cpu", tol=tol,
+def test_decode_matches_reference_small(dtype, tol, H, KVH, D, block_size):
+    """Small shapes: the interpreter on CPU, the real kernel where a GPU is present."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check(B=3, H=H, KVH=KVH, D=D, block_size=block_size, max_ctx=70, dtype=dtype, device=device, tol=tol,
            block_n=32)
 
 
