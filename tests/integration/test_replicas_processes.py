@@ -1,4 +1,4 @@
-"""A gateway over two CPU compute replicas, all real processes: affinity, spreading, failover.
+"""A gateway over two CPU compute replicas, all real processes: affinity, spreading, spill, failover.
 
 The cache, two compute services (SmolLM2 on the CPU) and a gateway run as
 `loraplex` processes. What each replica did is read from the replica itself:
@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 HIDDEN = 576  # SmolLM2-135M: attn_q is 576 -> 576
 RANK = 4
 TASK_IDS = (101, 102, 103, 104)
+SPILL_TASK_ID = 201
+SPILL_THRESHOLD = 2  # in-flight requests on an adapter's home before new ones spill
 
 
 def free_port() -> int:
@@ -93,7 +95,8 @@ def system():
         gateway = start_service("gateway", [
             "gateway", "--listen", "127.0.0.1:0", "--cache-address", cache.address,
             "--compute-addresses", ",".join(r.address for r in replicas),
-            "--replica-health-interval-s", "600"], timeout_s=300)
+            "--replica-health-interval-s", "600", "--replica-spill-threshold", str(SPILL_THRESHOLD)],
+            timeout_s=300)
         procs.append(gateway)
         channel = grpc.insecure_channel(gateway.address)
         yield System(gateway_pb2_grpc.GatewayStub(channel), replicas, gateway, time.time())
@@ -151,6 +154,19 @@ def test_base_requests_spread_over_replicas(system):
     served = [(r.tokens_generated() - b) / 3 for r, b in zip(replicas, before)]
     assert sum(served) == 6
     assert min(served) >= 2, f"base requests per replica: {served}"
+
+
+def test_saturated_home_spills_to_the_other_replica(system):
+    stub, replicas = system.stub, system.replicas
+    addresses = [r.address for r in replicas]
+    home = rendezvous_order(str(SPILL_TASK_ID), addresses)[0]
+    generate(stub, adapter_spec(SPILL_TASK_ID, with_weights=True))
+    assert [r.address for r in replicas if SPILL_TASK_ID in r.resident()] == [home]
+    # three at once: two fill the home up to the threshold, the third spills
+    with ThreadPoolExecutor(SPILL_THRESHOLD + 1) as pool:
+        list(pool.map(lambda _: generate(stub, adapter_spec(SPILL_TASK_ID, with_weights=False), max_tokens=48),
+                      range(SPILL_THRESHOLD + 1)))
+    assert all(SPILL_TASK_ID in r.resident() for r in replicas), "the spilled request ran on the other replica"
 
 
 def test_failover_when_a_replica_is_killed(system):
