@@ -195,6 +195,18 @@ class EngineRunner:
                     st.done = True
                     st.queue.put_nowait(exc)
 
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, st in list(self._streams.items()):
+            if st.in_engine:
+                self.engine.abort_request(rid)
+                if st.key is not None:
+                    self.slots.unwant(st.key)
+                st.in_engine = False
+                if not st.done:
+                    st.done = True
+                    st.queue.put_nowait(exc)
+                self._streams.pop(rid, None)
+
     def _dispatch(self, outputs: list[RequestOutput]) -> int:
         emitted = 0
         for out in outputs:
@@ -222,7 +234,12 @@ class EngineRunner:
             self._fail_loads()
             if self.engine.has_unfinished():
                 t0 = loop.time()
-                outputs = await asyncio.to_thread(self.engine.step)
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the service
+                    log.exception("engine step failed; failing the requests in the engine")
+                    self._fail_all(exc)
+                    continue
                 self.num_steps += 1
                 emitted = self._dispatch(outputs)
                 if self.on_step is not None:

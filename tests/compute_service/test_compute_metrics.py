@@ -41,3 +41,4 @@ def test_metrics_follow_pool_and_steps(tiny_model_dir):
     assert _value(after, "loraplex_compute_kv_blocks_used") == 0
     assert _value(after, "loraplex_compute_step_seconds_count") >= 4
     assert _value(after, "loraplex_compute_tokens_per_step_sum") == 4
+
