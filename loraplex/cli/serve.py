@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from loraplex.cli.serve_procs import RedisServer, forward_logs, stop_all
 from loraplex.procs import ServiceProcess, start_service
@@ -44,6 +46,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
     p.add_argument("--quiet", action="store_true", help="do not forward the services' logs")
     p.set_defaults(func=run)
+
+
+def child_env() -> dict[str, str]:
+    """Puts the folder holding the service packages first on the children's import path, so they
+    import the same code as this process whatever the current directory (an editable install
+    alone can resolve packages as namespaces from elsewhere)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def _opt(flag: str, value: str) -> list[str]:
@@ -96,14 +107,17 @@ def run(args: argparse.Namespace) -> int:
             redis_url = redis.url
             print(f"serve: redis-server at {redis_url}", file=sys.stderr, flush=True)
         cache_args, compute_args = service_args(args, redis_url)
+        env = child_env()
         t0 = time.monotonic()
-        cache = start_service("cache", cache_args, timeout_s=timeout)
+        cache = start_service("cache", cache_args, timeout_s=timeout, env=env)
         started.append(cache)
-        compute = start_service("compute", compute_args + ["--cache-address", cache.address], timeout_s=timeout)
+        compute = start_service("compute", compute_args + ["--cache-address", cache.address], timeout_s=timeout,
+                                env=env)
         started.append(compute)
         gateway = start_service("gateway", ["gateway", "--listen", args.listen, "--cache-address", cache.address,
                                             "--compute-addresses", compute.address]
-                                + _opt("--model", args.model) + shlex.split(args.gateway_flags), timeout_s=timeout)
+                                + _opt("--model", args.model) + shlex.split(args.gateway_flags), timeout_s=timeout,
+                                env=env)
         started.append(gateway)
         for svc in started:
             asyncio.run(wait_healthy(svc.address, timeout_s=timeout))
