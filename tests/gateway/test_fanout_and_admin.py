@@ -108,3 +108,19 @@ def test_request_over_the_message_limit_is_resource_exhausted_naming_it(tokenize
     err, st = run(go())
     assert f"limit of {4 << 20} bytes" in str(err) and "--max-message-bytes" in str(err)
     assert st.store.puts == 0
+
+
+def test_load_by_name_alone_and_compute_failure_of_a_single_entry(tokenizer):
+    from loraplex.formats import adapter_from_tensors
+
+    async def go():
+        async with gateway_stack(tokenizer) as st:
+            st.store.root["jp"] = (2, adapter_from_tensors(*random_adapter()))
+            info = await st.client.load_lora(name="jp")
+            w, c = random_adapter()
+            with pytest.raises(Exception) as e:
+                await st.client.generate("q", lora=Lora(task_id=FAIL_TASK_ID, weights=w, config=c), max_tokens=10)
+            return info, e.value
+    info, err = run(go())
+    assert info.task_id == 2 and info.name == "jp"
+    assert err.grpc_code == grpc.StatusCode.INTERNAL and "engine step failed" in str(err)
