@@ -76,17 +76,18 @@ class DecodeMetadata:
                    torch.tensor(context_lens, dtype=torch.int32).to(device))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata, scale: float) -> torch.Tensor:
-    """Writes k/v into the cache, then attends.
+    """Writes k/v into the cache (None: already written there), then attends.
 
     q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D].
     """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    if k is not None and v is not None:
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
     if isinstance(meta, DecodeMetadata):
         from kernels.paged_attention import paged_attention_decode  # Triton: imported on first CUDA decode
 

@@ -42,15 +42,17 @@ def _run(engine: LLMEngine, adapters_dir, seed: int, max_tokens: int = 6):
     return reqs, tokens, logits
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_kernel_matches_peft(peft_llama, block_size, monkeypatch):
-    """fp32 on CPU (Triton interpreter) or on the GPU without graphs: decode steps through the kernel."""
+@pytest.mark.parametrize("block_size,fused", [(4, False), (16, False), (4, True)])
+def test_decode_kernel_matches_peft(peft_llama, block_size, fused, monkeypatch):
+    """fp32 on CPU (Triton interpreter) or on the GPU without graphs: decode steps through the kernel,
+    with and without the fused norm / RoPE + KV write / SwiGLU ops (prefill steps included)."""
     peft_model, folder, adapters_dir = peft_llama
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float32", block_size=block_size,
                                     max_num_batched_tokens=16, lora_backend="kernels", max_loras=4,
                                     enforce_eager=True))
     engine.runner.decode_kernel = True          # on CPU: the Triton kernel in the interpreter
+    engine.runner.model.fused = fused
     calls = []
     import kernels.paged_attention as pa
     real = pa.paged_attention_decode

@@ -1,0 +1,33 @@
+"""SwiGLU activation in one launch: silu(gate) * up from the fused gate/up projection output."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(gu_ptr + t * 2 * inter + offs, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + t * 2 * inter + inter + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf * tl.sigmoid(gf)).to(g.dtype).to(tl.float32)      # silu rounds to the model dtype, as torch
+    tl.store(out_ptr + t * inter + offs, (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, then up
+             out: torch.Tensor,       # [T, I]
+             ) -> None:
+    """Semantics: out = F.silu(gate_up[:, :I]) * gate_up[:, I:]   (each op rounded to the model dtype)."""
+    if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be contiguous [T, 2I], got {tuple(gate_up.shape)}")
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if out.shape != (T, inter) or not out.is_contiguous() or out.dtype != gate_up.dtype:
+        raise ValueError(f"out must be contiguous [{T}, {inter}] of dtype {gate_up.dtype}")
+    if T == 0:
+        return
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
