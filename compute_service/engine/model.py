@@ -134,7 +134,10 @@ class LlamaModel:
             if lora is not None:
                 lora.apply(i, "down", act, [pending])
         out = torch.empty_like(h)
-        add_rms_norm(pending, h, self.weights.norm, eps, out, h)
+        if pending is None:                                                   # a model with no layers
+            add_rms_norm(h, None, self.weights.norm, eps, out)
+        else:
+            add_rms_norm(pending, h, self.weights.norm, eps, out, h)
         return out
 
     @torch.inference_mode()
