@@ -11,6 +11,7 @@ import torch
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.engine.lora_backend import GROUP_MODULE_IDS
+from compute_service.engine.lora_paged import as_one_output
 from kernels import LoraBatchMeta, lora_expand, lora_shrink
 
 
@@ -19,6 +20,8 @@ class PagedLoraBackend:
 
     Built before the pool exists (the engine takes it at construction, the pool
     is sized after the KV cache); its buffers are allocated on first use.
+    Not marked graph-safe: steps with adapters run eagerly in the service (an
+    attempt to capture them failed the 200-request GPU workload; see docs/compute.md).
     """
 
     def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
@@ -50,28 +53,10 @@ class PagedLoraBackend:
         T = x.shape[0]
         s = self._shrink_buf[: len(mods) * T * tables.max_rank].view(len(mods), T, tables.max_rank)
         lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s)
-        y, offsets = _as_one_matrix(outs)
+        y, offsets = as_one_output(outs)
         if y is not None:
             lora_expand(s, pool, tables, meta, layer, mods, y, offsets)
             return
         for i, out in enumerate(outs):   # slices not side by side in memory: one launch each
             lora_expand(s[i: i + 1].contiguous(), pool, tables, meta, layer, [mods[i]], out,
                         [0, out.shape[1]])
-
-
-def _as_one_matrix(outs: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int]]:
-    """When `outs` are adjacent column slices of one matrix (q/k/v of the fused qkv), that matrix."""
-    first = outs[0]
-    if first.dim() != 2 or first.stride(1) != 1:
-        return None, []
-    elem = first.element_size()
-    offsets = [0]
-    for o in outs:
-        if o.stride() != first.stride() or o.shape[0] != first.shape[0] or \
-                o.data_ptr() != first.data_ptr() + offsets[-1] * elem:
-            return None, []
-        offsets.append(offsets[-1] + o.shape[1])
-    if offsets[-1] > first.stride(0) and first.shape[0] > 1:
-        return None, []
-    y = first.as_strided((first.shape[0], offsets[-1]), first.stride())
-    return y, offsets

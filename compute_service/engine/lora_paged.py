@@ -163,7 +163,7 @@ class KernelLoraBackend:
         modules = self._modules[group]
         shrunk = torch.empty(len(modules), x.shape[0], s.tables.max_rank, dtype=torch.float32, device=x.device)
         kernels.lora_shrink(x.contiguous(), s.pool, s.tables, self.meta, layer, modules, shrunk)
-        y, offsets = _as_one_output(outs)
+        y, offsets = as_one_output(outs)
         if y is not None:
             kernels.lora_expand(shrunk, s.pool, s.tables, self.meta, layer, modules, y, offsets)
             return
@@ -172,7 +172,7 @@ class KernelLoraBackend:
                                 out, [0, out.shape[1]])
 
 
-def _as_one_output(outs: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int]]:
+def as_one_output(outs: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int]]:
     """If the slices are adjacent column ranges of one row-major tensor, that tensor and the boundaries."""
     widths = [o.shape[1] for o in outs]
     offsets = [0]
@@ -182,6 +182,6 @@ def _as_one_output(outs: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[
     elem = first.element_size()
     adjacent = all(o.stride() == first.stride() and o.stride(1) == 1
                    and o.data_ptr() == first.data_ptr() + offsets[i] * elem for i, o in enumerate(outs))
-    if not adjacent:
-        return None, offsets
+    if not adjacent or (offsets[-1] > first.stride(0) and first.shape[0] > 1):
+        return None, offsets      # not one matrix, or its rows would overlap
     return first.as_strided((first.shape[0], offsets[-1]), first.stride()), offsets
