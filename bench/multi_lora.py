@@ -98,8 +98,8 @@ def build_hf(dims: dict, dev: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
-def build_engine(hf, dev: torch.device, dtype: torch.dtype, max_batch: int, in_len: int, out_len: int):
-    from compute_service.engine import EngineConfig, LLMEngine
+def build_loaded(hf, dev: torch.device, dtype: torch.dtype, max_len: int):
+    """The engine's `LoadedModel` over `hf`'s very tensors, and the bytes a decode step reads of them."""
     from compute_service.engine.loader import LoadedModel
     from compute_service.engine.model import LlamaModel
     from compute_service.engine.spec import ModelSpec
@@ -110,17 +110,25 @@ def build_engine(hf, dev: torch.device, dtype: torch.dtype, max_batch: int, in_l
     spec = ModelSpec.from_hf_config(cfg, name="llama3-8b-shape-random")
     state = hf.state_dict()
     weights, fingerprint = build_weights(spec, state.get, dtype, dev)
-    max_len = 256
     loaded = LoadedModel(spec, LlamaModel(spec, weights, max_len), fingerprint, Path("/tmp/random-llama"), None)
-    kv_bytes = 2 * max_batch * max_len * 2 * spec.num_layers * spec.kv_size * weights.embed.element_size()
+    w = weights
+    base_bytes = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
+    base_bytes += (w.norm.numel() + w.lm_head.numel()) * w.norm.element_size()
+    return loaded, base_bytes
+
+
+def build_engine(hf, dev: torch.device, dtype: torch.dtype, max_batch: int, in_len: int, out_len: int):
+    from compute_service.engine import EngineConfig, LLMEngine
+
+    max_len = 256
+    loaded, base_bytes = build_loaded(hf, dev, dtype, max_len)
+    spec = loaded.spec
+    kv_bytes = 2 * max_batch * max_len * 2 * spec.num_layers * spec.kv_size * loaded.model.dtype.itemsize
     config = EngineConfig(device=str(dev), dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
                           max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * in_len),
                           max_model_len=max_len, kv_cache_bytes=kv_bytes, max_loras=max_batch,
                           max_lora_rank=64, lora_backend="kernels")
     engine = LLMEngine(config, loaded)
-    w = weights
-    base_bytes = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
-    base_bytes += (w.norm.numel() + w.lm_head.numel()) * w.norm.element_size()
     return engine, base_bytes
 
 

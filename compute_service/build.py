@@ -9,6 +9,7 @@ GPU memory, as the seed's `lora_cache_gpu_memory_fraction`) unless
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -82,5 +83,13 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
                             config.max_resident_adapters)
     log.info("adapter pool: %d pages of %d bytes (%.1f MiB), up to %d resident adapters",
              layout.num_pages, layout.page_bytes, layout.pool_bytes / 2**20, layout.max_slots)
+    backend.allocate()
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        # Every decode bucket, base and with adapters, now: before the runner starts loading adapters
+        # on other threads, and after every buffer the graphs read has its final address.
+        t0 = time.perf_counter()
+        graphs.capture_all(backend)
+        log.info("captured %d decode CUDA graphs in %.1f s", len(graphs.buckets) * 2, time.perf_counter() - t0)
     loader = AdapterLoader(slots, fetch)
     return Runtime(engine, slots, loader, EngineRunner(engine, slots, loader), loaded, device)

@@ -8,6 +8,7 @@ import grpc
 
 from compute_service.build import build_runtime
 from compute_service.config import ComputeConfig
+from compute_service.engine.loader import LoadedModel
 from compute_service.metrics import ComputeMetrics
 from compute_service.servicer import ComputeServicer
 from loraplex.cache_client import CacheClient
@@ -17,14 +18,14 @@ from loraplex.v1 import compute_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-async def serve(config: ComputeConfig) -> None:
-    """Serves loraplex.v1.Compute on `config.listen` until SIGTERM."""
+async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> None:
+    """Serves loraplex.v1.Compute on `config.listen` until SIGTERM (`loaded`: a model already in memory)."""
     cache = CacheClient(config.cache_address, max_message_bytes=config.max_message_bytes)
 
     async def fetch(task_id: int, version: str | None):  # type: ignore[no-untyped-def]
         return await cache.get_adapter(task_id, version)
 
-    rt = await asyncio.to_thread(build_runtime, config, fetch)
+    rt = await asyncio.to_thread(build_runtime, config, fetch, loaded)
     metrics = ComputeMetrics(rt)
     rt.runner.on_step = metrics.on_step
     if config.metrics_port:

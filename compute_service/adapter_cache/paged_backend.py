@@ -19,10 +19,15 @@ class PagedLoraBackend:
     """Reads weights from `slots.pool` through `slots.tables`.
 
     Built before the pool exists (the engine takes it at construction, the pool
-    is sized after the KV cache); its buffers are allocated on first use.
-    Not marked graph-safe: steps with adapters run eagerly in the service (an
-    attempt to capture them failed the 200-request GPU workload; see docs/compute.md).
+    is sized after the KV cache): `allocate()` must follow `slots.allocate()`
+    and precede any CUDA graph capture, so every buffer a graph reads (pool,
+    row tables, batch metadata, shrink output) has its final address before
+    it is captured. Graph-safe: `prepare` refills those buffers in place and
+    the launch configuration depends only on the token count (the row
+    alignment the kernels specialise on is fixed when the pool is allocated).
     """
+
+    graph_safe = True
 
     def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
         self.slots = slots
@@ -31,19 +36,23 @@ class PagedLoraBackend:
         self._group_modules: dict[str, list[int]] = {}
         self._shrink_buf = torch.empty(0)
 
-    def _allocate(self) -> LoraBatchMeta:
+    def allocate(self) -> LoraBatchMeta:
+        """Allocates the batch metadata and shrink output (once; the pool must exist)."""
+        if self.meta is not None:
+            return self.meta
         tables = self.slots.tables
         if tables is None:
-            raise RuntimeError("the adapter pool is not allocated yet")
-        self.meta = LoraBatchMeta(self.max_num_batched_tokens, tables.max_slots, device=self.slots.device)
+            raise RuntimeError("the adapter pool is not allocated yet: call slots.allocate() first")
+        meta = LoraBatchMeta(self.max_num_batched_tokens, tables.max_slots, device=self.slots.device)
         self._group_modules = {g: [tables.module_index(m) for m in ids] for g, ids in GROUP_MODULE_IDS.items()}
         # Shrink output for up to 3 slices at the largest step, fp32 as the kernels want it.
         self._shrink_buf = torch.empty(3 * self.max_num_batched_tokens * tables.max_rank, dtype=torch.float32,
                                        device=self.slots.device)
-        return self.meta
+        self.meta = meta
+        return meta
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
-        meta = self.meta if self.meta is not None else self._allocate()
+        meta = self.meta if self.meta is not None else self.allocate()
         meta.prepare(token_slot_ids_cpu.to(torch.int32))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:

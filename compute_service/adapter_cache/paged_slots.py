@@ -12,6 +12,7 @@ Two ways in:
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import torch
 
 from compute_service.adapter_cache.checks import check_structure
 from compute_service.adapter_cache.errors import AdapterLoadError, AdapterTooLargeError
-from compute_service.adapter_cache.layout import PoolLayout
+from compute_service.adapter_cache.layout import PoolLayout, module_features
 from compute_service.adapter_cache.residency import AdapterResidency, Entry, State
 from compute_service.adapter_cache.staging import CopyHandle, PinnedRing, Uploaded, pack, upload
 from compute_service.engine.errors import CapacityError, InvalidAdapterError
@@ -99,6 +100,10 @@ class PagedAdapterSlots:
                                device=self.device)
         self.tables = LoraRowTables(layout.max_slots, self.spec.num_layers, layout.max_rank, self.device,
                                     DEFAULT_MODULE_IDS)
+        # Every row offset is a page start plus a multiple of one module width: fix their gcd now, so the
+        # alignment kernels specialise on (baked into captured CUDA graphs) never drops after a load.
+        self.tables.row_align = math.gcd(layout.page_elems, *(w for io in module_features(self.spec).values()
+                                                               for w in io))
         if self.device.type == "cuda":
             self.ring = PinnedRing()   # pinned once, at start, never while the batch decodes
         self.residency = AdapterResidency(layout.num_pages, layout.max_slots, layout.page_bytes,

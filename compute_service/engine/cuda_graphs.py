@@ -66,6 +66,40 @@ class DecodeGraphs:
         bucket = self.bucket_for(n)
         if bucket is None:
             raise ValueError(f"decode batch {n} exceeds the largest graph bucket {self.max_batch}")
+        self._fill(input_ids, positions, tables, bucket)
+        if lora is not None:
+            lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32))
+        key = (bucket, lora is not None)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, lora)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        # Graphs share one memory pool, so the next replay may reuse this output: hand out a copy.
+        return logits[:n].clone()
+
+    def capture_all(self, lora: LoraBackend | None) -> None:
+        """Captures every bucket now (base, and with `lora` when given) on all-padding inputs.
+
+        For callers with other threads issuing CUDA work (the compute service's
+        adapter uploads and packs): capturing before those threads start means
+        no capture ever overlaps them. The LoRA graphs are captured with slot 0
+        on every row so the eager warm-up compiles the kernels (an empty slot has
+        rank 0 and adds nothing); a replay reads whatever `prepare` last wrote.
+        """
+        for bucket in self.buckets:
+            for backend in (None, lora) if lora is not None else (None,):
+                key = (bucket, backend is not None)
+                if key in self._graphs:
+                    continue
+                self._fill([], [], [], bucket)
+                if backend is not None:
+                    backend.prepare(torch.zeros(bucket, dtype=torch.int32))
+                self._graphs[key] = self._capture(bucket, backend)
+        torch.cuda.synchronize(self.model.device)
+
+    def _fill(self, input_ids: list[int], positions: list[int], tables: list[list[int]], bucket: int) -> None:
+        """Writes the step's inputs (rows past the batch: padding) into the static device buffers."""
+        n = len(input_ids)
         bs = self.block_size
         self._i64[0, :n] = input_ids
         self._i64[1, :n] = positions
@@ -82,15 +116,6 @@ class DecodeGraphs:
         self.meta.slot_mapping[:bucket].copy_(self._host_i64[2, :bucket], non_blocking=True)
         self.meta.context_lens[:bucket].copy_(self._host_ctx[:bucket], non_blocking=True)
         self.meta.block_tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
-        if lora is not None:
-            lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32))
-        key = (bucket, lora is not None)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, lora)
-        graph, logits = self._graphs[key]
-        graph.replay()
-        # Graphs share one memory pool, so the next replay may reuse this output: hand out a copy.
-        return logits[:n].clone()
 
     def time_replay(self, batch: int, with_lora: bool, iters: int = 20) -> float | None:
         """Median GPU milliseconds of one replay of `batch`'s bucket graph, None if not captured yet.
@@ -130,7 +155,9 @@ class DecodeGraphs:
             self._forward(bucket, lora)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # Thread-local: another thread's CUDA calls (an adapter upload's allocation or event wait) neither
+        # break this capture nor get refused while it runs, as they would in the default global mode.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(bucket, lora)
         return graph, logits
 

@@ -28,6 +28,7 @@ class ModelRunner:
         self.lora = lora
         self.graphs = graphs
         self.num_graph_steps = 0       # decode steps replayed from a graph (for tests and stats)
+        self.num_lora_graph_steps = 0  # of which with adapters
         # Paged-attention decode kernel for decode-only steps: Triton, so CUDA (or the interpreter in tests).
         self.decode_kernel = model.device.type == "cuda"
 
@@ -54,6 +55,7 @@ class ModelRunner:
         if decode and dev.type == "cuda" and self.graphs is not None and self.graphs.bucket_for(len(input_ids)) is not None \
                 and (not has_lora or getattr(self.lora, "graph_safe", False)):
             self.num_graph_steps += 1
+            self.num_lora_graph_steps += int(has_lora)
             return self.graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None)
         meta: AttentionMetadata | DecodeMetadata
         if decode:

@@ -171,6 +171,7 @@ def test_200_requests_over_50_adapters_with_pool_of_8(request, tiny_model_dir, d
     assert res.num_evictions > 0                     # 50 adapters through 8 places: it did swap
     if device == "cuda":
         assert all(t.copy_ms > 0 for t in rt.slots.timings.values())   # timed side-stream copies
+        assert rt.engine.runner.num_lora_graph_steps > 0     # adapter decode steps were CUDA graph replays
     assert rt.engine.stats().num_kv_blocks_used == 0
     assert all(e.pins == 0 and e.wants == 0 for e in res.entries())
     for e in list(res.entries()):
