@@ -22,6 +22,7 @@ from compute_service.engine.config import EngineConfig
 from compute_service.engine.llm_engine import LLMEngine
 from compute_service.engine.loader import LoadedModel, load_model
 from compute_service.runner import EngineRunner
+from loraplex.formats import AdapterError, ModelSpec
 
 log = logging.getLogger(__name__)
 CPU_NOMINAL_BYTES = 4 << 30
@@ -61,6 +62,16 @@ def pool_bytes(config: ComputeConfig, device: torch.device) -> int:
     return int(CPU_NOMINAL_BYTES * config.lora_gpu_memory_fraction)
 
 
+def adapter_fingerprint(loaded: LoadedModel) -> str | None:
+    """The fingerprint the host cache validates adapters against, computed the same way (from the model's
+    files), so both services agree on which adapters fit; None when the files cannot be read that way."""
+    try:
+        return ModelSpec.from_path(loaded.path).fingerprint
+    except (AdapterError, OSError, ValueError, KeyError) as exc:
+        log.warning("no adapter fingerprint for %s (%s): adapters are checked by shape only", loaded.path, exc)
+        return None
+
+
 def zero_kv_cache(engine: LLMEngine) -> None:
     """Zeroes the KV cache once: attention pads its gathers with unwritten slots, masked out, but a NaN
     left there by an earlier owner of the memory would still poison the masked product."""
@@ -76,6 +87,7 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
     if loaded is None:
         loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device)
     slots = PagedAdapterSlots(loaded.spec, config.max_lora_rank, device, loaded.model.dtype)
+    slots.fingerprint = adapter_fingerprint(loaded)
     backend = PagedLoraBackend(slots, config.max_num_batched_tokens)
     engine = LLMEngine(ecfg, loaded, None, slots, backend)
     zero_kv_cache(engine)

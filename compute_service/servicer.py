@@ -113,7 +113,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         spec, loaded = self.rt.engine.spec, self.rt.loaded
         info = common_pb2.ModelInfo(
             model_name=spec.name or loaded.path.name, architecture=_ARCH.get(spec.architecture, spec.architecture),
-            fingerprint=loaded.fingerprint, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+            fingerprint=self.rt.slots.fingerprint or loaded.fingerprint, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
             num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
             max_model_len=self.rt.engine.max_model_len, max_lora_rank=self.rt.slots.max_lora_rank,

@@ -14,12 +14,23 @@ import numpy as np
 from compute_service.adapter_cache.layout import module_features
 from compute_service.engine.errors import InvalidAdapterError
 from compute_service.engine.spec import ModelSpec
+from loraplex.errors import FailedPreconditionError
 from loraplex.formats.adapter import Adapter
 from loraplex.formats.modules import MODULE_NAMES
 
 
-def check_structure(adapter: Adapter, spec: ModelSpec, max_lora_rank: int) -> Adapter:
-    """Returns the adapter with `in_out` filled from the model; raises naming the first bad row."""
+def check_structure(adapter: Adapter, spec: ModelSpec, max_lora_rank: int,
+                    fingerprint: str | None = None) -> Adapter:
+    """Returns the adapter with `in_out` filled from the model; raises naming the first bad row.
+
+    `fingerprint` is the base-model fingerprint adapters are validated against (the
+    host cache stamps it into their metadata): one made for another model is refused.
+    """
+    made_for = adapter.metadata.fingerprint
+    if fingerprint and made_for and made_for != fingerprint:
+        raise FailedPreconditionError(
+            f"adapter was validated for base model {made_for}, this compute service runs {fingerprint}: "
+            "point the host cache and the compute service at the same --model")
     config = np.asarray(adapter.config)
     if config.ndim != 2 or config.shape[1] != 3:
         raise InvalidAdapterError(f"adapter config must be [N, 3] rows [module_id, layer_idx, rank], got {config.shape}")

@@ -89,6 +89,8 @@ class PagedAdapterSlots:
         self.upload_mode = "ring"      # see staging.upload
         self.ring: PinnedRing | None = None
         self.timings: dict[str, LoadTiming] = {}   # last load of each key
+        # Base-model fingerprint adapters must carry (set by the service; None skips the check).
+        self.fingerprint: str | None = None
 
     def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
         """Preallocates the pool (`num_bytes`) and the row tables."""
@@ -124,7 +126,7 @@ class PagedAdapterSlots:
     def stage_adapter(self, key: str, adapter: Adapter) -> Uploaded:
         """Checks against the model, refuses what can never fit, uploads the rows (see staging.py)."""
         assert self.layout is not None
-        checked = check_structure(adapter, self.spec, self.max_lora_rank)
+        checked = check_structure(adapter, self.spec, self.max_lora_rank, self.fingerprint)
         shapes = []
         for (module_id, _layer, rank), (fin, fout) in zip(checked.config.tolist(), checked.in_out):
             if module_id == 0:   # fused qkv: one A per q, k, v slice

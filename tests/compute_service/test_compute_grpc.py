@@ -13,6 +13,7 @@ from compute_service.engine.loader import load_model
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.servicer import ComputeServicer
 from loraplex import errors
+from loraplex.formats import ModelSpec
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 
 
@@ -84,7 +85,9 @@ def test_stream_equals_engine_and_stats_and_model_info(loaded, tiny_model_dir):
         assert msgs[-1].usage.prompt_tokens == len(prompt)
         assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
     assert info.num_layers == loaded.spec.num_layers and info.hidden_size == 64 and info.vocab_size == 96
-    assert info.max_lora_rank == 64 and info.device == "cpu" and info.fingerprint == loaded.fingerprint
+    assert info.max_lora_rank == 64 and info.device == "cpu"
+    # The fingerprint adapters are checked against: the one the host cache computes from the same files.
+    assert info.fingerprint == ModelSpec.from_path(tiny_model_dir).fingerprint
     assert list(stats.resident_task_ids) == [5] and stats.adapter_pages_used > 0
     assert stats.adapter_pool_bytes_used == stats.adapter_pages_used * rt.slots.layout.page_bytes
 
@@ -184,3 +187,23 @@ def test_unknown_adapter_not_found_and_prefetch_drop(loaded, tiny_model_dir):
     assert not first.resident and second.resident
     assert dropped.dropped and not again.dropped
     assert stats.adapter_pages_used == 0 and list(stats.resident_task_ids) == []
+
+
+def test_adapter_for_another_base_model_is_failed_precondition(loaded, tiny_model_dir):
+    foreign = random_adapter(loaded.spec, 8, seed=31).with_metadata(fingerprint="0123456789abcdef")
+    rt = make_runtime(loaded, tiny_model_dir, {31: foreign}, 2 << 20)
+
+    async def main():
+        server, channel, stub = await _serve(rt)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.GenerateTokens(_req("foreign", [3, 4, 5], 4, 31)):
+                    pass
+            return info.value, await _wait_idle(stub)
+        finally:
+            await _close(rt, server, channel)
+
+    err, stats = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+    assert "0123456789abcdef" in err.details() and "same --model" in err.details()
+    assert list(stats.resident_task_ids) == []
