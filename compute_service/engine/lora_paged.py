@@ -8,7 +8,7 @@ On CUDA tensors the kernels run in Triton; on CPU tensors in their torch referen
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import torch
 
@@ -16,6 +16,7 @@ import kernels
 from compute_service.engine.adapter_check import check_adapter
 from compute_service.engine.errors import CapacityError, InvalidAdapterError
 from compute_service.engine.lora_backend import GROUP_MODULE_IDS
+from compute_service.engine.lora_slots import SlotBook
 from compute_service.engine.spec import ModelSpec
 from loraplex.formats.adapter import Adapter
 from loraplex.formats.modules import module_shape
@@ -46,11 +47,12 @@ def split_rows(adapter: Adapter, spec: ModelSpec) -> list[tuple[int, int, int, t
     return rows
 
 
-class PagedAdapterSlots:
+class PagedAdapterSlots(SlotBook):
     """`AdapterSlots` whose adapters live in `kernels.paged` pages of one pool."""
 
     def __init__(self, spec: ModelSpec, max_slots: int, max_lora_rank: int, device: torch.device,
                  dtype: torch.dtype, pool_bytes: int | None = None) -> None:
+        super().__init__()
         self.spec = spec
         self.max_slots = max_slots
         self.max_lora_rank = max_lora_rank
@@ -66,8 +68,6 @@ class PagedAdapterSlots:
         self.tables = kernels.LoraRowTables(max_slots, spec.num_layers, max_lora_rank, device, _MODULE_IDS)
         self._free_pages = list(range(num_pages))
         self._pages: dict[str, list[int]] = {}
-        self._slot_of: OrderedDict[str, int] = OrderedDict()
-        self._pins: Counter[str] = Counter()
 
     def load(self, key: str, adapter: Adapter) -> int:
         return self.load_rows(key, split_rows(check_adapter(adapter, self.spec, self.max_lora_rank), self.spec))
@@ -108,27 +108,6 @@ class PagedAdapterSlots:
             if self._pins[key] == 0:
                 return self.evict(key)
         return False
-
-    def resident(self, key: str) -> bool:
-        return key in self._slot_of
-
-    def is_ready(self, key: str) -> bool:
-        return key in self._slot_of
-
-    def slot_of(self, key: str) -> int:
-        slot = self._slot_of[key]
-        self._slot_of.move_to_end(key)
-        return slot
-
-    def pin(self, key: str) -> None:
-        if key not in self._slot_of:
-            raise KeyError(f"adapter {key!r} is not resident")
-        self._pins[key] += 1
-
-    def unpin(self, key: str) -> None:
-        if self._pins[key] <= 0:
-            raise RuntimeError(f"adapter {key!r} is not pinned")
-        self._pins[key] -= 1
 
     def evict(self, key: str) -> bool:
         if key not in self._slot_of or self._pins[key] > 0:

@@ -41,21 +41,55 @@ def slot_weights(adapter: Adapter, spec: ModelSpec, device: torch.device, dtype:
     return out
 
 
-class InMemoryAdapterSlots:
+class SlotBook:
+    """Residency book-keeping shared by the engine's slot managers: key -> slot in LRU order, pin counts.
+
+    Loads are synchronous in the engine, so a resident adapter is ready at once.
+    """
+
+    def __init__(self) -> None:
+        self._slot_of: OrderedDict[str, int] = OrderedDict()   # LRU order: oldest use first
+        self._pins: Counter[str] = Counter()
+
+    def resident(self, key: str) -> bool:
+        return key in self._slot_of
+
+    def is_ready(self, key: str) -> bool:
+        return key in self._slot_of
+
+    def slot_of(self, key: str) -> int:
+        slot = self._slot_of[key]
+        self._slot_of.move_to_end(key)
+        return slot
+
+    def pin(self, key: str) -> None:
+        if key not in self._slot_of:
+            raise KeyError(f"adapter {key!r} is not resident")
+        self._pins[key] += 1
+
+    def unpin(self, key: str) -> None:
+        if self._pins[key] <= 0:
+            raise RuntimeError(f"adapter {key!r} is not pinned")
+        self._pins[key] -= 1
+
+    def pin_count(self, key: str) -> int:
+        return self._pins[key]
+
+
+class InMemoryAdapterSlots(SlotBook):
     """`AdapterSlots` over plain tensors, `max_slots` adapters resident at once."""
 
     def __init__(self, spec: ModelSpec, max_slots: int, max_lora_rank: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        super().__init__()
         self.spec = spec
         self.max_slots = max_slots
         self.max_lora_rank = max_lora_rank
         self.device = device
         self.dtype = dtype
         self._weights: list[SlotWeights | None] = [None] * max_slots
-        self._slot_of: OrderedDict[str, int] = OrderedDict()   # LRU order: oldest use first
-        self._pins: Counter[str] = Counter()
 
     def load(self, key: str, adapter: Adapter) -> int:
         checked = check_adapter(adapter, self.spec, self.max_lora_rank)
@@ -81,29 +115,6 @@ class InMemoryAdapterSlots:
         raise CapacityError(f"all {self.max_slots} adapter slots are pinned by running requests; "
                             "retry when one finishes or raise max_loras")
 
-    def resident(self, key: str) -> bool:
-        return key in self._slot_of
-
-    def is_ready(self, key: str) -> bool:
-        return key in self._slot_of
-
-    def slot_of(self, key: str) -> int:
-        slot = self._slot_of[key]
-        self._slot_of.move_to_end(key)
-        return slot
-
-    def pin(self, key: str) -> None:
-        if key not in self._slot_of:
-            raise KeyError(f"adapter {key!r} is not resident")
-        self._pins[key] += 1
-
-    def unpin(self, key: str) -> None:
-        if self._pins[key] <= 0:
-            raise RuntimeError(f"adapter {key!r} is not pinned")
-        self._pins[key] -= 1
-
-    def pin_count(self, key: str) -> int:
-        return self._pins[key]
 
     def evict(self, key: str) -> bool:
         if key not in self._slot_of or self._pins[key] > 0:
