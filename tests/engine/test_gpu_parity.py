@@ -1,4 +1,4 @@
-"""bf16 on a CUDA GPU: tiny models within bf16 tolerance of an fp32 reference, SmolLM2 greedy tokens equal.
+"""bf16 on a CUDA GPU: tiny models within bf16 tolerance of an fp32 reference; SmolLM2 greedy tokens tie-aware.
 
 "Within bf16 tolerance" is measured against transformers itself: our bf16
 logits may be off the fp32 reference by at most a small multiple of
@@ -76,31 +76,34 @@ def _smollm2_path() -> Path:
 
 
 def test_smollm2_bf16_greedy_32_tokens():
+    """Our bf16 greedy tokens, teacher-forced through transformers in fp32 and bf16: every token we chose is
+    the fp32 argmax, or within the bf16 tolerance of it (where the reference itself is tied in bf16)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = _smollm2_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).cuda()
-    ref.generation_config.eos_token_id = None       # run all 32 steps, like ignore_eos below
-    ref.generation_config.pad_token_id = tok.eos_token_id
+    ref32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).cuda()
+    ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_model_len=1024),
                        tokenizer=tok)
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "List three prime numbers and explain why they are prime."]
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                    return_dict=False) for p in prompts]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    got = engine.generate(ids, params)
+    got = engine.generate(ids, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     report = []
     for p, out in zip(ids, got):
-        x = torch.tensor([p], device="cuda")
-        with torch.no_grad():
-            want = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32,
-                                do_sample=False)[0, len(p):].tolist()
-        same = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), len(want))
-        report.append({"equal_prefix": same, "ours": tok.decode(out), "transformers": tok.decode(want)})
+        l32 = reference_logits(ref32, p, out).float()           # [32, V] fp32 logits along our tokens
+        l16 = reference_logits(ref16, p, out).float()
+        chosen = torch.tensor(out, device=l32.device)
+        margin = l32.max(dim=-1).values - l32.gather(1, chosen[:, None])[:, 0]   # 0 where we took the argmax
+        tol = 3 * (l16 - l32).abs().max(dim=-1).values + 1e-3                    # bf16's own error, per step
+        report.append({"argmax_equal": int((margin == 0).sum()), "worst_margin_over_tol": float((margin / tol).max()),
+                       "text": tok.decode(out)})
+        assert len(out) == 32
+        assert bool((margin <= tol).all()), (report[-1], margin.tolist(), tol.tolist())
     _record("smollm2_bf16_greedy", report)
-    assert all(r["equal_prefix"] == 32 for r in report), report
+    assert sum(r["argmax_equal"] for r in report) >= 0.9 * 32 * len(ids), report
 
 
 def test_seeded_sampling_and_preemption_on_cuda(tiny_models):
