@@ -41,7 +41,7 @@ def _loras(lora: LoraLike | Sequence[LoraLike]) -> list[LoraLike]:
 
 def _load_request(task_id: int | None, name: str, path: str, local_path: str | Path | None,
                   weights: Any, config: Any, replace: bool, dtype: str | None) -> gateway_pb2.LoadLoraRequest:
-    from loraplex.tensor_proto import tensor_to_proto
+    """Only a local path or inline tensors import the tensor code (torch); a server-side path does not."""
     req = gateway_pb2.LoadLoraRequest(name=name, path=path, replace=replace)
     if task_id is not None:
         req.task_id = task_id
@@ -50,6 +50,7 @@ def _load_request(task_id: int | None, name: str, path: str, local_path: str | P
         adapter = load_adapter(local_path, dtype=dtype)
         weights, config = adapter.weights, adapter.config
     if weights is not None:
+        from loraplex.tensor_proto import tensor_to_proto
         req.weights.CopyFrom(tensor_to_proto(weights))
         req.config.CopyFrom(tensor_to_proto(config))
     return req

@@ -42,7 +42,7 @@ class Lora:
         return cls(task_id=task_id, weights=adapter.weights, config=adapter.config, load_mode=load_mode)
 
     def to_proto(self) -> common_pb2.LoraSpec:
-        from loraplex.tensor_proto import tensor_to_proto
+        """A name or task id needs no tensor code: torch is imported only for inline weights."""
         if self.load_mode not in _LOAD_MODES:
             raise ValueError(f"load_mode must be one of {sorted(_LOAD_MODES)}, got {self.load_mode!r}")
         spec = common_pb2.LoraSpec(name=self.name, load_mode=_LOAD_MODES[self.load_mode])
@@ -51,6 +51,7 @@ class Lora:
         if (self.weights is None) != (self.config is None):
             raise ValueError("give both weights and config, or neither")
         if self.weights is not None:
+            from loraplex.tensor_proto import tensor_to_proto
             spec.weights.CopyFrom(tensor_to_proto(self.weights))
             spec.config.CopyFrom(tensor_to_proto(self.config))
         return spec
