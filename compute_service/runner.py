@@ -1,261 +1,310 @@
-"""The asyncio loop that drives engine steps and the adapter cache, and streams tokens to callers.
+"""The event-loop side of the compute service: requests in, each step's deltas out to their consumers.
 
-The engine and the adapter cache are not thread-safe, so everything that
-changes them (adding and aborting requests, pinning, granting pages) happens
-on the event loop between steps; only `engine.step()` itself runs in a worker
-thread, so gRPC keeps serving while the model runs. Each loop turn:
-apply queued commands -> pump adapter loads -> one engine step -> hand each
-request's new tokens to its stream.
+The engine and the adapter slots belong to the engine thread
+(`compute_service.step_loop`); this side only sends it commands and reads its
+step batches. A request is registered with a *consumer* (a StreamTokens
+session, or a per-request queue for GenerateTokens) and a handle; the drain of
+each batch hands every delta to its consumer, then tells each consumer once
+that the batch ended, so a session builds one message per step, not one per
+sequence.
 
-A request naming an adapter first awaits `AdapterLoader.prepare` (fetch and
-staging, shared per adapter), then enters the engine with a "want" on the
-adapter; the scheduler admits it once the copy finished. Cancelling a stream
-aborts its request at the next step boundary: KV blocks and the adapter pin
-are released there, before the next step runs.
+A request naming an adapter the pool does not know comes back from the engine
+thread as `NeedsFetch`: this side fetches it from the host cache and stages it
+(in a worker thread; one fetch per adapter however many requests wait), then
+resubmits the request with the staged rows. Cancelling, a passed deadline or a
+broken session aborts the request on the engine thread before its next step:
+KV blocks and the adapter pin are released there.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
+import gc
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from compute_service.adapter_cache.loader import AdapterLoader, adapter_key, task_of
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
+from compute_service.adapter_cache.staging import Uploaded
+from compute_service.engine.errors import InvalidRequestError
 from compute_service.engine.llm_engine import LLMEngine
 from compute_service.engine.outputs import RequestOutput
 from compute_service.engine.sampling_params import SamplingParams
+from compute_service.request_errors import DeadlineExceededError
+from compute_service.step_loop import Admission, NeedsFetch, StepLoop
 
-log = logging.getLogger(__name__)
-IDLE_POLL_S = 0.001   # how often an idle loop checks copies in flight
+# Staging is CPU work partly under the GIL: two workers keep a burst of loads moving.
+STAGING_WORKERS = 2
+GC_THRESHOLDS = (50_000, 50, 100)   # young collections rarer than Python's 700: fewer pauses while serving
+
+
+class StepConsumer(Protocol):
+    """Receives the deltas of the requests it registered (on the event loop)."""
+
+    def deliver(self, handle: int, out: RequestOutput) -> None:
+        """New tokens of one request; `out.finished` on its last."""
+
+    def fail(self, handle: int, exc: BaseException) -> None:
+        """The request failed; nothing more comes for it."""
+
+    def end_batch(self) -> None:
+        """Every delta of the current step batch was delivered."""
 
 
 @dataclass
-class _Stream:
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    key: str | None
-    in_engine: bool = False
-    done: bool = False
+class _Request:
+    consumer: StepConsumer
+    handle: int
+    adm: Admission
+    task_id: int | None
+    version: str
+    timer: asyncio.TimerHandle | None = None
+
+
+class _QueueConsumer:
+    """One request's deltas in an asyncio queue (GenerateTokens and in-process callers)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def deliver(self, handle: int, out: RequestOutput) -> None:
+        self.queue.put_nowait(out)
+
+    def fail(self, handle: int, exc: BaseException) -> None:
+        self.queue.put_nowait(exc)
+
+    def end_batch(self) -> None:
+        pass
 
 
 class EngineRunner:
-    """Owns the engine loop; `generate()` is safe to call from any coroutine on the loop."""
+    """Owns the engine thread; every method is called on the event loop."""
 
     def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots, loader: AdapterLoader,
                  on_step: Callable[[int, float], None] | None = None) -> None:
         self.engine = engine
         self.slots = slots
-        self.loader = loader
+        self.loader = loader            # its `fetch` reads adapters from the host cache
         self.on_step = on_step          # (num tokens emitted, step seconds), for metrics and benchmarks
-        self._commands: list[Callable[[], None]] = []
-        self._streams: dict[str, _Stream] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-        self.num_steps = 0
+        self.steps = StepLoop(engine, slots, self._drain)
+        self._requests: dict[str, _Request] = {}
+        self._fetches: dict[str, asyncio.Task[Uploaded]] = {}
+        self._staging = ThreadPoolExecutor(STAGING_WORKERS, thread_name_prefix="adapter-staging")
+
+    @property
+    def num_steps(self) -> int:
+        return self.steps.num_steps
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self, switch_interval_s: float = 0.0) -> None:
-        """Starts the loop; `switch_interval_s` > 0 sets Python's thread switch interval.
+        """Starts the engine thread; `switch_interval_s` > 0 sets Python's thread switch interval.
 
-        The thread running a step gives up the GIL at every kernel launch; with
-        Python's default 5 ms interval a side thread that got it (an adapter
-        upload or pack) can keep it that long, many times per step.
+        The engine thread gives up the GIL at every kernel launch; with Python's default 5 ms
+        interval another thread that got it (the event loop, an adapter upload) can keep it that
+        long, many times per step.
         """
         if switch_interval_s > 0:
             sys.setswitchinterval(switch_interval_s)
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="engine-loop")
+        if not self.steps.running:
+            self.steps.start(asyncio.get_running_loop())
+
+    @staticmethod
+    def tune_gc() -> None:
+        """After start-up: objects alive now (model, tables, modules) leave the collector's view, and
+        young collections become rarer, so no long collection pauses both threads mid-stream."""
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
 
     async def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._task is not None:
-            await self._task
-            self._task = None
+        await asyncio.to_thread(self.steps.stop)
+        self._drain()
 
-    # -- requests --------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                       task_id: int | None = None, version: str = "") -> AsyncIterator[RequestOutput]:
-        """Streams the request's deltas; the last one has `finished` set. Cancelling aborts it."""
-        if request_id in self._streams:
-            from compute_service.engine.errors import InvalidRequestError
+    # -- requests ------------------------------------------------------------------------
+    def start_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                      task_id: int | None, version: str, consumer: StepConsumer, handle: int,
+                      timeout_s: float | None = None) -> None:
+        """Starts a request whose deltas go to `consumer.deliver(handle, ...)`; raises on a duplicate id."""
+        if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
         key = None if task_id is None else adapter_key(task_id, version)
-        st = _Stream(asyncio.Queue(), key)
-        self._streams[request_id] = st
+        adm = Admission(request_id, list(prompt), params, key)
+        req = _Request(consumer, handle, adm, task_id, version)
+        if timeout_s is not None and timeout_s > 0:
+            req.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, request_id)
+        self._requests[request_id] = req
+        self.steps.submit(lambda: self.steps.add(adm))
+
+    def cancel(self, request_id: str) -> None:
+        """Aborts a request (its consumer hears nothing more); unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.timer is not None:
+            req.timer.cancel()
+        self.steps.submit(lambda: self.steps.abort(request_id))
+
+    async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                       task_id: int | None = None, version: str = "") -> AsyncIterator[RequestOutput]:
+        """Streams one request's deltas; the last one has `finished` set. Cancelling aborts it."""
+        consumer = _QueueConsumer()
+        self.start_request(request_id, prompt, params, task_id, version, consumer, 0)
+        done = False
         try:
-            if key is not None:
-                self.slots.claim(key)
-                try:
-                    await self.loader.prepare(key, task_id, version)  # type: ignore[arg-type]
-                except BaseException:
-                    self.slots.release(key)
-                    raise
-            self._submit(lambda: self._add(request_id, list(prompt), params, st))
             while True:
-                item = await st.queue.get()
+                item = await consumer.queue.get()
                 if isinstance(item, BaseException):
+                    done = True
                     raise item
+                done = item.finished
                 yield item
-                if item.finished:
+                if done:
                     return
         finally:
-            if not st.done:
-                self._submit(lambda: self._abort(request_id))
-            else:
-                self._streams.pop(request_id, None)
+            if not done:
+                self.cancel(request_id)
 
     def prefetch(self, task_id: int, version: str) -> asyncio.Future[bool]:
         """Starts loading an adapter with no request behind it; resolves to whether it was resident already."""
+        return asyncio.ensure_future(self._prefetch(task_id, version))
+
+    async def _prefetch(self, task_id: int, version: str) -> bool:
         key = adapter_key(task_id, version)
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        resident = await self.on_engine(lambda: self._queue_prefetch(key, None))
+        if resident is None:   # not in the pool: fetch and stage it, then queue its copy
+            staged = await asyncio.shield(self._fetch(key, task_id, version))
+            resident = await self.on_engine(lambda: self._queue_prefetch(key, staged))
+        return bool(resident)
 
-        async def run() -> None:
-            resident = self.slots.is_ready(key)
-            self.slots.claim(key)
-            try:
-                await self.loader.prepare(key, task_id, version)
-            except BaseException as exc:
-                self.slots.release(key)
-                done.set_exception(exc)
-                return
-
-            def apply() -> None:
-                self.slots.release(key)
-                self.slots.prefetch(key)
-                done.set_result(resident)
-            self._submit(apply)
-
-        asyncio.create_task(run())
-        return done
+    def _queue_prefetch(self, key: str, staged: Uploaded | None) -> bool | None:
+        """(engine thread) Queues the adapter's copy; None when it must be fetched first."""
+        if staged is not None and not self.slots.knows(key):
+            self.slots.add_staged(key, staged)
+        if not (self.slots.knows(key) or self.slots.has_staged(key)):
+            return None
+        resident = self.slots.is_ready(key)
+        self.slots.prefetch(key)
+        return resident
 
     def drop(self, task_id: int) -> asyncio.Future[bool]:
         """Drops every version of `task_id` from the GPU cache once unused."""
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-
-        def apply() -> None:
+        def apply() -> bool:
             res = self.slots.residency
             assert res is not None
             keys = [e.key for e in res.entries() if task_of(e.key) == task_id]
-            done.set_result(any([res.drop(k) for k in keys]))
-        self._submit(apply)
+            return any([res.drop(k) for k in keys])
+        return self.on_engine(apply)
+
+    def snapshot(self) -> asyncio.Future[tuple[Any, Any]]:
+        """(engine stats, pool stats), read on the engine thread between two steps."""
+        return self.on_engine(lambda: (self.engine.stats(), self.slots.stats()))
+
+    def on_engine(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Runs `fn` on the engine thread between two steps (at once when it is not running)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def apply() -> None:
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - the caller's future carries it
+                result = exc
+            loop.call_soon_threadsafe(_settle, done, result)
+        if self.steps.running:
+            self.steps.submit(apply)
+        else:
+            try:
+                done.set_result(fn())
+            except Exception as exc:  # noqa: BLE001
+                done.set_exception(exc)
         return done
 
     def stats(self) -> dict[str, Any]:
         return {"engine": self.engine.stats(), "pool": self.slots.stats()}
 
-    # -- loop internals ------------------------------------------------------------------
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.append(command)
-        self._wake.set()
-
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, st: _Stream) -> None:
-        if st.done:
-            return
-        try:
-            if st.key is not None:
-                self.slots.want(st.key)
-                self.slots.release(st.key)
-            try:
-                self.engine.add_request(request_id, prompt, params, st.key)
-            except BaseException:
-                if st.key is not None:
-                    self.slots.unwant(st.key)
-                raise
-            st.in_engine = True
-        except Exception as exc:  # noqa: BLE001 - the caller's stream reports it
-            st.done = True
-            st.queue.put_nowait(exc)
-
-    def _abort(self, request_id: str) -> None:
-        st = self._streams.get(request_id)
-        if st is None:
-            return
-        if st.in_engine:
-            self.engine.abort_request(request_id)   # frees KV blocks and the pin now
-        else:
-            self._streams.pop(request_id, None)
-        st.done = True
-
-    def _apply_commands(self) -> None:
-        commands, self._commands = self._commands, []
-        for c in commands:
-            c()
-
-    def _fail_loads(self) -> None:
-        for key, exc in list(self.slots.failed.items()):
-            del self.slots.failed[key]
-            for rid, st in list(self._streams.items()):
-                if st.key == key and st.in_engine:
-                    self.engine.abort_request(rid)
-                    st.in_engine = False
-                    st.done = True
-                    st.queue.put_nowait(exc)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for rid, st in list(self._streams.items()):
-            if st.in_engine:
-                self.engine.abort_request(rid)
-                if st.key is not None:
-                    self.slots.unwant(st.key)
-                st.in_engine = False
-                if not st.done:
-                    st.done = True
-                    st.queue.put_nowait(exc)
-                self._streams.pop(rid, None)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> int:
-        emitted = 0
-        for out in outputs:
-            emitted += len(out.new_token_ids)
-            st = self._streams.get(out.request_id)
-            if st is None:
-                continue
-            if out.finished:
-                if st.key is not None and st.in_engine:
-                    self.slots.unwant(st.key)
-                st.in_engine = False
-                self._streams.pop(out.request_id, None)
-                if st.done:        # aborted by its caller, who is gone
+    # -- step batches (event loop) -----------------------------------------------------------
+    def _drain(self) -> None:
+        touched: dict[int, StepConsumer] = {}
+        ready, requests = self.steps.ready, self._requests
+        while ready:
+            batch = ready.popleft()
+            for rid, exc in batch.failed:
+                if isinstance(exc, NeedsFetch):
+                    self._fetch_then_add(rid)
                     continue
-                st.done = True
-            st.queue.put_nowait(out)
-        return emitted
+                req = requests.pop(rid, None)
+                if req is not None:
+                    if req.timer is not None:
+                        req.timer.cancel()
+                    req.consumer.fail(req.handle, exc)
+                    touched[id(req.consumer)] = req.consumer
+            for out in batch.outputs:
+                req = requests.get(out.request_id)
+                if req is None:
+                    continue
+                if out.finished:
+                    del requests[out.request_id]
+                    if req.timer is not None:
+                        req.timer.cancel()
+                req.consumer.deliver(req.handle, out)
+                touched[id(req.consumer)] = req.consumer
+            if self.on_step is not None and batch.seconds:
+                self.on_step(batch.num_tokens, batch.seconds)
+        for consumer in touched.values():
+            consumer.end_batch()
 
-    async def _loop(self) -> None:
+    def _expire(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        self.cancel(request_id)
+        req.consumer.fail(req.handle, DeadlineExceededError(
+            f"request {request_id}: the caller's deadline passed before it finished"))
+        req.consumer.end_batch()
+
+    # -- adapters ------------------------------------------------------------------------------
+    def _fetch_then_add(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None or req.adm.key is None or req.task_id is None:
+            return
+        task = self._fetch(req.adm.key, req.task_id, req.version)
+
+        def resubmit(t: asyncio.Task[Uploaded]) -> None:
+            if self._requests.get(request_id) is not req:
+                return        # cancelled meanwhile
+            if t.cancelled() or t.exception() is not None:
+                del self._requests[request_id]
+                if req.timer is not None:
+                    req.timer.cancel()
+                req.consumer.fail(req.handle, t.exception() or asyncio.CancelledError())
+                req.consumer.end_batch()
+                return
+            req.adm.staged = t.result()
+            self.steps.submit(lambda: self.steps.add(req.adm))
+        task.add_done_callback(resubmit)
+
+    def _fetch(self, key: str, task_id: int, version: str) -> asyncio.Task[Uploaded]:
+        """One fetch and staging per adapter key, shared by every request that waits for it."""
+        task = self._fetches.get(key)
+        if task is None:
+            task = asyncio.create_task(self._fetch_and_stage(key, task_id, version))
+            self._fetches[key] = task
+            task.add_done_callback(lambda _t: self._fetches.pop(key, None))
+        return task
+
+    async def _fetch_and_stage(self, key: str, task_id: int, version: str) -> Uploaded:
+        self.loader.num_fetches += 1
+        adapter = await self.loader.fetch(task_id, version or None)
         loop = asyncio.get_running_loop()
-        while not self._stopping:
-            self._wake.clear()
-            self._apply_commands()
-            self.slots.pump()
-            self._fail_loads()
-            if self.engine.has_unfinished():
-                t0 = loop.time()
-                try:
-                    outputs = await asyncio.to_thread(self.engine.step)
-                except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the service
-                    log.exception("engine step failed; failing the requests in the engine")
-                    self._fail_all(exc)
-                    continue
-                self.num_steps += 1
-                emitted = self._dispatch(outputs)
-                if self.on_step is not None:
-                    self.on_step(emitted, loop.time() - t0)
-                if outputs or self.engine.stats().num_running:
-                    continue
-                # Every request waits for an adapter copy: poll the copies, do not spin.
-                await self._sleep_or_wake(IDLE_POLL_S)
-            elif self.slots.loading:
-                await self._sleep_or_wake(IDLE_POLL_S)
-            else:
-                await self._wake.wait()
-        self.slots.wait_loads()
+        return await loop.run_in_executor(self._staging, self.slots.stage_adapter, key, adapter)
 
-    async def _sleep_or_wake(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
+
+def _settle(fut: asyncio.Future[Any], result: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)

@@ -10,41 +10,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from compute_service.adapter_cache.errors import AdapterLoadError, AdapterTooLargeError
 from compute_service.adapter_cache.loader import task_of
 from compute_service.build import Runtime
-from compute_service.engine import errors as engine_errors
-from compute_service.engine.sampling_params import SamplingParams
-from loraplex import errors
+from compute_service.conversions import finish_of, sampling_from_proto
+from compute_service.request_errors import domain_error
+from compute_service.token_session import TokenSession
 from loraplex.grpc_errors import maps_errors
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
-
-DEFAULT_MAX_TOKENS = 16
-_FINISH = {"stop": common_pb2.STOP, "length": common_pb2.LENGTH, "abort": common_pb2.CANCELLED}
-
-
-def domain_error(exc: BaseException) -> BaseException:
-    """Engine and adapter-cache errors as loraplex errors (which carry their gRPC code)."""
-    if isinstance(exc, errors.LoraplexError):
-        return exc
-    if isinstance(exc, (engine_errors.InvalidRequestError, engine_errors.InvalidAdapterError)):
-        return errors.InvalidArgumentError(str(exc))
-    if isinstance(exc, (engine_errors.CapacityError, AdapterTooLargeError)):
-        return errors.ResourceExhaustedError(str(exc))
-    if isinstance(exc, AdapterLoadError):
-        return domain_error(exc.cause)
-    return exc
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Zero values mean the documented defaults; stop strings are the gateway's business."""
-    try:
-        return SamplingParams(
-            max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS, temperature=p.temperature, top_k=p.top_k,
-            top_p=p.top_p or 1.0, seed=p.seed or None, stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos)
-    except engine_errors.InvalidRequestError as exc:
-        raise errors.InvalidArgumentError(f"sampling: {exc}") from None
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
@@ -66,12 +38,17 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             async for out in self.rt.runner.generate(rid, request.input_ids, params, task_id, version):
                 resp = compute_pb2.GenerateTokensResponse(token_ids=out.new_token_ids)
                 if out.finished:
-                    resp.finish_reason = _FINISH.get(out.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
-                    resp.usage.prompt_tokens = out.num_prompt_tokens
-                    resp.usage.completion_tokens = out.num_output_tokens
+                    resp.finish_reason, usage = finish_of(out)
+                    resp.usage.CopyFrom(usage)
                 yield resp
         except Exception as exc:  # noqa: BLE001 - mapped to a status by maps_errors
             raise domain_error(exc) from exc
+
+    @maps_errors
+    async def StreamTokens(self, request_iterator: AsyncIterator[compute_pb2.StreamTokensRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[compute_pb2.StreamTokensResponse]:
+        async for resp in TokenSession(self.rt.runner).run(request_iterator):
+            yield resp
 
     @maps_errors
     async def PrefetchAdapter(self, request: compute_pb2.PrefetchAdapterRequest,
@@ -90,7 +67,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     @maps_errors
     async def GetStats(self, request: compute_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> compute_pb2.GetStatsResponse:
-        eng, pool = self.rt.engine.stats(), self.rt.slots.stats()
+        eng, pool = await self.rt.runner.snapshot()
         resp = compute_pb2.GetStatsResponse(
             num_running=eng.num_running, num_waiting=eng.num_waiting,
             kv_blocks_used=eng.num_kv_blocks_used, kv_blocks_total=eng.num_kv_blocks_total,

@@ -1,0 +1,198 @@
+"""The engine thread: the one owner of the engine and the paged adapter slots, stepping without pause.
+
+The event loop never touches the engine or the slots while serving: it appends
+commands (`submit`), which this thread applies between two steps, and it
+receives each step's outputs through `StepLoop.ready`, handed over with one
+`call_soon_threadsafe` per batch of steps (none while the previous batch is
+still unread). So the loop turns step after step without an asyncio hop, and
+the event loop builds the step's messages while the next step runs.
+
+Commands travel in a `collections.deque` (append and popleft are atomic), the
+wake-up is a `threading.Event`: nothing on the hot path takes a lock.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
+from compute_service.adapter_cache.staging import Uploaded
+from compute_service.engine.llm_engine import LLMEngine
+from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.001   # how often an idle loop checks copies in flight
+
+
+class NeedsFetch(Exception):
+    """The request's adapter is neither in the pool nor staged: the event loop fetches it and resubmits."""
+
+
+@dataclass
+class Admission:
+    """A request to add to the engine (built on the event loop, applied on the engine thread)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    key: str | None = None              # adapter key, None: the base model
+    staged: Uploaded | None = None      # the adapter's staged rows, when the event loop fetched them
+
+
+@dataclass
+class StepBatch:
+    """What one step (or the commands before it) produced, for the event loop."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)   # (request id, why)
+    num_tokens: int = 0
+    seconds: float = 0.0
+
+
+class StepLoop:
+    """Runs `engine.step()` back to back on its own thread; `submit` is the only way in."""
+
+    def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots,
+                 on_ready: Callable[[], None]) -> None:
+        self.engine = engine
+        self.slots = slots
+        self._on_ready = on_ready          # called on the event loop when `ready` has batches
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self.ready: deque[StepBatch] = deque()
+        self._posted = False               # a drain of `ready` is scheduled on the event loop
+        self._keys: dict[str, str | None] = {}   # request id -> adapter key, for requests in the engine
+        self._failed: list[tuple[str, BaseException]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+
+    # -- from the event loop ------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: Callable[[], None]) -> None:
+        """Runs `command` on the engine thread before the next step."""
+        self._commands.append(command)
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ends the thread after its current step (blocking: call it from a worker thread)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    # -- commands (engine thread) -------------------------------------------------------------
+    def add(self, adm: Admission) -> None:
+        """Adds a request; a failure (or a missing adapter) is reported with the next batch."""
+        key = adm.key
+        try:
+            if key is not None:
+                if adm.staged is not None and not self.slots.knows(key):
+                    self.slots.add_staged(key, adm.staged)
+                if not (self.slots.knows(key) or self.slots.has_staged(key)):
+                    raise NeedsFetch(key)
+                self.slots.want(key)
+            try:
+                self.engine.add_request(adm.request_id, adm.prompt, adm.params, key)
+            except BaseException:
+                if key is not None:
+                    self.slots.unwant(key)
+                raise
+            self._keys[adm.request_id] = key
+        except Exception as exc:  # noqa: BLE001 - the request's caller reports it
+            self._failed.append((adm.request_id, exc))
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request: its KV blocks and adapter pin are released now."""
+        if request_id in self._keys:
+            self.engine.abort_request(request_id)
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._apply_commands()
+            self.slots.pump()
+            self._fail_loads()
+            if self.engine.has_unfinished():
+                self._step()
+                if self.engine.scheduler.running or self._commands:
+                    continue
+                # Every request waits for an adapter copy: poll the copies, do not spin.
+                self._wake.wait(IDLE_POLL_S)
+            else:
+                self._post(StepBatch())
+                self._wake.wait(IDLE_POLL_S if self.slots.loading else None)
+        self.slots.wait_loads()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            try:
+                self._commands.popleft()()
+            except Exception:  # noqa: BLE001 - one bad command must not stop the engine
+                log.exception("engine command failed")
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the service
+            log.exception("engine step failed; failing the requests in the engine")
+            self._fail_all(exc)
+            return
+        self.num_steps += 1
+        emitted = 0
+        for out in outputs:
+            emitted += len(out.new_token_ids)
+            if out.finished:
+                key = self._keys.pop(out.request_id, None)
+                if key is not None:
+                    self.slots.unwant(key)
+        self._post(StepBatch(outputs, [], emitted, time.perf_counter() - t0))
+
+    def _fail_loads(self) -> None:
+        for key, exc in list(self.slots.failed.items()):
+            del self.slots.failed[key]
+            for rid, k in list(self._keys.items()):
+                if k == key:
+                    self.engine.abort_request(rid)
+                    del self._keys[rid]
+                    self._failed.append((rid, exc))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, key in list(self._keys.items()):
+            self.engine.abort_request(rid)
+            if key is not None:
+                self.slots.unwant(key)
+            self._failed.append((rid, exc))
+        self._keys.clear()   # the aborted requests' final deltas come with the next step, for no one
+
+    def _post(self, batch: StepBatch) -> None:
+        """Hands a batch to the event loop: one wake-up per drain, not per step."""
+        batch.failed, self._failed = self._failed, []
+        if not (batch.outputs or batch.failed or batch.num_tokens):
+            return
+        self.ready.append(batch)
+        if not self._posted and self._loop is not None:
+            self._posted = True
+            self._loop.call_soon_threadsafe(self._drained)
+
+    def _drained(self) -> None:
+        self._posted = False     # before reading: a batch appended from now on schedules its own drain
+        self._on_ready()
