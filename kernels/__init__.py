@@ -3,9 +3,10 @@
 Public API:
 - layout: `LoraRowTables`, `pages_needed`, `rows_per_page`, `write_adapter`, `clear_slot`, `unpack`;
 - per-step metadata: `LoraBatchMeta`;
-- math: `lora_shrink`, `lora_expand` (dispatching), and their `*_ref` torch definitions.
+- math: `lora_fused` (shrink and expand in one launch: what the engine runs), `lora_shrink`,
+  `lora_expand` (dispatching), and their `*_ref` torch definitions (`lora_apply_ref` for the fused one).
 
-`lora_shrink`/`lora_expand` run the Triton kernels on CUDA tensors and the torch
+`lora_fused`/`lora_shrink`/`lora_expand` run the Triton kernels on CUDA tensors and the torch
 reference on CPU tensors; `use_triton=True` forces the kernels (on CPU this
 needs TRITON_INTERPRET=1 set before this package is imported).
 """
@@ -29,7 +30,7 @@ from kernels.reference import lora_apply_ref, lora_expand_ref, lora_shrink_ref
 
 __all__ = [
     "DEFAULT_MODULE_IDS", "LoraBatchMeta", "LoraRowTables", "clear_slot", "lora_expand", "lora_expand_ref",
-    "lora_apply_ref", "lora_shrink", "lora_shrink_ref", "pages_needed", "rows_per_page", "unpack", "write_adapter",
+    "lora_apply_ref", "lora_fused", "lora_shrink", "lora_shrink_ref", "pages_needed", "rows_per_page", "unpack", "write_adapter",
 ]
 
 
@@ -72,3 +73,20 @@ def lora_expand(
         lora_expand_triton(s, pool, tables, meta, layer, module_indices, y, slice_offsets)
     else:
         lora_expand_ref(s, pool, tables, meta, layer, module_indices, y, slice_offsets)
+
+
+def lora_fused(
+    x: torch.Tensor, pool: torch.Tensor, tables: LoraRowTables, meta: LoraBatchMeta, layer: int,
+    module_indices: Sequence[int], y: torch.Tensor, slice_offsets: Sequence[int],
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None, use_triton: bool | None = None,
+) -> None:
+    """y[t, off[i]:off[i+1]] += (x[t] @ A[a(t), layer, m_i].T) @ B[a(t), layer, m_i].T, in one launch.
+
+    Shapes as `lora_shrink` (x [T, H_in]) and `lora_expand` (y [T, >= slice_offsets[-1]]); `workspace` is
+    `kernels.fused.fused_workspace(max_tokens, max_cols, device)`, needed on the GPU for small batches.
+    """
+    if _want_triton(x, use_triton):
+        from kernels.fused import lora_fused_triton
+        lora_fused_triton(x, pool, tables, meta, layer, module_indices, y, slice_offsets, workspace)
+    else:
+        lora_apply_ref(x, pool, tables, meta, layer, module_indices, y, slice_offsets)

@@ -18,7 +18,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.shrink import DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_launch
+from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_launch,
+                            check_slices)
 from kernels.tiles import segment_tile
 
 
@@ -150,19 +151,11 @@ def lora_expand_triton(
     check_launch(s, pool, tables, meta, layer, module_indices)
     num_slices = len(module_indices)
     T = y.shape[0]
-    if y.dtype != pool.dtype:
-        raise ValueError(f"y dtype {y.dtype} differs from pool dtype {pool.dtype}")
-    if y.dim() != 2 or y.stride(1) != 1:
-        raise ValueError("y must be 2-D with contiguous rows (stride(1) == 1)")
+    offs = check_slices(y, slice_offsets, num_slices, pool)
     if s.dtype != torch.float32 or not s.is_contiguous():
         raise ValueError(f"s must be contiguous float32, got {s.dtype}")
     if s.dim() != 3 or s.shape[0] != num_slices or s.shape[1] != T or s.shape[2] < tables.max_rank:
         raise ValueError(f"s must be [{num_slices}, {T}, >= {tables.max_rank}], got {tuple(s.shape)}")
-    offs = [int(o) for o in slice_offsets]
-    if len(offs) != num_slices + 1 or offs[0] < 0 or any(b <= a for a, b in zip(offs, offs[1:])):
-        raise ValueError(f"slice_offsets must be {num_slices + 1} increasing boundaries, got {offs}")
-    if offs[-1] > y.shape[1]:
-        raise ValueError(f"slice_offsets end {offs[-1]} beyond y's {y.shape[1]} columns")
     if T != meta.num_tokens:
         raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, y has {T}")
     if T == 0 or (meta.has_lora is False and not _capturing(y.device)):

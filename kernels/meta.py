@@ -1,9 +1,13 @@
 """Per-step LoRA batch metadata: tokens grouped by adapter slot, built once per step.
 
 The engine calls `prepare(slot_ids)` once per step, outside any CUDA graph; every
-shrink/expand launch of that step reads the same device tensors. All tensors
-are preallocated at maximum size and refilled with `copy_`, so graphs captured
-against them stay valid, and nothing on the kernels' path syncs with the host.
+LoRA launch of that step reads the same device tensors. All tensors are
+preallocated at maximum size and refilled in place, so graphs captured against
+them stay valid, and nothing on the kernels' path syncs with the host.
+
+On a GPU the grouping is built on the device (`kernels/segments.py`, one
+launch): the host only copies the slot ids, through a pinned buffer. On the
+CPU it is built with torch on the host.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ class LoraBatchMeta:
       (None when the slot ids lived on the GPU and were not inspected).
     """
 
-    def __init__(self, max_tokens: int, max_slots: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, max_tokens: int, max_slots: int, device: torch.device | str = "cpu",
+                 device_build: bool | None = None) -> None:
         if max_tokens < 1 or max_slots < 1:
             raise ValueError(f"max_tokens and max_slots must be >= 1, got {max_tokens}, {max_slots}")
         self.max_tokens = max_tokens
@@ -36,8 +41,14 @@ class LoraBatchMeta:
         self.num_segments = torch.zeros(1, dtype=torch.int32, device=device)
         self.num_tokens = 0
         self.has_lora: bool | None = False
-        # Host mirror, filled only when prepare() got host slot ids (the CPU path uses it).
+        # Host mirror, filled only when prepare() built on the host (the CPU path uses it).
         self._segments_cpu: list[tuple[int, int, int]] | None = []
+        # Build with the segments kernel (default on CUDA; True on CPU runs it in Triton's interpreter).
+        self.device_build = self.device.type == "cuda" if device_build is None else device_build
+        self.slot_ids = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        pin = self.device.type == "cuda"
+        self._ids_staging = torch.empty(max_tokens, dtype=torch.int32, pin_memory=pin)
+        self._staged = torch.cuda.Event() if pin else None   # the staging buffer may be refilled once this passed
 
     @property
     def device(self) -> torch.device:
@@ -52,8 +63,15 @@ class LoraBatchMeta:
             raise ValueError(f"{T} tokens exceed max_tokens {self.max_tokens}")
         S = self.max_slots
         on_host = slot_ids.device.type == "cpu"
-        if on_host and T and (int(slot_ids.max()) >= S or int(slot_ids.min()) < -1):
-            raise ValueError(f"slot ids must lie in [-1, {S}), got [{int(slot_ids.min())}, {int(slot_ids.max())}]")
+        hi = -1
+        if on_host and T:
+            lo, hi = (int(v) for v in torch.aminmax(slot_ids))
+            if hi >= S or lo < -1:
+                raise ValueError(f"slot ids must lie in [-1, {S}), got [{lo}, {hi}]")
+        if self.device_build:
+            self._prepare_on_device(slot_ids.to(torch.int32), T)
+            self.has_lora = hi >= 0 if on_host else None
+            return
         # Build on the host when ids are on the host (cheaper than many tiny device ops), then one copy each.
         work = slot_ids.to(torch.int64)
         key = torch.where(work < 0, torch.full_like(work, S), work)          # no adapter sorts last
@@ -82,6 +100,21 @@ class LoraBatchMeta:
         else:
             self._segments_cpu = None
             self.has_lora = None
+
+    def _prepare_on_device(self, slot_ids: torch.Tensor, T: int) -> None:
+        """Copies the ids into the static buffer and groups them there with one kernel launch."""
+        from kernels.segments import build_segments  # imported late: the interpreter flag must be set first
+
+        if slot_ids.device.type == "cpu" and self._staged is not None:
+            self._staged.synchronize()                   # the previous step's copy has left the buffer
+            self._ids_staging[:T].copy_(slot_ids)
+            self.slot_ids[:T].copy_(self._ids_staging[:T], non_blocking=True)
+            self._staged.record()
+        else:
+            self.slot_ids[:T].copy_(slot_ids)
+        build_segments(self.slot_ids, T, self.token_indices, self.seg_starts, self.seg_slots, self.num_segments)
+        self.num_tokens = T
+        self._segments_cpu = None
 
     def segments_cpu(self) -> list[tuple[int, int, int]]:
         """[(slot, start, end)] of active segments, on the host (syncs if prepared from device ids)."""

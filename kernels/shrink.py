@@ -20,7 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.tiles import segment_tile
+from kernels.tiles import segment_tile, shrink_tile
 
 MAX_SLICES = 4
 DECODE_MAX_TOKENS = 128  # at or below this many tokens the split-K (decode) configuration is used
@@ -68,20 +68,8 @@ def _shrink_kernel(
 
     k_lo = (pid_rk % SPLIT_K) * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    offs_kb = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        offs_k = tl.max_contiguous(tl.multiple_of(k + offs_kb, BLOCK_K), BLOCK_K)
-        if EVEN_K:
-            xt = tl.load(x_ptr + toks[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-            at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :], mask=r_mask[:, None], other=0.0)
-        else:
-            k_mask = offs_k < K
-            xt = tl.load(x_ptr + toks[:, None] * x_stride + offs_k[None, :],
-                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :],
-                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(xt, tl.trans(at))                                                # [BLOCK_M, BLOCK_R]
+    acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
+                      BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K)                               # [BLOCK_M, BLOCK_R]
 
     out_ptrs = out_ptr + slice_id * out_stride_s + toks[:, None] * out_stride_t + offs_r[None, :]
     out_mask = m_mask[:, None] & r_mask[None, :]
@@ -131,6 +119,28 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int
                 K_PER_SPLIT=k_per_split, R_BLOCKS=r_blocks, num_warps=num_warps, num_stages=3)
 
 
+def check_input(x: torch.Tensor, pool: torch.Tensor) -> None:
+    """Checks the activations shrink-like kernels read."""
+    if x.dtype != pool.dtype:
+        raise ValueError(f"x dtype {x.dtype} differs from pool dtype {pool.dtype}")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("x must be 2-D with contiguous rows (stride(1) == 1)")
+
+
+def check_slices(y: torch.Tensor, slice_offsets: Sequence[int], num_slices: int, pool: torch.Tensor) -> list[int]:
+    """Checks the output of expand-like kernels and returns the slice boundaries as ints."""
+    if y.dtype != pool.dtype:
+        raise ValueError(f"y dtype {y.dtype} differs from pool dtype {pool.dtype}")
+    if y.dim() != 2 or y.stride(1) != 1:
+        raise ValueError("y must be 2-D with contiguous rows (stride(1) == 1)")
+    offs = [int(o) for o in slice_offsets]
+    if len(offs) != num_slices + 1 or offs[0] < 0 or any(b <= a for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"slice_offsets must be {num_slices + 1} increasing boundaries, got {offs}")
+    if offs[-1] > y.shape[1]:
+        raise ValueError(f"slice_offsets end {offs[-1]} beyond y's {y.shape[1]} columns")
+    return offs
+
+
 def check_launch(x_or_s: torch.Tensor, pool: torch.Tensor, tables: LoraRowTables, meta: LoraBatchMeta,
                  layer: int, module_indices: Sequence[int]) -> None:
     """Checks shared by shrink and expand wrappers."""
@@ -171,10 +181,7 @@ def lora_shrink_triton(
     check_launch(x, pool, tables, meta, layer, module_indices)
     T, K = x.shape
     num_slices = len(module_indices)
-    if x.dtype != pool.dtype:
-        raise ValueError(f"x dtype {x.dtype} differs from pool dtype {pool.dtype}")
-    if x.stride(1) != 1:
-        raise ValueError("x rows must be contiguous (stride(1) == 1)")
+    check_input(x, pool)
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be contiguous float32, got {out.dtype}")
     if out.dim() != 3 or out.shape[0] != num_slices or out.shape[1] != T or out.shape[2] < tables.max_rank:

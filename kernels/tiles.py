@@ -1,4 +1,4 @@
-"""Device-side mapping from a program id to (segment, token tile), shared by shrink and expand.
+"""Device-side helpers shared by the LoRA kernels: program id -> (segment, token tile), and the shrink loop.
 
 Segments (tokens of one adapter) are cut into tiles of BLOCK_M tokens. The
 launch grid has an upper bound of tiles known on the host (cdiv(T, BLOCK_M) plus
@@ -32,3 +32,37 @@ def segment_tile(pid, seg_starts_ptr, max_slots, BLOCK_M: tl.constexpr, MAX_SEGS
     seg_end = tl.sum(tl.where(here, ends, 0), 0)
     m_start = seg_start + (pid - first_tile) * BLOCK_M
     return total, seg, m_start, seg_end
+
+
+@triton.jit
+def shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
+                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_R]: x[toks, k_lo:k_hi] @ A[rows, k_lo:k_hi].T, A's rows read in place from the pool."""
+    offs_kb = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        offs_k = tl.max_contiguous(tl.multiple_of(k + offs_kb, BLOCK_K), BLOCK_K)
+        if EVEN_K:
+            xt = tl.load(x_ptr + toks[:, None] * x_stride + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :], mask=r_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K
+            xt = tl.load(x_ptr + toks[:, None] * x_stride + offs_k[None, :],
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :],
+                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(xt, tl.trans(at))
+    return acc
+
+
+@triton.jit
+def pick4(i, v0, v1, v2, v3):
+    """v_i for i in 0..3 (per-slice launch arguments)."""
+    return tl.where(i == 0, v0, tl.where(i == 1, v1, tl.where(i == 2, v2, v3)))
+
+
+@triton.jit
+def table_entry(seg_slots_ptr, seg, module, layer, num_layers, num_modules):
+    """Flat index into the row tables of (slot of segment `seg`, layer, module)."""
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    return (slot * num_layers + layer) * num_modules + module

@@ -118,3 +118,17 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     if not torch.isfinite(got).all():
         return float("inf")
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+def assert_untouched(case: Case, y: torch.Tensor, y0: torch.Tensor, ids: torch.Tensor, slots: list[int], layer: int,
+                     mods: list[int], offs: list[int]) -> None:
+    """Rows without adapter, columns past the slices and slices of modules an adapter lacks are as they were."""
+    y, y0 = y.cpu(), y0.cpu()
+    no_adapter = ids < 0
+    assert torch.equal(y[no_adapter], y0[no_adapter]), "rows without adapter changed"
+    assert torch.equal(y[:, offs[-1]:], y0[:, offs[-1]:]), "columns past the slices changed"
+    for i, m in enumerate(mods):
+        for slot in slots:
+            if (slot, layer, m) not in case.dense:
+                rows = ids == slot
+                assert torch.equal(y[rows, offs[i]:offs[i + 1]], y0[rows, offs[i]:offs[i + 1]])

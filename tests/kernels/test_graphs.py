@@ -51,3 +51,48 @@ def test_graph_replay_follows_new_metadata(T, pdl):
         want = dense_expand(case, want_s, y0, ids, 0, mods, offs)
         assert rel_err(y, want) < 1e-2, frac_none
         assert torch.equal(y.cpu()[ids < 0], y0[ids < 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 256])
+def test_fused_graph_replay_follows_new_metadata(T):
+    """One fused launch per group in a graph; the host only re-prepares (copies slot ids) between replays."""
+    from kernels.fused import fused_workspace, lora_fused_triton
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ranks = {s: [[8, 16, 64][(s + i) % 3] for i in range(3)] for s in range(10)}
+    case = build_case(ranks=ranks, h_in=4096, outs=[4096, 1024, 1024], num_layers=1, max_slots=16,
+                      dtype=torch.bfloat16, gen=gen, page_elems=4096 * 4)
+    mods, offs = [0, 1, 2], [0, 4096, 5120, 6144]
+    meta = LoraBatchMeta(T, 16, device="cuda")
+    ws = fused_workspace(T, 6144, "cuda")
+    x = torch.empty(T, 4096, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty(T, 6144, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        lora_fused_triton(x, case.pool, case.tables, meta, 0, mods, y, offs, ws)
+
+    meta.prepare(random_slot_ids(T, [0, 1], 0.0, gen))
+    x.normal_()
+    y.normal_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                        # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for frac_none in (0.0, 0.5, 1.0, 0.1):
+        ids = random_slot_ids(T, list(range(10)), frac_none, gen)
+        meta.prepare(ids)
+        x.copy_(torch.randn(T, 4096, generator=gen))
+        y0 = torch.randn(T, 6144, generator=gen).to(torch.bfloat16)
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_s, _ = dense_shrink(case, x, ids, 0, mods)
+        want = dense_expand(case, want_s, y0, ids, 0, mods, offs)
+        assert rel_err(y, want) < 1.5e-2, frac_none
+        assert torch.equal(y.cpu()[ids < 0], y0[ids < 0])
+        assert not ws[0].any() and not ws[1].any()

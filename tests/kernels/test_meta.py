@@ -47,3 +47,20 @@ def test_empty_batch_and_bad_ids():
         meta.prepare(torch.tensor([0, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="1-D"):
         meta.prepare(torch.zeros(2, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("max_slots", [1, 16, 100])
+def test_device_build_matches_host_build(max_slots):
+    """The segments kernel (Triton's interpreter on CPU) fills exactly what the host build fills."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    host = LoraBatchMeta(300, max_slots, device="cpu", device_build=False)
+    dev = LoraBatchMeta(300, max_slots, device=DEVICE, device_build=True)
+    for T, frac_none in ((0, 0.0), (1, 0.0), (45, 0.3), (300, 0.1), (7, 1.0)):
+        ids = torch.randint(0, max_slots, (T,), generator=gen, dtype=torch.int32)
+        ids[torch.rand(T, generator=gen) < frac_none] = -1
+        host.prepare(ids)
+        dev.prepare(ids)
+        _check(dev, ids)
+        assert torch.equal(dev.token_indices[:T].cpu(), host.token_indices[:T])     # no-adapter tokens last too
+        assert torch.equal(dev.seg_starts.cpu(), host.seg_starts) and torch.equal(dev.seg_slots.cpu(), host.seg_slots)
+        assert dev.segments_cpu() == host.segments_cpu() and dev.has_lora == host.has_lora
