@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from loraplex.formats import AdapterError, ModelSpec, list_adapter_root, list_prefetch_dir, load_adapter
+from loraplex.formats import ModelSpec, list_adapter_root, list_prefetch_dir
 from cache_service import sources as disk
 from cache_service.backend import CacheBackend, Reader
 from cache_service.metrics import CacheMetrics
 from cache_service.records import AdapterRecord, CacheStats, ListedAdapter, SourceEntry
-from cache_service.uploads import Upload, UploadClaim, claim_for, map_adapter_error, weight_bytes
+from cache_service.disk_loads import upload_from_disk
+from cache_service.uploads import Upload, UploadClaim
 
 log = logging.getLogger(__name__)
 RELOADABLE = ("root", "prefetch", "path")
@@ -77,13 +78,7 @@ class HostCache:
                          source_label: str) -> PutOutcome:
         started = time.perf_counter()
         sig = disk.signature(path)
-        try:
-            adapter = load_adapter(path).with_metadata(source=source_label)
-        except AdapterError as exc:
-            raise map_adapter_error(exc, str(path)) from exc
-        upload = self.begin_upload(claim_for(adapter, task_id, name=name))
-        upload.write(weight_bytes(adapter))
-        del adapter
+        upload = upload_from_disk(path, task_id, name=name, source=source_label, begin=self.begin_upload)
         outcome = self.finish_upload(upload, replace=replace,
                                      source=SourceEntry(task_id, str(path), name, kind, sig))
         self.metrics.load_seconds.observe(time.perf_counter() - started)

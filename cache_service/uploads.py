@@ -6,7 +6,6 @@ against the base model and hashed before `HostCache` commits it.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from loraplex.errors import (FailedPreconditionError, InvalidArgumentError, Lora
 from loraplex.formats import (AdapterError, AdapterMetadata, AdapterTooLargeError, BaseModelMismatchError,
                               ModelSpec, STORAGE_DTYPES, validate)
 from loraplex.formats.adapter import Adapter
+from loraplex.formats.hashing import weights_version
 from cache_service.backend import CacheBackend, Writer
 from cache_service.records import AdapterRecord
 
@@ -48,17 +48,6 @@ def map_adapter_error(exc: AdapterError, where: str = "") -> LoraplexError:
     if isinstance(exc, BaseModelMismatchError):
         return FailedPreconditionError(prefix + str(exc))
     return InvalidArgumentError(prefix + str(exc))
-
-
-def weights_hash(config: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], data: memoryview) -> str:
-    """`Adapter.content_hash` computed over a buffer without copying it."""
-    h = hashlib.sha256()
-    h.update(str(dtype).encode())
-    h.update(np.asarray(config.shape, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(config, dtype=np.int32).tobytes())
-    h.update(np.asarray(shape, dtype=np.int64).tobytes())
-    h.update(data)
-    return h.hexdigest()[:16]
 
 
 def check_claim(claim: UploadClaim, fingerprint: str) -> torch.dtype:
@@ -93,7 +82,18 @@ class Upload:
         self._max_lora_rank = max_lora_rank
         self.writer: Writer = backend.open_writer(claim.num_bytes)
         self.received = 0
+        self.values_checked = False     # set by a converter that wrote and checked every row itself
         self.started = time.perf_counter()
+
+    def weights_view(self) -> torch.Tensor:
+        """The writer's buffer as the `[N, W]` weights tensor, for a converter that fills it in place."""
+        return torch.frombuffer(self.writer.buffer, dtype=self.dtype,
+                                count=math.prod(self.claim.shape)).view(*self.claim.shape)
+
+    def mark_filled(self, values_checked: bool) -> None:
+        """Every byte was written through `weights_view` (and, if `values_checked`, found finite)."""
+        self.received = self.claim.num_bytes
+        self.values_checked = values_checked
 
     def write(self, chunk: bytes | memoryview) -> None:
         end = self.received + len(chunk)
@@ -113,12 +113,13 @@ class Upload:
         meta = AdapterMetadata(source=c.source, original_format=c.original_format, extra=dict(c.extra))
         try:
             checked = validate(Adapter(config=c.config, weights=weights, metadata=meta), self._spec,
-                               self._max_lora_rank, fingerprint=self._fingerprint)
+                               self._max_lora_rank, fingerprint=self._fingerprint,
+                               check_values=not self.values_checked)
         except AdapterError as exc:
             raise map_adapter_error(exc, f"task id {c.task_id}") from exc
         in_out = checked.in_out
         del checked, weights
-        version = weights_hash(c.config, self.dtype, c.shape, buffer)
+        version = weights_version(self.dtype, c.config, c.shape, buffer)
         try:
             buffer.release()
         except BufferError:

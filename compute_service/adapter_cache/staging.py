@@ -1,23 +1,25 @@
 """Moving an adapter onto the device and into its pool pages, off the event loop and off the batch's stream.
 
-1. `upload` (worker thread, before pages are granted): the converted weights
-   `[N, W]` go to the device on the side stream, staged through a small ring
-   of pinned host buffers allocated once (`PinnedRing`): a CPU copy fills one
-   buffer while the DMA of the other runs at full PCIe speed. No CUDA call
-   that takes the driver's locks for long (pinned allocation, host
-   registration) runs while the batch decodes: measured on an H200, a
-   cudaHostRegister of a 0.5 GB shm mapping holds up the engine thread's
-   kernel launches for tens of milliseconds. Registering the host memory
-   instead (`mode="register"`) or plain pageable copies (`mode="pageable"`)
-   remain for comparison. NaN/Inf are checked on the device.
-2. `pack` (worker thread, once pages and a slot are granted): rows are
-   gathered per (module, rank) group, B transposed, rows of one width
-   concatenated and written into the granted pages with one indexed copy per
-   width; the slot's row tables follow the layout of `kernels.paged`
-   (rows grouped by width, widths ascending, pages filled in order, no row
-   straddling two pages). A handful of tensor ops per group, not per row:
-   Python in a side thread competes for the GIL with the thread that runs the
-   engine step, so it is kept to the minimum.
+1. `upload` (worker thread, before pages are granted): the rows are grouped by
+   (module, rank) and only each row's A and B travel, not the padding up to the
+   longest row (an 8B rank-64 all-module adapter is 335 MB of factors in 528 MB
+   of padded rows). They are gathered, a few threads at a time, from the host
+   cache's shared memory into a ring of pinned host buffers allocated once
+   (`PinnedRing`), each buffer's DMA to the device queued on the side stream
+   while the next one fills: the device receives each group as one contiguous
+   `[n, r * (in + out)]` block. No CUDA call that takes the driver's locks for
+   long (pinned allocation, host registration) runs while the batch decodes:
+   measured on an H200, a cudaHostRegister of a 0.5 GB shm mapping holds up the
+   engine thread's kernel launches for tens of milliseconds. Plain pageable
+   copies (`mode="pageable"`) remain for comparison. NaN/Inf are checked on the
+   device.
+2. `pack` (worker thread, once pages and a slot are granted): each group's B is
+   transposed, rows of one width concatenated and written into the granted
+   pages with one indexed copy per width; the slot's row tables follow the
+   layout of `kernels.paged` (rows grouped by width, widths ascending, pages
+   filled in order, no row straddling two pages). A handful of tensor ops per
+   group, not per row: Python in a side thread competes for the GIL with the
+   thread that runs the engine step, so it is kept to the minimum.
 On CPU the same code runs on host tensors.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,22 +39,33 @@ from compute_service.engine.spec import ModelSpec
 from kernels import LoraRowTables, rows_per_page
 from loraplex.formats.adapter import Adapter
 
-CUDA_HOST_REGISTER_READ_ONLY = 8   # the device only reads: no copy-on-write of a private shm mapping
+COPY_THREADS = 4      # host copies into the ring: memory-bound, one thread moves ~5-10 GB/s
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """The rows of one (module, rank): `rows` [n, rank * (in + out)] is each row's A then B, no padding."""
+
+    module_id: int
+    rank: int
+    row_ids: np.ndarray                   # int64 [n]: rows of the adapter, in order
+    in_out: tuple[int, int]
+    rows: torch.Tensor                    # [n, rank * (in + out)] on the pool's device
 
 
 @dataclass
 class Uploaded:
-    """An adapter's converted weights where `pack` reads them (device on CUDA, host on CPU)."""
+    """An adapter's rows where `pack` reads them (device on CUDA, host on CPU)."""
 
     adapter: Adapter                       # structurally checked: `in_out` filled
-    weights: torch.Tensor                  # [N, W] on the pool's device
+    groups: list[RowGroup]
     num_pages: int
-    num_bytes: int                         # bytes moved host -> device
+    num_bytes: int                         # bytes moved host -> device (the factors, no padding)
     finite_host: torch.Tensor | None       # pinned bool, valid once `event` is done (CUDA)
     event: "torch.cuda.Event | None"       # upload finished
     start_event: "torch.cuda.Event | None" = None
     host_ms: float = 0.0                   # wall time the worker spent uploading
-    mode: str = ""                         # "ring", "register" or "pageable": how the bytes travelled
+    mode: str = ""                         # "ring" or "pageable": how the bytes travelled
 
     def upload_ms(self) -> float:
         if self.event is None or self.start_event is None:
@@ -59,91 +73,129 @@ class Uploaded:
         return self.start_event.elapsed_time(self.event)
 
 
-def _register(t: torch.Tensor) -> bool:
-    nbytes = t.numel() * t.element_size()
-    try:
-        cudart = torch.cuda.cudart()
-        for flags in (CUDA_HOST_REGISTER_READ_ONLY, 0):
-            if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, flags)) == 0:
-                return True
-            clear = getattr(cudart, "cudaGetLastError", None)   # forget the failed call's error
-            if clear is not None:
-                clear()
-    except Exception:  # noqa: BLE001 - no cudart binding: fall back to pageable copies
-        pass
-    return False
+def _group_rows(adapter: Adapter) -> list[tuple[int, int, np.ndarray, tuple[int, int]]]:
+    """(module id, rank, row ids, (in, out)) per (module, rank), in first-seen order."""
+    cfg = np.asarray(adapter.config)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (module_id, _layer, rank) in enumerate(cfg.tolist()):
+        groups.setdefault((module_id, rank), []).append(i)
+    return [(m, r, np.asarray(idx, dtype=np.int64), tuple(adapter.in_out[idx[0]])) for (m, r), idx in groups.items()]
+
+
+class _Gather:
+    """The bytes the device must receive, as one stream: the used part of each row, group after group."""
+
+    def __init__(self, weights: torch.Tensor, groups: list[tuple[int, int, np.ndarray, tuple[int, int]]]) -> None:
+        self.src = weights.reshape(weights.shape[0], -1).view(torch.uint8).numpy()   # [N, W * itemsize]
+        item = weights.element_size()
+        rows, lengths = [], []
+        for _m, r, idx, (fin, fout) in groups:
+            rows.append(idx)
+            lengths.append(np.full(len(idx), r * (fin + fout) * item, dtype=np.int64))
+        self.rows = np.concatenate(rows)
+        self.lengths = np.concatenate(lengths)
+        self.starts = np.concatenate(([0], np.cumsum(self.lengths)))   # offset of each piece in the stream
+        self.num_bytes = int(self.starts[-1])
+
+    def copy_into(self, out: np.ndarray, begin: int, end: int) -> None:
+        """Writes stream bytes [begin, end) into `out[: end - begin]`."""
+        k = int(np.searchsorted(self.starts, begin, side="right")) - 1
+        pos = begin
+        while pos < end:
+            piece_start, piece_end = int(self.starts[k]), int(self.starts[k + 1])
+            lo, hi = pos - piece_start, min(end, piece_end) - piece_start
+            np.copyto(out[pos - begin: pos - begin + hi - lo], self.src[self.rows[k], lo:hi])
+            pos += hi - lo
+            k += 1
 
 
 class PinnedRing:
     """`num_buffers` pinned host buffers of `buffer_bytes`, reused by every upload (one upload at a time)."""
 
-    def __init__(self, buffer_bytes: int = 32 << 20, num_buffers: int = 2) -> None:
+    def __init__(self, buffer_bytes: int = 32 << 20, num_buffers: int = 2, copy_threads: int = COPY_THREADS) -> None:
         self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_buffers)]
         self.events: list[torch.cuda.Event | None] = [None] * num_buffers
         self._lock = threading.Lock()
         self.host_views = [b.numpy() for b in self.buffers]
+        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="ring-copy")
+        self.copy_threads = copy_threads
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, stream: "torch.cuda.Stream") -> None:
-        """src (host) -> dst (device), both contiguous and of equal bytes, queued on `stream`."""
+    def copy(self, gather: _Gather, dst: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+        """The gathered stream (host) -> dst (device, flat uint8 of equal bytes), queued on `stream`."""
         with self._lock:
-            self._copy(src, dst, stream)
+            self._copy(gather, dst, stream)
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, stream: "torch.cuda.Stream") -> None:
-        s, d = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
-        s_np = s.numpy()
+    def _fill(self, gather: _Gather, out: np.ndarray, begin: int, end: int) -> None:
+        # numpy's copies drop the GIL: a few threads copy disjoint slices at once.
+        step = max(1 << 20, -(-(end - begin) // self.copy_threads))
+        parts = [(a, min(end, a + step)) for a in range(begin, end, step)]
+        list(self._copiers.map(lambda p: gather.copy_into(out[p[0] - begin:], p[0], p[1]), parts))
+
+    def _copy(self, gather: _Gather, dst: torch.Tensor, stream: "torch.cuda.Stream") -> None:
         size = self.buffers[0].numel()
-        for i, off in enumerate(range(0, s.numel(), size)):
+        for i, off in enumerate(range(0, gather.num_bytes, size)):
             j = i % len(self.buffers)
-            n = min(size, s.numel() - off)
+            n = min(size, gather.num_bytes - off)
             ev = self.events[j]
             if ev is not None:
                 ev.synchronize()                     # its previous DMA is done: the buffer may be refilled
-            # numpy's copy is one thread and drops the GIL: torch's would fan out over every core.
-            np.copyto(self.host_views[j][:n], s_np[off: off + n])
+            self._fill(gather, self.host_views[j], off, off + n)
             with torch.cuda.stream(stream):
-                d[off: off + n].copy_(self.buffers[j][:n], non_blocking=True)
+                dst[off: off + n].copy_(self.buffers[j][:n], non_blocking=True)
                 ev = torch.cuda.Event(blocking=True)   # waits sleep instead of spinning a core
                 ev.record(stream)
             self.events[j] = ev
 
 
+def _device_groups(flat: torch.Tensor, groups, dtype: torch.dtype) -> list[RowGroup]:
+    """Splits the uploaded stream (flat, in `dtype`) into each group's [n, r*(in+out)] block."""
+    out, off = [], 0
+    for m, r, idx, (fin, fout) in groups:
+        width = r * (fin + fout)
+        out.append(RowGroup(m, r, idx, (fin, fout), flat[off: off + len(idx) * width].view(len(idx), width)))
+        off += len(idx) * width
+    return out
+
+
 def upload(adapter: Adapter, num_pages: int, device: torch.device, stream: "torch.cuda.Stream | None",
            ring: PinnedRing | None = None, mode: str = "ring") -> Uploaded:
-    """Puts a structurally checked adapter's weights where `pack` reads them.
+    """Puts a structurally checked adapter's rows where `pack` reads them.
 
-    mode: "ring" (through `ring`), "register" (cudaHostRegister the host memory) or "pageable".
+    mode: "ring" (gathered through `ring`) or "pageable" (gathered on the host, then one pageable copy).
     """
     t0 = time.perf_counter()
-    w = adapter.weights.contiguous()
-    nbytes = w.numel() * w.element_size()
+    w = adapter.weights
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    groups = _group_rows(adapter)
     if device.type != "cuda" or stream is None:
-        if not bool(torch.isfinite(w).all()):
+        blocks = [RowGroup(m, r, idx, fio, w[torch.from_numpy(idx), : r * sum(fio)]) for m, r, idx, fio in groups]
+        if not all(bool(torch.isfinite(g.rows).all()) for g in blocks):
             raise InvalidAdapterError("adapter weights contain NaN or Inf")
-        return Uploaded(adapter, w, num_pages, nbytes, None, None)
-    registered = mode == "register" and _register(w)
-    try:
+        nbytes = sum(g.rows.numel() for g in blocks) * w.element_size()
+        return Uploaded(adapter, blocks, num_pages, nbytes, None, None)
+    gather = _Gather(w, groups)
+    with torch.cuda.stream(stream):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        dev = torch.empty(gather.num_bytes, dtype=torch.uint8, device=device)
+    if mode == "ring" and ring is not None:
+        ring.copy(gather, dev, stream)
+        used = "ring"
+    else:
+        host = np.empty(gather.num_bytes, dtype=np.uint8)
+        gather.copy_into(host, 0, gather.num_bytes)
         with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            dev = torch.empty(w.shape, dtype=w.dtype, device=device)
-        if mode == "ring" and ring is not None:
-            ring.copy(w, dev, stream)
-        else:
-            with torch.cuda.stream(stream):
-                dev.copy_(w, non_blocking=True)
-        with torch.cuda.stream(stream):
-            finite_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            finite_host.copy_(torch.isfinite(dev).all(), non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(stream)
-        if registered:
-            done.synchronize()       # the DMA reads the host memory: keep it registered until then
-    finally:
-        if registered:
-            torch.cuda.cudart().cudaHostUnregister(w.data_ptr())
-    used = "ring" if mode == "ring" and ring is not None else ("register" if registered else "pageable")
-    return Uploaded(adapter, dev, num_pages, nbytes, finite_host, done, start,
-                    (time.perf_counter() - t0) * 1e3, used)
+            dev.copy_(torch.from_numpy(host))
+        used = "pageable"
+    flat = dev.view(w.dtype)
+    with torch.cuda.stream(stream):
+        finite_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        finite_host.copy_(torch.isfinite(flat).all(), non_blocking=True)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(stream)
+    return Uploaded(adapter, _device_groups(flat, groups, w.dtype), num_pages, gather.num_bytes, finite_host, done,
+                    start, (time.perf_counter() - t0) * 1e3, used)
 
 
 @dataclass
@@ -167,16 +219,11 @@ class CopyHandle:
 def _row_blocks(up: Uploaded, spec: ModelSpec, tables: LoraRowTables):
     """Yields (width, rows [n*r, width], kind "a"|"b", module index, layers, rank, (in, out)) per group."""
     cfg = np.asarray(up.adapter.config)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, (module_id, _layer, rank) in enumerate(cfg.tolist()):
-        groups.setdefault((module_id, rank), []).append(i)
-    for (module_id, r), idx in groups.items():
-        fin, fout = up.adapter.in_out[idx[0]]
-        n = len(idx)
-        block = up.weights[torch.tensor(idx, device=up.weights.device), : r * (fin + fout)]   # [n, r*(in+out)]
-        a = block[:, : r * fin].reshape(n * r, fin)
-        b = block[:, r * fin:].reshape(n, fout, r)
-        layers = cfg[idx, 1]
+    for g in up.groups:
+        module_id, r, (fin, fout), n = g.module_id, g.rank, g.in_out, len(g.row_ids)
+        a = g.rows[:, : r * fin].reshape(n * r, fin)
+        b = g.rows[:, r * fin:].reshape(n, fout, r)
+        layers = cfg[g.row_ids, 1]
         if module_id == 0:      # fused qkv: q, k and v each get the shared A and their slice of B
             parts = zip((1, 2, 3), b.split([spec.q_size, spec.kv_size, spec.kv_size], dim=1))
         else:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = args.format or ("safetensors" if args.dst.suffix == ".safetensors" else "npy")
     dtype = args.storage_type or ("float16" if fmt == "npy" else None)
     try:
-        adapter = load_adapter(args.src, dtype=dtype, progress=True)
+        adapter = load_adapter(args.src, dtype=dtype)
         if args.model:
             spec = ModelSpec.from_path(args.model)
             adapter = validate(adapter, spec, args.max_lora_rank or adapter.max_rank)

@@ -10,13 +10,13 @@ multiplied into `B`, so `delta_W = B @ A` for every row.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from loraplex.formats.hashing import weights_version
 from loraplex.formats.modules import MODULE_NAMES
 
 
@@ -102,11 +102,6 @@ class Adapter:
 
 
 def content_hash(config: np.ndarray, weights: torch.Tensor) -> str:
-    """sha256 over dtype, shapes and bytes of config and weights (first 16 hex digits)."""
-    h = hashlib.sha256()
-    h.update(str(weights.dtype).encode())
-    h.update(np.asarray(config.shape, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(config, dtype=np.int32).tobytes())
-    h.update(np.asarray(weights.shape, dtype=np.int64).tobytes())
-    h.update(weights.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    """The adapter's version: a hash of dtype, shapes and bytes of config and weights (see `hashing`)."""
+    data = weights.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return weights_version(weights.dtype, config, tuple(weights.shape), data)

@@ -43,12 +43,11 @@ def detect_format(path: str | Path) -> str:
                              ".safetensors file with 'weights' and 'config')")
 
 
-def load_adapter(path: str | Path, *, dtype: str | torch.dtype | None = None,
-                 progress: bool = False) -> Adapter:
+def load_adapter(path: str | Path, *, dtype: str | torch.dtype | None = None) -> Adapter:
     """Reads an adapter in any supported format; `dtype` converts the storage dtype."""
     fmt = detect_format(path)
     if fmt == "peft":
-        return read_peft(path, dtype=dtype, progress=progress)
+        return read_peft(path, dtype=dtype)
     adapter = read_npy_dir(path) if fmt == "npy" else read_llgtrt(path)
     return cast_adapter(adapter, dtype) if dtype is not None else adapter
 

@@ -96,9 +96,12 @@ def _check_values(adapter: Adapter, in_out: list[tuple[int, int]]) -> None:
 def validate(adapter: Adapter, spec: ModelSpec, max_lora_rank: int, *,
              enabled_module_ids: Iterable[int] = SERVED_MODULE_IDS,
              dtype: str | torch.dtype | None = None, max_bytes: int | None = None,
-             fingerprint: str | None = None) -> Adapter:
+             fingerprint: str | None = None, check_values: bool = True) -> Adapter:
     """Checks `adapter` against `spec`; returns it with `in_out` filled, the fingerprint set,
-    and (if `dtype` is given) converted to that storage dtype."""
+    and (if `dtype` is given) converted to that storage dtype.
+
+    `check_values=False` skips the pass over the values (NaN/Inf, zero padding): for rows a
+    converter has just written into zero-filled memory and checked row by row itself."""
     fp = fingerprint if fingerprint is not None else spec.fingerprint
     if adapter.metadata.fingerprint and adapter.metadata.fingerprint != fp:
         raise BaseModelMismatchError(f"adapter was validated for base model "
@@ -111,7 +114,8 @@ def validate(adapter: Adapter, spec: ModelSpec, max_lora_rank: int, *,
         raise RowShapeError(f"weights shape {list(adapter.weights.shape)} does not match "
                             f"{adapter.num_rows} config rows")
     in_out = _row_shapes(adapter, spec, max_lora_rank, frozenset(enabled_module_ids))
-    _check_values(adapter, in_out)
+    if check_values:
+        _check_values(adapter, in_out)
     out = cast_adapter(adapter, dtype) if dtype is not None else adapter
     if max_bytes is not None and out.num_bytes > max_bytes:
         raise AdapterTooLargeError(f"adapter is {out.num_bytes} bytes, over the limit of {max_bytes}")

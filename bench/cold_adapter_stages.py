@@ -1,0 +1,121 @@
+"""Where a cold named adapter's time goes, stage by stage, in one process (CPU or GPU).
+
+Builds a PEFT folder for a model shape (SmolLM2-135M by default, or the
+Llama-3-8B shape) in a temporary adapter root, then times each stage of the
+path a never-seen named adapter takes through loraplex:
+
+cache side:   signature of the files -> read + convert (PEFT -> rows) -> copy
+              into a shared-memory segment -> validate -> hash -> commit
+compute side: map the segment -> structural checks -> upload to the device
+              (pinned ring, side stream) -> pack into pool pages
+
+Each stage is timed alone (best of `--repeat`), and the whole `HostCache`
+put through its public API; the floor is the file's bytes read once from the
+page cache plus one host-to-device copy.
+
+    python bench/cold_adapter_stages.py [--shape smollm2|llama3-8b] [--rank 64] [--dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cache_service import sources as disk  # noqa: E402
+from cache_service.host_cache import HostCache  # noqa: E402
+from cache_service.shm_backend import ShmBackend  # noqa: E402
+from cache_service.uploads import claim_for, weight_bytes  # noqa: E402
+from loraplex.formats import ModelSpec, load_adapter  # noqa: E402
+from loraplex.formats.modules import module_shape  # noqa: E402
+
+SHAPES = {
+    "smollm2": dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, intermediate_size=1536, vocab_size=49152, model_type="llama"),
+    "llama3-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=14336, vocab_size=128256, model_type="llama"),
+}
+PROJ = {1: ("self_attn", "q_proj"), 2: ("self_attn", "k_proj"), 3: ("self_attn", "v_proj"),
+        4: ("self_attn", "o_proj"), 5: ("mlp", "gate_proj"), 6: ("mlp", "up_proj"), 7: ("mlp", "down_proj")}
+
+
+def write_peft(folder: Path, spec: ModelSpec, rank: int, dtype: torch.dtype, seed: int = 0) -> int:
+    """A PEFT folder with every module of every layer at `rank`; returns the safetensors file's bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for m, (block, proj) in PROJ.items():
+            s = module_shape(m, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+                             num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+                             intermediate_size=spec.intermediate_size)
+            key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, s.in_features, generator=gen) * 0.02).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(s.out_features, rank, generator=gen) * 0.02).to(dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none", "lora_dropout": 0.0,
+        "target_modules": [p for _, p in PROJ.values()], "task_type": "CAUSAL_LM"}))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return (folder / "adapter_model.safetensors").stat().st_size
+
+
+def best_ms(fn, repeat: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, (time.perf_counter() - t) * 1e3)
+    return best, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    spec = ModelSpec.from_hf_config(SHAPES[args.shape])
+    result: dict = dict(shape=args.shape, rank=args.rank, dtype=args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "root"
+        folder = root / "cold"
+        result["file_bytes"] = write_peft(folder, spec, args.rank, getattr(torch, args.dtype))
+        raw = (folder / "adapter_model.safetensors")
+        stages: dict[str, float] = {}
+        stages["read_file_bytes"], _ = best_ms(lambda: raw.read_bytes(), args.repeat)
+        stages["signature"], _ = best_ms(lambda: disk.signature(folder), args.repeat)
+        stages["convert"], adapter = best_ms(lambda: load_adapter(folder), args.repeat)
+        result["converted_bytes"] = adapter.num_bytes
+        backend = ShmBackend(8 << 30)
+        cache = HostCache(backend, spec, max_lora_rank=max(64, args.rank), lora_root=str(root))
+        upload = cache.begin_upload(claim_for(adapter, 7, name="cold"))
+        stages["copy_into_shm"], _ = best_ms(lambda: upload.write(weight_bytes(adapter)) or
+                                             setattr(upload, "received", 0), args.repeat)
+        upload.received = adapter.num_bytes
+        stages["validate_and_hash"], record = best_ms(upload.finish, args.repeat)
+        upload.abort()
+        for i in range(args.repeat + 1):
+            backend.evict(disk.task_id_for_name("cold"))
+            t = time.perf_counter()
+            cache.resolve_name("cold", "always")
+            if i:
+                stages["host_cache_put_total"] = min(stages.get("host_cache_put_total", 1e9),
+                                                     (time.perf_counter() - t) * 1e3)
+        result["stages_ms"] = stages
+        backend.close()
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

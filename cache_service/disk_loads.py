@@ -1,0 +1,50 @@
+"""Adapters on disk -> a filled upload, converting PEFT folders straight into the backend's buffer.
+
+A PEFT folder (safetensors) is planned from its headers, then its rows are
+written directly into the writer's buffer (for shm, the segment that will be
+published) and checked for NaN/Inf row by row as they are written: the file
+is read once, the segment written once, and no full-size intermediate tensor
+exists. The writer's buffer is zero-filled (a fresh segment, a fresh
+bytearray), so the rows' padding needs no writing. Other formats are read
+whole and copied in.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from loraplex.formats import AdapterError, detect_format, load_adapter
+from loraplex.formats.peft_rows import PeftRows, plan_peft
+from cache_service.uploads import Upload, UploadClaim, claim_for, map_adapter_error, weight_bytes
+
+
+def _claim_for_rows(rows: PeftRows, task_id: int, name: str, source: str) -> UploadClaim:
+    return UploadClaim(task_id=task_id, config=rows.config, dtype=str(rows.dtype).removeprefix("torch."),
+                       shape=rows.shape, num_bytes=rows.num_bytes, source=source, name=name,
+                       original_format="peft", extra=dict(rows.metadata.extra))
+
+
+def upload_from_disk(path: Path, task_id: int, *, name: str, source: str,
+                     begin: Callable[[UploadClaim], Upload]) -> Upload:
+    """An upload holding the adapter at `path`, ready to finish; `begin` opens it in the cache."""
+    try:
+        if detect_format(path) == "peft":
+            rows = plan_peft(path)
+            upload = begin(_claim_for_rows(rows, task_id, name, source))
+            try:
+                rows.fill(upload.weights_view(), check_finite=True)
+            except BaseException:
+                upload.abort()
+                raise
+            upload.mark_filled(values_checked=True)
+            return upload
+        adapter = load_adapter(path).with_metadata(source=source)
+    except AdapterError as exc:
+        raise map_adapter_error(exc, str(path)) from exc
+    upload = begin(claim_for(adapter, task_id, name=name))
+    try:
+        upload.write(weight_bytes(adapter))
+    except BaseException:
+        upload.abort()
+        raise
+    return upload
