@@ -1,0 +1,77 @@
+"""The in-process side of bench/serve_load.py: the same workload on a bare `LLMEngine`.
+
+Same model folder or file, same adapters (read from the same adapter root and
+loaded into the engine's pool), same prompts and concurrency as the served
+cases: every request is added at once, the engine is stepped until all are
+done, and each step's deltas become the same kind of timeline the load
+generator records (sent = when the requests were added; one "message" per
+step that gave a request tokens, stamped when the step returned). So TTFT, ITL
+and tok/s mean the same on both sides; step times are recorded as well.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from serve_load_client import Request, Timeline
+from serve_load_stats import percentiles, summarize
+
+
+def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 max_loras: int, max_lora_rank: int) -> Any:
+    """An LLMEngine over `model` ("" = the default model), sized like the served compute service."""
+    from compute_service.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model=model or None, device=device, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                          max_loras=max(1, max_loras), max_lora_rank=max_lora_rank)
+    return LLMEngine(config)
+
+
+def load_adapters(engine: Any, root: Path, names: list[str]) -> float:
+    """Reads each named adapter folder and makes it resident; returns the seconds it took."""
+    from loraplex.formats import load_adapter
+
+    t = time.perf_counter()
+    for name in names:
+        engine.add_adapter(name, load_adapter(root / name))
+    return time.perf_counter() - t
+
+
+def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str) -> tuple[list[Timeline], list[float]]:
+    """All requests added at once, stepped to the end; the timelines and every step's seconds."""
+    from compute_service.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.monotonic()
+    by_id: dict[str, Timeline] = {}
+    for r in requests:
+        rid = f"{tag}-{r.index}"
+        engine.add_request(rid, r.prompt, params, r.lora)
+        by_id[rid] = Timeline(r.index, t0, t0)
+    steps: list[float] = []
+    while engine.has_unfinished():
+        ts = time.monotonic()
+        outs = engine.step()
+        te = time.monotonic()
+        steps.append(te - ts)
+        for o in outs:
+            tl = by_id.get(o.request_id)
+            if tl is None:
+                continue
+            if o.new_token_ids:
+                tl.messages.append((te, len(o.new_token_ids)))
+            if o.finished:
+                tl.finish_reason = o.finish_reason
+    return sorted(by_id.values(), key=lambda t: t.index), steps
+
+
+def measure(engine: Any, requests: list[Request], max_tokens: int, tag: str) -> dict:
+    """Warm-up (3 tokens) then the timed run; the case's figures plus step-time percentiles."""
+    run_case(engine, requests, 3, f"{tag}w")
+    timelines, steps = run_case(engine, requests, max_tokens, tag)
+    res = summarize(timelines)
+    res["step_ms"] = percentiles(steps)
+    res["num_steps"] = len(steps)
+    return res
