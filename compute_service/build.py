@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from compute_service.adapter_cache.loader import AdapterLoader, Fetch
-from compute_service.adapter_cache.paged_backend import PagedLoraBackend
+from compute_service.adapter_cache.backends import lora_backend_for
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
@@ -88,7 +88,7 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
         loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device)
     slots = PagedAdapterSlots(loaded.spec, config.max_lora_rank, device, loaded.model.dtype)
     slots.fingerprint = adapter_fingerprint(loaded)
-    backend = PagedLoraBackend(slots, config.max_num_batched_tokens)
+    backend = lora_backend_for(slots, config.max_num_batched_tokens)   # Triton on CUDA, torch matmuls on CPU
     engine = LLMEngine(ecfg, loaded, None, slots, backend)
     zero_kv_cache(engine)
     layout = slots.allocate(pool_bytes(config, device), config.lora_cache_optimal_adapter_size,

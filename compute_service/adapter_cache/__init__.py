@@ -3,5 +3,8 @@
 - `pages`: the free list of pool pages;
 - `residency`: loading, pinning and LRU eviction of adapters (plain Python);
 - `loader`: asynchronous fetch from the host cache and copy into the pool;
-- `paged_backend`: the engine's LoRA backend reading weights from the pool.
+- `paged_slots`: the pool itself, loraplex's only one (engine, service and benchmarks);
+- `backends`: one LoRA backend per device type over it: `paged_backend` (Triton
+  kernels reading the pages, CUDA) and `dense_backend` (batched torch matmuls
+  over per-adapter copies from `dense_views`, CPU).
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from compute_service.engine.spec import ModelSpec
@@ -95,3 +96,20 @@ def adapter_rows(adapter: Adapter, spec: ModelSpec) -> list[Row]:
 def rows_pages(rows: list[Row], page_elems: int) -> int:
     """Pages the rows take in the pool."""
     return pages_needed([(r, a.shape[1], b.shape[0]) for _, _, r, a, b in rows], page_elems)
+
+
+def full_adapter_pages(spec: ModelSpec, max_rank: int, page_elems: int) -> int:
+    """Pages of the largest adapter the model admits: `max_rank` on every module of every layer."""
+    shapes = [(max_rank, fin, fout) for fin, fout in module_features(spec).values()] * spec.num_layers
+    return pages_needed(shapes, page_elems)
+
+
+def rows_adapter(rows: list[Row], dtype: torch.dtype, device: torch.device) -> Adapter:
+    """The converted adapter (config + weights [N, W] on `device`) of (module_id, layer, rank, A, B) rows."""
+    width = max(a.numel() + b.numel() for _, _, _, a, b in rows)
+    weights = torch.zeros(len(rows), width, dtype=dtype, device=device)
+    for i, (_, _, _, a, b) in enumerate(rows):
+        weights[i, : a.numel()] = a.flatten()
+        weights[i, a.numel(): a.numel() + b.numel()] = b.flatten()
+    config = np.asarray([[m, layer, r] for m, layer, r, _, _ in rows], dtype=np.int32)
+    return Adapter(config=config, weights=weights)

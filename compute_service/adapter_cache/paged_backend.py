@@ -1,9 +1,10 @@
-"""The engine's `LoraBackend` over the paged pool: shrink/expand read adapter rows in place.
+"""The CUDA `LoraBackend` over the one adapter pool: shrink/expand read adapter rows in place.
 
 One `LoraBatchMeta` is prepared per step (outside CUDA graphs); each layer's
 group then costs one shrink launch over all its slices and one expand launch
 writing every slice (q/k/v, or gate/up) of the fused output in place. Triton
-kernels on CUDA, the torch reference on CPU (kernels/__init__.py dispatches).
+kernels on CUDA; on CPU tensors kernels/__init__.py runs their torch reference,
+which is for tests only: CPU serving uses `dense_backend.DenseLoraBackend`.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.engine.lora_backend import GROUP_MODULE_IDS
-from compute_service.engine.lora_paged import as_one_output
 from kernels import LoraBatchMeta, lora_expand, lora_shrink
 
 
@@ -56,16 +56,35 @@ class PagedLoraBackend:
         meta.prepare(token_slot_ids_cpu.to(torch.int32))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        mods = self._group_modules[group]
+        y, offsets = as_one_output(outs)
+        if y is not None:
+            self._shrink_expand(layer, mods, x, y, offsets)
+            return
+        for i, out in enumerate(outs):   # slices not side by side in memory: one pass each
+            self._shrink_expand(layer, [mods[i]], x, out, [0, out.shape[1]])
+
+    def _shrink_expand(self, layer: int, mods: list[int], x: torch.Tensor, y: torch.Tensor,
+                       offsets: list[int]) -> None:
+        """y[:, offsets[i]:offsets[i+1]] += LoRA of slice i (x [T, in]): every kernel launch of the backend."""
         tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
         assert tables is not None and pool is not None and meta is not None
-        mods = self._group_modules[group]
         T = x.shape[0]
         s = self._shrink_buf[: len(mods) * T * tables.max_rank].view(len(mods), T, tables.max_rank)
         lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s)
-        y, offsets = as_one_output(outs)
-        if y is not None:
-            lora_expand(s, pool, tables, meta, layer, mods, y, offsets)
-            return
-        for i, out in enumerate(outs):   # slices not side by side in memory: one launch each
-            lora_expand(s[i: i + 1].contiguous(), pool, tables, meta, layer, [mods[i]], out,
-                        [0, out.shape[1]])
+        lora_expand(s, pool, tables, meta, layer, mods, y, offsets)
+
+
+def as_one_output(outs: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int]]:
+    """If the slices are adjacent column ranges of one row-major tensor, that tensor and the boundaries."""
+    widths = [o.shape[1] for o in outs]
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    first = outs[0]
+    elem = first.element_size()
+    adjacent = all(o.stride() == first.stride() and o.stride(1) == 1
+                   and o.data_ptr() == first.data_ptr() + offsets[i] * elem for i, o in enumerate(outs))
+    if not adjacent or (offsets[-1] > first.stride(0) and first.shape[0] > 1):
+        return None, offsets      # not one matrix, or its rows would overlap
+    return first.as_strided((first.shape[0], offsets[-1]), first.stride()), offsets

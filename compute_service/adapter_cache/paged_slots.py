@@ -4,8 +4,12 @@ Holds the pool tensor and row tables (kernels.paged layout), the residency book
 (pages, slots, pins, wants, LRU) and the loads in flight. Not thread-safe: the
 runner calls every method between engine steps, on one thread.
 
+It is the one adapter pool of loraplex: the engine's default (sized by
+`allocate_for(max_loras)`), the compute service's and the benchmarks' alike.
+
 Two ways in:
-- `load(key, adapter)`: synchronous (the engine's `add_adapter`, tests);
+- `load(key, adapter)` / `load_rows(key, rows)`: synchronous (the engine's
+  `add_adapter`, benchmarks, tests); loading a resident key replaces it;
 - `want(key, staged)` with an adapter staged by `compute_service.adapter_cache.loader`,
   then `pump()` each loop turn: grants pages FIFO, queues copies on the side
   stream, and marks copies that finished as resident.
@@ -21,7 +25,7 @@ import torch
 
 from compute_service.adapter_cache.checks import check_structure
 from compute_service.adapter_cache.errors import AdapterLoadError, AdapterTooLargeError
-from compute_service.adapter_cache.layout import PoolLayout, module_features
+from compute_service.adapter_cache.layout import PoolLayout, Row, full_adapter_pages, module_features, rows_adapter
 from compute_service.adapter_cache.residency import AdapterResidency, Entry, State
 from compute_service.adapter_cache.staging import CopyHandle, PinnedRing, Uploaded, pack, upload
 from compute_service.engine.errors import CapacityError, InvalidAdapterError
@@ -110,7 +114,18 @@ class PagedAdapterSlots:
             self.ring = PinnedRing()   # pinned once, at start, never while the batch decodes
         self.residency = AdapterResidency(layout.num_pages, layout.max_slots, layout.page_bytes,
                                           on_evict=self._on_evict)
+        # Bumped whenever a slot gets new contents, so readers caching per-slot views know when to rebuild.
+        self.generation = [0] * layout.max_slots
         return layout
+
+    def allocate_for(self, max_adapters: int, optimal_adapter_size: int = 8) -> PoolLayout:
+        """A pool holding `max_adapters` adapters of `max_lora_rank` on every module at once (the engine's sizing)."""
+        if max_adapters < 1:
+            raise ValueError(f"max_adapters must be >= 1, got {max_adapters}")
+        widest = max(max(f) for f in module_features(self.spec).values())
+        page_bytes = optimal_adapter_size * widest * torch.empty((), dtype=self.dtype).element_size()
+        per_adapter = full_adapter_pages(self.spec, self.max_lora_rank, optimal_adapter_size * widest)
+        return self.allocate(per_adapter * max_adapters * page_bytes, optimal_adapter_size, max_adapters)
 
     @property
     def max_slots(self) -> int:
@@ -127,6 +142,11 @@ class PagedAdapterSlots:
         """Checks against the model, refuses what can never fit, uploads the rows (see staging.py)."""
         assert self.layout is not None
         checked = check_structure(adapter, self.spec, self.max_lora_rank, self.fingerprint)
+        return upload(checked, self._pages_for(key, checked), self.device, self._stream, self.ring, self.upload_mode)
+
+    def _pages_for(self, key: str, checked: Adapter) -> int:
+        """Pages a structurally checked adapter takes; refuses one that can never fit."""
+        assert self.layout is not None
         shapes = []
         for (module_id, _layer, rank), (fin, fout) in zip(checked.config.tolist(), checked.in_out):
             if module_id == 0:   # fused qkv: one A per q, k, v slice
@@ -136,22 +156,49 @@ class PagedAdapterSlots:
         n = pages_needed(shapes, self.layout.page_elems)
         if n > self.layout.num_pages:
             raise AdapterTooLargeError(key, n, self.layout.num_pages, self.layout.page_bytes)
-        return upload(checked, n, self.device, self._stream, self.ring, self.upload_mode)
+        return n
 
     # -- the AdapterSlots protocol ---------------------------------------------------------------
     def load(self, key: str, adapter: Adapter) -> int:
-        """Synchronous load: stages, evicts idle LRU adapters if needed, copies; returns the slot."""
-        if self.is_ready(key):
-            return self._res.slot_of(key)
-        self.add_staged(key, self.stage_adapter(key, adapter))
-        self._res.prefetch(key, self._staged[key].num_pages)
+        """Synchronous load: stages, evicts idle LRU adapters if needed, copies; returns the slot.
+
+        A resident `key` is replaced (CapacityError while requests use it).
+        """
+        self._make_replaceable(key)
+        return self._load_now(key, self.stage_adapter(key, adapter))
+
+    def load_rows(self, key: str, rows: list[Row]) -> int:
+        """Synchronous load of (module_id, layer, rank, A [r, in], B [out, r]) rows, on the pool's device
+        or the host (benchmarks build adapters on the GPU); checked for structure, not for NaN."""
+        self._make_replaceable(key)
+        adapter = rows_adapter(rows, self.dtype, self.device)
+        checked = check_structure(adapter, self.spec, self.max_lora_rank)
+        n = self._pages_for(key, checked)
+        nbytes = checked.weights.numel() * checked.weights.element_size()
+        return self._load_now(key, Uploaded(checked, checked.weights, n, nbytes, None, None))
+
+    def _make_replaceable(self, key: str) -> None:
+        e = self._res.get(key)
+        if e is None:
+            return
+        if not e.idle:
+            raise CapacityError(f"adapter {key} is in use by running requests (pinned) and cannot be replaced now")
+        self._res.drop(key)
+
+    def _load_now(self, key: str, staged: Uploaded) -> int:
+        self.add_staged(key, staged)
+        self._res.prefetch(key, staged.num_pages)
         self.pump()
         self.wait_loads()
         if not self.is_ready(key):
+            failed = self.failed.pop(key, None)
             self._res.drop(key)
             self._staged.pop(key, None)
-            raise CapacityError(f"adapter {key} does not fit now: the pool's pages are held by adapters in use "
-                                f"({self.stats().pages_used}/{self.stats().pages_total} pages)")
+            if failed is not None:
+                raise failed.cause if isinstance(failed, AdapterLoadError) else failed
+            raise CapacityError(f"adapter {key} does not fit now: the pool's slots and pages are pinned by adapters "
+                                f"in use ({self.stats().pages_used}/{self.stats().pages_total} pages, "
+                                f"{self.max_slots} slots): retry when a request finishes or grow the pool")
         return self._res.slot_of(key)
 
     def resident(self, key: str) -> bool:
@@ -162,13 +209,22 @@ class PagedAdapterSlots:
         return self._res.is_ready(key)
 
     def slot_of(self, key: str) -> int:
-        return self._res.slot_of(key)
+        """Slot of a resident key; counts as a use for LRU."""
+        return self._res.touch(key)
 
     def pin(self, key: str) -> None:
         self._res.pin(key)
 
     def unpin(self, key: str) -> None:
         self._res.unpin(key)
+
+    def pin_count(self, key: str) -> int:
+        e = self._res.get(key)
+        return e.pins if e is not None else 0
+
+    def keys(self) -> list[str]:
+        """Resident keys."""
+        return self._res.resident_keys()
 
     def evict(self, key: str) -> bool:
         e = self._res.get(key)
@@ -247,6 +303,7 @@ class PagedAdapterSlots:
                 f.timing.copy_ms = f.job.result().copy_ms()
                 f.timing.upload_ms = f.up.upload_ms()
             res.finish_load(k)
+            self.generation[res.slot_of(k)] += 1
             done.append(k)
         # Staged copies nobody waits for any more (their requests left while queued).
         for k in [k for k in self._staged if res.get(k) is None and k not in self._claims]:

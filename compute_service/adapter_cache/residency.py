@@ -89,6 +89,12 @@ class AdapterResidency:
             raise KeyError(f"adapter {key} is not resident")
         return e.slot
 
+    def touch(self, key: str) -> int:
+        """Marks a resident `key` as just used (LRU) and returns its slot."""
+        slot = self.slot_of(key)
+        self._entries[key].last_used = next(self._clock)
+        return slot
+
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 

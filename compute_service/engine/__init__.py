@@ -15,8 +15,6 @@ _EXPORTS = {
     "LLMEngine": "llm_engine",
     "LoadedModel": "loader", "default_model_path": "loader", "load_model": "loader", "load_tokenizer": "loader",
     "AdapterSlots": "lora_backend", "LoraBackend": "lora_backend",
-    "InMemoryAdapterSlots": "lora_slots", "TorchLoraBackend": "lora_torch",
-    "PagedAdapterSlots": "lora_paged", "KernelLoraBackend": "lora_paged",
     "EngineStats": "outputs", "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
     "ModelSpec": "spec",

@@ -7,6 +7,8 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from compute_service.adapter_cache.backends import lora_backend_for
+from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.engine.block_manager import BlockManager
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.cuda_graphs import DecodeGraphs, host_tables_width
@@ -187,15 +189,10 @@ class LLMEngine:
 
 def _default_lora(config: EngineConfig, spec: ModelSpec, device: torch.device,
                   dtype: torch.dtype) -> tuple[AdapterSlots, LoraBackend]:
-    """In-memory slots + torch math, or the kernels' paged pool + shrink/expand (default on CUDA)."""
-    use_kernels = config.lora_backend == "kernels" or (config.lora_backend == "auto" and device.type == "cuda")
-    if use_kernels:
-        from compute_service.engine.lora_paged import KernelLoraBackend, PagedAdapterSlots
-
-        paged = PagedAdapterSlots(spec, config.max_loras, config.max_lora_rank, device, dtype)
-        return paged, KernelLoraBackend(paged, config.max_num_batched_tokens)
-    from compute_service.engine.lora_slots import InMemoryAdapterSlots
-    from compute_service.engine.lora_torch import TorchLoraBackend
-
-    slots = InMemoryAdapterSlots(spec, config.max_loras, config.max_lora_rank, device, dtype)
-    return slots, TorchLoraBackend(slots)
+    """The one adapter pool, sized for `max_loras` adapters of `max_lora_rank` on every module, and the
+    backend of its device (Triton kernels on CUDA, batched torch matmuls on CPU; `lora_backend` forces one)."""
+    slots = PagedAdapterSlots(spec, config.max_lora_rank, device, dtype)
+    slots.allocate_for(config.max_loras)
+    backend = lora_backend_for(slots, config.max_num_batched_tokens, config.lora_backend)
+    backend.allocate()
+    return slots, backend

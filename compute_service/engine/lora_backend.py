@@ -1,10 +1,12 @@
 """The two LoRA interfaces the model and the scheduler see.
 
-`LoraBackend` adds LoRA deltas inside the model's linear layers; backends are
-interchangeable (a torch reference, the Triton kernels over a paged pool).
-`AdapterSlots` decides which adapters are resident and in which slot; the
-compute service replaces the simple in-memory one with a paged GPU cache.
-Layers only ever see slot ids per token, never request ids or adapter keys.
+`LoraBackend` adds LoRA deltas inside the model's linear layers. `AdapterSlots`
+decides which adapters are resident and in which slot. loraplex has one
+implementation of the slots, the paged pool of
+`compute_service.adapter_cache.paged_slots` (the engine's default, the compute
+service's and the benchmarks'), and one backend per device type over it
+(`compute_service.adapter_cache.backends`). Layers only ever see slot ids per
+token, never request ids or adapter keys.
 
 Groups and the module ids whose deltas land in each output slice:
   "qkv"     -> [q, k, v]      ids 1, 2, 3 (a fused 0 row is split into the three)

@@ -1,66 +1,85 @@
-"""The paged LoRA backend against the engine's torch backend on the same adapters and tokens."""
+"""Both LoRA backends over the one pool against the adapters' own A/B rows, on the same tokens."""
 from __future__ import annotations
 
 import pytest
 import torch
 from compute_helpers import random_adapter
 
-from compute_service.adapter_cache.paged_backend import PagedLoraBackend
+from compute_service.adapter_cache.backends import lora_backend_for
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
-from compute_service.engine.lora_slots import InMemoryAdapterSlots
-from compute_service.engine.lora_torch import TorchLoraBackend
 from compute_service.engine.spec import ModelSpec
 
 SPEC = ModelSpec(architecture="llama", num_layers=2, hidden_size=96, num_heads=6, num_kv_heads=2, head_dim=16,
                  intermediate_size=160, vocab_size=50, rms_norm_eps=1e-5, rope_theta=1e4,
                  max_position_embeddings=64, tie_word_embeddings=True)
-GROUPS = {"qkv": [96, 32, 32], "o": [96], "gate_up": [160, 160], "down": [96]}
+GROUPS = {"qkv": ([96, 32, 32], (1, 2, 3)), "o": ([96], (4,)), "gate_up": ([160, 160], (5, 7)), "down": ([96], (6,))}
 IN = {"qkv": 96, "o": 96, "gate_up": 96, "down": 160}
 
 
-@pytest.mark.parametrize("device,dtype,tol", [
-    ("cpu", torch.float32, 1e-5),
-    pytest.param("cuda", torch.float32, 5e-3, marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.bfloat16, 3e-2, marks=pytest.mark.gpu),
+def expected_delta(adapter, layer: int, module_ids, widths, x: torch.Tensor) -> torch.Tensor:
+    """x @ A.T @ B.T of every slice, from the converted rows (a fused qkv row split by output rows)."""
+    out = torch.zeros(x.shape[0], sum(widths), dtype=torch.float64)
+    starts = dict(zip(module_ids, [sum(widths[:i]) for i in range(len(widths))]))
+    for row in adapter.rows():
+        if row.layer_idx != layer:
+            continue
+        parts = zip((1, 2, 3), row.b.split([SPEC.q_size, SPEC.kv_size, SPEC.kv_size])) if row.module_id == 0 \
+            else [(row.module_id, row.b)]
+        for mid, b in parts:
+            if mid in starts:
+                c0 = starts[mid]
+                out[:, c0: c0 + b.shape[0]] += x.double() @ row.a.double().T @ b.double().T
+    return out
+
+
+@pytest.mark.parametrize("kind,device,dtype,tol", [
+    ("torch", "cpu", torch.float32, 1e-5),
+    ("kernels", "cpu", torch.float32, 1e-5),
+    pytest.param("kernels", "cuda", torch.float32, 5e-3, marks=pytest.mark.gpu),
+    pytest.param("kernels", "cuda", torch.bfloat16, 3e-2, marks=pytest.mark.gpu),
+    pytest.param("torch", "cuda", torch.bfloat16, 3e-2, marks=pytest.mark.gpu),
 ])
-def test_paged_backend_equals_torch_backend(device, dtype, tol):
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
+def test_backend_equals_adapter_rows(kind, device, dtype, tol, layout):
     gen = torch.Generator().manual_seed(int(torch.seed() % 2**31))
     dev = torch.device(device)
-    paged = PagedAdapterSlots(SPEC, 64, dev, dtype)
-    paged.allocate(4 << 20, optimal_adapter_size=4)
-    dense = InMemoryAdapterSlots(SPEC, 8, 64, dev, dtype)
+    slots = PagedAdapterSlots(SPEC, 64, dev, dtype)
+    slots.allocate(4 << 20, optimal_adapter_size=4)
+    backend = lora_backend_for(slots, 64, kind)
+    backend.allocate()
     # Mixed ranks and partial module sets; loads interleaved with an eviction so slots and pages get reused.
     specs = [(8, (1, 2, 3, 4, 5, 6, 7)), (64, (1, 3, 6)), (1, (0, 5, 7)), (17, (1, 2, 3, 4, 5, 6, 7))]
+    adapters = []
     for i, (rank, mods) in enumerate(specs):
-        a = random_adapter(SPEC, rank, seed=int(torch.randint(0, 10**6, (1,), generator=gen)), modules=mods,
-                           scale=1.0)
-        paged.load(f"a{i}", a)
-        dense.load(f"a{i}", a)
+        adapters.append(random_adapter(SPEC, rank, seed=int(torch.randint(0, 10**6, (1,), generator=gen)),
+                                       modules=mods, scale=1.0, dtype=dtype))
+        slots.load(f"a{i}", adapters[-1])
         if i == 1:
-            paged.load("tmp", random_adapter(SPEC, 4, seed=5))
-            assert paged.evict("tmp")
+            slots.load("tmp", random_adapter(SPEC, 4, seed=5))
+            assert slots.evict("tmp")
     T = 37
-    choices = torch.tensor([-1] + [paged.slot_of(f"a{i}") for i in range(4)])
-    keys = torch.randint(0, 5, (T,), generator=gen)
-    paged_ids = choices[keys].to(torch.int32)
-    dense_ids = torch.tensor([-1] + [dense.slot_of(f"a{i}") for i in range(4)])[keys].to(torch.int32)
-    # Tokens of one adapter are contiguous in the engine's batch, but the backends must not rely on it.
-    pb, tb = PagedLoraBackend(paged, 64), TorchLoraBackend(dense)
-    pb.prepare(paged_ids)
-    tb.prepare(dense_ids)
+    keys = torch.randint(0, 5, (T,), generator=gen)          # 0 = no adapter, i + 1 = adapters[i]
+    if layout == "runs":                                      # the engine's usual batch: runs of one adapter
+        keys = keys.sort().values
+    choices = torch.tensor([-1] + [slots.slot_of(f"a{i}") for i in range(4)])
+    backend.prepare(choices[keys].to(torch.int32))
     for layer in range(SPEC.num_layers):
-        for group, outs in GROUPS.items():
-            x = torch.randn(T, IN[group], generator=gen).to(dev, dtype)
-            base = torch.randn(T, sum(outs), generator=gen).to(dev, dtype)
-            got, want = base.clone(), base.clone()
-            pb.apply(layer, group, x, list(got.split(outs, dim=1)))
-            tb.apply(layer, group, x, list(want.split(outs, dim=1)))
-            scale = (want - base).float().abs().max().item()
+        for group, (outs, mids) in GROUPS.items():
+            x = torch.randn(T, IN[group], generator=gen).to(dtype)
+            base = torch.randn(T, sum(outs), generator=gen).to(dtype)
+            want = base.double()
+            for i, a in enumerate(adapters):
+                rows = keys == i + 1
+                want[rows] += expected_delta(a, layer, mids, outs, x[rows].float())
+            got = base.clone().to(dev)
+            backend.apply(layer, group, x.to(dev), list(got.split(outs, dim=1)))
+            got = got.cpu().double()
+            scale = (want - base.double()).abs().max().item()
             assert scale > 0.1, "adapters must change the output"
-            err = (got.float() - want.float()).abs().max().item()
+            err = (got - want).abs().max().item()
             assert err <= tol * max(1.0, scale), f"layer {layer} {group}: max err {err} (delta scale {scale})"
             untouched = keys == 0
-            assert torch.equal(got[untouched.to(dev)], base[untouched.to(dev)]), "tokens without adapter changed"
+            assert torch.equal(got[untouched], base[untouched].double()), "tokens without adapter changed"
 
 
 def test_nan_or_misshaped_adapter_refused_naming_the_problem():

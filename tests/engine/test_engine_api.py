@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from compute_service.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
-from compute_service.engine.lora_slots import InMemoryAdapterSlots
-from compute_service.engine.lora_torch import TorchLoraBackend
 from helpers import TINY_DIMS, add_peft_adapters, peft_adapter_to_converted
 
 V = TINY_DIMS["vocab_size"]
@@ -95,26 +93,14 @@ def test_stop_token_ids_and_stop_strings(engine):
     assert deltas[-1].finish_reason == "stop" and got == free[: text.index(stop) + len(stop)]
 
 
-class SlowSlots(InMemoryAdapterSlots):
-    """Slots whose adapters become ready only when the test says so (an async load in flight)."""
-
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.loading: set[str] = set()
-
-    def is_ready(self, key: str) -> bool:
-        return super().is_ready(key) and key not in self.loading
-
-
 def test_request_waits_for_its_adapter_and_pins_it(tiny_models):
     model, folder = tiny_models["llama"]
     peft_model = add_peft_adapters(copy.deepcopy(model), {"x": dict(r=4, target_modules=["q_proj", "down_proj"])})
-    cfg = EngineConfig(model=str(folder), block_size=4)
-    probe = LLMEngine(cfg)
-    slots = SlowSlots(probe.spec, 2, 16, torch.device("cpu"), torch.float32)
-    engine = LLMEngine(cfg, loaded=probe.loaded, slots=slots, lora_backend=TorchLoraBackend(slots))
-    engine.add_adapter("x", peft_adapter_to_converted(peft_model, "x"))
-    slots.loading.add("x")
+    engine = LLMEngine(EngineConfig(model=str(folder), block_size=4, max_loras=2))
+    slots = engine.slots
+    # An asynchronous load in flight: staged and queued, not copied into the pool until the test pumps it.
+    slots.add_staged("x", slots.stage_adapter("x", peft_adapter_to_converted(peft_model, "x")))
+    slots.prefetch("x")
     engine.add_request("cold", prompt(5, 5), GREEDY, adapter_key="x")
     engine.add_request("base", prompt(5, 6), GREEDY)
     for _ in range(3):
@@ -122,7 +108,8 @@ def test_request_waits_for_its_adapter_and_pins_it(tiny_models):
     stats = engine.stats()
     assert stats.waiting_per_adapter == {"x": 1} and stats.running_per_adapter == {"": 1}
     assert slots.pin_count("x") == 0
-    slots.loading.clear()
+    slots.pump()
+    slots.wait_loads()
     engine.step()
     assert engine.stats().running_per_adapter == {"": 1, "x": 1} and slots.pin_count("x") == 1
     assert not slots.evict("x")                 # pinned adapters stay
