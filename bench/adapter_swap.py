@@ -2,10 +2,11 @@
 
 Model: a random Llama-3-8B-shaped decoder (bf16, built on the GPU; no download).
 Adapters: 8B-shaped, every module (q k v o gate up down) of every layer, rank 16
-and 64 alternating (84 MB and 335 MB of rows). Each load goes the service's
-path: fetch (from host memory) -> validate and pack into pinned host pages in
-a worker thread -> host-to-device copies on a side stream -> resident at the
-next step boundary. Loads are issued as prefetches so the batch's own work
+and 64 alternating (84 MB and 335 MB of factors, 132 MB and 528 MB of padded
+rows). Each load goes the service's path: fetch (from host memory) ->
+structural checks, the factors (not the padding) gathered by a few threads
+into a ring of pinned buffers, each copied to the device on a side stream as
+the next fills -> packed into pool pages -> resident at the next step boundary. Loads are issued as prefetches so the batch's own work
 is unchanged and any slowdown is the loads' doing.
 
 Reports: pinned and pageable host-to-device bandwidth; per adapter its load
@@ -163,7 +164,7 @@ def load_record(task_id: int, rank: int, tm, t0: float) -> dict:
 
 
 async def isolated_loads(rt, adapters_by_rank: dict[int, int], mode: str) -> list[dict]:
-    """Loads with no batch running: the pipeline's own latency (pinned ring, registered or pageable memory)."""
+    """Loads with no batch running: the pipeline's own latency (pinned ring or pageable memory)."""
     rt.slots.upload_mode = mode
     out = []
     for rank, task_id in adapters_by_rank.items():
@@ -236,7 +237,7 @@ def main() -> None:
         try:
             await rt.runner.prefetch(1, "")
             await decode_phase(rt, args.batch, 40, spec.vocab_size, 1, None, 0)   # compile, warm up
-            for mode in ("ring", "register", "pageable"):
+            for mode in ("ring", "pageable"):
                 result[f"isolated_loads_{mode}"] = await isolated_loads(rt, {16: 1000, 64: 1001}, mode)
             # Python's default thread switch interval, then the service's default (ComputeConfig).
             for label, interval in [("service", cfg.gil_switch_interval_us / 1e6)] + \
@@ -259,7 +260,7 @@ def main() -> None:
     main_run = result["switch_interval_service"]
     result["quiet"], result["storm"], result["loads"] = main_run["quiet"], main_run["storm"], main_run["loads"]
     all_loads = result["loads"] + result.get("switch_interval_py_default", {}).get("loads", []) + [
-        ld for mode in ("ring", "register", "pageable") for ld in result.get(f"isolated_loads_{mode}", [])]
+        ld for mode in ("ring", "pageable") for ld in result.get(f"isolated_loads_{mode}", [])]
     for ld in all_loads:
         if pinned:
             ld["pinned_copy_ideal_ms"] = ld["bytes"] / (pinned * 1e9) * 1e3

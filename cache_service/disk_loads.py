@@ -24,6 +24,16 @@ def _claim_for_rows(rows: PeftRows, task_id: int, name: str, source: str) -> Upl
                        original_format="peft", extra=dict(rows.metadata.extra))
 
 
+def _fill(rows: PeftRows, upload: Upload) -> AdapterError | None:
+    """Writes the rows into the upload's buffer; the refusal, if any, holds no frame (and so no view
+    of the buffer), so the segment can be unmapped at once."""
+    try:
+        rows.fill(upload.weights_view(), check_finite=True)
+    except AdapterError as exc:
+        return exc.with_traceback(None)
+    return None
+
+
 def upload_from_disk(path: Path, task_id: int, *, name: str, source: str,
                      begin: Callable[[UploadClaim], Upload]) -> Upload:
     """An upload holding the adapter at `path`, ready to finish; `begin` opens it in the cache."""
@@ -32,10 +42,13 @@ def upload_from_disk(path: Path, task_id: int, *, name: str, source: str,
             rows = plan_peft(path)
             upload = begin(_claim_for_rows(rows, task_id, name, source))
             try:
-                rows.fill(upload.weights_view(), check_finite=True)
+                refused = _fill(rows, upload)
             except BaseException:
                 upload.abort()
                 raise
+            if refused is not None:
+                upload.abort()
+                raise refused
             upload.mark_filled(values_checked=True)
             return upload
         adapter = load_adapter(path).with_metadata(source=source)

@@ -10,13 +10,14 @@ the machine. Every service computes it with this one function.
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 CHUNK_BYTES = 8 << 20
-HASH_WORKERS = 4
+HASH_WORKERS = min(8, os.cpu_count() or 1)
 
 
 def _digest(chunk: memoryview) -> bytes:

@@ -16,6 +16,7 @@ pass zero-filled memory (a fresh shared-memory segment, `torch.zeros`).
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from loraplex.formats.peft_config import PeftLoraConfig, read_peft_config
 from loraplex.formats.peft_tensors import group_factors, load_state_dict
 from loraplex.formats.tensors import STORAGE_DTYPES, storage_dtype
 
-FILL_WORKERS = 4
+FILL_WORKERS = min(8, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,60 @@
+"""PEFT folders from the adapter root are converted straight into their shared-memory segment."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from loraplex import errors
+from loraplex.formats import read_peft, validate
+from cache_service.host_cache import HostCache
+from cache_service.shm_backend import ShmBackend
+
+PROJ = {"q_proj": ("self_attn", 64, 64), "v_proj": ("self_attn", 64, 32), "up_proj": ("mlp", 64, 96),
+        "down_proj": ("mlp", 96, 64)}
+
+
+def write_adapter(folder, seed, dtype=torch.bfloat16, rank=8):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for proj, (block, fin, fout) in PROJ.items():
+            key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=gen) * 0.1).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=gen) * 0.1).to(dtype)
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(PROJ)}))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return tensors
+
+
+@pytest.fixture
+def cache(tmp_path, tiny_model):
+    backend = ShmBackend(64 << 20)
+    yield HostCache(backend, tiny_model[1], max_lora_rank=64, lora_root=str(tmp_path))
+    backend.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_named_peft_lands_as_read_peft_would_convert_it(cache, tmp_path, tiny_model, dtype):
+    write_adapter(tmp_path / "good", seed=1, dtype=dtype)
+    task_id, version = cache.resolve_name("good")
+    ref = validate(read_peft(tmp_path / "good"), tiny_model[1], 64)
+    assert version == ref.content_hash
+    with cache.get(task_id) as reader:
+        got = torch.frombuffer(bytearray(b"".join(bytes(c) for c in reader.chunks(1 << 20))), dtype=dtype)
+        assert torch.equal(got.view(ref.weights.shape), ref.weights)
+        assert reader.record.in_out == ref.in_out and reader.record.original_format == "peft"
+
+
+def test_non_finite_factor_is_refused_naming_its_row_and_leaves_no_segment(cache, tmp_path):
+    tensors = write_adapter(tmp_path / "bad", seed=2)
+    key = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    tensors[key][3, 1] = float("nan")
+    save_file(tensors, str(tmp_path / "bad" / "adapter_model.safetensors"))
+    with pytest.raises(errors.InvalidArgumentError, match="row 5: nan at column 537"):
+        cache.resolve_name("bad")
+    assert cache.backend.segment_names() == [] and cache.backend.stats().num_adapters == 0
