@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from adapter_swap import h2d_gbps  # noqa: E402
 from cold_adapter_stages import SHAPES, write_peft  # noqa: E402
 from compute_service.adapter_cache.loader import adapter_key  # noqa: E402
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots  # noqa: E402
@@ -53,20 +54,6 @@ def engine_spec(cfg: dict) -> EngineSpec:
                       head_dim=cfg["head_dim"], intermediate_size=cfg["intermediate_size"],
                       vocab_size=cfg["vocab_size"], rms_norm_eps=1e-5, rope_theta=1e5,
                       max_position_embeddings=2048, tie_word_embeddings=True, eos_token_ids=(), name="bench")
-
-
-def h2d_pinned_gbps(num_bytes: int, device: torch.device) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).fill_(1)
-    dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return num_bytes / best / 1e9
 
 
 async def one_load(client: CacheClient, slots: PagedAdapterSlots, name: str) -> dict:
@@ -159,7 +146,7 @@ def main() -> None:
                         commit=args.commit, torch=torch.__version__,
                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     if cuda:
-        result["h2d_pinned_gbps"] = h2d_pinned_gbps(256 << 20, device)
+        result["h2d_pinned_gbps"] = h2d_gbps(256 << 20, True, device)
     result["shapes"] = [run_shape(s, args.rank, args.num_cold, device, int(args.pool_gib * 2**30))
                         for s in args.shapes.split(",")]
     for s in result["shapes"]:
