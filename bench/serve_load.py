@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from serve_load_client import ClientPool, Request  # noqa: E402
+from serve_load_proc import ServeProcess  # noqa: E402
 from serve_load_setup import SHAPES, make_prompts, make_random_model, write_adapters  # noqa: E402
 from serve_load_stats import plot, ratios, summarize  # noqa: E402
 
@@ -86,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="serve and run the engine on the CPU")
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU: checks the script")
     ap.add_argument("--skip-engine", action="store_true", help="served figures only")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the model (--make-random-model) and the adapters (--lora-root), then stop")
+    ap.add_argument("--plot-only", type=Path, metavar="JSON", help="re-plot a results JSON into --plot")
     ap.add_argument("--commit", default="", help="commit to record (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
     mode = "smoke" if args.smoke else "cpu" if args.cpu else "gpu"
@@ -127,7 +131,7 @@ def serve_argv(args: argparse.Namespace, model: str, lora_root: Path) -> list[st
     compute = (f"--max-num-seqs {max(args.concurrency)} --max-num-batched-tokens {args.max_num_batched_tokens} "
                + (f"--lora-gpu-cache-bytes {args.lora_gpu_cache_bytes} " if args.lora_gpu_cache_bytes else "")
                + args.compute_flags)
-    return (["serve", "--listen", "127.0.0.1:0", "--lora-root", str(lora_root), "--device", args.device,
+    return (["--lora-root", str(lora_root), "--device", args.device,
              "--max-model-len", str(args.max_model_len), "--max-lora-rank", str(max(args.ranks)),
              "--host-cache-bytes", str(args.host_cache_bytes), "--compute-flags", compute]
             + (["--model", model] if model else []) + shlex.split(args.serve_flags))
@@ -136,15 +140,12 @@ def serve_argv(args: argparse.Namespace, model: str, lora_root: Path) -> list[st
 def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: list[str], res: dict,
                save) -> list[list[int]]:
     """Starts `loraplex serve`, runs every served case, stops it; returns the prompts it used."""
-    from loraplex.cli.serve import child_env
     from loraplex.client import Client
-    from loraplex.procs import start_service
 
-    t = time.perf_counter()
-    svc = start_service("serve", serve_argv(args, model, lora_root), timeout_s=args.startup_timeout, env=child_env())
+    svc = ServeProcess(serve_argv(args, model, lora_root), args.startup_timeout)
     pool = None
     try:
-        res["served_start_s"] = time.perf_counter() - t
+        res["served_start_s"] = svc.start_s
         with Client(svc.address, timeout=600) as client:
             info = client.model_info()
         res["model_info"] = dict(name=info.model_name, vocab_size=info.vocab_size, num_layers=info.num_layers,
@@ -177,7 +178,7 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
             pool.close()
         res["served_exit_code"] = svc.stop(60)
         if res["served_exit_code"] != 0:
-            print("".join(svc.lines[-60:]), file=sys.stderr)
+            print(svc.tail(), file=sys.stderr)
 
 
 def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc: int, arrival: str,
@@ -261,6 +262,10 @@ def environment(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.plot_only:
+        res = json.loads(args.plot_only.read_text())
+        plot(res, args.plot or args.plot_only.with_suffix(".png"))
+        return res
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="serve-load-"))
     model = args.model
@@ -273,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
         model = str(args.make_random_model)
     lora_root = args.lora_root or tmp / "adapters"
     ranks = write_adapters(lora_root, model, args.num_adapters, args.ranks) if args.num_adapters else {}
+    if args.prepare_only:
+        print(f"model {model or 'default'}, {len(ranks)} adapters under {lora_root}: {time.perf_counter() - t_start:.0f}s")
+        return {}
     res: dict = dict(environment(args), commit=args.commit or git_commit(),
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      model=model or "SmolLM2-135M-Instruct (default)", adapters=ranks,

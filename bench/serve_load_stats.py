@@ -99,10 +99,12 @@ def plot(res: dict, out: Path) -> bool:
         pts = sorted((int(c), r.get("output_tok_per_s")) for c, r in eng.items() if r.get("output_tok_per_s"))
         if pts:
             ax1.plot(*zip(*pts), ":s", color=color, label=f"engine, {workload}")
-        for pct, style in (("p50", "-o"), ("p99", "--^")):
-            pts = sorted((int(c), r["itl_ms"][pct]) for c, r in served.items() if r.get("itl_ms", {}).get(pct))
-            if pts:
-                ax2.plot(*zip(*pts), style, color=color, label=f"served ITL {pct}, {workload}")
+        for side, figs, mark in (("served", served, "o"), ("engine", eng, "s")):
+            for pct, style in (("p50", "-"), ("p99", "--")):
+                pts = sorted((int(c), r["itl_ms"][pct]) for c, r in figs.items() if r.get("itl_ms", {}).get(pct))
+                if pts:
+                    ax2.plot(*zip(*pts), style + mark, color=color, alpha=1.0 if side == "served" else 0.45,
+                             label=f"{side} ITL {pct}, {workload}")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
