@@ -22,14 +22,14 @@ if TYPE_CHECKING:
 
 
 @functools.cache
-def _to_torch() -> dict[int, "torch.dtype"]:
+def _to_torch() -> dict[common_pb2.DType, "torch.dtype"]:
     import torch
     return {common_pb2.FLOAT32: torch.float32, common_pb2.FLOAT16: torch.float16,
             common_pb2.BFLOAT16: torch.bfloat16, common_pb2.INT32: torch.int32, common_pb2.INT64: torch.int64}
 
 
 @functools.cache
-def _from_torch() -> dict["torch.dtype", int]:
+def _from_torch() -> dict["torch.dtype", common_pb2.DType]:
     return {v: k for k, v in _to_torch().items()}
 
 
