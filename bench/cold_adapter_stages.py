@@ -4,14 +4,16 @@ Builds a PEFT folder for a model shape (SmolLM2-135M by default, or the
 Llama-3-8B shape) in a temporary adapter root, then times each stage of the
 path a never-seen named adapter takes through loraplex:
 
-cache side:   signature of the files -> read + convert (PEFT -> rows) -> copy
-              into a shared-memory segment -> validate -> hash -> commit
-compute side: map the segment -> structural checks -> upload to the device
-              (pinned ring, side stream) -> pack into pool pages
+signature of the files -> plan from the headers -> convert each row straight
+into a shared-memory segment (rows checked as written) -> structural checks ->
+hash -> commit (the compute side's stages are in bench/cold_adapter.py).
 
-Each stage is timed alone (best of `--repeat`), and the whole `HostCache`
-put through its public API; the floor is the file's bytes read once from the
-page cache plus one host-to-device copy.
+Each stage of the host cache's put is timed alone (best of `--repeat`):
+planning from the headers, the one-pass fill into a fresh shared-memory
+segment with 1..16 threads (and into memory already touched, which shows what
+page faults cost), the version hash reading or skipping the padding; then the
+whole `HostCache` put through its public API, with the file's pages mapped
+lazily or populated up front. The floor is one read of the file's bytes.
 
     python bench/cold_adapter_stages.py [--shape smollm2|llama3-8b] [--rank 64] [--dtype bfloat16]
 """
@@ -32,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cache_service import sources as disk  # noqa: E402
 from cache_service.host_cache import HostCache  # noqa: E402
 from cache_service.shm_backend import ShmBackend  # noqa: E402
-from cache_service.uploads import claim_for, weight_bytes  # noqa: E402
-from loraplex.formats import ModelSpec, load_adapter  # noqa: E402
+from cache_service.shm_segments import OwnedSegment, new_instance_tag  # noqa: E402
+from loraplex.formats import ModelSpec, mapped  # noqa: E402
+from loraplex.formats.hashing import weights_version  # noqa: E402
+from loraplex.formats.peft_rows import FILL_WORKERS, plan_peft  # noqa: E402
 from loraplex.formats.modules import module_shape  # noqa: E402
 
 SHAPES = {
@@ -75,6 +79,53 @@ def best_ms(fn, repeat: int) -> tuple[float, object]:
     return best, out
 
 
+def read_into(path: Path, buf: bytearray) -> int:
+    with path.open("rb") as f:
+        return f.readinto(buf)
+
+
+def fresh_segment_fill(rows, workers: int) -> float:
+    """Fills a new shared-memory segment (fresh pages, as a put does); returns milliseconds."""
+    seg = OwnedSegment(new_instance_tag(), rows.num_bytes)
+    try:
+        out = torch.frombuffer(seg.data, dtype=rows.dtype).view(rows.shape)
+        t = time.perf_counter()
+        rows.fill(out, check_finite=True, workers=workers)
+        ms = (time.perf_counter() - t) * 1e3
+        del out
+    finally:
+        seg.retire()
+    return ms
+
+
+def new_path_stages(folder: Path, repeat: int) -> dict[str, float]:
+    """The put path stage by stage: map, fill into a fresh segment, hash (reading or skipping the padding)."""
+    stages: dict[str, float] = {}
+    stages["plan_map_headers"], rows = best_ms(lambda: plan_peft(folder), repeat)
+    for w in sorted({2, 4, FILL_WORKERS, 16}):
+        stages[f"fill_fresh_segment_w{w}"] = min(fresh_segment_fill(plan_peft(folder), w) for _ in range(repeat))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # no intra-op threads inside each worker's row copies
+    for w in sorted({1, 4, FILL_WORKERS}):
+        stages[f"fill_fresh_segment_w{w}_torch_threads1"] = min(fresh_segment_fill(plan_peft(folder), w)
+                                                                for _ in range(repeat))
+    torch.set_num_threads(threads)
+    touched = torch.ones(rows.shape, dtype=rows.dtype)
+    stages["fill_touched_memory"], _ = best_ms(lambda: rows.fill(touched, check_finite=True), repeat)
+    used = [int(r) * (fi + fo) * rows.dtype.itemsize for r, (fi, fo) in zip(rows.config[:, 2], rows.in_out)]
+    seg = OwnedSegment(new_instance_tag(), rows.num_bytes)
+    rows.fill(torch.frombuffer(seg.data, dtype=rows.dtype).view(rows.shape))
+    data = seg.data
+    stages["hash_skip_padding"], _ = best_ms(
+        lambda: weights_version(rows.dtype, rows.config, rows.shape, data, row_used_bytes=used), repeat)
+    stages["hash_read_all"], _ = best_ms(lambda: weights_version(rows.dtype, rows.config, rows.shape, data), repeat)
+    stages["hash_read_all_1_thread"], _ = best_ms(
+        lambda: weights_version(rows.dtype, rows.config, rows.shape, data, workers=1), 1)
+    data.release()
+    seg.retire()
+    return stages
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -92,26 +143,26 @@ def main() -> None:
         raw = (folder / "adapter_model.safetensors")
         stages: dict[str, float] = {}
         stages["read_file_bytes"], _ = best_ms(lambda: raw.read_bytes(), args.repeat)
+        buf = bytearray(raw.stat().st_size)
+        stages["read_file_into_touched_buffer"], _ = best_ms(lambda: read_into(raw, buf), args.repeat)
+        del buf
         stages["signature"], _ = best_ms(lambda: disk.signature(folder), args.repeat)
-        stages["convert"], adapter = best_ms(lambda: load_adapter(folder), args.repeat)
-        result["converted_bytes"] = adapter.num_bytes
+        stages.update(new_path_stages(folder, args.repeat))
+        result["converted_bytes"] = plan_peft(folder).num_bytes
         backend = ShmBackend(8 << 30)
         cache = HostCache(backend, spec, max_lora_rank=max(64, args.rank), lora_root=str(root))
-        upload = cache.begin_upload(claim_for(adapter, 7, name="cold"))
-        stages["copy_into_shm"], _ = best_ms(lambda: upload.write(weight_bytes(adapter)) or
-                                             setattr(upload, "received", 0), args.repeat)
-        upload.received = adapter.num_bytes
-        stages["validate_and_hash"], record = best_ms(upload.finish, args.repeat)
-        upload.abort()
-        for i in range(args.repeat + 1):
-            backend.evict(disk.task_id_for_name("cold"))
-            t = time.perf_counter()
-            cache.resolve_name("cold", "always")
-            if i:
-                stages["host_cache_put_total"] = min(stages.get("host_cache_put_total", 1e9),
-                                                     (time.perf_counter() - t) * 1e3)
-        result["stages_ms"] = stages
+        for populate in (False, True):
+            mapped.POPULATE = populate
+            label = "host_cache_put_total" + ("_populate" if populate else "")
+            for i in range(args.repeat + 1):
+                backend.evict(disk.task_id_for_name("cold"))
+                t = time.perf_counter()
+                cache.resolve_name("cold", "always")
+                if i:
+                    stages[label] = min(stages.get(label, 1e9), (time.perf_counter() - t) * 1e3)
+        mapped.POPULATE = False
         backend.close()
+        result["stages_ms"] = stages
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

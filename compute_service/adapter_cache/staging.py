@@ -39,7 +39,8 @@ from compute_service.engine.spec import ModelSpec
 from kernels import LoraRowTables, rows_per_page
 from loraplex.formats.adapter import Adapter
 
-COPY_THREADS = 4      # host copies into the ring: memory-bound, one thread moves ~5-10 GB/s
+COPY_THREADS = 4      # host copies into the ring: one thread moves ~5-10 GB/s out of freshly mapped shm
+RING_BUFFER_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ class _Gather:
 class PinnedRing:
     """`num_buffers` pinned host buffers of `buffer_bytes`, reused by every upload (one upload at a time)."""
 
-    def __init__(self, buffer_bytes: int = 32 << 20, num_buffers: int = 2, copy_threads: int = COPY_THREADS) -> None:
+    def __init__(self, buffer_bytes: int = RING_BUFFER_BYTES, num_buffers: int = 2,
+                 copy_threads: int = COPY_THREADS) -> None:
         self.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_buffers)]
         self.events: list[torch.cuda.Event | None] = [None] * num_buffers
         self._lock = threading.Lock()
@@ -190,8 +192,11 @@ def upload(adapter: Adapter, num_pages: int, device: torch.device, stream: "torc
         used = "pageable"
     flat = dev.view(w.dtype)
     with torch.cuda.stream(stream):
+        # One reduction pass and two scalars (the smallest and largest value are NaN/Inf iff some value
+        # is), not an isfinite mask as large as the adapter.
+        lo, hi = torch.aminmax(flat)
         finite_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        finite_host.copy_(torch.isfinite(flat).all(), non_blocking=True)
+        finite_host.copy_(torch.isfinite(lo) & torch.isfinite(hi), non_blocking=True)
         done = torch.cuda.Event(enable_timing=True)
         done.record(stream)
     return Uploaded(adapter, _device_groups(flat, groups, w.dtype), num_pages, gather.num_bytes, finite_host, done,

@@ -6,42 +6,67 @@ are hashed in parallel (hashlib releases the GIL on large buffers), so a
 hundreds-of-megabytes adapter costs a fraction of one core's sha256 pass; the
 chunk size is fixed, so the version does not depend on the thread count or
 the machine. Every service computes it with this one function.
+
+A caller that knows each row's padding is zero without looking (a converter
+that wrote only the factors into zero-filled shared memory) passes the used
+bytes per row: the padding is then hashed from a zero buffer instead of being
+read, so its never-touched pages are never faulted in. The digest is the same.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 CHUNK_BYTES = 8 << 20
 HASH_WORKERS = min(8, os.cpu_count() or 1)
+_ZEROS = bytes(1 << 20)
 
 
-def _digest(chunk: memoryview) -> bytes:
-    return hashlib.sha256(chunk).digest()
+def _digest(flat: memoryview, begin: int, end: int, row_bytes: int, used: Sequence[int] | None) -> bytes:
+    """sha256 of flat[begin:end], reading only each row's first `used[r]` bytes when `used` is given."""
+    if used is None:
+        return hashlib.sha256(flat[begin:end]).digest()
+    h = hashlib.sha256()
+    for row in range(begin // row_bytes, -(-end // row_bytes)):
+        start = row * row_bytes
+        data_end = start + used[row]
+        a, b = max(begin, start), min(end, data_end)
+        if a < b:
+            h.update(flat[a:b])
+        a, b = max(begin, data_end), min(end, start + row_bytes)
+        while a < b:
+            n = min(b - a, len(_ZEROS))
+            h.update(_ZEROS[:n])
+            a += n
+    return h.digest()
 
 
 def weights_version(dtype: Any, config: np.ndarray, shape: tuple[int, ...], data: Any,
-                    workers: int = HASH_WORKERS) -> str:
-    """First 16 hex digits of the hash of (`dtype`, `config`, `shape`, the bytes of `data`)."""
+                    workers: int = HASH_WORKERS, row_used_bytes: Sequence[int] | None = None) -> str:
+    """First 16 hex digits of the hash of (`dtype`, `config`, `shape`, the bytes of `data`).
+
+    `row_used_bytes`: per row of `shape[0]` rows, how many leading bytes may be non-zero; the rest
+    of each row must be zero and is not read.
+    """
     h = hashlib.sha256(b"loraplex-rows-v2\0")
     h.update(str(dtype).encode())
     h.update(np.asarray(config.shape, dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(config, dtype=np.int32).tobytes())
     h.update(np.asarray(shape, dtype=np.int64).tobytes())
     flat = memoryview(data).cast("B")
-    chunks = [flat[i: i + CHUNK_BYTES] for i in range(0, len(flat), CHUNK_BYTES)]
-    if len(chunks) > 1 and workers > 1:
-        with ThreadPoolExecutor(min(workers, len(chunks)), thread_name_prefix="hash") as pool:
-            digests = list(pool.map(_digest, chunks))
+    total = len(flat)
+    row_bytes = total // max(1, int(shape[0])) if row_used_bytes is not None else 0
+    spans = [(i, min(total, i + CHUNK_BYTES)) for i in range(0, total, CHUNK_BYTES)]
+    if len(spans) > 1 and workers > 1:
+        with ThreadPoolExecutor(min(workers, len(spans)), thread_name_prefix="hash") as pool:
+            digests = list(pool.map(lambda s: _digest(flat, s[0], s[1], row_bytes, row_used_bytes), spans))
     else:
-        digests = [_digest(c) for c in chunks]
+        digests = [_digest(flat, a, b, row_bytes, row_used_bytes) for a, b in spans]
     for d in digests:
         h.update(d)
-    for c in chunks:
-        c.release()
     flat.release()
     return h.hexdigest()[:16]

@@ -6,7 +6,7 @@ the converted `config`, row shapes and `[N, W]` size before any value moves.
 `PeftRows.fill` then writes each row once: A cast to the storage dtype, then
 `B * scale` (the converters' arithmetic: scale in the source dtype, then the
 storage cast), with `gate_up_proj`'s two halves of B swapped. Rows are written
-by a few threads (torch copies release the GIL), so a host cache can convert
+by a few threads (numpy releases the GIL; see `row_math`), so a host cache can convert
 into its shared-memory segment directly: the file's bytes are read once and
 the segment's written once, with no intermediate tensor.
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loraplex.formats import row_math
 from loraplex.formats.adapter import Adapter, AdapterMetadata
 from loraplex.formats.errors import AdapterFormatError, DtypeError, NonFiniteError
 from loraplex.formats.modules import HF_TO_MODULE_ID
@@ -96,19 +97,20 @@ def _write_row(row: torch.Tensor, src: _Source, check_finite: bool) -> bool:
     a, b = src.a, src.b
     rank, fin = a.shape
     fout = b.shape[0]
-    row[: rank * fin].view(rank, fin).copy_(a)
+    dst_a = row[: rank * fin].view(rank, fin)
+    if a.dtype == row.dtype:
+        row_math.copy_into(a, dst_a)
+    else:
+        dst_a.copy_(a)
     dst = row[rank * fin: rank * (fin + fout)].view(fout, rank)
     half = fout // 2
     parts = ((b[half:], dst[: fout - half]), (b[:half], dst[fout - half:])) if src.swap_b_halves else ((b, dst),)
     for b_part, dst_part in parts:
         if b.dtype == row.dtype:
-            torch.mul(b_part, src.scale, out=dst_part)
-        else:
+            row_math.scale_into(b_part, src.scale, dst_part)
+        else:   # the converters' order: scale in the factor's dtype, then the storage cast
             dst_part.copy_(b_part * src.scale)
-    if not check_finite:
-        return True
-    lo, hi = torch.aminmax(row[: rank * (fin + fout)])
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return not check_finite or row_math.all_finite(row[: rank * (fin + fout)])
 
 
 def _check_pair(path: str, a: torch.Tensor, b: torch.Tensor, cfg: PeftLoraConfig) -> int:

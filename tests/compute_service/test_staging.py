@@ -84,3 +84,13 @@ def test_ring_upload_lands_every_byte(buffer_bytes, threads):
         fin, fout = g.in_out
         want = adapter.weights[torch.from_numpy(g.row_ids), : g.rank * (fin + fout)]
         assert torch.equal(g.rows.cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_ring_upload_flags_non_finite_factors(bad):
+    adapter = mixed_adapter(6)
+    adapter.weights[7, 3] = bad
+    up = upload(adapter, 1, torch.device("cuda"), torch.cuda.Stream(), PinnedRing(1 << 20, copy_threads=2))
+    up.event.synchronize()
+    assert not bool(up.finite_host)

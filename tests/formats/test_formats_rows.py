@@ -77,3 +77,17 @@ def test_version_does_not_depend_on_threads_and_sees_every_byte():
         changed[where] ^= 1
         assert weights_version(torch.bfloat16, config, (1, data.size // 2), changed) != v1
     assert weights_version(torch.float16, config, (1, data.size // 2), data) != v1
+
+
+def test_padding_hashed_as_zeros_gives_the_same_version():
+    gen = np.random.default_rng(1)
+    rows, row_bytes = 9, 3 * CHUNK_BYTES // 4 + 6
+    used = gen.integers(1, row_bytes, rows).tolist()
+    data = np.zeros((rows, row_bytes), dtype=np.uint8)
+    for r, u in enumerate(used):
+        data[r, :u] = gen.integers(0, 255, u, dtype=np.uint8)
+    config = np.array([[1, r, 4] for r in range(rows)], dtype=np.int32)
+    full = weights_version(torch.float16, config, (rows, row_bytes // 2), data)
+    assert weights_version(torch.float16, config, (rows, row_bytes // 2), data, row_used_bytes=used) == full
+    assert weights_version(torch.float16, config, (rows, row_bytes // 2), data, row_used_bytes=used,
+                           workers=1) == full
