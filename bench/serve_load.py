@@ -108,10 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = set(args.workloads) - set(WORKLOADS) | set(args.arrivals) - set(ARRIVALS)
     if bad:
         ap.error(f"unknown workload or arrival {sorted(bad)}")
+    if args.num_adapters < 1 and {"shared", "distinct"} & set(args.workloads):
+        ap.error("the shared and distinct workloads need --num-adapters >= 1")
     return args
 
 
-def case_requests(workload: str, conc: int, prompts: list[list[int]], adapters: list[str],
+def case_requests(workload: str, prompts: list[list[int]], adapters: list[str],
                   offsets: list[float]) -> list[Request]:
     """Request i: prompt i, its adapter (none, the first, or adapter i mod the count), arrival offset i."""
     def lora(i: int) -> str | None:
@@ -156,7 +158,7 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
         sampling = dict(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         if adapters and {"shared", "distinct"} & set(args.workloads):
             t = time.perf_counter()
-            warm = case_requests("distinct", len(adapters), prompts, adapters, [0.0] * len(adapters))
+            warm = case_requests("distinct", prompts, adapters, [0.0] * len(adapters))
             summary = summarize(pool.run(warm, len(adapters), dict(sampling, max_tokens=2)))
             res["adapters_warm_s"] = time.perf_counter() - t
             if summary["num_failed"]:
@@ -184,7 +186,7 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
 def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc: int, arrival: str,
                 prompts: list[list[int]], adapters: list[str], sampling: dict, res: dict) -> dict:
     if arrival == "burst":
-        reqs = case_requests(workload, conc, prompts, adapters, [0.0] * conc)
+        reqs = case_requests(workload, prompts, adapters, [0.0] * conc)
         pool.run(reqs, conc, dict(sampling, max_tokens=3))      # warm-up: same batch shapes, few tokens
         return summarize(pool.run(reqs, conc, sampling))
     rate = args.rate
@@ -194,7 +196,7 @@ def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc:
             raise RuntimeError("poisson with --rate 0 needs the burst case of the same workload and concurrency")
         rate = 0.8 * burst["requests_per_s"]
     n = conc * max(1, args.poisson_factor)
-    reqs = case_requests(workload, conc, prompts, adapters, poisson_offsets(n, rate, seed=conc))
+    reqs = case_requests(workload, prompts, adapters, poisson_offsets(n, rate, seed=conc))
     return dict(summarize(pool.run(reqs, conc, sampling)), rate_per_s=rate, max_in_flight=conc)
 
 
@@ -216,7 +218,7 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
     for workload in args.workloads:
         for conc in args.concurrency:
             try:
-                reqs = case_requests(workload, conc, prompts, adapters, [0.0] * conc)
+                reqs = case_requests(workload, prompts, adapters, [0.0] * conc)
                 r = measure(engine, reqs, args.output_len, f"{workload}-{conc}")
                 res["engine"].setdefault(workload, {})[str(conc)] = r
                 print_case("engine", workload, "burst", conc, r)

@@ -64,9 +64,9 @@ def test_ratios_are_one_when_served_matches_the_engine_and_lower_when_slower():
 def test_workloads_assign_adapters_and_poisson_arrivals_grow():
     prompts = [[1, 2], [3, 4]]
     names = ["a000", "a001", "a002"]
-    assert [r.lora for r in case_requests("base", 4, prompts, names, [0.0] * 4)] == [None] * 4
-    assert [r.lora for r in case_requests("shared", 4, prompts, names, [0.0] * 4)] == ["a000"] * 4
-    assert [r.lora for r in case_requests("distinct", 4, prompts, names, [0.0] * 4)] == names + ["a000"]
+    assert [r.lora for r in case_requests("base", prompts, names, [0.0] * 4)] == [None] * 4
+    assert [r.lora for r in case_requests("shared", prompts, names, [0.0] * 4)] == ["a000"] * 4
+    assert [r.lora for r in case_requests("distinct", prompts, names, [0.0] * 4)] == names + ["a000"]
     offs = poisson_offsets(2000, rate=100.0, seed=1)
     assert offs[0] == 0.0 and all(b > a for a, b in zip(offs, offs[1:]))
     assert offs[-1] / len(offs) == pytest.approx(0.01, rel=0.1)   # mean gap 1 / rate
