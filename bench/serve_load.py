@@ -156,11 +156,14 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
                                info.vocab_size)
         pool = ClientPool(svc.address, args.client_procs)
         sampling = dict(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        # The very first request after health, before any warm-up: is it as fast as the later C=1 base case?
+        res["first_request"] = summarize(pool.run(case_requests("base", prompts, adapters, [0.0]), 1, sampling))
         if adapters and {"shared", "distinct"} & set(args.workloads):
             t = time.perf_counter()
             warm = case_requests("distinct", prompts, adapters, [0.0] * len(adapters))
             summary = summarize(pool.run(warm, len(adapters), dict(sampling, max_tokens=2)))
             res["adapters_warm_s"] = time.perf_counter() - t
+            res["adapters_first_use"] = summary    # each adapter's first request, all at once (cold loads)
             if summary["num_failed"]:
                 raise RuntimeError(f"adapter warm-up failed: {summary['errors']}")
         for workload in args.workloads:

@@ -81,6 +81,7 @@ def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path):
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["served_exit_code"] == 0
     assert res["flags"]["output_len"] == 8 and len(res["adapters"]) == 4
+    assert res["first_request"]["output_tokens"] == 8 and res["adapters_first_use"]["num_requests"] == 4
     for workload in ("base", "shared", "distinct"):
         for conc in ("1", "4"):
             served = res["served"][workload]["burst"][conc]
