@@ -18,13 +18,17 @@ SUBCOMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """All subcommands, or just `only`: then the others' modules are not imported (`loraplex generate`
+    does not pay for `convert`'s torch import)."""
     parser = argparse.ArgumentParser(
         prog="loraplex",
         description="A multi-LoRA LLM server: one base model, many adapters, one batch.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
+        if only is not None and name != only:
+            continue
         try:
             module = importlib.import_module(f"loraplex.cli.{name}")
         except ModuleNotFoundError as exc:
@@ -36,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -43,3 +43,14 @@ def test_inline_tensors_do_import_torch_and_travel():
         print("torch" in sys.modules, list(spec.weights.shape), len(spec.weights.data))
     """)
     assert out.split() == ["True", "[2,", "8]", "32"]
+
+
+def test_the_generate_command_by_name_imports_no_torch():
+    out = run_python("""
+        import sys
+        from loraplex.cli.main import main
+        assert main(["generate", "--text", "hi", "--lora-name", "jp", "--dump-json"]) == 0
+        print("torch" in sys.modules)
+    """)
+    assert out.strip().splitlines()[-1] == "False"
+    assert '"name": "jp"' in out
