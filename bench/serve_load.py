@@ -135,7 +135,8 @@ def serve_argv(args: argparse.Namespace, model: str, lora_root: Path) -> list[st
                + args.compute_flags)
     return (["--lora-root", str(lora_root), "--device", args.device,
              "--max-model-len", str(args.max_model_len), "--max-lora-rank", str(max(args.ranks)),
-             "--host-cache-bytes", str(args.host_cache_bytes), "--compute-flags", compute]
+             "--host-cache-bytes", str(args.host_cache_bytes), "--startup-timeout", str(args.startup_timeout),
+             "--compute-flags", compute]
             + (["--model", model] if model else []) + shlex.split(args.serve_flags))
 
 
