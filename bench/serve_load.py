@@ -21,7 +21,9 @@
    figure is computed).
 
     python3 bench/serve_load.py --out bench/results/serve_load.json --plot bench/results/serve_load.png
-    python3 bench/serve_load.py --make-random-model /tmp/llama8b --shape 8b --out /tmp/8b.json
+    python3 bench/serve_load.py --make-random-model /tmp/llama8b --shape 8b --lora-root /tmp/lora8b \
+        --num-adapters 32 --arrivals burst --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 \
+        --out bench/results/serve_load_8b.json --plot bench/results/serve_load_8b.png
     python3 bench/serve_load.py --cpu --out /tmp/cpu.json          # CPU figures (smaller default cases)
     .venv/bin/python bench/serve_load.py --smoke --out /tmp/s.json  # checks the script on CPU in < 1 min
 """
