@@ -80,8 +80,13 @@ def zero_kv_cache(engine: LLMEngine) -> None:
         v.zero_()
 
 
-def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | None = None) -> Runtime:
-    """Loads the model (unless given) and wires engine, pool, loader and runner (call `runner.start()`)."""
+def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | None = None,
+                  capture_graphs: bool = True) -> Runtime:
+    """Loads the model (unless given) and wires engine, pool, loader and runner (call `runner.start()`).
+
+    `capture_graphs=False` leaves the decode graphs to `compute_service.warmup`, which compiles the
+    kernels on many threads first and then captures.
+    """
     device = resolve_device(config.device)
     ecfg = engine_config(config, device)
     if loaded is None:
@@ -97,7 +102,7 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
              layout.num_pages, layout.page_bytes, layout.pool_bytes / 2**20, layout.max_slots)
     backend.allocate()
     graphs = engine.runner.graphs
-    if graphs is not None:
+    if graphs is not None and capture_graphs:
         # Every decode bucket, base and with adapters, now: before the runner starts loading adapters
         # on other threads, and after every buffer the graphs read has its final address.
         t0 = time.perf_counter()

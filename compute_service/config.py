@@ -32,6 +32,12 @@ class ComputeConfig:
     kv_cache_bytes: int = field(default=0, metadata={"help": "KV cache size in bytes (0 = from gpu_memory_utilization, or 256 MiB on CPU)"})
     gpu_memory_utilization: float = field(default=0.85, metadata={"help": "fraction of GPU memory for weights + KV + adapters"})
     max_message_bytes: int = field(default=64 << 20, metadata={"help": "largest gRPC message"})
+    warmup: str = field(default="auto", metadata={
+        "help": "start-up warm-up before health says SERVING: full (compile every kernel a request can launch, "
+                "capture the decode graphs, run real requests), light (graphs and real requests only), off "
+                "(graphs only), auto (full on a GPU, light on the CPU)"})
+    warmup_threads: int = field(default=0, metadata={"help": "threads compiling kernels during warm-up (0 = "
+                                                           "one per CPU core, up to 16)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
@@ -48,5 +54,8 @@ class ComputeConfig:
             raise SettingsError("metrics_port: must be in 0..65535")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise SettingsError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
+        if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0:
+            raise SettingsError(f"warmup: expected auto, full, light or off, got {self.warmup!r}; "
+                                "warmup_threads must be >= 0")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise SettingsError(f"dtype: expected auto, float32, float16 or bfloat16, got {self.dtype!r}")

@@ -5,7 +5,7 @@ book-keeping of their own); step times and adapter load latencies are histograms
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from compute_service.build import Runtime
@@ -46,6 +46,14 @@ class ComputeMetrics:
                                       buckets=(.002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.tokens = Histogram("loraplex_compute_tokens_per_step", "tokens emitted per step",
                                 registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+        self.startup_seconds = Gauge("loraplex_compute_startup_seconds", "start-up time by stage (model: load and "
+                                     "allocate; warmup: compile kernels, capture graphs, real requests)",
+                                     ["stage"], registry=self.registry)
+
+    def on_startup(self, model_s: float, warmup_s: float) -> None:
+        self.startup_seconds.labels("model").set(model_s)
+        self.startup_seconds.labels("warmup").set(warmup_s)
 
     def on_step(self, num_tokens: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)

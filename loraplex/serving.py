@@ -42,8 +42,13 @@ async def run_server(
     on_started: Callable[[int], Awaitable[None]] | None = None,
     on_stopping: Callable[[], Awaitable[None]] | None = None,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    ready: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serves until SIGTERM/SIGINT. `register` adds servicers and returns their full names."""
+    """Serves until SIGTERM/SIGINT. `register` adds servicers and returns their full names.
+
+    With `ready`, health says NOT_SERVING from the listening line until `ready()` returns (a service
+    that warms up while reachable); an exception from it stops the server and propagates.
+    """
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
@@ -55,11 +60,20 @@ async def run_server(
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"{name}: cannot listen on {address} (address in use or not local?)")
+    first = health_pb2.HealthCheckResponse.SERVING if ready is None else health_pb2.HealthCheckResponse.NOT_SERVING
+    for svc in service_names + [""]:      # before start: no check may see a default SERVING
+        await health_servicer.set(svc, first)
     await server.start()
-    for svc in service_names + [""]:
-        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     host = address.rsplit(":", 1)[0]
     print(f"{name} listening on {host}:{port}", flush=True)
+    if ready is not None:
+        try:
+            await ready()
+        except BaseException:
+            await server.stop(0)
+            raise
+        for svc in service_names + [""]:
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     if on_started is not None:
         await on_started(port)
 

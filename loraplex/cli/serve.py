@@ -1,16 +1,17 @@
 """`loraplex serve`: the whole system in one command.
 
-Starts redis-server (with `--backend redis` and no `--redis-url`), the host
-cache service, the compute service (on the GPU when there is one, else the
-CPU) and the gateway; waits until each answers its health check; prints
-`gateway listening on HOST:PORT`; then forwards the services' logs (prefixed
-with their names) until Ctrl-C or SIGTERM, when it stops them all, gateway
+Starts redis-server (with `--backend redis` and no `--redis-url`), then the
+host cache service, the compute service (on the GPU when there is one, else
+the CPU) and the gateway all at once; forwards their logs (prefixed with their
+names) from the start, so the compute service's warm-up progress shows; waits
+until each answers its health check (the compute service says SERVING once its
+kernels are compiled and graphs captured); prints `gateway listening on
+HOST:PORT`; then runs until Ctrl-C or SIGTERM, when it stops them all, gateway
 first. If any service exits on its own, the others are stopped too.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import signal
@@ -19,9 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from loraplex.cli.serve_procs import RedisServer, forward_logs, stop_all
-from loraplex.procs import ServiceProcess, start_service
-from loraplex.serving import wait_healthy
+from loraplex.cli.serve_procs import RedisServer, forward_logs, free_port, stop_all
+from loraplex.procs import ServiceProcess, spawn_service, wait_listening, wait_serving
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,6 +72,32 @@ def service_args(args: argparse.Namespace, redis_url: str) -> tuple[list[str], l
     return cache, compute
 
 
+def start_all(args: argparse.Namespace, cache_args: list[str], compute_args: list[str], env: dict[str, str],
+              t0: float, started: list[ServiceProcess]) -> list[ServiceProcess]:
+    """Starts the three services at once (their ports picked here, so none waits for another's address),
+    forwards their logs while they start (unless --quiet), then waits until each answers SERVING: the
+    gateway and the cache within seconds, the compute service once it has warmed up."""
+    cache_addr, compute_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    cache_args = [a if a != "127.0.0.1:0" else cache_addr for a in cache_args]
+    compute_args = [a if a != "127.0.0.1:0" else compute_addr for a in compute_args]
+    specs = [("cache", cache_args),
+             ("compute", compute_args + ["--cache-address", cache_addr]),
+             ("gateway", ["gateway", "--listen", args.listen, "--cache-address", cache_addr,
+                          "--compute-addresses", compute_addr] + _opt("--model", args.model)
+              + shlex.split(args.gateway_flags))]
+    services = [spawn_service(name, argv, env=env) for name, argv in specs]
+    started.extend(services)    # as soon as they exist: a failure or Ctrl-C part-way stops them all
+    if not args.quiet:
+        forward_logs(services)
+    deadline = time.monotonic() + args.startup_timeout
+    for svc in services:
+        wait_listening(svc, max(1.0, deadline - time.monotonic()))
+    for svc in sorted(services, key=lambda s: s.name == "compute"):   # the compute service is the slow one
+        wait_serving(svc, deadline)
+        print(f"serve: {svc.name} healthy after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    return services
+
+
 def _wait_stop_signal(services: list[ServiceProcess]) -> str:
     """Blocks until SIGINT/SIGTERM or a service exits; returns why."""
     stop = threading.Event()
@@ -97,7 +123,6 @@ def _interrupt(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     started: list[ServiceProcess] = []
     redis: RedisServer | None = None
-    timeout = args.startup_timeout
     # Until everything is up, SIGTERM acts like Ctrl-C, so a half-started system is still stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -109,24 +134,11 @@ def run(args: argparse.Namespace) -> int:
         cache_args, compute_args = service_args(args, redis_url)
         env = child_env()
         t0 = time.monotonic()
-        cache = start_service("cache", cache_args, timeout_s=timeout, env=env)
-        started.append(cache)
-        compute = start_service("compute", compute_args + ["--cache-address", cache.address], timeout_s=timeout,
-                                env=env)
-        started.append(compute)
-        gateway = start_service("gateway", ["gateway", "--listen", args.listen, "--cache-address", cache.address,
-                                            "--compute-addresses", compute.address]
-                                + _opt("--model", args.model) + shlex.split(args.gateway_flags), timeout_s=timeout,
-                                env=env)
-        started.append(gateway)
-        for svc in started:
-            asyncio.run(wait_healthy(svc.address, timeout_s=timeout))
+        cache, compute, gateway = start_all(args, cache_args, compute_args, env, t0, started)
         print(f"serve: cache at {cache.address} ({args.backend}), compute at {compute.address}, "
-              f"ready in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+              f"ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
         # The one line tools read (same form as every service's): where the public API is.
         print(f"gateway listening on {gateway.address}", flush=True)
-        if not args.quiet:
-            forward_logs(started)
         reason = _wait_stop_signal(started)
         print(f"serve: stopping ({reason})", file=sys.stderr, flush=True)
         failed = reason != "signal"

@@ -1,0 +1,235 @@
+"""Start-up warm-up: every kernel compiled and every decode graph captured before health says SERVING.
+
+Three passes, then a clean-up:
+1. compile: one forward per launch class of `warmup_plan` (decode buckets and
+   prefill/mixed token counts, with synthetic adapters and without), run on a
+   pool of threads. Triton compiles off the GIL (its passes and ptxas), so the
+   classes compile side by side; each forward has its own LoRA batch metadata
+   and writes K/V only into blocks no sequence owns yet.
+2. graphs: every decode bucket captured (base and LoRA), now a matter of
+   replaying compiled kernels.
+3. engine: a few real requests through `LLMEngine.add_request/step` (prefill,
+   mixed and decode steps, greedy and sampled, with and without adapters), so
+   what the first user request runs has run once.
+Clean-up: the synthetic adapters leave the pool, the KV cache is zeroed, and the
+counters a user reads (evictions, graph steps) are as they were.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compute_service.build import Runtime, zero_kv_cache
+from compute_service.engine.attention import AttentionMetadata, DecodeMetadata
+from compute_service.engine.sampling_params import SamplingParams
+from compute_service.warmup_adapters import load_synthetic, unload_synthetic
+from compute_service.warmup_plan import WarmupPlan, lora_class_fn, make_plan
+
+log = logging.getLogger(__name__)
+MODES = ("auto", "full", "light", "off")
+
+
+@dataclass
+class WarmupReport:
+    """What the warm-up did and how long each pass took (seconds)."""
+
+    mode: str
+    plan: WarmupPlan | None = None
+    adapter_ranks: list[int] = field(default_factory=list)
+    compile_s: float = 0.0
+    graphs_s: float = 0.0
+    engine_s: float = 0.0
+    total_s: float = 0.0
+    num_graphs: int = 0
+    compiled_kernels: int | None = None
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """auto: the full plan on CUDA (kernels compile there); on CPU only the engine pass (nothing compiles)."""
+    if mode not in MODES:
+        raise ValueError(f"warm-up mode must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        return "full" if device.type == "cuda" else "light"
+    return mode
+
+
+def compiled_kernels() -> int | None:
+    """Compiled Triton programs held by the kernels package (None when Triton runs interpreted)."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    total, seen = 0, False
+    for name, mod in list(sys.modules.items()):
+        if not (name == "kernels" or name.startswith("kernels.")) or mod is None:
+            continue
+        for obj in vars(mod).values():
+            caches = getattr(obj, "device_caches", None) if isinstance(obj, JITFunction) else None
+            if caches is not None:
+                seen = True
+                total += sum(len(entry[0]) for entry in caches.values())
+    return total if seen else None
+
+
+def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0) -> WarmupReport:
+    """Runs the passes `mode` asks for; call before the runner starts and before health says SERVING."""
+    mode = resolve_mode(mode, rt.device)
+    report = WarmupReport(mode)
+    t_start = time.perf_counter()
+    if mode == "off":
+        _capture(rt, report)
+        return report
+    engine = rt.engine
+    keys = load_synthetic(rt.slots)
+    report.adapter_ranks = [rank for _, rank in keys]
+    try:
+        if mode == "full":
+            _compile_pass(rt, [k for k, _ in keys], report, num_threads)
+        _capture(rt, report)
+        t = time.perf_counter()
+        _engine_pass(rt, [k for k, _ in keys], long_prompt=mode == "full")
+        report.engine_s = time.perf_counter() - t
+        log.info("warm-up: real requests through the engine in %.1f s", report.engine_s)
+    finally:
+        unload_synthetic(rt.slots, keys)
+        zero_kv_cache(engine)
+        engine.runner.num_graph_steps = engine.runner.num_lora_graph_steps = 0
+    stats, pool = engine.stats(), rt.slots.stats()
+    if stats.num_kv_blocks_used or stats.num_running or stats.num_waiting or pool.pages_used:
+        raise RuntimeError(f"warm-up left state behind: {stats.num_kv_blocks_used} KV blocks, "
+                           f"{pool.pages_used} adapter pages, {stats.num_running + stats.num_waiting} sequences")
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+    report.compiled_kernels = compiled_kernels()
+    report.total_s = time.perf_counter() - t_start
+    return report
+
+
+def _capture(rt: Runtime, report: WarmupReport) -> None:
+    graphs = rt.engine.runner.graphs
+    if graphs is None:
+        return
+    t = time.perf_counter()
+    graphs.capture_all(rt.engine.runner.lora)
+    report.graphs_s = time.perf_counter() - t
+    report.num_graphs = 2 * len(graphs.buckets)
+    log.info("warm-up: captured %d decode CUDA graphs in %.1f s", report.num_graphs, report.graphs_s)
+
+
+def _spare_backend(rt: Runtime) -> Any:
+    """A LoRA backend like the engine's over the same pool, with its own batch metadata and buffers."""
+    backend = type(rt.engine.runner.lora)(rt.slots, rt.engine.config.max_num_batched_tokens)
+    if hasattr(backend, "allocate"):
+        backend.allocate()
+    return backend
+
+
+def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_threads: int) -> None:
+    engine, slots = rt.engine, rt.slots
+    graphs = engine.runner.graphs
+    slot_ids = [slots.slot_of(k) for k in keys]
+    mnbt = engine.config.max_num_batched_tokens
+    t = time.perf_counter()
+    classify = lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, engine.runner.model.dtype, rt.device)
+    plan = make_plan(mnbt, graphs.buckets if graphs is not None else [], classify)
+    report.plan = plan
+    width = graphs.meta.block_tables.shape[1] if graphs is not None else 1
+    pass_ = _ForwardPass(rt, slot_ids, width)
+    tasks = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)]
+    tasks += [(pass_.prefill, n, True) for n in plan.prefill_tokens]
+    tasks += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
+    threads = num_threads or min(16, os.cpu_count() or 1)
+    log.info("warm-up: %d launch classes in %.1f s: %d decode buckets, %d prefill/mixed token counts %s, "
+             "%d base prefill; %d steps on %d threads, adapters of rank %s", plan.num_classes,
+             time.perf_counter() - t, len(plan.decode_buckets), len(plan.prefill_tokens), plan.prefill_tokens,
+             len(plan.base_prefill_tokens), len(tasks), threads, report.adapter_ranks)
+    t = time.perf_counter()
+    # The smallest step first on this thread: lazy one-time set-up (driver, handles) outside the pool.
+    first = tasks.pop(0)
+    first[0](first[1], first[2])
+    with ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
+        futures = [pool.submit(fn, n, lora) for fn, n, lora in tasks]
+        for done, fut in enumerate(futures, start=2):
+            fut.result()
+            if done % 8 == 0 or done == len(futures) + 1:
+                log.info("warm-up: %d/%d steps compiled (%.1f s)", done, len(futures) + 1, time.perf_counter() - t)
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+    report.compile_s = time.perf_counter() - t
+    log.info("warm-up: kernels compiled in %.1f s (%s Triton programs)", report.compile_s, compiled_kernels())
+
+
+class _ForwardPass:
+    """Model forwards outside the engine, for compiling: each with its own LoRA metadata, all writing K/V into
+    the first blocks of the cache (no sequence owns any block yet; the cache is zeroed afterwards)."""
+
+    def __init__(self, rt: Runtime, slot_ids: list[int], table_width: int) -> None:
+        self.rt = rt
+        self.model = rt.engine.runner.model
+        self.kv = rt.engine.runner.kv_caches
+        self.block_size = rt.engine.runner.block_size
+        self.slot_ids = slot_ids or [-1]
+        self.table_width = table_width
+        self.max_len = rt.engine.max_model_len
+
+    def _lora(self, num_tokens: int, with_lora: bool) -> Any:
+        if not with_lora:
+            return None
+        backend = _spare_backend(self.rt)
+        # Adapters alternate over the tokens, one in four without: several segments, as in a mixed batch.
+        ids = [-1 if i % 4 == 3 else self.slot_ids[i % len(self.slot_ids)] for i in range(num_tokens)]
+        backend.prepare(torch.tensor(ids, dtype=torch.int32))
+        return backend
+
+    def decode(self, batch: int, with_lora: bool) -> None:
+        dev = self.model.device
+        meta = DecodeMetadata(torch.arange(batch, dtype=torch.int64, device=dev),
+                              torch.zeros(batch, self.table_width, dtype=torch.int32, device=dev),
+                              torch.ones(batch, dtype=torch.int32, device=dev))
+        ids = torch.zeros(batch, dtype=torch.int64, device=dev)
+        hidden = self.model.forward(ids, ids.clone(), meta, self.kv, self._lora(batch, with_lora))
+        self.model.compute_logits(hidden)
+
+    def prefill(self, num_tokens: int, with_lora: bool) -> None:
+        dev = self.model.device
+        per_seq = min(num_tokens, self.max_len - 1)
+        lens = [per_seq] * (num_tokens // per_seq) + ([num_tokens % per_seq] if num_tokens % per_seq else [])
+        table = list(range(-(-per_seq // self.block_size)))
+        meta = AttentionMetadata.build(lens, lens, [table] * len(lens), self.block_size, dev)
+        ids = torch.randint(0, self.model.spec.vocab_size, (num_tokens,), device=dev)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        hidden = self.model.forward(ids, positions, meta, self.kv, self._lora(num_tokens, with_lora))
+        self.model.compute_logits(hidden[-1:])
+
+
+def _engine_pass(rt: Runtime, keys: list[str], long_prompt: bool) -> None:
+    """Real requests: a long prompt with an adapter, a short one without (sampled), another adapter's; run
+    together, so the steps are prefill, mixed (a chunk beside decodes) and decode, with graphs where on.
+    The long prompt is a step's worth of tokens and more (chunked) with `long_prompt`, else short."""
+    engine = rt.engine
+    vocab = engine.spec.vocab_size
+    stats = engine.stats()
+    room = stats.num_kv_blocks_total * engine.config.block_size // 2 - 64    # all three fit in the KV cache
+    longest = engine.config.max_num_batched_tokens + 8 if long_prompt else 24
+    max_prompt = max(2, min(engine.max_model_len - 8, longest, room))
+    lengths = [max_prompt, min(9, max_prompt), min(40, max_prompt)]
+    adapters: list[str | None] = [keys[0] if keys else None, None, keys[-1] if keys else None]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, seed=0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.0, seed=2, ignore_eos=True)]
+    gen = torch.Generator().manual_seed(0)
+    for i, (n, key, p) in enumerate(zip(lengths, adapters, params)):
+        prompt = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        engine.add_request(f"__warmup__{i}", prompt, p, key)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps > 10_000:
+            raise RuntimeError("warm-up requests did not finish")

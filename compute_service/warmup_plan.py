@@ -1,0 +1,133 @@
+"""Which steps the start-up warm-up must run so that no request ever compiles a kernel.
+
+The LoRA kernels pick block sizes, K splits and column groups from the step's
+token count T (and from shapes fixed at start), and Triton compiles one program
+per distinct launch key. Rather than restate the kernels' choices here, the
+plan asks Triton: with a JIT cache hook that records each launch's key and
+skips compiling and launching (a dry run, no device work from the kernels),
+it runs the LoRA backend's `prepare` and every group's `apply` for each T from
+1 to `max_num_batched_tokens`, and groups the token counts by the keys they
+produce. One step per group then compiles everything a step of any size can
+launch. The other kernels (norm, RoPE + KV write, SwiGLU, decode attention) do
+not depend on T beyond Triton's divisibility-by-16 specialisation of integer
+arguments, which the class includes. Where nothing compiles (CPU, the Triton
+interpreter) every T falls in one class.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compute_service.adapter_cache.layout import module_features
+from compute_service.engine.lora_backend import GROUP_MODULE_IDS, NO_ADAPTER
+from compute_service.engine.spec import ModelSpec
+
+LaunchClass = tuple
+
+
+class LaunchRecorder:
+    """Context manager: Triton launches inside it are recorded (kernel and launch key), never compiled or run."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self._old: Any = None
+
+    @staticmethod
+    def available() -> bool:
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return False
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        return hasattr(knobs.runtime, "jit_cache_hook")
+
+    def _hook(self, *args: Any, **kwargs: Any) -> bool:
+        self.keys.append(f"{kwargs.get('repr', '')}|{kwargs.get('key', args[:1])}")
+        return True      # skip: no compile, no launch
+
+    def __enter__(self) -> "LaunchRecorder":
+        from triton import knobs
+
+        self._old = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = self._old
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """One LoRA group as the model calls it: input width and the widths of its output slices."""
+
+    name: str
+    k: int
+    widths: tuple[int, ...]
+
+
+def group_shapes(spec: ModelSpec) -> list[GroupShape]:
+    feats = module_features(spec)
+    return [GroupShape(name, feats[ids[0]][0], tuple(feats[m][1] for m in ids))
+            for name, ids in GROUP_MODULE_IDS.items()]
+
+
+def lora_class_fn(backend: Any, spec: ModelSpec, max_tokens: int, slot_ids: list[int], dtype: torch.dtype,
+                  device: torch.device) -> Callable[[int], LaunchClass]:
+    """T -> the launch keys of one LoRA step of T tokens through `backend` (a spare one: its metadata is
+    overwritten). Tokens cycle over `slot_ids`, one in four without adapter, as a mixed batch."""
+    if not LaunchRecorder.available() or device.type != "cuda":
+        return lambda t: ()
+    groups = group_shapes(spec)
+    xs = {g.name: torch.zeros(max_tokens, g.k, dtype=dtype, device=device) for g in groups}
+    ys = {g.name: torch.zeros(max_tokens, sum(g.widths), dtype=dtype, device=device) for g in groups}
+    slots = slot_ids or [NO_ADAPTER]
+    layer = min(1, spec.num_layers - 1)     # a layer index Triton does not specialise as a multiple of 16
+
+    def launch_keys(t: int) -> LaunchClass:
+        ids = torch.tensor([NO_ADAPTER if i % 4 == 3 else slots[i % len(slots)] for i in range(t)],
+                           dtype=torch.int32)
+        with LaunchRecorder() as rec:
+            backend.prepare(ids)
+            for g in groups:
+                backend.apply(layer, g.name, xs[g.name][:t], list(ys[g.name][:t].split(list(g.widths), dim=-1)))
+        return tuple(rec.keys)
+    return launch_keys
+
+
+@dataclass
+class WarmupPlan:
+    """Token counts to run: decode buckets (graphs) and prefill/mixed steps."""
+
+    decode_buckets: list[int]
+    prefill_tokens: list[int]           # LoRA steps: one per class no decode bucket covers
+    base_prefill_tokens: list[int]      # base-model prefill: one per divisibility class
+    num_classes: int
+
+    @property
+    def num_steps(self) -> int:
+        return 2 * len(self.decode_buckets) + len(self.prefill_tokens) + len(self.base_prefill_tokens)
+
+
+def make_plan(max_num_batched_tokens: int, decode_buckets: Iterable[int],
+              lora_class: Callable[[int], LaunchClass]) -> WarmupPlan:
+    """One representative token count per class over every T a step can have (1..max_num_batched_tokens)."""
+    buckets = sorted(set(decode_buckets))
+    seen = {(t % 16 == 0, lora_class(t)) for t in buckets}
+    prefill, base, base_seen = [], [], set()
+    for t in range(1, max_num_batched_tokens + 1):
+        c = (t % 16 == 0, lora_class(t))
+        if c not in seen:
+            seen.add(c)
+            prefill.append(t)
+        if c[0] not in base_seen:      # prefill runs other attention code than decode: its own base steps
+            base_seen.add(c[0])
+            base.append(t)
+    return WarmupPlan(buckets, prefill, base, len(seen))

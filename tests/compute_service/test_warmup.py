@@ -1,0 +1,134 @@
+"""Start-up warm-up: health gating, a clean state afterwards, one step per launch class, nothing compiled later."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from compute_service.build import build_runtime
+from compute_service.config import ComputeConfig
+from compute_service.engine.sampling_params import SamplingParams
+from compute_service.server import WarmupGate
+from compute_service.servicer import ComputeServicer
+from compute_service.warmup import compiled_kernels, warm_up
+from compute_service.warmup_plan import make_plan
+from compute_helpers import random_adapter
+from loraplex.serving import run_server
+from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
+
+
+def _runtime(model_dir, device: str = "cpu", **kw):
+    cfg = ComputeConfig(model=str(model_dir), device=device, max_model_len=96, kv_cache_bytes=1 << 20,
+                        lora_gpu_cache_bytes=8 << 20, max_lora_rank=64, **kw)
+    return cfg, build_runtime(cfg, None, capture_graphs=False)
+
+
+def test_plan_runs_one_step_per_class_and_covers_every_token_count():
+    classes = {t: ("big" if t > 100 else "small", t > 250) for t in range(1, 401)}   # a kernel's choices by T
+    plan = make_plan(400, [1, 2, 4, 8, 16], classes.__getitem__)
+    covered = {(t % 16 == 0, classes[t]) for t in plan.decode_buckets + plan.prefill_tokens}
+    assert all((t % 16 == 0, classes[t]) in covered for t in range(1, 401))
+    assert len({(t % 16 == 0, classes[t]) for t in plan.prefill_tokens}) == len(plan.prefill_tokens)
+    assert plan.prefill_tokens == [101, 112, 251, 256]       # the decode buckets already cover T <= 100
+    assert plan.base_prefill_tokens == [1, 16]               # prefill attention: both divisibility classes
+
+
+def test_warm_up_runs_real_steps_and_leaves_nothing_behind(tiny_model_dir):
+    _, rt = _runtime(tiny_model_dir)
+    arrivals = rt.engine._arrivals
+    report = warm_up(rt, "full")
+    assert report.mode == "full" and report.adapter_ranks == [8, 64] and report.plan is not None
+    assert rt.engine._arrivals == arrivals + 3            # the three real requests went through the engine
+    stats, pool = rt.engine.stats(), rt.slots.stats()
+    assert stats.num_kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+    assert pool.pages_used == 0 and pool.resident_keys == [] and pool.num_evictions == 0
+    assert not rt.slots.timings
+    assert all(int(k.abs().sum()) == 0 and int(v.abs().sum()) == 0 for k, v in rt.engine.runner.kv_caches)
+    # The pool serves a user's adapter in the slot the warm-up used, with the same result as a fresh pool.
+    adapter = random_adapter(rt.engine.spec, 8, seed=5)
+    rt.engine.add_adapter("user", adapter)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    warmed = rt.engine.generate([[3, 4, 5, 6]], params, ["user"])
+    _, fresh = _runtime(tiny_model_dir)
+    fresh.engine.add_adapter("user", adapter)
+    assert warmed == fresh.engine.generate([[3, 4, 5, 6]], params, ["user"])
+
+
+async def _check(stub) -> int:
+    return (await stub.Check(health_pb2.HealthCheckRequest(service="loraplex.v1.Compute"))).status
+
+
+def test_health_is_not_serving_and_compute_refused_until_warm_up_finished(tiny_model_dir, free_port):
+    cfg, rt = _runtime(tiny_model_dir)
+    gate = WarmupGate()
+
+    async def main():
+        release = asyncio.Event()
+
+        async def ready() -> None:          # the server's warm-up step, held until the test has looked
+            await release.wait()
+            await asyncio.to_thread(warm_up, rt, "full")
+            rt.runner.start()
+            gate.open()
+
+        def register(server):
+            compute_pb2_grpc.add_ComputeServicer_to_server(ComputeServicer(rt, cfg.max_model_len), server)
+            return ["loraplex.v1.Compute"]
+
+        server = asyncio.create_task(run_server("compute_service", f"127.0.0.1:{free_port}", register,
+                                                interceptors=[gate], ready=ready))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            compute = compute_pb2_grpc.ComputeStub(ch)
+            req = compute_pb2.GenerateTokensRequest(request_id="r", input_ids=[5, 6, 7],
+                                                    sampling=common_pb2.SamplingParams(max_tokens=3))
+            for _ in range(100):
+                try:
+                    before = await _check(health)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in compute.GenerateTokens(req):
+                    pass
+            release.set()
+            while (after := await _check(health)) != health_pb2.HealthCheckResponse.SERVING:
+                await asyncio.sleep(0.02)
+            tokens = [t async for m in compute.GenerateTokens(req) for t in m.token_ids]
+        os.kill(os.getpid(), signal.SIGTERM)      # run_server's own graceful stop
+        await server
+        await rt.runner.stop()
+        return before, refused.value, after, tokens
+
+    before, refused, after, tokens = asyncio.run(main())
+    assert before == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in refused.details()
+    assert after == health_pb2.HealthCheckResponse.SERVING and len(tokens) == 3
+
+
+@pytest.mark.gpu
+def test_no_request_compiles_a_kernel_after_warm_up(tiny_model_dir):
+    """Requests of every size, with and without adapters, mixed, decode: Triton compiles nothing new."""
+    _, rt = _runtime(tiny_model_dir, device="cuda", max_num_batched_tokens=256, max_num_seqs=16)
+    report = warm_up(rt, "full")
+    before = compiled_kernels()
+    assert before and before == report.compiled_kernels
+    engine = rt.engine
+    for i in range(3):
+        engine.add_adapter(f"a{i}", random_adapter(engine.spec, (8, 16, 64)[i], seed=i, dtype=torch.bfloat16))
+    rng = random.Random(0)
+    for wave in range(6):
+        n = rng.randint(1, 16)
+        prompts = [[rng.randrange(engine.spec.vocab_size) for _ in range(rng.randint(1, 90))] for _ in range(n)]
+        keys = [rng.choice([None, "a0", "a1", "a2"]) for _ in range(n)]
+        params = SamplingParams(max_tokens=rng.randint(1, 5), temperature=rng.choice([0.0, 0.8]), seed=wave,
+                                ignore_eos=True)
+        engine.generate(prompts, params, keys)
+    torch.cuda.synchronize()
+    assert compiled_kernels() == before
