@@ -1,9 +1,11 @@
 """One Generate call: a compute stream per entry, detokenized, stop strings cut, merged.
 
 `entry_stream` runs one entry (one adapter, or the base model) on a compute
-replica and yields public `GenerateResponse`s; when a stop string appears it
-cancels the compute stream, so the sequence's KV blocks and adapter pin are
-released at once. `merge_entries` runs several entries concurrently (they land
+replica and yields public `GenerateResponse`s: each carries every token that
+arrived since the client took the previous one (coalesced, detokenized once),
+so a slow reader gets fewer, fuller messages. When a stop string appears it
+cancels the request on compute, so the sequence's KV blocks and adapter pin
+are released at once. `merge_entries` runs several entries concurrently (they land
 in the same batches on the compute service) and interleaves their messages;
 an entry that fails ends with finish_reason ERROR and never disturbs the others.
 """
@@ -62,25 +64,25 @@ async def entry_stream(job: EntryJob, lora: ResolvedLora, router: ComputeRouter,
     detok = codec.detokenizer(job.prompt_ids)
     matcher = StopStringMatcher(job.stop)
     completion = 0
-    # the router retries on another replica until the stream's first message is in
+    # the router retries on another replica until the request's first tokens are in
     async with router.stream(lora.task_id, request, job.timeout_s) as call:
         try:
-            async for msg in call:
-                completion += len(msg.token_ids)
-                text, stopped = matcher.push(detok.push(msg.token_ids))
+            async for batch in call:
+                completion += len(batch.token_ids)
+                text, stopped = matcher.push(detok.push(batch.token_ids))
                 if stopped:
                     call.cancel()  # frees the sequence on compute now, not after max_tokens
-                    yield _response(job, lora, msg.token_ids, text, common_pb2.STOP, completion)
+                    yield _response(job, lora, batch.token_ids, text, common_pb2.STOP, completion)
                     return
-                if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                if batch.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     tail, stopped = matcher.push(detok.flush())
-                    finish = common_pb2.STOP if stopped else msg.finish_reason
+                    finish = common_pb2.STOP if stopped else batch.finish_reason
                     tail += "" if stopped else matcher.flush()
-                    used = completion if stopped or not msg.HasField("usage") else msg.usage.completion_tokens
-                    yield _response(job, lora, msg.token_ids, text + tail, finish, used)
+                    used = completion if stopped or batch.usage is None else batch.usage.completion_tokens
+                    yield _response(job, lora, batch.token_ids, text + tail, finish, used)
                     return
-                if msg.token_ids or text:
-                    yield _response(job, lora, msg.token_ids, text)
+                if batch.token_ids or text:
+                    yield _response(job, lora, batch.token_ids, text)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "compute", call.address) from exc
         finally:

@@ -6,11 +6,11 @@ feeds it: a background task asks every replica's `grpc.health.v1` each
 `health_interval_s` and re-resolves `dns:///name:port` addresses, and calls
 that fail with UNAVAILABLE take their replica out at once.
 
-`stream()` opens a GenerateTokens stream with failover: until the first
-message arrives nothing has reached the client, so a replica that is
+`stream()` starts a request on a replica's token stream with failover: until
+the first tokens arrive nothing has reached the client, so a replica that is
 unreachable, draining or dies in prefill is taken out and the request is
-retried on the next one. Once a message has arrived, a replica failure ends
-the stream with UNAVAILABLE (a retry would repeat tokens already sent).
+retried on the next one. Once tokens have arrived, a replica failure ends the
+request with UNAVAILABLE (a retry would repeat tokens already sent).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from loraplex.v1 import compute_pb2, compute_pb2_grpc
 from gateway.downstream import DownstreamError, from_rpc_error
 from gateway.replicas import NoReplicaError, ReplicaSet, format_address, is_dns_target, split_target
 from gateway.router import ComputeReplica
+from gateway.token_stream import DEFAULT_MAX_BUFFERED_TOKENS, RequestStream, TokenBatch, rpc_error
 
 log = logging.getLogger(__name__)
 
@@ -46,27 +47,27 @@ def resolve_all(host: str, port: int) -> list[str]:
 
 
 class ReplicaStream:
-    """A started GenerateTokens call: iterate it for messages; `address` says where it runs."""
+    """A started request: iterate it for token batches; `address` says where it runs."""
 
-    def __init__(self, address: str, call: grpc.aio.UnaryStreamCall, first: object,
+    def __init__(self, address: str, stream: RequestStream, first: TokenBatch,
                  on_failure: Callable[[str, str], None] | None = None) -> None:
         self.address = address
-        self._call = call
-        self._first = first
+        self._stream = stream
+        self._first: TokenBatch | None = first
         self._on_failure = on_failure  # (address, reason) when the replica fails mid-stream
 
-    def cancel(self) -> bool:
-        return self._call.cancel()
+    def cancel(self) -> None:
+        self._stream.cancel()
 
     def done(self) -> bool:
-        return self._call.done()
+        return self._stream.done()
 
-    async def __aiter__(self) -> AsyncIterator[compute_pb2.GenerateTokensResponse]:
-        msg, self._first = self._first, None
-        while isinstance(msg, compute_pb2.GenerateTokensResponse):  # grpc.aio.EOF ends it
-            yield msg
+    async def __aiter__(self) -> AsyncIterator[TokenBatch]:
+        batch, self._first = self._first, None
+        while batch is not None:
+            yield batch
             try:
-                msg = await self._call.read()
+                batch = await self._stream.next()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _REPLICA_FAILED:
                     raise
@@ -82,18 +83,20 @@ class ReplicaStream:
 async def start_stream(replica: ComputeReplica, request: compute_pb2.GenerateTokensRequest,
                        timeout_s: float | None,
                        on_failure: Callable[[str, str], None] | None = None) -> ReplicaStream:
-    """Calls GenerateTokens on `replica` and waits for its first message.
+    """Starts `request` on `replica`'s token stream and waits for its first tokens.
 
-    Raises the call's AioRpcError if it fails before that (nothing was sent
+    Raises the request's AioRpcError if it fails before that (nothing was sent
     to the client yet, so the caller may retry elsewhere). The caller cancels
     the stream when done with it (`if not s.done(): s.cancel()`)."""
-    call = replica.stub.GenerateTokens(request, timeout=timeout_s)
+    stream = replica.tokens().start(request, timeout_s)
     try:
-        first = await call.read()
+        first = await stream.next()
     except BaseException:
-        call.cancel()
+        stream.cancel()
         raise
-    return ReplicaStream(replica.address, call, first, on_failure)
+    if first is None:
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the request ended before its first tokens")
+    return ReplicaStream(replica.address, stream, first, on_failure)
 
 
 class ReplicaRouter:
@@ -101,11 +104,12 @@ class ReplicaRouter:
 
     def __init__(self, targets: Sequence[str], max_message_bytes: int, *, spill_threshold: int = 32,
                  health_interval_s: float = 1.0, health_timeout_s: float = 2.0,
-                 resolver: Resolver = resolve_all) -> None:
+                 resolver: Resolver = resolve_all, max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> None:
         for t in targets:
             split_target(t)  # a bad address fails at start, naming itself
         self._targets = list(targets)
         self._max_message_bytes = max_message_bytes
+        self._max_buffered_tokens = max_buffered_tokens
         self._health_interval_s = health_interval_s
         self._health_timeout_s = health_timeout_s
         self._resolver = resolver
@@ -184,7 +188,7 @@ class ReplicaRouter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for replica in [*self._replicas.values(), *self._retired]:
-            await replica.channel.close()
+            await replica.close()
 
     # --- health and membership ---------------------------------------------
     def take_out(self, address: str, reason: str) -> None:
@@ -260,7 +264,7 @@ class ReplicaRouter:
         idle = [r for r in self._retired if r.num_in_flight <= 0]
         self._retired = [r for r in self._retired if r.num_in_flight > 0]
         for replica in idle:
-            await replica.channel.close()
+            await replica.close()
 
     # --- helpers -----------------------------------------------------------
     def _open(self, address: str) -> ComputeReplica:
@@ -274,7 +278,8 @@ class ReplicaRouter:
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         channel = grpc.aio.insecure_channel(address, options=options)
-        return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel))
+        return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel), 0,
+                              self._max_buffered_tokens)
 
     def _pick(self, task_id: int | None, failed: dict[str, str]) -> ComputeReplica:
         try:

@@ -2,8 +2,9 @@
 
 The gateway reaches compute services only through a `ComputeRouter`:
 `lease(task_id)` picks a replica and counts the request on it until the lease
-ends; `stream(task_id, request, timeout_s)` opens a GenerateTokens stream and
-returns once its first message is in. The server uses `ReplicaRouter`
+ends; `stream(task_id, request, timeout_s)` starts the request on the replica's
+token stream (gateway/token_stream.py: one StreamTokens call per replica,
+shared by every request routed there) and returns once its first tokens are in. The server uses `ReplicaRouter`
 (gateway/replica_router.py: adapter affinity, load, health, failover before the
 first token) for one address or many; `SingleReplicaRouter` is the plain
 one-address form.
@@ -18,6 +19,7 @@ import grpc
 
 from loraplex.serving import server_options
 from gateway.downstream import from_rpc_error
+from gateway.token_stream import DEFAULT_MAX_BUFFERED_TOKENS, ReplicaSession
 from loraplex.v1 import compute_pb2, compute_pb2_grpc
 
 if TYPE_CHECKING:
@@ -26,18 +28,32 @@ if TYPE_CHECKING:
 
 @dataclass
 class ComputeReplica:
-    """One compute service: its address, channel, stub and requests in flight."""
+    """One compute service: its address, channel, stub, token stream and requests in flight."""
 
     address: str
     channel: grpc.aio.Channel
     stub: compute_pb2_grpc.ComputeStub
     num_in_flight: int = 0
+    max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS
+    session: ReplicaSession | None = None
+
+    def tokens(self) -> ReplicaSession:
+        """The replica's token stream (its call opens on the first request)."""
+        if self.session is None:
+            self.session = ReplicaSession(self.address, self.stub, self.max_buffered_tokens)
+        return self.session
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        await self.channel.close()
 
 
-def open_replica(address: str, max_message_bytes: int) -> ComputeReplica:
+def open_replica(address: str, max_message_bytes: int,
+                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> ComputeReplica:
     """A replica with a lazily connecting channel (the service may start later)."""
     channel = grpc.aio.insecure_channel(address, options=server_options(max_message_bytes)[:2])
-    return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel))
+    return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel), 0, max_buffered_tokens)
 
 
 class ComputeRouter(Protocol):
@@ -51,7 +67,7 @@ class ComputeRouter(Protocol):
 
     def stream(self, task_id: int | None, request: compute_pb2.GenerateTokensRequest,
                timeout_s: float | None) -> contextlib.AbstractAsyncContextManager[ReplicaStream]:
-        """A GenerateTokens stream for adapter `task_id` that has received its first message."""
+        """`request` started for adapter `task_id`, once its first tokens are in."""
 
     async def close(self) -> None:
         """Closes every channel."""
@@ -60,8 +76,9 @@ class ComputeRouter(Protocol):
 class SingleReplicaRouter:
     """Every request goes to the one compute service."""
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
-        self._replica = open_replica(address, max_message_bytes)
+    def __init__(self, address: str, max_message_bytes: int,
+                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> None:
+        self._replica = open_replica(address, max_message_bytes, max_buffered_tokens)
 
     def replicas(self) -> list[ComputeReplica]:
         return [self._replica]
@@ -92,7 +109,7 @@ class SingleReplicaRouter:
                     stream.cancel()
 
     async def close(self) -> None:
-        await self._replica.channel.close()
+        await self._replica.close()
 
 
 def build_router(addresses: tuple[str, ...], max_message_bytes: int, *, spill_threshold: int = 32,

@@ -2,7 +2,9 @@
 
 `ScriptedCompute` is a real gRPC Compute server whose "model" replays a fixed
 text per adapter, token by token, so the gateway's detokenization, stop strings,
-fan-out, cancellation and error paths run over the wire. `MemoryStore` keeps
+fan-out, cancellation and error paths run over the wire. `PerRequestStreams`
+serves StreamTokens (the multiplexed call the gateway uses) over a fake's
+per-request `GenerateTokens`, each request in its own task. `MemoryStore` keeps
 adapters in a dict with the host cache's semantics (put, replace, names).
 """
 from __future__ import annotations
@@ -27,6 +29,70 @@ SCRIPTS = {
 FAIL_TASK_ID = 666  # compute fails this adapter's stream after one message
 
 
+class RequestAborted(Exception):
+    """A scripted request ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class RequestContext:
+    """What a scripted GenerateTokens sees of its request inside a StreamTokens call."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s or None
+
+    def time_remaining(self) -> float | None:
+        return self._timeout_s
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RequestAborted(code, details)
+
+
+class PerRequestStreams:
+    """StreamTokens over `self.GenerateTokens(request, context)`: one message per scripted message."""
+
+    async def StreamTokens(self, request_iterator, context):
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: dict[int, asyncio.Task] = {}
+
+        async def run_one(start) -> None:
+            try:
+                async for msg in self.GenerateTokens(start.request, RequestContext(start.timeout_s)):
+                    resp = compute_pb2.StreamTokensResponse(handles=[start.handle], num_tokens=[len(msg.token_ids)],
+                                                            token_ids=msg.token_ids)
+                    if msg.finish_reason:
+                        resp.finished.add(handle=start.handle, finish_reason=msg.finish_reason, usage=msg.usage)
+                        out.put_nowait(resp)
+                        return
+                    out.put_nowait(resp)
+                # the script ended without a finish reason
+                out.put_nowait(compute_pb2.StreamTokensResponse(finished=[compute_pb2.TokensFinished(
+                    handle=start.handle)]))
+            except RequestAborted as exc:
+                out.put_nowait(compute_pb2.StreamTokensResponse(errors=[compute_pb2.TokensError(
+                    handle=start.handle, code=exc.code.value[0], message=exc.details)]))
+
+        async def read() -> None:
+            async for req in request_iterator:
+                for start in req.start:
+                    tasks[start.handle] = asyncio.create_task(run_one(start))
+                for handle in req.cancel:
+                    task = tasks.pop(handle, None)
+                    if task is not None:
+                        task.cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield await out.get()
+        finally:
+            reader.cancel()
+            for task in tasks.values():
+                task.cancel()
+
+
 @dataclass
 class ComputeLog:
     requests: list[compute_pb2.GenerateTokensRequest] = field(default_factory=list)
@@ -36,7 +102,7 @@ class ComputeLog:
     deadlines: list[float | None] = field(default_factory=list)
 
 
-class ScriptedCompute(compute_pb2_grpc.ComputeServicer):
+class ScriptedCompute(PerRequestStreams, compute_pb2_grpc.ComputeServicer):
     def __init__(self, tokenizer, max_model_len: int = 256, delay_s: float = 0.0) -> None:
         self.tok = tokenizer
         self.max_model_len = max_model_len

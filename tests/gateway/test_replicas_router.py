@@ -16,12 +16,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loraplex.v1 import compute_pb2, compute_pb2_grpc
 from gateway.downstream import DownstreamError
+from gateway_fakes import PerRequestStreams
 from gateway.replica_router import ReplicaRouter, resolve_all
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class PortCompute(compute_pb2_grpc.ComputeServicer):
+class PortCompute(PerRequestStreams, compute_pb2_grpc.ComputeServicer):
     def __init__(self, port: int) -> None:
         self.port = port
         self.calls: list[str] = []
