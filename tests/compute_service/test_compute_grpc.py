@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -36,6 +37,16 @@ async def _close(rt, server, channel):
     await channel.close()
     await server.stop(0)
     await rt.runner.stop()
+
+
+def slow_steps(rt, seconds):
+    """Makes every engine step take at least `seconds` (it runs on the engine thread)."""
+    real_step = rt.engine.step
+
+    def step():
+        time.sleep(seconds)
+        return real_step()
+    rt.engine.step = step
 
 
 def _req(rid, prompt, max_tokens, task_id=None, **sampling):
@@ -96,13 +107,7 @@ def test_stream_equals_engine_and_stats_and_model_info(loaded, tiny_model_dir):
 def test_cancel_or_deadline_mid_stream_frees_everything(loaded, tiny_model_dir, how):
     adapters = {8: random_adapter(loaded.spec, 16, seed=88)}
     rt = make_runtime(loaded, tiny_model_dir, adapters, 2 << 20)
-    slow_step = rt.engine.step
-
-    def step():  # a slow model, so the stream is surely mid-way when the client gives up
-        import time
-        time.sleep(0.01)
-        return slow_step()
-    rt.engine.step = step
+    slow_steps(rt, 0.01)   # a slow model, so the stream is surely mid-way when the client gives up
 
     async def main():
         server, channel, stub = await _serve(rt)
