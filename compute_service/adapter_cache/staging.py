@@ -292,7 +292,9 @@ def _pack(up: Uploaded, spec: ModelSpec, pool: torch.Tensor, tables: LoraRowTabl
             ranks[layers, mi] = r
             shapes[layers, mi] = (r, *fio)
             start += n * r
-        body = torch.zeros(n_pages * per_page, width, dtype=pool.dtype, device=pool.device)
+        # Every row is written below; only the last page's unused tail needs zeros (one pass, not two).
+        body = torch.empty(n_pages * per_page, width, dtype=pool.dtype, device=pool.device)
+        body[n_rows:].zero_()
         torch.cat([p[0] for p in parts], out=body[:n_rows]) if len(parts) > 1 else body[:n_rows].copy_(parts[0][0])
         pages_2d[torch.from_numpy(mine).to(pool.device), : per_page * width] = body.view(n_pages, per_page * width)
     if next_page != len(page_ids):
