@@ -17,7 +17,8 @@ from cache_service.records import AdapterRecord, CacheStats, ListedAdapter, Sour
 
 
 class Writer(abc.ABC):
-    """A writable buffer of exactly `num_bytes` for one adapter's weights."""
+    """A writable buffer of exactly `num_bytes` for one adapter's weights, zero-filled when opened
+    (a converter writes only each row's factors and leaves the padding as it is)."""
 
     num_bytes: int
 
