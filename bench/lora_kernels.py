@@ -1,4 +1,4 @@
-"""Benchmark of the LoRA shrink/expand kernels on Llama-3-8B shapes, against bytes and against vLLM's table.
+"""Benchmark of the LoRA kernels (fused, shrink, expand) on Llama-3-8B shapes, against bytes and vLLM's table.
 
 Run on a CUDA GPU (bf16):
     python bench/lora_kernels.py --out bench/results/lora_kernels.json --commit "$(git rev-parse HEAD)"
@@ -6,8 +6,9 @@ Every time is the median GPU time of a CUDA-graph replay (CUDA events), with L2
 flushed before each replay and inputs rotated over several buffer sets. Minimum
 bytes count x read once, each used adapter's rows read once and the output
 written once; the fraction is minimum bytes / time / measured copy bandwidth
-(read + write bytes of a 1 GiB device copy). Expand also reads y (it adds into
-it): `frac_rmw` counts that read too.
+(read + write bytes of a 1 GiB device copy). Expand and fused also read y (they
+add into it): `frac_rmw` counts that read too. The fused kernel (shrink and
+expand in one launch) reads x, the adapters' A and B rows, and y, and writes y.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import LoraBatchMeta, LoraRowTables, pages_needed, write_adapter  # noqa: E402
 from kernels.expand import lora_expand_triton  # noqa: E402
+from kernels.fused import fused_workspace, lora_fused_triton  # noqa: E402
+from kernels.segments import build_segments  # noqa: E402
 from kernels.shrink import lora_shrink_triton  # noqa: E402
 
 HIDDEN, KV, INTER, LAYERS = 4096, 1024, 14336, 32
@@ -41,6 +44,7 @@ MODULES = {"q": (0, HIDDEN, HIDDEN), "k": (1, HIDDEN, KV), "v": (2, HIDDEN, KV),
 OPS = {"qkv": ["q", "k", "v"], "down": ["down"]}
 # vLLM's Triton kernels on an H100 with 3.0 TB/s copy bandwidth (us per M in MS), from the issue.
 VLLM_BW = 3.0e12
+VLLM_MS = [1, 8, 32, 128, 512, 2048, 8192]
 VLLM_US = {
     ("qkv", "shrink", 8, "64"): [18.0, 57.4, 57.3, 23.7, 33.6, 82.1, 295.1],
     ("qkv", "expand", 8, "64"): [16.0, 24.4, 22.8, 25.9, 34.2, 106.6, 397.8],
@@ -53,10 +57,13 @@ SWEEP = {  # one-knob variations around the default configuration, timed when --
     "shrink": [{"BLOCK_K": 64}, {"BLOCK_K": 128}, {"BLOCK_K": 256}, {"num_warps": 2}, {"num_warps": 8},
                {"num_stages": 2}, {"num_stages": 4}, {"SPLIT_K": 0.5}, {"SPLIT_K": 2.0}, {"BLOCK_M": 16},
                {"BLOCK_M": 32}, {"BLOCK_M": 64}],
+    "fused": [{"SPLIT_K": 0.5}, {"SPLIT_K": 2.0}, {"GROUP_N": 256}, {"GROUP_N": 1024}, {"GROUP_N": 4096},
+              {"num_warps": 8}, {"num_stages": 3}],
     "expand": [{"BLOCK_N": 64}, {"BLOCK_N": 256}, {"GROUP_N": 128}, {"GROUP_N": 512}, {"GROUP_N": 2048},
                {"BLOCK_M": 16}, {"BLOCK_M": 32}, {"BLOCK_M": 64}, {"num_warps": 8}, {"num_stages": 1},
                {"num_stages": 3}],
 }
+KINDS = ("fused", "shrink", "expand")
 SWEEP_CASES = {("qkv", 8, "64"), ("qkv", 32, "16"), ("down", 32, "16")}
 
 
@@ -160,6 +167,7 @@ def grid(timer: GraphTimer, bw: float, sweep: bool) -> tuple[list[dict], list[di
                     so = [torch.empty(len(mods), M, R, device=DEVICE) for _ in range(ROTATE)]
                     ss = [torch.randn(len(mods), M, R, device=DEVICE) for _ in range(ROTATE)]
                     ys = [torch.randn(M, offs[-1], device=DEVICE, dtype=torch.bfloat16) for _ in range(ROTATE)]
+                    ws = fused_workspace(M, R, DEVICE)
 
                     def shrink_fns(cfg=None):
                         return [functools.partial(lora_shrink_triton, x, pool, tables, meta, 0, idx, o, config=cfg)
@@ -169,29 +177,40 @@ def grid(timer: GraphTimer, bw: float, sweep: bool) -> tuple[list[dict], list[di
                         return [functools.partial(lora_expand_triton, s, pool, tables, meta, 0, idx, y, offs, config=cfg)
                                 for s, y in zip(ss, ys)]
 
+                    def fused_fns(cfg=None):
+                        return [functools.partial(lora_fused_triton, x, pool, tables, meta, 0, idx, y, offs, ws,
+                                                  config=cfg) for x, y in zip(xs, ys)]
+
                     kinds = {
+                        "fused": (fused_fns, M * K * 2 + a_bytes + b_bytes + M * offs[-1] * 2, M * offs[-1] * 2),
                         "shrink": (shrink_fns, M * K * 2 + a_bytes + tok_r * len(mods) * 4, 0),
                         "expand": (expand_fns, tok_r * len(mods) * 4 + b_bytes + M * offs[-1] * 2, M * offs[-1] * 2),
                     }
                     for kind, (fns, nbytes, y_read) in kinds.items():
+                        if kind not in KINDS:
+                            continue
                         us = timer.us(fns())
                         row = dict(op=op, kind=kind, L=L, ranks=rs, M=M, us=round(us, 2), min_bytes=nbytes,
                                    frac=round(nbytes / (us * 1e-6) / bw, 4),
                                    frac_rmw=round((nbytes + y_read) / (us * 1e-6) / bw, 4))
                         ref = VLLM_US.get((op, kind, L, rs))
-                        if ref:
-                            row["vllm_us"] = ref[MS.index(M)]
+                        if ref and M in VLLM_MS:
+                            theirs = ref[VLLM_MS.index(M)]
+                            row["vllm_us"] = theirs
                             # Their time scaled to our copy bandwidth, so the comparison is per byte moved.
-                            row["speedup_vs_vllm"] = round(ref[MS.index(M)] * VLLM_BW / bw / us, 3)
-                            row["speedup_vs_vllm_raw_time"] = round(ref[MS.index(M)] / us, 3)
+                            row["speedup_vs_vllm"] = round(theirs * VLLM_BW / bw / us, 3)
+                            row["speedup_vs_vllm_raw_time"] = round(theirs / us, 3)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         if sweep and (op, L, rs) in SWEEP_CASES:
                             for var in SWEEP[kind]:
                                 cfg = dict(var)
                                 if "SPLIT_K" in cfg:
+                                    from kernels.fused import fused_config
                                     from kernels.shrink import shrink_config
-                                    base = shrink_config(M, K, R, len(mods), L, torch.device(DEVICE))["SPLIT_K"]
+                                    dev = torch.device(DEVICE)
+                                    base = (fused_config(M, K, outs, R, L, dev) if kind == "fused"
+                                            else shrink_config(M, K, R, len(mods), L, dev))["SPLIT_K"]
                                     cfg["SPLIT_K"] = max(1, int(base * cfg["SPLIT_K"]))
                                 try:
                                     vus = timer.us(fns(cfg), reps=15)
@@ -200,14 +219,18 @@ def grid(timer: GraphTimer, bw: float, sweep: bool) -> tuple[list[dict], list[di
                                     print("variant failed", cfg, repr(e)[:200], flush=True)
                                 sweeps.append(dict(op=op, kind=kind, L=L, ranks=rs, M=M, config=cfg,
                                                    us=round(vus, 2), default_us=round(us, 2)))
-                    del xs, so, ss, ys
+                    del xs, so, ss, ys, ws
                 del pool, tables
                 torch.cuda.empty_cache()
     return rows, sweeps
 
 
 def decode_step(timer: GraphTimer, bw: float, batches: list[int]) -> list[dict]:
-    """LoRA time of a whole decode step (7 modules x 32 layers), B tokens with B distinct rank-16 adapters."""
+    """LoRA time of a whole decode step (7 modules x 32 layers), B tokens with B distinct rank-16 adapters.
+
+    Three ways: the fused kernel (one launch per module group and layer, 128 in all), the same plus the
+    step's metadata built on the device (what the engine runs), and separate shrink + expand (256 launches).
+    """
     names = ["q", "k", "v", "o", "gate", "down", "up"]
     pool, tables = build_pool(max(batches), lambda s: 16, names, LAYERS, 16)
     per_adapter = LAYERS * 16 * sum(MODULES[m][1] + MODULES[m][2] for m in names) * 2
@@ -216,7 +239,9 @@ def decode_step(timer: GraphTimer, bw: float, batches: list[int]) -> list[dict]:
     out = []
     for B in batches:
         meta = LoraBatchMeta(B, tables.max_slots, device=DEVICE)
-        meta.prepare(torch.arange(B, dtype=torch.int32))
+        ids = torch.arange(B, dtype=torch.int32)
+        meta.prepare(ids)
+        ws = fused_workspace(B, 16, DEVICE)
         bufs = []
         for mods, fin, outs in launches:
             offs = [0] + [sum(outs[: i + 1]) for i in range(len(outs))]
@@ -224,17 +249,28 @@ def decode_step(timer: GraphTimer, bw: float, batches: list[int]) -> list[dict]:
                          torch.empty(len(mods), B, 16, device=DEVICE),
                          torch.randn(B, offs[-1], device=DEVICE, dtype=torch.bfloat16)))
 
-        def step(bufs=bufs, meta=meta, cfg=None):
+        def separate(bufs=bufs, meta=meta, cfg=None):
             for layer in range(LAYERS):
                 for mods, offs, x, s, y in bufs:
                     lora_shrink_triton(x, pool, tables, meta, layer, mods, s, config=cfg)
                     lora_expand_triton(s, pool, tables, meta, layer, mods, y, offs, config=cfg)
 
+        def fused(bufs=bufs, meta=meta, ws=ws, with_meta=False):
+            if with_meta:
+                build_segments(meta.slot_ids, B, meta.token_indices, meta.seg_starts, meta.seg_slots,
+                               meta.num_segments)
+            for layer in range(LAYERS):
+                for mods, offs, x, _, y in bufs:
+                    lora_fused_triton(x, pool, tables, meta, layer, mods, y, offs, ws)
+
         floor = B * per_adapter / bw * 1e6
-        row = dict(B=B, floor_us=round(floor, 1), adapter_bytes=B * per_adapter, launches=LAYERS * 8)
-        for name, cfg in (("", None), ("_pdl", {"PDL": 1})):
+        row = dict(B=B, floor_us=round(floor, 1), adapter_bytes=B * per_adapter, launches=LAYERS * 8,
+                   launches_fused=LAYERS * 4)
+        variants = (("_fused", functools.partial(fused)), ("_fused_meta", functools.partial(fused, with_meta=True)),
+                    ("", functools.partial(separate)), ("_pdl", functools.partial(separate, cfg={"PDL": 1})))
+        for name, fn in variants:
             try:
-                us = timer.us([functools.partial(step, cfg=cfg)], reps=20)
+                us = timer.us([fn], reps=20)
             except Exception as e:  # programmatic dependent launch needs Hopper and a recent driver
                 print("decode step", name, "failed:", repr(e)[:300], flush=True)
                 continue
@@ -252,16 +288,28 @@ def geomean(values: list[float]) -> float:
 def summarize(rows: list[dict], steps: list[dict]) -> dict:
     big = [r for r in rows if r["min_bytes"] > 8e6]
     versus = [r["speedup_vs_vllm"] for r in rows if "speedup_vs_vllm" in r]
+    by_case: dict[tuple, dict] = {}
+    for r in rows:
+        by_case.setdefault((r["op"], r["L"], r["ranks"], r["M"]), {})[r["kind"]] = r["us"]
+    fused_gain = [(c["shrink"] + c["expand"]) / c["fused"] for c in by_case.values() if len(c) == 3]
+    out = {}
+    for kind in sorted({r["kind"] for r in rows}):
+        mine = [r for r in rows if r["kind"] == kind]
+        mine_big = [r for r in big if r["kind"] == kind]
+        out[kind] = dict(geomean_frac=round(geomean([r["frac"] for r in mine]), 4),
+                         geomean_frac_rmw=round(geomean([r["frac_rmw"] for r in mine]), 4),
+                         geomean_frac_over_8MB=round(geomean([r["frac"] for r in mine_big]), 4),
+                         cases_over_8MB=len(mine_big), cases_over_8MB_at_50pct=sum(r["frac"] >= 0.5 for r in mine_big))
     return dict(
-        geomean_frac=round(geomean([r["frac"] for r in rows]), 4),
-        geomean_frac_over_8MB=round(geomean([r["frac"] for r in big]), 4),
-        min_frac_over_8MB=min((r["frac"] for r in big), default=float("nan")),
-        cases_over_8MB=len(big), cases_over_8MB_at_50pct=sum(r["frac"] >= 0.5 for r in big),
+        per_kind=out,
+        geomean_fused_speedup_over_shrink_plus_expand=round(geomean(fused_gain), 3) if fused_gain else None,
+        min_fused_speedup_over_shrink_plus_expand=round(min(fused_gain), 3) if fused_gain else None,
         vllm_geomean_frac=0.09, vllm_geomean_frac_over_8MB=0.20,
-        geomean_speedup_vs_vllm_table=round(geomean(versus), 3), min_speedup_vs_vllm_table=min(versus),
-        geomean_speedup_vs_vllm_table_raw_time=round(geomean([r["speedup_vs_vllm_raw_time"] for r in rows
-                                                              if "speedup_vs_vllm" in r]), 3),
-        decode_step_ratio_to_floor={s["B"]: s["ratio"] for s in steps},
+        geomean_speedup_vs_vllm_table=round(geomean(versus), 3) if versus else None,
+        min_speedup_vs_vllm_table=min(versus, default=None),
+        decode_step_ratio_to_floor_fused={s["B"]: s.get("ratio_fused") for s in steps},
+        decode_step_ratio_to_floor_fused_with_meta={s["B"]: s.get("ratio_fused_meta") for s in steps},
+        decode_step_ratio_to_floor={s["B"]: s.get("ratio") for s in steps},
         decode_step_ratio_to_floor_pdl={s["B"]: s.get("ratio_pdl") for s in steps},
     )
 
@@ -290,15 +338,19 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--sweep", action="store_true", help="also time one-knob config variations on a few cases")
     ap.add_argument("--skip-grid", action="store_true")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="kernels to time in the grid (fused,shrink,expand)")
+    ap.add_argument("--ms", default=None, help="token counts of the grid, comma-separated (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    globals()["KINDS"] = tuple(args.kinds.split(","))
+    if args.ms:
+        globals()["MS"] = [int(m) for m in args.ms.split(",")]
     if args.smoke:
         globals().update(DEVICE="cpu", HIDDEN=64, KV=32, INTER=96, LAYERS=2, MS=[1, 8, 130], LS=[1, 8],
                          ROTATE=2, PAGE_ELEMS=512)
         globals()["MODULES"] = {"q": (0, 64, 64), "k": (1, 64, 32), "v": (2, 64, 32), "o": (3, 64, 64),
                                 "gate": (4, 64, 96), "down": (5, 96, 64), "up": (6, 64, 96)}
-        globals()["VLLM_US"] = {k: v[:3] for k, v in VLLM_US.items()}
     timer = GraphTimer() if DEVICE == "cuda" else WallTimer()
     bw = copy_bandwidth(timer)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)

@@ -7,6 +7,10 @@ base model, one adapter shared by the batch, and every request its own adapter
 (rank 16 / 64, q/k/v only / all seven modules); transformers runs base and
 multi-LoRA through PEFT's `generate(..., adapter_names=...)`.
 
+Prefill cases: long prompts (512 to 4096 tokens, 1 to 64 requests, each
+request its own adapter in the distinct cases) are prefilled to their first
+token; prefill tokens/s = prompt tokens / wall time, against the base model's.
+
 Per case: tokens/s over the whole run (prefill included), time per output
 token (decode steps only), and the decode floor: bytes a decode step must read
 (base weights without the embedding table, each distinct adapter's weights,
@@ -44,6 +48,10 @@ MODULE_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5
 ENGINE_CASES = [("base", 0, (), False), ("shared_r64_qkv", 64, QKV, False), ("distinct_r16_qkv", 16, QKV, True),
                 ("distinct_r64_qkv", 64, QKV, True), ("distinct_r16_all", 16, ALL, True),
                 ("distinct_r64_all", 64, ALL, True)]
+# (prompt tokens, requests): every request of a distinct case has its own adapter, so 1-64 distinct adapters.
+PREFILL_SHAPES = [(512, 64), (2048, 8), (4096, 1)]
+SMOKE_PREFILL_SHAPES = [(40, 4), (100, 1)]
+PREFILL_CASES = ("base", "distinct_r16_qkv", "distinct_r64_qkv", "distinct_r16_all", "distinct_r64_all")
 HF_CASES = [("base", 0, ()), ("distinct_r64_qkv", 64, QKV)]
 EAGER_CASES = {("base", 1), ("base", 32), ("distinct_r64_qkv", 8)}   # also timed without CUDA graphs
 HF_MAX_ADAPTERS = 8          # as the issue's transformers + PEFT table: 8 adapters, cycled over the batch
@@ -117,15 +125,19 @@ def build_loaded(hf, dev: torch.device, dtype: torch.dtype, max_len: int):
     return loaded, base_bytes
 
 
-def build_engine(hf, dev: torch.device, dtype: torch.dtype, max_batch: int, in_len: int, out_len: int):
+def build_engine(hf, dev: torch.device, dtype: torch.dtype, max_batch: int, in_len: int, out_len: int,
+                 shapes: list[tuple[int, int]]):
     from compute_service.engine import EngineConfig, LLMEngine
 
-    max_len = 256
+    prefill_tokens = max(p * n for p, n in shapes)
+    max_len = max(256, max(p for p, _ in shapes) + 16)
     loaded, base_bytes = build_loaded(hf, dev, dtype, max_len)
     spec = loaded.spec
-    kv_bytes = 2 * max_batch * max_len * 2 * spec.num_layers * spec.kv_size * loaded.model.dtype.itemsize
+    kv_tokens = max(2 * max_batch * 256, prefill_tokens + 64 * 16 * len(shapes))
+    kv_bytes = kv_tokens * 2 * spec.num_layers * spec.kv_size * loaded.model.dtype.itemsize
     config = EngineConfig(device=str(dev), dtype={torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
-                          max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch * in_len),
+                          max_num_seqs=max(max_batch, max(n for _, n in shapes)),
+                          max_num_batched_tokens=max(4096, max_batch * in_len),
                           max_model_len=max_len, kv_cache_bytes=kv_bytes, max_loras=max_batch,
                           max_lora_rank=64, lora_backend="kernels")
     engine = LLMEngine(config, loaded)
@@ -170,6 +182,53 @@ def run_engine(engine, batch: int, keys: list, in_len: int, out_len: int, seed: 
     tpot = (t_end - t_first) / (out_len - 1)
     return dict(total_s=t_end - t0, tok_per_s=n_tokens / (t_end - t0), ttft_s=t_first - t0, tpot_ms=tpot * 1e3,
                 decode_tok_per_s=batch / tpot)
+
+
+def run_prefill(engine, prompt_len: int, keys: list, seed: int) -> dict:
+    """Prefill of len(keys) prompts of `prompt_len` tokens to their first token; tokens/s over the wall time."""
+    from compute_service.engine import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for i, key in enumerate(keys):
+        engine.add_request(f"p{seed}-{i}", torch.randint(0, engine.spec.vocab_size, (prompt_len,),
+                                                          generator=g).tolist(), params, key)
+    sync(engine.loaded.model.device)
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    sync(engine.loaded.model.device)
+    s = time.perf_counter() - t0
+    n = prompt_len * len(keys)
+    return dict(prompt_len=prompt_len, requests=len(keys), tokens=n, s=s, tok_per_s=n / s, steps=steps)
+
+
+def case_keys(engine, name: str, n: int, rows, distinct: bool, loaded: set) -> list:
+    """Adapter key per request (None for the base model), loading the adapters not resident yet."""
+    if rows is None:
+        return [None] * n
+    keys = [f"{name}-{i if distinct else 0}" for i in range(n)]
+    for k in sorted(set(keys) - loaded):
+        engine.slots.load_rows(k, rows)
+        loaded.add(k)
+    return keys
+
+
+def prefill_cases(engine, name: str, rows, distinct: bool, shapes, loaded: set, res: dict) -> None:
+    """Prefill throughput of one case at every shape, warm-up first; ratio to base where base ran."""
+    for prompt_len, n_req in shapes:
+        keys = case_keys(engine, name, n_req, rows, distinct, loaded)
+        run_prefill(engine, prompt_len, keys, seed=5)                   # warm-up: compiles at these shapes
+        r = run_prefill(engine, prompt_len, keys, seed=6)
+        r["distinct_adapters"] = len({k for k in keys if k is not None})
+        base = res["prefill"].get("base", {}).get(f"{prompt_len}x{n_req}")
+        if base:
+            r["over_base"] = r["tok_per_s"] / base["tok_per_s"]
+        res["prefill"].setdefault(name, {})[f"{prompt_len}x{n_req}"] = r
+        print(f"prefill {name:18s} {prompt_len:5d} x {n_req:2d} {r['tok_per_s']:9.0f} tok/s ({r['steps']} steps)"
+              + (f"  x{r['over_base']:.3f} of base" if base else ""), flush=True)
 
 
 def run_hf(model, batch: int, in_len: int, out_len: int, dev: torch.device, vocab: int, names=None) -> dict:
@@ -257,12 +316,12 @@ def main() -> None:
     dims = SMOKE if args.smoke else LLAMA3_8B
     in_len, out_len = 43, (8 if args.smoke else 100)
     batches = [int(b) for b in args.batches.split(",")]
-    hf_batches = [int(b) for b in args.hf_batches.split(",")]
+    hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     elem = torch.empty((), dtype=dtype).element_size()
     res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", commit=args.commit,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      torch=torch.__version__, dims=dims, input_len=in_len, output_len=out_len, dtype=str(dtype),
-                     engine={}, hf={}, errors=[])
+                     engine={}, prefill={}, hf={}, errors=[])
 
     def save() -> None:
         if args.out:
@@ -273,7 +332,8 @@ def main() -> None:
     res["copy_bandwidth_Bps"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     hf = build_hf(dims, dev, dtype)
-    engine, base_bytes = build_engine(hf, dev, dtype, max(batches), in_len, out_len)
+    shapes = SMOKE_PREFILL_SHAPES if args.smoke else PREFILL_SHAPES
+    engine, base_bytes = build_engine(hf, dev, dtype, max(batches), in_len, out_len, shapes)
     res["base_weight_bytes"] = base_bytes
     print(f"built model and engine in {time.perf_counter() - t_start:.1f} s; base bytes {base_bytes / 1e9:.2f} GB",
           flush=True)
@@ -283,12 +343,7 @@ def main() -> None:
         loaded: set[str] = set()
         for batch in batches:
             try:
-                keys: list = [None] * batch
-                if rows is not None:
-                    keys = [f"{name}-{i if distinct else 0}" for i in range(batch)]
-                    for k in sorted(set(keys) - loaded):
-                        engine.slots.load_rows(k, rows)
-                        loaded.add(k)
+                keys = case_keys(engine, name, batch, rows, distinct, loaded)
                 n_distinct = len({k for k in keys if k is not None})
                 run_engine(engine, batch, keys, in_len, 3, seed=1)            # warm-up: compiles, captures
                 r = run_engine(engine, batch, keys, in_len, out_len, seed=2)
@@ -315,12 +370,20 @@ def main() -> None:
                 res["errors"].append(f"engine {name} B={batch}: {e!r}")
                 traceback.print_exc()
             save()
+        if name in PREFILL_CASES:
+            try:
+                prefill_cases(engine, name, rows, distinct, shapes, loaded, res)
+            except Exception as e:
+                res["errors"].append(f"prefill {name}: {e!r}")
+                traceback.print_exc()
+            save()
         for k in loaded:
             engine.slots.evict(k)
     del engine
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    run_hf_cases(hf, dims, dev, dtype, hf_batches, in_len, out_len, bw, base_bytes, elem, res, save)
+    if hf_batches:
+        run_hf_cases(hf, dims, dev, dtype, hf_batches, in_len, out_len, bw, base_bytes, elem, res, save)
     res["wall_s"] = time.perf_counter() - t_start
     save()
     if args.plot:
@@ -379,7 +442,11 @@ def plot(res: dict, out: Path | None) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (re-plot later with --plot-only)")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
+    prefill = res.get("prefill", {})
+    fig, axes = plt.subplots(1, 2 if prefill else 1, figsize=(14 if prefill else 8, 5), squeeze=False)
+    ax = axes[0][0]
+    if prefill:
+        plot_prefill(axes[0][1], prefill, res["device"])
     series = [("engine", "base", "loraplex base", "C0", "-"),
               ("engine", "distinct_r64_qkv", "loraplex, distinct r64 q/k/v per request", "C1", "-"),
               ("engine", "distinct_r16_all", "loraplex, distinct r16 all modules", "C2", "-"),
@@ -403,6 +470,23 @@ def plot(res: dict, out: Path | None) -> None:
     fig.tight_layout()
     if out:
         fig.savefig(out, dpi=120)
+
+
+def plot_prefill(ax, prefill: dict, device: str) -> None:
+    """Prefill tokens/s of each adapter case over the base model's, per prompt shape."""
+    cases = [c for c in PREFILL_CASES if c != "base" and c in prefill]
+    shapes = sorted({s for c in cases for s in prefill[c]}, key=lambda s: [int(v) for v in s.split("x")])
+    width = 0.8 / max(1, len(cases))
+    for i, case in enumerate(cases):
+        ys = [prefill[case].get(s, {}).get("over_base", 0.0) for s in shapes]
+        ax.bar([j + i * width for j in range(len(shapes))], ys, width, label=case)
+    ax.axhline(0.85, color="k", linestyle="--", alpha=0.5, label="goal 0.85x base")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))],
+                  [f"{s.split('x')[1]} x {s.split('x')[0]} tok" for s in shapes])
+    ax.set_ylabel("prefill tokens/s over base")
+    ax.set_title(f"Prefill with distinct adapters, {device}")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,19 @@
-"""Fused LoRA (shrink + expand in one launch): y[t, slice cols] += (x[t] @ A.T) @ B.T, rank-r product on chip.
+"""Fused LoRA (shrink + expand in one launch): y[t, slice cols] += (x[t] @ A.T) @ B.T.
 
 One launch covers every slice (q/k/v, or gate/up) and every adapter of the
-batch. Grid: (column groups x K splits, token tiles). A program maps its tile
-to a segment (one adapter) on the device, computes the rank-r shrink of its
-tokens over its share of H_in in registers, multiplies it straight into its
-column group of B^T, and adds the result into `y`; nothing rank-sized ever
-goes to memory and no zeroing launch is needed.
-
-Prefill (many tokens) uses one K split: every program owns its whole
-reduction and adds into `y` directly. Decode (few tokens per adapter) splits
-H_in so that a batch of 1-8 tokens still spreads over the GPU; since the
-expand is linear in the shrink, each split adds its partial product into an
-fp32 workspace with atomics, and the last split to arrive for a (tile, column
-group) - known from an arrival counter - reads the sum back (leaving zeros),
-adds it into `y` with one rounding, and resets the counter. The workspace is
-therefore all zeros between launches and is owned by the caller.
+batch, with the parallel structure of a separate shrink and expand but no
+second launch and no zeroing launch. Grid: (programs per tile, token tiles).
+A program maps its tile to a segment (one adapter) on the device and takes a
+ticket from its tile's counter; tickets below `slices x K splits` are shrink
+work (one K split of one slice: partial sums of the rank-r product added with
+fp32 atomics into the caller's workspace, then an arrival published), the
+rest are expand work (one column group of one slice: wait until every split
+of that slice has arrived, read the rank-r product, multiply it into B^T and
+add into `y`). Because roles follow the order in which programs take tickets,
+an expand program only ever waits for shrink programs that are already
+running, whatever order the hardware starts programs in. The last expand
+program of a tile leaves the workspace rows and counters of the tile at zero,
+so the workspace is all zeros between launches.
 """
 from __future__ import annotations
 
@@ -32,89 +31,96 @@ from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow
 from kernels.tiles import pick4, segment_tile, shrink_tile, table_entry
 
 MIN_K_PER_SPLIT = 256      # a K split reads at least this many columns of x and A
-COUNTERS = 1 << 16         # arrival counters in a default workspace
+# At or below this many tokens one fused launch beats a shrink + expand pair (whole decode step on an H200:
+# -17% at B=1, -2% at B=8, +12% at B=32; docs/kernels.md); above it the pair is faster.
+FUSED_MAX_TOKENS = 16
+COUNTERS = 1 << 16         # counters in a default workspace (8 per token tile)
+
+
+@triton.jit
+def _rank_rows(seg_slots_ptr, seg, module, layer, num_layers, num_modules, ranks_ptr, off_ptr, max_rank,
+               BLOCK_R: tl.constexpr, ROW_ALIGN: tl.constexpr):
+    """(rank, pool offsets of the A or B^T rows [BLOCK_R]) of the segment's adapter for one module."""
+    entry = table_entry(seg_slots_ptr, seg, module, layer, num_layers, num_modules)
+    offs_r = tl.arange(0, BLOCK_R)
+    rows = tl.load(off_ptr + entry * max_rank + offs_r, mask=offs_r < max_rank, other=0)
+    return tl.load(ranks_ptr + entry), tl.multiple_of(rows, ROW_ALIGN)
 
 
 @triton.jit
 def _fused_kernel(
     x_ptr, x_stride, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, y_ptr, y_stride,
-    part_ptr, part_stride, cnt_ptr,
+    s_ptr, s_stride, cnt_ptr,
     tok_ptr, seg_starts_ptr, seg_slots_ptr, max_slots,
     layer, num_layers, num_modules, max_rank, K, K_PER_SPLIT, GROUP_N,
-    mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4, grp1, grp2, grp3, NUM_GROUPS,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    COL_ALIGN: tl.constexpr,
+    mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4, grp1, grp2, grp3, num_groups,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr,
 ):
-    # K splits vary fastest, so the splits that meet in one counter run together.
-    pid_sub = tl.program_id(0)
     pid_tile = tl.program_id(1)
-    grp = pid_sub // SPLIT_K
-    split = pid_sub % SPLIT_K
-    # Column groups are numbered slice after slice; grpN is the first group of slice N.
-    slice_id = (grp >= grp1).to(tl.int32) + (grp >= grp2).to(tl.int32) + (grp >= grp3).to(tl.int32)
-    col0 = pick4(slice_id, off0, off1, off2, off3)
-    n_start = (grp - pick4(slice_id, 0, grp1, grp2, grp3)) * GROUP_N
-    n_end = tl.minimum(n_start + GROUP_N, pick4(slice_id, off1, off2, off3, off4) - col0)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
         return
-    entry = table_entry(seg_slots_ptr, seg, pick4(slice_id, mod0, mod1, mod2, mod3), layer, num_layers, num_modules)
-    # Independent loads issued together before the first branch on their values.
-    rank = tl.load(ranks_ptr + entry)
-    offs_r = tl.arange(0, BLOCK_R)
-    in_table = offs_r < max_rank
-    a_rows = tl.multiple_of(tl.load(a_off_ptr + entry * max_rank + offs_r, mask=in_table, other=0), ROW_ALIGN)
-    b_rows = tl.multiple_of(tl.load(b_off_ptr + entry * max_rank + offs_r, mask=in_table, other=0), ROW_ALIGN)
+    cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
+    ticket = tl.atomic_add(cnt, 1, sem="relaxed")
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                    # [BLOCK_M]
-    if rank == 0:
-        return                                 # the same for every split of the group: no counter touched
-    r_mask = offs_r < rank
-
-    # Shrink over this split's columns of x and A: s [BLOCK_M, BLOCK_R] stays in registers.
-    k_lo = split * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, a_rows, r_mask, k_lo, k_hi, K,
-                      BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K)
-    s = acc.to(pool_ptr.dtype.element_ty)
-
-    # Expand into this program's column group.
-    for n0 in range(n_start, n_end, BLOCK_N):
-        offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
-        n_mask = offs_n < n_end
-        bt = tl.load(pool_ptr + b_rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                     other=0.0)
-        d = tl.dot(s, bt)                                                                      # [BLOCK_M, BLOCK_N]
-        cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
-        mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K == 1:
-            y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
-            cur = tl.load(y_ptrs, mask=mask, other=0.0)
-            tl.store(y_ptrs, (cur.to(tl.float32) + d).to(cur.dtype), mask=mask)
-        else:
-            tl.atomic_add(part_ptr + toks[:, None] * part_stride + cols[None, :], d, mask=mask, sem="relaxed")
-
-    if SPLIT_K > 1:
-        # Every thread's partial sums are issued before the arrival is published (release); the last
-        # split to arrive sees them all (acquire) and folds them into y.
-        tl.debug_barrier()
-        counter = cnt_ptr + pid_tile * NUM_GROUPS + grp
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+    offs_r = tl.arange(0, BLOCK_R)
+    if ticket < NUM_SLICES * SPLIT_K:
+        # Shrink: one K split of one slice, partial sums into the workspace.
+        slice_id = ticket // SPLIT_K
+        rank, rows = _rank_rows(seg_slots_ptr, seg, pick4(slice_id, mod0, mod1, mod2, mod3), layer, num_layers,
+                                num_modules, ranks_ptr, a_off_ptr, max_rank, BLOCK_R, ROW_ALIGN)
+        if rank > 0:
+            r_mask = offs_r < rank
+            k_lo = (ticket % SPLIT_K) * K_PER_SPLIT
+            acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo,
+                              tl.minimum(k_lo + K_PER_SPLIT, K), K, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K)
+            s_ptrs = s_ptr + toks[:, None] * s_stride + slice_id * BLOCK_R + offs_r[None, :]
+            tl.atomic_add(s_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
+            tl.debug_barrier()           # every thread's sums are issued before the arrival is published
+            tl.atomic_add(cnt + 1 + slice_id, 1, sem="release")
+    else:
+        # Expand: one column group of one slice, once every split of the slice has arrived.
+        grp = ticket - NUM_SLICES * SPLIT_K
+        slice_id = (grp >= grp1).to(tl.int32) + (grp >= grp2).to(tl.int32) + (grp >= grp3).to(tl.int32)
+        col0 = pick4(slice_id, off0, off1, off2, off3)
+        n_start = (grp - pick4(slice_id, 0, grp1, grp2, grp3)) * GROUP_N
+        n_end = tl.minimum(n_start + GROUP_N, pick4(slice_id, off1, off2, off3, off4) - col0)
+        rank, rows = _rank_rows(seg_slots_ptr, seg, pick4(slice_id, mod0, mod1, mod2, mod3), layer, num_layers,
+                                num_modules, ranks_ptr, b_off_ptr, max_rank, BLOCK_R, ROW_ALIGN)
+        if rank > 0:
+            r_mask = offs_r < rank
+            while tl.atomic_add(cnt + 1 + slice_id, 0, sem="acquire") < SPLIT_K:
+                pass
+            s_ptrs = s_ptr + toks[:, None] * s_stride + slice_id * BLOCK_R + offs_r[None, :]
+            s = tl.load(s_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0, cache_modifier=".cg")
+            s = s.to(pool_ptr.dtype.element_ty)
             for n0 in range(n_start, n_end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
+                offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+                n_mask = offs_n < n_end
+                bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                             other=0.0)
                 cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
-                mask = m_mask[:, None] & (offs_n < n_end)[None, :]
-                zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                part_ptrs = part_ptr + toks[:, None] * part_stride + cols[None, :]
-                d = tl.atomic_add(part_ptrs, zero, mask=mask, sem="relaxed")   # read where the sums were made
-                tl.store(part_ptrs, zero, mask=mask)                          # and leave zeros for the next launch
                 y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
+                mask = m_mask[:, None] & n_mask[None, :]
                 cur = tl.load(y_ptrs, mask=mask, other=0.0)
-                tl.store(y_ptrs, (cur.to(tl.float32) + d).to(cur.dtype), mask=mask)
-            tl.atomic_xchg(counter, 0)
+                tl.store(y_ptrs, (cur.to(tl.float32) + tl.dot(s, bt)).to(cur.dtype), mask=mask)
+        tl.debug_barrier()               # this program's reads of the workspace are done
+        if tl.atomic_add(cnt + 5, 1, sem="acq_rel") == num_groups - 1:
+            # The tile's last expand: every ticket was taken and every read done; leave zeros behind.
+            zero = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for i in tl.static_range(NUM_SLICES):
+                tl.store(s_ptr + toks[:, None] * s_stride + i * BLOCK_R + offs_r[None, :], zero,
+                         mask=m_mask[:, None])
+            tl.store(cnt + tl.arange(0, 8), tl.zeros((8,), dtype=tl.int32))
+
+
+def max_tiles(T: int, block_m: int, max_slots: int) -> int:
+    """Upper bound of token tiles: segments of n_i tokens take sum(cdiv(n_i, block_m)) tiles."""
+    return triton.cdiv(T, block_m) + min(max_slots, T) - 1
 
 
 def _groups(widths: Sequence[int], group_n: int) -> int:
@@ -125,11 +131,11 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
                  num_sms: int | None = None) -> dict[str, int]:
     """Tile sizes, K split and column-group width; depends only on host-known shapes (graph-stable).
 
-    Every (tile, column group) re-reads its adapter's A and every K split re-reads
-    its B^T columns (from L2), so a tile's traffic is r * (K * groups + N * splits).
-    Among the choices that give the launch about two programs per SM (counting
-    the upper bound of token tiles), the one with the least traffic wins; K is
-    split only at decode sizes (the workspace holds DECODE_MAX_TOKENS rows).
+    H_in is split until the shrink programs cover the GPU about twice (each split
+    reading at least MIN_K_PER_SPLIT columns), so a batch of 1-8 tokens still
+    spreads over every SM; column groups are as narrow as possible while the
+    expand programs stay within about four per SM (counting the upper bound of
+    token tiles). Every byte of A and B is read once per token tile either way.
     """
     block_r = max(16, _next_pow2(max_rank))
     block_k = min(256, max(32, 8192 // block_r))
@@ -138,35 +144,27 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
         block_m, num_warps = 16, 4
     else:
         block_m, num_warps = max(16, min(64, 4096 // block_r)), 8
-    tiles = triton.cdiv(T, block_m) + min(max_slots, T)
-    target = 2 * (num_sms or _num_sms(device))
-    max_split = max(1, K // MIN_K_PER_SPLIT) if T <= DECODE_MAX_TOKENS else 1
-    best: tuple | None = None
+    tiles = max_tiles(T, block_m, max_slots)
+    sms = num_sms or _num_sms(device)
     split = 1
-    while split <= max_split:
-        k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-        real_split = triton.cdiv(K, k_per_split)
-        group_n = block_n
-        while True:
-            groups = _groups(widths, group_n)
-            programs = tiles * groups * real_split
-            traffic = K * groups + sum(widths) * real_split
-            key = (programs < target, traffic if programs >= target else -programs, programs)
-            if best is None or key < best[0]:
-                best = (key, real_split, k_per_split, group_n)
-            if group_n >= max(widths):
-                break
-            group_n *= 2
+    while tiles * len(widths) * split < 2 * sms and K // (2 * split) >= MIN_K_PER_SPLIT:
         split *= 2
-    assert best is not None
-    _, split, k_per_split, group_n = best
-    return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n, SPLIT_K=split,
-                K_PER_SPLIT=k_per_split, GROUP_N=group_n, num_warps=num_warps, num_stages=2)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    group_n = block_n
+    while tiles * _groups(widths, group_n) > 4 * sms and group_n < max(widths):
+        group_n *= 2
+    return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
+                SPLIT_K=triton.cdiv(K, k_per_split), K_PER_SPLIT=k_per_split, GROUP_N=group_n,
+                num_warps=num_warps, num_stages=3)
 
 
-def fused_workspace(max_tokens: int, max_cols: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial [max_tokens, max_cols] float32, counters [COUNTERS] int32), both zero; kept zero by the kernel."""
-    return (torch.zeros(max_tokens, max_cols, dtype=torch.float32, device=device),
+def fused_workspace(max_tokens: int, max_rank: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank-r sums [max_tokens, 4 slices x padded rank] float32, counters [COUNTERS] int32), all zero.
+
+    The kernel leaves both at zero after every launch, so one workspace serves every launch on a stream.
+    """
+    cols = MAX_SLICES * max(16, _next_pow2(max_rank))
+    return (torch.zeros(max_tokens, cols, dtype=torch.float32, device=device),
             torch.zeros(COUNTERS, dtype=torch.int32, device=device))
 
 
@@ -177,7 +175,7 @@ def lora_fused_triton(
     module_indices: Sequence[int],   # dense module index per slice (1..4 slices)
     y: torch.Tensor,                 # [T, >= slice_offsets[-1]] same dtype as pool, rows contiguous
     slice_offsets: Sequence[int],    # num_slices + 1 increasing column boundaries in y
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,  # fused_workspace(...): needed when K is split
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,   # fused_workspace(>= T, >= tables.max_rank, device)
     config: dict[str, int] | None = None,  # overrides of fused_config's choices (for tuning and tests)
 ) -> None:
     """Shrink and expand of every slice and adapter in one launch, adding into `y` in place.
@@ -185,7 +183,7 @@ def lora_fused_triton(
     Semantics:
         for t with slot a = a(t) >= 0, for i, m in enumerate(module_indices):
             r = tables.ranks[a, layer, m]
-            s = x[t].float() @ A[a, layer, m].float().T                 # [r], rounded to y's dtype
+            s = x[t].float() @ A[a, layer, m].float().T                 # [r] fp32, rounded to y's dtype
             y[t, off[i]:off[i+1]] += s @ B[a, layer, m].T               (fp32 add, then y's dtype)
         rows of tokens without adapter, and slices of absent modules, are left as they were.
         (kernels.reference.lora_apply_ref is the definition.)
@@ -197,6 +195,8 @@ def lora_fused_triton(
     offs = check_slices(y, slice_offsets, num_slices, pool)
     if y.shape[0] != T or meta.num_tokens != T:
         raise ValueError(f"x has {T} rows, y {y.shape[0]}, and meta was prepared for {meta.num_tokens} tokens")
+    if workspace is None:
+        raise ValueError("the fused kernel needs a workspace (kernels.fused.fused_workspace)")
     if T == 0 or (meta.has_lora is False and not _capturing(x.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
     widths = [b - a for a, b in zip(offs, offs[1:])]
@@ -210,28 +210,24 @@ def lora_fused_triton(
     group_counts = [triton.cdiv(w, cfg["GROUP_N"]) for w in widths] + [0] * (MAX_SLICES - num_slices)
     firsts = [sum(group_counts[:i]) for i in range(1, MAX_SLICES)]
     num_groups = sum(group_counts)
-    tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
-    part, counters = torch.empty(0, device=x.device), torch.empty(0, dtype=torch.int32, device=x.device)
-    if cfg["SPLIT_K"] > 1:
-        if workspace is None:
-            raise ValueError("a K split needs a workspace (kernels.fused.fused_workspace)")
-        part, counters = workspace
-        if (part.dtype != torch.float32 or part.dim() != 2 or part.stride(1) != 1 or part.shape[0] < T
-                or part.shape[1] < offs[-1] or part.device != x.device):
-            raise ValueError(f"workspace partial must be float32 [>= {T}, >= {offs[-1]}] on {x.device}")
-        if counters.dtype != torch.int32 or counters.numel() < tiles * num_groups or counters.device != x.device:
-            raise ValueError(f"workspace counters must be int32 with >= {tiles * num_groups} entries")
+    tiles = max_tiles(T, cfg["BLOCK_M"], meta.max_slots)
+    sums, counters = workspace
+    if (sums.dtype != torch.float32 or sums.dim() != 2 or sums.stride(1) != 1 or sums.shape[0] < T
+            or sums.shape[1] < num_slices * cfg["BLOCK_R"] or sums.device != x.device):
+        raise ValueError(f"workspace sums must be float32 [>= {T}, >= {num_slices * cfg['BLOCK_R']}] on {x.device}")
+    if counters.dtype != torch.int32 or counters.numel() < 8 * tiles or counters.device != x.device:
+        raise ValueError(f"workspace counters must be int32 with >= {8 * tiles} entries on {x.device}")
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
-    grid = (num_groups * cfg["SPLIT_K"], tiles)
+    grid = (num_slices * cfg["SPLIT_K"] + num_groups, tiles)
     _fused_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.b_offsets, tables.ranks, y, y.stride(0),
-        part, part.stride(0) if part.dim() == 2 else 0, counters,
+        sums, sums.stride(0), counters,
         meta.token_indices, meta.seg_starts, meta.seg_slots, meta.max_slots,
         layer, tables.num_layers, tables.num_modules, tables.max_rank, K, cfg["K_PER_SPLIT"], cfg["GROUP_N"],
         *mods, *offs, *firsts, num_groups,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0),
-        ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
+        NUM_SLICES=num_slices, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=_next_pow2(meta.max_slots),
+        EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

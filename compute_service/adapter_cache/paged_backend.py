@@ -1,10 +1,14 @@
-"""The CUDA `LoraBackend` over the one adapter pool: shrink/expand read adapter rows in place.
+"""The CUDA `LoraBackend` over the one adapter pool: the LoRA kernels read adapter rows in place.
 
-One `LoraBatchMeta` is prepared per step (outside CUDA graphs); each layer's
-group then costs one shrink launch over all its slices and one expand launch
-writing every slice (q/k/v, or gate/up) of the fused output in place. Triton
-kernels on CUDA; on CPU tensors kernels/__init__.py runs their torch reference,
-which is for tests only: CPU serving uses `dense_backend.DenseLoraBackend`.
+One `LoraBatchMeta` is prepared per step (outside CUDA graphs; on CUDA the host
+only copies the slot ids, the grouping is built on the device). Each layer's
+group then costs, for steps of up to `FUSED_MAX_TOKENS` tokens (decode of small
+batches), one fused launch (shrink and expand in one kernel), and above that
+one shrink launch over all its slices and one expand launch, where the pair is
+faster (docs/kernels.md); either adds into every slice (q/k/v, or gate/up) of
+the fused output in place. Triton kernels on CUDA; on CPU tensors
+kernels/__init__.py runs their torch reference, which is for tests only: CPU
+serving uses `dense_backend.DenseLoraBackend`.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.engine.lora_backend import GROUP_MODULE_IDS
-from kernels import LoraBatchMeta, lora_expand, lora_shrink
+from kernels import LoraBatchMeta, lora_expand, lora_fused, lora_shrink
 
 
 class PagedLoraBackend:
@@ -21,10 +25,11 @@ class PagedLoraBackend:
     Built before the pool exists (the engine takes it at construction, the pool
     is sized after the KV cache): `allocate()` must follow `slots.allocate()`
     and precede any CUDA graph capture, so every buffer a graph reads (pool,
-    row tables, batch metadata, shrink output) has its final address before
-    it is captured. Graph-safe: `prepare` refills those buffers in place and
-    the launch configuration depends only on the token count (the row
-    alignment the kernels specialise on is fixed when the pool is allocated).
+    row tables, batch metadata, shrink output, fused-kernel workspace) has its
+    final address before it is captured. Graph-safe: `prepare` refills those
+    buffers in place and the launch configuration depends only on the token
+    count (the row alignment the kernels specialise on is fixed when the pool
+    is allocated).
     """
 
     graph_safe = True
@@ -35,9 +40,11 @@ class PagedLoraBackend:
         self.meta: LoraBatchMeta | None = None
         self._group_modules: dict[str, list[int]] = {}
         self._shrink_buf = torch.empty(0)
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused_max_tokens = 0
 
     def allocate(self) -> LoraBatchMeta:
-        """Allocates the batch metadata and shrink output (once; the pool must exist)."""
+        """Allocates the batch metadata, shrink output and fused workspace (once; the pool must exist)."""
         if self.meta is not None:
             return self.meta
         tables = self.slots.tables
@@ -48,6 +55,11 @@ class PagedLoraBackend:
         # Shrink output for up to 3 slices at the largest step, fp32 as the kernels want it.
         self._shrink_buf = torch.empty(3 * self.max_num_batched_tokens * tables.max_rank, dtype=torch.float32,
                                        device=self.slots.device)
+        if self.slots.device.type == "cuda":
+            from kernels.fused import FUSED_MAX_TOKENS, fused_workspace   # Triton: imported on first use
+            # Rank-r sums and counters of the fused kernel; the kernel leaves them zero after each launch.
+            self._fused_max_tokens = min(FUSED_MAX_TOKENS, self.max_num_batched_tokens)
+            self._workspace = fused_workspace(self._fused_max_tokens, tables.max_rank, self.slots.device)
         self.meta = meta
         return meta
 
@@ -70,6 +82,9 @@ class PagedLoraBackend:
         tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
         assert tables is not None and pool is not None and meta is not None
         T = x.shape[0]
+        if T <= self._fused_max_tokens:
+            lora_fused(x.contiguous(), pool, tables, meta, layer, mods, y, offsets, self._workspace)
+            return
         s = self._shrink_buf[: len(mods) * T * tables.max_rank].view(len(mods), T, tables.max_rank)
         lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s)
         lora_expand(s, pool, tables, meta, layer, mods, y, offsets)

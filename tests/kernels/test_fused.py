@@ -26,7 +26,7 @@ def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.floa
     x = torch.randn(T, case.h_in, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(T, offs[-1] + extra_cols, generator=gen).to(dtype).to(DEVICE)
     y = y0.clone()
-    ws = fused_workspace(T + 2, offs[-1] + 5, DEVICE)
+    ws = fused_workspace(T + 2, case.tables.max_rank, DEVICE)
     if config:
         lora_fused_triton(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, config=config)
     else:
@@ -74,13 +74,14 @@ def test_fused_with_device_built_metadata():
     run_fused(case, 11, 0.25, [0, 1], layer=0, gen=gen, slots=[1, 2, 4], config=SPLIT, device_meta=True)
 
 
-def test_fused_config_is_graph_stable_and_splits_only_small_batches():
+def test_fused_config_is_graph_stable_and_splits_small_batches():
     dev = torch.device("cpu")
     a = fused_config(8, 4096, [4096, 1024, 1024], 16, 64, dev, num_sms=132)
     assert a == fused_config(8, 4096, [4096, 1024, 1024], 16, 64, dev, num_sms=132)
     assert a["SPLIT_K"] > 1 and a["K_PER_SPLIT"] % a["BLOCK_K"] == 0
     big = fused_config(4096, 4096, [4096, 1024, 1024], 64, 64, dev, num_sms=132)
     assert big["SPLIT_K"] == 1 and big["BLOCK_R"] == 64 and big["GROUP_N"] % big["BLOCK_N"] == 0
+    assert big["GROUP_N"] > a["GROUP_N"]          # many tiles: wider column groups
 
 
 def test_fused_checks_inputs():
@@ -89,17 +90,17 @@ def test_fused_checks_inputs():
     meta = prepare_meta(torch.zeros(4, dtype=torch.int32), case.tables.max_slots)
     x = torch.randn(4, 512).half().to(DEVICE)
     y = torch.randn(4, 16).half().to(DEVICE)
+    ws = fused_workspace(4, 4, DEVICE)
     with pytest.raises(ValueError, match="increasing boundaries"):
-        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0])
+        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0], ws)
     with pytest.raises(ValueError, match="beyond y's"):
-        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 17])
+        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 17], ws)
     with pytest.raises(ValueError, match="differs from pool dtype"):
-        lora_fused_triton(x.float(), case.pool, case.tables, meta, 0, [0], y, [0, 16])
+        lora_fused_triton(x.float(), case.pool, case.tables, meta, 0, [0], y, [0, 16], ws)
     with pytest.raises(ValueError, match="needs a workspace"):
-        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 16], config={"SPLIT_K": 2})
-    with pytest.raises(ValueError, match="workspace partial"):
-        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 16], fused_workspace(2, 16, DEVICE),
-                          config={"SPLIT_K": 2})
+        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 16], None)
+    with pytest.raises(ValueError, match="workspace sums"):
+        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 16], fused_workspace(2, 4, DEVICE))
 
 
 @pytest.mark.gpu

@@ -65,7 +65,7 @@ def test_fused_graph_replay_follows_new_metadata(T):
                       dtype=torch.bfloat16, gen=gen, page_elems=4096 * 4)
     mods, offs = [0, 1, 2], [0, 4096, 5120, 6144]
     meta = LoraBatchMeta(T, 16, device="cuda")
-    ws = fused_workspace(T, 6144, "cuda")
+    ws = fused_workspace(T, 64, "cuda")
     x = torch.empty(T, 4096, dtype=torch.bfloat16, device="cuda")
     y = torch.empty(T, 6144, dtype=torch.bfloat16, device="cuda")
 
