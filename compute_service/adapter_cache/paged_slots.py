@@ -173,9 +173,8 @@ class PagedAdapterSlots:
         self._make_replaceable(key)
         adapter = rows_adapter(rows, self.dtype, self.device)
         checked = check_structure(adapter, self.spec, self.max_lora_rank)
-        n = self._pages_for(key, checked)
-        nbytes = checked.weights.numel() * checked.weights.element_size()
-        return self._load_now(key, Uploaded(checked, checked.weights, n, nbytes, None, None))
+        # No stream: the rows are grouped where they already are (no copy).
+        return self._load_now(key, upload(checked, self._pages_for(key, checked), self.device, None))
 
     def _make_replaceable(self, key: str) -> None:
         e = self._res.get(key)
