@@ -24,7 +24,6 @@ import datetime
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
