@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,7 +164,7 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
              len(plan.base_prefill_tokens), len(first), len(second), threads, report.adapter_ranks)
     t = time.perf_counter()
     _touch_triton_driver(rt.device)
-    with ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
+    with _launchers_one_at_a_time(), ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
         for phase, tasks in enumerate((first, second), start=1):
             for fut in [pool.submit(fn, n, lora) for fn, n, lora in tasks]:
                 fut.result()
@@ -171,6 +174,37 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
         torch.cuda.synchronize(rt.device)
     report.compile_s = time.perf_counter() - t
     log.info("warm-up: kernels compiled in %.1f s (%s Triton programs)", report.compile_s, compiled_kernels())
+
+
+@contextmanager
+def _launchers_one_at_a_time() -> Iterator[None]:
+    """Serialises Triton's per-program handle set-up (module load, launcher) while the pool runs.
+
+    The first run of a compiled program builds and imports its launcher, a small C module that always has
+    the same module name; two threads importing two of them at once can each get the other's (seen on an
+    H200 with a warm Triton cache: a launch failing with the wrong number of arguments). Compiling, the
+    slow part, stays parallel; only that set-up takes turns.
+    """
+    try:
+        from triton.compiler.compiler import CompiledKernel
+    except ImportError:
+        yield
+        return
+    original = CompiledKernel.__dict__.get("_init_handles")
+    if original is None:
+        yield
+        return
+    lock = threading.RLock()
+
+    def init_handles(self: Any) -> Any:
+        with lock:
+            return original(self)
+
+    CompiledKernel._init_handles = init_handles
+    try:
+        yield
+    finally:
+        CompiledKernel._init_handles = original
 
 
 def _touch_triton_driver(device: torch.device) -> None:
