@@ -48,23 +48,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_gguf(path: Path) -> tuple[ModelSpec, Callable[[str], torch.Tensor | None], str | None]:
     """Returns (spec, get-by-HF-name, chat template)."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
+
+    from compute_service.engine.gguf_header import read_header
 
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the reader raises bare ValueErrors/struct errors on a bad file
+        header = read_header(path)
+    except Exception as e:  # bad files raise ValueErrors/struct errors from deep inside the parse
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from None
-    fields: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                   "tokenizer.ggml.scores"):
-            continue
-        try:
-            fields[key] = f.contents()
-        except Exception:   # exotic field types we do not need
-            continue
-    num_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
-    tensors = {t.name: t for t in reader.tensors}
+    fields = {k: v for k, v in header.fields.items()
+              if k not in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores")}
+    num_tokens = header.array_lengths.get("tokenizer.ggml.tokens", len(fields.pop("tokenizer.ggml.tokens", [])))
+    tensors = header.tensors
     if "rope_freqs.weight" in tensors:
         raise UnsupportedModelError(f"{path.name}: GGUF with rope_freqs (Llama-3.1 scaling) is not supported; "
                                     "use the HF safetensors folder instead")
