@@ -133,18 +133,3 @@ def test_no_request_compiles_a_kernel_after_warm_up(tiny_model_dir):
     torch.cuda.synchronize()
     assert compiled_kernels() == before
 
-
-@pytest.mark.slow
-def test_gguf_adapter_fingerprint_matches_the_host_cache_s():
-    """The compute service derives it from the loaded spec (no second header read); the cache reads the file."""
-    from compute_service.build import adapter_fingerprint
-    from compute_service.engine.gguf_loader import read_gguf
-    from compute_service.engine.loader import LoadedModel, default_model_path
-    from loraplex.formats import ModelSpec
-
-    try:
-        path = default_model_path()
-    except Exception:  # noqa: BLE001 - the default model is an optional install
-        pytest.skip("the default SmolLM2 GGUF is not installed")
-    loaded = LoadedModel(read_gguf(path)[0], None, "", path, None)  # type: ignore[arg-type]  (shapes only)
-    assert adapter_fingerprint(loaded) == ModelSpec.from_path(path).fingerprint

@@ -7,16 +7,20 @@ import pytest
 from compute_service.engine.gguf_header import read_header
 
 
+def _default_gguf():
+    from compute_service.engine.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except Exception:  # noqa: BLE001 - the default model is an optional install
+        pytest.skip("the default SmolLM2 GGUF is not installed")
+
+
 @pytest.mark.slow
 def test_header_matches_the_gguf_reader_on_the_default_model():
     from gguf import GGUFReader
 
-    from compute_service.engine.loader import default_model_path
-
-    try:
-        path = default_model_path()
-    except Exception:  # noqa: BLE001 - the default model is an optional install
-        pytest.skip("the default SmolLM2 GGUF is not installed")
+    path = _default_gguf()
     ours, ref = read_header(path), GGUFReader(str(path))
     assert ours.array_lengths == {"tokenizer.ggml.tokens": 49152, "tokenizer.ggml.merges": 48900}
     for key, f in ref.fields.items():
@@ -35,3 +39,16 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="bad magic"):
         read_header(bad)
+
+
+@pytest.mark.slow
+def test_gguf_adapter_fingerprint_matches_the_host_cache_s():
+    """The compute service derives it from the loaded spec (no second header read); the cache reads the file."""
+    from compute_service.build import adapter_fingerprint
+    from compute_service.engine.gguf_loader import read_gguf
+    from compute_service.engine.loader import LoadedModel
+    from loraplex.formats import ModelSpec
+
+    path = _default_gguf()
+    loaded = LoadedModel(read_gguf(path)[0], None, "", path, None)  # type: ignore[arg-type]  (shapes only)
+    assert adapter_fingerprint(loaded) == ModelSpec.from_path(path).fingerprint
