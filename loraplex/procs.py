@@ -16,7 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-_LISTEN_RE = re.compile(r"listening on (\S+):(\d+)")
+# At the start of a line: `loraplex serve` also forwards its services' lines, prefixed "[name] ".
+_LISTEN_RE = re.compile(r"^\S+ listening on (\S+):(\d+)")
 
 
 @dataclass
