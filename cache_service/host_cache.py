@@ -21,6 +21,7 @@ from cache_service import sources as disk
 from cache_service.backend import CacheBackend, Reader
 from cache_service.metrics import CacheMetrics
 from cache_service.records import AdapterRecord, CacheStats, ListedAdapter, SourceEntry
+from cache_service.single_flight import SingleFlight
 from cache_service.disk_loads import upload_from_disk
 from cache_service.uploads import Upload, UploadClaim
 
@@ -52,6 +53,8 @@ class HostCache:
         # Sources found by scanning this host's folders; a fallback when the
         # backend's shared registry is unreachable or was wiped (Redis restart).
         self._local_sources: dict[int, SourceEntry] = {}
+        # Concurrent loads of one source share one conversion.
+        self._loads = SingleFlight()
 
     # -- puts ---------------------------------------------------------------
     def begin_upload(self, claim: UploadClaim) -> Upload:
@@ -105,6 +108,10 @@ class HostCache:
                             "resend its weights and config")
 
     def _reload(self, source: SourceEntry) -> PutOutcome:
+        """Loads `source` again; callers arriving while it loads share that load."""
+        return self._loads.run((source.task_id, source.path), lambda: self._load_source(source))
+
+    def _load_source(self, source: SourceEntry) -> PutOutcome:
         path = Path(source.path)
         if source.kind in ("root", "path"):
             if self.lora_root is None:

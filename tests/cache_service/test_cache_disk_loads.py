@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -58,3 +59,38 @@ def test_non_finite_factor_is_refused_naming_its_row_and_leaves_no_segment(cache
     with pytest.raises(errors.InvalidArgumentError, match="row 5: nan at column 537"):
         cache.resolve_name("bad")
     assert cache.backend.segment_names() == [] and cache.backend.stats().num_adapters == 0
+
+
+def run_together(n, fn):
+    """`fn()` from n threads released at once; each result or exception."""
+    barrier, out = threading.Barrier(n), [None] * n
+
+    def one(i):
+        barrier.wait()
+        try:
+            out[i] = fn()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[i] = exc
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_concurrent_requests_for_a_new_name_share_one_conversion(cache, tmp_path):
+    write_adapter(tmp_path / "burst", seed=3, rank=32)
+    results = run_together(8, lambda: cache.resolve_name("burst"))
+    assert len(set(results)) == 1 and not isinstance(results[0], Exception)
+    assert cache.metrics.registry.get_sample_value("loraplex_host_cache_load_seconds_count") == 1
+    assert len(cache.backend.segment_names()) == 1
+
+
+def test_concurrent_requests_for_a_bad_adapter_all_get_the_refusal(cache, tmp_path):
+    tensors = write_adapter(tmp_path / "badburst", seed=4)
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"][0, 0] = float("inf")
+    save_file(tensors, str(tmp_path / "badburst" / "adapter_model.safetensors"))
+    results = run_together(6, lambda: cache.resolve_name("badburst"))
+    assert all(isinstance(r, errors.InvalidArgumentError) and "row" in str(r) for r in results)
+    assert cache.backend.segment_names() == []
