@@ -77,6 +77,7 @@ class StepLoop:
     # -- from the event loop ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self._thread.start()
 

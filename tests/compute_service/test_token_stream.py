@@ -27,6 +27,11 @@ def loaded(tiny_model_dir):
     return load_model(tiny_model_dir)
 
 
+@pytest.fixture(scope="module")
+def loaded_cuda(tiny_model_dir):
+    return load_model(tiny_model_dir, device="cuda")
+
+
 def start(handle, prompt, max_tokens, task_id=None, timeout_s=0.0, rid=None):
     req = compute_pb2.GenerateTokensRequest(request_id=rid or f"h{handle}", input_ids=prompt,
                                             sampling=common_pb2.SamplingParams(max_tokens=max_tokens,
@@ -84,9 +89,12 @@ def record_engine_deltas(rt):
     return emitted
 
 
-def test_256_streams_on_one_call_arrive_in_order_nothing_lost_or_duplicated(loaded, tiny_model_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_256_streams_on_one_call_arrive_in_order_nothing_lost_or_duplicated(request, tiny_model_dir, device):
+    """On CUDA the engine thread replays decode CUDA graphs and loads adapters on the side stream."""
+    loaded = request.getfixturevalue("loaded" if device == "cpu" else "loaded_cuda")
     adapters = {t: random_adapter(loaded.spec, 4, seed=300 + t) for t in (1, 2, 3)}
-    rt = make_runtime(loaded, tiny_model_dir, adapters, 2 << 20)
+    rt = make_runtime(loaded, tiny_model_dir, adapters, 2 << 20, device=device)
     emitted = record_engine_deltas(rt)
     gen = random.Random(7)
     specs = {h: ([gen.randrange(96) for _ in range(gen.randrange(2, 8))], gen.randrange(3, 12),
