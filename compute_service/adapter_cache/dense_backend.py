@@ -37,7 +37,8 @@ def group_tokens(token_slot_ids: list[int], device: torch.device) -> list[tuple[
 
 
 class DenseLoraBackend:
-    """Reads per-adapter views built from `slots.pool` (rebuilt when a slot's generation changes)."""
+    """Reads per-adapter views built from `slots.pool`: in the pool's packing thread as each load lands
+    (host pools), else on the first step that uses the slot; rebuilt when the slot's generation changes."""
 
     graph_safe = False
 
@@ -55,6 +56,7 @@ class DenseLoraBackend:
             raise RuntimeError("the adapter pool is not allocated yet: call slots.allocate() first")
         self._group_modules = {g: [tables.module_index(m) for m in ids] for g, ids in GROUP_MODULE_IDS.items()}
         self._features = {tables.module_index(m): io for m, io in module_features(self.slots.spec).items()}
+        self.slots.on_packed = self._build
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
         if not self._group_modules:
@@ -64,14 +66,17 @@ class DenseLoraBackend:
                           for slot, rows in group_tokens(token_slot_ids_cpu.tolist(), device)]
 
     def _views_of(self, slot: int) -> SlotViews:
-        gen = self.slots.generation[slot]
         cached = self._views.get(slot)
-        if cached is None or cached[0] != gen:
-            assert self.slots.pool is not None and self.slots.tables is not None
-            cached = (gen, slot_views(self.slots.pool, self.slots.tables, slot, self._group_modules,
-                                      self._features))
-            self._views[slot] = cached
+        if cached is None or cached[0] != self.slots.generation[slot]:
+            return self._build(slot, self.slots.generation[slot])
         return cached[1]
+
+    def _build(self, slot: int, load_id: int) -> SlotViews:
+        """Gathers `slot`'s views (any thread: a dict store is atomic, and a step holds the views it uses)."""
+        assert self.slots.pool is not None and self.slots.tables is not None
+        views = slot_views(self.slots.pool, self.slots.tables, slot, self._group_modules, self._features)
+        self._views[slot] = (load_id, views)
+        return views
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
         if not self._segments:

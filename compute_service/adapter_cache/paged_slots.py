@@ -16,10 +16,12 @@ Two ways in:
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -53,6 +55,7 @@ class _InFlight:
     job: "Future[CopyHandle]"
     up: Uploaded
     timing: LoadTiming | None = None
+    load_id: int = 0
 
     def done(self) -> bool:
         return self.job.done() and (self.job.exception() is not None or self.job.result().done())
@@ -95,6 +98,11 @@ class PagedAdapterSlots:
         self.timings: dict[str, LoadTiming] = {}   # last load of each key
         # Base-model fingerprint adapters must carry (set by the service; None skips the check).
         self.fingerprint: str | None = None
+        # Called as (slot, load_id) in the packing thread once a load's rows are in the pool (host pools only),
+        # so a reader may build what it caches per adapter off the step; `generation[slot]` becomes that
+        # load_id when the load is seen done, and never for a load that failed.
+        self.on_packed: Callable[[int, int], None] | None = None
+        self._load_ids = itertools.count(1)
 
     def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
         """Preallocates the pool (`num_bytes`) and the row tables."""
@@ -114,7 +122,7 @@ class PagedAdapterSlots:
             self.ring = PinnedRing()   # pinned once, at start, never while the batch decodes
         self.residency = AdapterResidency(layout.num_pages, layout.max_slots, layout.page_bytes,
                                           on_evict=self._on_evict)
-        # Bumped whenever a slot gets new contents, so readers caching per-slot views know when to rebuild.
+        # Id of the load whose contents a slot holds, so readers caching per-slot views know when to rebuild.
         self.generation = [0] * layout.max_slots
         return layout
 
@@ -282,9 +290,9 @@ class PagedAdapterSlots:
             now = time.perf_counter()
             if t is not None:
                 t.copy_started_at = now
-            job = self._packer.submit(pack, staged, self.spec, self.pool, self.tables, list(e.pages), e.slot,
-                                      self.layout, self._stream)
-            self._in_flight[e.key] = _InFlight(job, staged, t)
+            load_id = next(self._load_ids)
+            job = self._packer.submit(self._pack, staged, list(e.pages), e.slot, load_id)
+            self._in_flight[e.key] = _InFlight(job, staged, t, load_id)
         done = []
         for k, f in list(self._in_flight.items()):
             if not f.done():
@@ -302,12 +310,20 @@ class PagedAdapterSlots:
                 f.timing.copy_ms = f.job.result().copy_ms()
                 f.timing.upload_ms = f.up.upload_ms()
             res.finish_load(k)
-            self.generation[res.slot_of(k)] += 1
+            self.generation[res.slot_of(k)] = f.load_id
             done.append(k)
         # Staged copies nobody waits for any more (their requests left while queued).
         for k in [k for k in self._staged if res.get(k) is None and k not in self._claims]:
             del self._staged[k]
         return done
+
+    def _pack(self, staged: Uploaded, pages: list[int], slot: int, load_id: int) -> CopyHandle:
+        """The packing thread's job: rows into pages, then `on_packed` where the copy is already done (host)."""
+        assert self.pool is not None and self.tables is not None and self.layout is not None
+        handle = pack(staged, self.spec, self.pool, self.tables, pages, slot, self.layout, self._stream)
+        if self.on_packed is not None and handle.event is None:
+            self.on_packed(slot, load_id)
+        return handle
 
     def wait_loads(self) -> None:
         """Blocks until every queued copy finished (synchronous load, tests, shutdown)."""

@@ -1,0 +1,52 @@
+"""The CPU LoRA backend's per-adapter copies: built as a load lands, never by a step, rebuilt on replacement."""
+from __future__ import annotations
+
+import threading
+
+import torch
+from compute_helpers import random_adapter
+
+import compute_service.adapter_cache.dense_backend as dense_backend
+from compute_service.adapter_cache.backends import lora_backend_for
+from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
+from compute_service.engine.spec import ModelSpec
+
+SPEC = ModelSpec(architecture="llama", num_layers=2, hidden_size=48, num_heads=3, num_kv_heads=1, head_dim=16,
+                 intermediate_size=80, vocab_size=50, rms_norm_eps=1e-5, rope_theta=1e4,
+                 max_position_embeddings=64, tie_word_embeddings=True)
+
+
+def qkv_delta(backend, slot: int, x: torch.Tensor) -> torch.Tensor:
+    """LoRA delta of layer 1's q/k/v for tokens x, all served by `slot`."""
+    y = torch.zeros(x.shape[0], SPEC.q_size + 2 * SPEC.kv_size)
+    backend.prepare(torch.full((x.shape[0],), slot, dtype=torch.int32))
+    backend.apply(1, "qkv", x, list(y.split([SPEC.q_size, SPEC.kv_size, SPEC.kv_size], dim=1)))
+    return y
+
+
+def test_views_are_built_off_the_step_and_follow_replacement(monkeypatch):
+    builds: list[str] = []
+    real = dense_backend.slot_views
+
+    def recording(*args, **kwargs):
+        builds.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dense_backend, "slot_views", recording)
+    slots = PagedAdapterSlots(SPEC, 8, torch.device("cpu"), torch.float32)
+    slots.allocate_for(2)
+    dense = lora_backend_for(slots, 16)
+    dense.allocate()
+    reference = lora_backend_for(slots, 16, "kernels")       # reads the pages through the row tables each call
+    reference.allocate()
+    x = torch.randn(5, SPEC.hidden_size)
+    slot = slots.load("a", random_adapter(SPEC, 4, seed=1))
+    assert len(builds) == 1 and builds[0] != threading.current_thread().name, builds
+    first = qkv_delta(dense, slot, x)
+    assert len(builds) == 1, "a step gathered adapter rows"
+    assert torch.allclose(first, qkv_delta(reference, slot, x), atol=1e-5) and first.abs().max() > 0.1
+    slot = slots.load("a", random_adapter(SPEC, 8, seed=2))  # same key, new weights (maybe the same slot)
+    second = qkv_delta(dense, slot, x)
+    assert len(builds) == 2
+    assert torch.allclose(second, qkv_delta(reference, slot, x), atol=1e-5)
+    assert not torch.allclose(first, second)
