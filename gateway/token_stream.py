@@ -215,13 +215,14 @@ class ReplicaSession:
                 stream.fail(rpc_error(_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.message))
 
     def _broken(self, call: grpc.aio.StreamStreamCall, reason: str) -> None:
-        if self._call is call:
-            self._call = None
-            for task in self._tasks:
-                if task is not asyncio.current_task():
-                    task.cancel()
-            self._tasks = []
         call.cancel()
+        if self._call is not call:
+            return      # an older call: its requests failed when it broke; the open ones are the new call's
+        self._call = None
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._tasks = []
         streams, self._streams = self._streams, {}
         self._starts, self._cancels = [], []
         for stream in streams.values():

@@ -1,9 +1,10 @@
 """The gateway's token stream against a real compute server (tiny random model, port 0, one process).
 
-A reader that stops reading holds up nobody on the shared call and its buffer
-stays bounded (its request is cancelled on compute past the bound, with
-RESOURCE_EXHAUSTED); a compute server that goes away mid-stream ends every
-request on the call with UNAVAILABLE naming the replica and frees them all.
+256 client streams through a real gateway get exactly what the engine emitted
+for them; a reader that stops reading holds up nobody on the shared call and
+its buffer stays bounded (its request is cancelled on compute past the bound,
+with RESOURCE_EXHAUSTED); a compute server that goes away mid-stream ends
+every request on the call with UNAVAILABLE naming the replica and frees them.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from loraplex.errors import ResourceExhaustedError
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from gateway_harness import gateway_stack  # noqa: E402  (a gateway server over any compute address)
 from helpers import save_tiny, tiny_model  # noqa: E402  (the engine tests' tiny-model builder)
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +39,7 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny(tiny_model("llama", seed=3), tmp_path_factory.mktemp("tiny") / "llama")
 
 
-def runtime(model_dir: Path):
+def runtime(model_dir: Path, step_s: float = STEP_S):
     async def fetch(task_id, version):
         raise AssertionError("no adapters here")
     cfg = ComputeConfig(model=str(model_dir), device="cpu", dtype="float32", max_lora_rank=16,
@@ -46,9 +49,13 @@ def runtime(model_dir: Path):
     real_step = rt.engine.step
 
     def step():
-        time.sleep(STEP_S)
-        return real_step()
+        time.sleep(step_s)
+        outs = real_step()
+        for out in outs:
+            rt.emitted.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return outs
     rt.engine.step = step
+    rt.emitted = {}     # request id -> every token the engine emitted for it, in step order
     return rt
 
 
@@ -84,6 +91,33 @@ async def idle(rt, timeout_s: float = 2.0):
             return eng
         assert time.monotonic() < deadline, f"compute still busy: {eng}"
         await asyncio.sleep(0.01)
+
+
+def test_256_client_streams_through_the_gateway_get_exactly_what_the_engine_emitted(model_dir):
+    from loraplex.model_files import load_tokenizer
+
+    rt = runtime(model_dir, step_s=0.0)
+    lengths = {f"c{i}": 2 + i % 9 for i in range(256)}
+
+    async def one(client, rid):
+        chunks = [c async for c in client.stream([1 + int(rid[1:]) % 90, 7], max_tokens=lengths[rid],
+                                                 ignore_eos=True, request_id=rid)]
+        return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+    async def main():
+        server, address = await serve(rt)
+        try:
+            async with gateway_stack(load_tokenizer(""), compute_address=address) as st:
+                return await asyncio.gather(*[one(st.client, rid) for rid in lengths])
+        finally:
+            await server.stop(0)
+            await rt.runner.stop()
+
+    results = asyncio.run(main())
+    by_rid = {rid.split("@", 1)[0]: toks for rid, toks in rt.emitted.items()}
+    for rid, (tokens, last) in zip(lengths, results):
+        assert tokens == by_rid[rid], f"{rid}: the client got other tokens than the engine emitted"
+        assert len(tokens) == lengths[rid] == last.completion_tokens and last.finish_reason == "length"
 
 
 def test_a_reader_that_stops_slows_no_one_and_stays_bounded(model_dir):
