@@ -27,6 +27,10 @@ class LoraBatchMeta:
     - `num_segments` int32 `[1]`: number of active (non-empty) segments.
     - `num_tokens` host int: T of the last prepare; `has_lora` host bool or None
       (None when the slot ids lived on the GPU and were not inspected).
+    - `slot_ids` int32 `[max_tokens]`: the ids the device build read (device
+      build only; a graph may rebuild the grouping from it with
+      `kernels.segments.build_segments`).
+    `device_build` (default: on CUDA) builds on the device, else with torch on the host.
     """
 
     def __init__(self, max_tokens: int, max_slots: int, device: torch.device | str = "cpu",
