@@ -177,7 +177,7 @@ class PagedAdapterSlots:
 
     def load_rows(self, key: str, rows: list[Row]) -> int:
         """Synchronous load of (module_id, layer, rank, A [r, in], B [out, r]) rows, on the pool's device
-        or the host (benchmarks build adapters on the GPU); checked for structure, not for NaN."""
+        or the host (benchmarks build adapters on the GPU); checked like `load`."""
         self._make_replaceable(key)
         adapter = rows_adapter(rows, self.dtype, self.device)
         checked = check_structure(adapter, self.spec, self.max_lora_rank)

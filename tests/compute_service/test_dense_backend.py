@@ -50,3 +50,16 @@ def test_views_are_built_off_the_step_and_follow_replacement(monkeypatch):
     assert len(builds) == 2
     assert torch.allclose(second, qkv_delta(reference, slot, x), atol=1e-5)
     assert not torch.allclose(first, second)
+
+
+def test_rows_loaded_as_tensors_equal_the_converted_adapter():
+    slots = PagedAdapterSlots(SPEC, 8, torch.device("cpu"), torch.float32)
+    slots.allocate_for(2)
+    dense = lora_backend_for(slots, 16)
+    dense.allocate()
+    adapter = random_adapter(SPEC, 4, seed=3)
+    rows = [(r.module_id, r.layer_idx, r.rank, r.a, r.b) for r in adapter.rows()]
+    x = torch.randn(3, SPEC.hidden_size)
+    from_rows = qkv_delta(dense, slots.load_rows("rows", rows), x)
+    from_adapter = qkv_delta(dense, slots.load("adapter", adapter), x)
+    assert from_rows.abs().max() > 0.1 and torch.equal(from_rows, from_adapter)
