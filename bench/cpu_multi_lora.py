@@ -5,14 +5,17 @@ once, each with its own random adapter (rank `--rank` on all seven modules),
 a 16-token prompt and `--out-len` greedy tokens (EOS ignored). Decode tok/s is
 measured from the step where every request had its first token to the end,
 best of `--repeats` runs (CPU timing is noisy). The base model alone runs the
-same workload for comparison.
+same workload for comparison, and the LoRA work of one decode step is timed
+alone (`lora_step_ms`: the backend's prepare + apply over every layer).
 
     .venv/bin/python bench/cpu_multi_lora.py --out bench/results/cpu_multi_lora.json
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +68,25 @@ def decode_tok_per_s(engine, keys: list, out_len: int, seed: int) -> float:
     return n_after / (time.perf_counter() - t_first)
 
 
+def lora_step_ms(engine, keys: list, repeats: int = 7) -> float:
+    """Best time of the LoRA work alone in one decode step (prepare + every layer's four groups), one token per key."""
+    spec, lora = engine.spec, engine.runner.lora
+    h, q, kv, i, n = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size, len(keys)
+    groups = {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [i, i]), "down": (i, [h])}
+    xs = {g: torch.randn(n, fin) for g, (fin, _) in groups.items()}
+    ys = {g: torch.randn(n, sum(outs)) for g, (_, outs) in groups.items()}
+    ids = torch.tensor([engine.slots.slot_of(k) for k in keys], dtype=torch.int32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        lora.prepare(ids)
+        for layer in range(spec.num_layers):
+            for g, (_, outs) in groups.items():
+                lora.apply(layer, g, xs[g], list(ys[g].split(outs, dim=1)))
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -73,26 +95,33 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--lora-backend", default="auto", choices=("auto", "torch", "kernels"),
+                    help="kernels on the CPU = the kernels' paged torch reference (the service's former CPU path)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     from compute_service.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.streams, max_loras=args.streams, max_model_len=256,
-                                    max_lora_rank=max(args.rank, 16)))
+    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.streams, max_loras=args.streams,
+                                    max_model_len=256, max_lora_rank=max(args.rank, 16),
+                                    lora_backend=args.lora_backend))
     keys = [f"a{n}" for n in range(args.streams)]
     for n, k in enumerate(keys):
         engine.add_adapter(k, random_adapter(engine.spec, args.rank, seed=n))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     res: dict = dict(streams=args.streams, rank=args.rank, out_len=args.out_len, threads=torch.get_num_threads(),
-                     model=str(engine.loaded.path))
+                     model=engine.loaded.path.name, commit=commit.strip(),
+                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     lora_backend=type(engine.runner.lora).__name__)
     for name, ks in (("base", [None] * args.streams), ("distinct", keys)):
         decode_tok_per_s(engine, ks, 3, seed=0)                       # warm-up
         runs = [decode_tok_per_s(engine, ks, args.out_len, seed=r + 1) for r in range(args.repeats)]
         res[name] = dict(decode_tok_per_s=max(runs), runs=runs)
         print(f"{name:9s} {max(runs):8.1f} decode tok/s (runs {', '.join(f'{r:.1f}' for r in runs)})", flush=True)
     res["distinct_over_base"] = res["distinct"]["decode_tok_per_s"] / res["base"]["decode_tok_per_s"]
-    print(f"distinct / base = {res['distinct_over_base']:.2f}")
+    res["lora_step_ms"] = lora_step_ms(engine, keys)
+    print(f"distinct / base = {res['distinct_over_base']:.2f}; LoRA alone {res['lora_step_ms']:.1f} ms per decode step")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
