@@ -57,6 +57,7 @@ class DenseLoraBackend:
         self._group_modules = {g: [tables.module_index(m) for m in ids] for g, ids in GROUP_MODULE_IDS.items()}
         self._features = {tables.module_index(m): io for m, io in module_features(self.slots.spec).items()}
         self.slots.on_packed = self._build
+        self.slots.on_evicted = self._forget
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
         if not self._group_modules:
@@ -77,6 +78,15 @@ class DenseLoraBackend:
         views = slot_views(self.slots.pool, self.slots.tables, slot, self._group_modules, self._features)
         self._views[slot] = (load_id, views)
         return views
+
+    @property
+    def cached_slots(self) -> list[int]:
+        """Slots whose adapter copies are held (resident adapters only, once evictions are seen)."""
+        return sorted(self._views)
+
+    def _forget(self, slot: int) -> None:
+        """Drops an evicted adapter's copies (it is idle: no step holds them)."""
+        self._views.pop(slot, None)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
         if not self._segments:

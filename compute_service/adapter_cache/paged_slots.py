@@ -102,6 +102,7 @@ class PagedAdapterSlots:
         # so a reader may build what it caches per adapter off the step; `generation[slot]` becomes that
         # load_id when the load is seen done, and never for a load that failed.
         self.on_packed: Callable[[int, int], None] | None = None
+        self.on_evicted: Callable[[int], None] | None = None   # (slot): its adapter left the pool
         self._load_ids = itertools.count(1)
 
     def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
@@ -356,3 +357,5 @@ class PagedAdapterSlots:
         assert self.tables is not None
         # Clear the slot's ranks so a stale slot id can never read the pages' next owner.
         self.tables.ranks[e.slot].zero_()
+        if self.on_evicted is not None:
+            self.on_evicted(e.slot)

@@ -50,6 +50,8 @@ def test_views_are_built_off_the_step_and_follow_replacement(monkeypatch):
     assert len(builds) == 2
     assert torch.allclose(second, qkv_delta(reference, slot, x), atol=1e-5)
     assert not torch.allclose(first, second)
+    assert dense.cached_slots == [slot]
+    assert slots.evict("a") and dense.cached_slots == [], "an evicted adapter's copies stay in memory"
 
 
 def test_rows_loaded_as_tensors_equal_the_converted_adapter():
