@@ -272,13 +272,14 @@ class EngineRunner:
         task = self._fetch(req.adm.key, req.task_id, req.version)
 
         def resubmit(t: asyncio.Task[Uploaded]) -> None:
+            exc = asyncio.CancelledError() if t.cancelled() else t.exception()   # read even if no one waits
             if self._requests.get(request_id) is not req:
                 return        # cancelled meanwhile
-            if t.cancelled() or t.exception() is not None:
+            if exc is not None:
                 del self._requests[request_id]
                 if req.timer is not None:
                     req.timer.cancel()
-                req.consumer.fail(req.handle, t.exception() or asyncio.CancelledError())
+                req.consumer.fail(req.handle, exc)
                 req.consumer.end_batch()
                 return
             req.adm.staged = t.result()
