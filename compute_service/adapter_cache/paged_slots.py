@@ -190,7 +190,7 @@ class PagedAdapterSlots:
         if e is None:
             return
         if not e.idle:
-            raise CapacityError(f"adapter {key} is in use by running requests (pinned) and cannot be replaced now")
+            raise CapacityError(f"adapter {key} is pinned by requests or still loading and cannot be replaced now")
         self._res.drop(key)
 
     def _load_now(self, key: str, staged: Uploaded) -> int:
