@@ -18,7 +18,6 @@ KV blocks and the adapter pin are released there.
 from __future__ import annotations
 
 import asyncio
-import gc
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,6 @@ from compute_service.step_loop import Admission, NeedsFetch, StepLoop
 
 # Staging is CPU work partly under the GIL: two workers keep a burst of loads moving.
 STAGING_WORKERS = 2
-GC_THRESHOLDS = (50_000, 50, 100)   # young collections rarer than Python's 700: fewer pauses while serving
 
 
 class StepConsumer(Protocol):
@@ -109,14 +107,6 @@ class EngineRunner:
             sys.setswitchinterval(switch_interval_s)
         if not self.steps.running:
             self.steps.start(asyncio.get_running_loop())
-
-    @staticmethod
-    def tune_gc() -> None:
-        """After start-up: objects alive now (model, tables, modules) leave the collector's view, and
-        young collections become rarer, so no long collection pauses both threads mid-stream."""
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.steps.stop)

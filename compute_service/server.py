@@ -76,7 +76,6 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
     async def warm() -> None:
         report = await asyncio.to_thread(warm_up, rt, config.warmup, config.warmup_threads)
         metrics.on_startup(load_s, report.total_s)
-        rt.runner.tune_gc()      # what start-up built stays out of the collector's way
         rt.runner.start(config.gil_switch_interval_us / 1e6)
         gate.open()
         log.info("start-up: SERVING %.1f s after start (model %.1f s, warm-up %.1f s: %s, %s Triton programs)",

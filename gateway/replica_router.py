@@ -279,7 +279,7 @@ class ReplicaRouter:
         ]
         channel = grpc.aio.insecure_channel(address, options=options)
         return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel), 0,
-                              self._max_buffered_tokens)
+                              self._max_buffered_tokens, channel_options=tuple(options))
 
     def _pick(self, task_id: int | None, failed: dict[str, str]) -> ComputeReplica:
         try:

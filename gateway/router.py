@@ -36,11 +36,12 @@ class ComputeReplica:
     num_in_flight: int = 0
     max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS
     session: ReplicaSession | None = None
+    channel_options: tuple[tuple[str, int], ...] = ()   # for the token stream's own channel
 
     def tokens(self) -> ReplicaSession:
         """The replica's token stream (its call opens on the first request)."""
         if self.session is None:
-            self.session = ReplicaSession(self.address, self.stub, self.max_buffered_tokens)
+            self.session = ReplicaSession(self.address, self.max_buffered_tokens, self.channel_options)
         return self.session
 
     async def close(self) -> None:
@@ -52,8 +53,10 @@ class ComputeReplica:
 def open_replica(address: str, max_message_bytes: int,
                  max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> ComputeReplica:
     """A replica with a lazily connecting channel (the service may start later)."""
-    channel = grpc.aio.insecure_channel(address, options=server_options(max_message_bytes)[:2])
-    return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel), 0, max_buffered_tokens)
+    options = tuple(server_options(max_message_bytes)[:2])
+    channel = grpc.aio.insecure_channel(address, options=options)
+    return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel), 0, max_buffered_tokens,
+                          channel_options=options)
 
 
 class ComputeRouter(Protocol):

@@ -2,10 +2,17 @@
 
 `ReplicaSession` owns the call. `start()` queues a request's start (a writer
 task sends every start and cancel queued in the same loop turn as one
-message) and returns its `RequestStream`; a reader task splits each step
-message from compute into the requests' buffers. A `RequestStream` hands out
-everything buffered at once (`next()`), so a client that reads slower than
-the engine steps gets fewer, fuller messages and never holds up the others.
+message) and returns its `RequestStream`. The call's responses are read on a
+thread of their own, not by an event-loop task: the thread parks every step
+message compute sends and posts one drain per batch of them to the event
+loop, which splits them into the requests' buffers. A reader task would take
+one message per turn of the event loop, behind every client write of the
+previous step, so a gateway with more streams than it can write per engine
+step would fall behind one token per message; with the thread, messages
+pile up while the loop writes and the next drain hands each request all of
+them. A `RequestStream` hands out everything buffered at once (`next()`), so
+a client that reads slower than the engine steps gets fewer, fuller messages
+and never holds up the others.
 
 Bounds: a request's buffer holds at most `max_buffered_tokens` tokens its
 client has not taken; past that the request is cancelled on compute and ends
@@ -17,10 +24,14 @@ fails with UNAVAILABLE naming the replica, and the next start opens a new call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
 import grpc
 
 from loraplex.errors import ResourceExhaustedError
@@ -110,21 +121,63 @@ class RequestStream:
         self._event.set()
 
 
+class _CallReader:
+    """Reads one call's responses on a thread; the event loop drains what it parked, one drain per batch."""
+
+    def __init__(self, session: "ReplicaSession", call: grpc.Future, loop: asyncio.AbstractEventLoop) -> None:
+        self.session = session
+        self.call = call
+        self.loop = loop
+        self.inbox: deque[compute_pb2.StreamTokensResponse] = deque()
+        self.posted = False       # a drain is scheduled on the event loop
+        self.thread = threading.Thread(target=self._run, name=f"tokens-read-{session.address}", daemon=True)
+
+    def _run(self) -> None:
+        reason = "the compute service ended the token stream"
+        try:
+            for msg in self.call:          # blocks without the GIL between messages
+                self.inbox.append(msg)
+                if not self.posted:
+                    self.posted = True
+                    self._post(self.drain)
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+            details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+            reason = f"{code.name}: {details}"
+        except Exception as exc:  # noqa: BLE001 - reported as the call's break
+            reason = f"{type(exc).__name__}: {exc}"
+        self._post(lambda: self.session._broken(self, reason))
+
+    def _post(self, callback: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback)   # type: ignore[arg-type]
+        except RuntimeError:
+            pass                                       # the event loop is closed: nobody waits any more
+
+    def drain(self) -> None:
+        self.posted = False       # first: a message parked from now on posts a new drain
+        inbox, demux = self.inbox, self.session._demux
+        while inbox:
+            demux(inbox.popleft())
+
+
 class ReplicaSession:
     """The long-lived StreamTokens call to one replica (opened on first use, reopened after a break)."""
 
-    def __init__(self, address: str, stub: compute_pb2_grpc.ComputeStub,
-                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> None:
+    def __init__(self, address: str, max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
+                 channel_options: Sequence[tuple[str, int]] = ()) -> None:
         self.address = address
-        self._stub = stub
         self._max_buffered = max_buffered_tokens
+        self._channel_options = list(channel_options)
+        self._channel: grpc.Channel | None = None
         self._handles = itertools.count(1)
         self._streams: dict[int, RequestStream] = {}
         self._starts: list[compute_pb2.StartTokens] = []
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._reader: _CallReader | None = None
+        self._outbox: queue.SimpleQueue[compute_pb2.StreamTokensRequest | None] | None = None
+        self._writer: asyncio.Task[None] | None = None
 
     @property
     def num_open(self) -> int:
@@ -146,55 +199,48 @@ class ReplicaSession:
             self._wake.set()
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        reader, self._reader = self._reader, None
+        self._stop_writer()
+        if reader is not None:
+            reader.call.cancel()
+            await asyncio.to_thread(reader.thread.join, 5.0)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     # -- the call ---------------------------------------------------------------------------------
     def _ensure_open(self) -> None:
-        if self._call is not None:
+        if self._reader is not None:
             return
-        call = self._stub.StreamTokens()
-        self._call = call
-        self._tasks = [asyncio.create_task(self._write(call), name=f"tokens-write-{self.address}"),
-                       asyncio.create_task(self._read(call), name=f"tokens-read-{self.address}")]
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address, options=self._channel_options)
+        stub = compute_pb2_grpc.ComputeStub(self._channel)
+        outbox: queue.SimpleQueue[compute_pb2.StreamTokensRequest | None] = queue.SimpleQueue()
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                if self._starts or self._cancels:
-                    msg = compute_pb2.StreamTokensRequest(start=self._starts, cancel=self._cancels)
-                    self._starts, self._cancels = [], []
-                    await call.write(msg)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the reader reports the broken call
-            log.debug("compute %s: token stream write failed: %s", self.address, exc)
-            call.cancel()
+        def requests() -> Iterator[compute_pb2.StreamTokensRequest]:
+            while (msg := outbox.get()) is not None:
+                yield msg
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
-        reason = "the compute service ended the token stream"
-        try:
-            while True:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    break
-                self._demux(msg)
-        except asyncio.CancelledError:
-            if self._call is not call:
-                raise
-            reason = "the token stream was cancelled"
-        except grpc.aio.AioRpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
-        self._broken(call, reason)
+        reader = _CallReader(self, stub.StreamTokens(requests()), asyncio.get_running_loop())
+        self._reader, self._outbox = reader, outbox
+        self._writer = asyncio.create_task(self._write(outbox), name=f"tokens-write-{self.address}")
+        reader.thread.start()
+
+    def _stop_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            self._writer = None
+        if self._outbox is not None:
+            self._outbox.put(None)         # ends the request iterator
+            self._outbox = None
+
+    async def _write(self, outbox: queue.SimpleQueue[compute_pb2.StreamTokensRequest | None]) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._starts or self._cancels:
+                outbox.put(compute_pb2.StreamTokensRequest(start=self._starts, cancel=self._cancels))
+                self._starts, self._cancels = [], []
 
     def _demux(self, msg: compute_pb2.StreamTokensResponse) -> None:
         streams = self._streams
@@ -214,15 +260,18 @@ class ReplicaSession:
             if stream is not None:
                 stream.fail(rpc_error(_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.message))
 
-    def _broken(self, call: grpc.aio.StreamStreamCall, reason: str) -> None:
-        call.cancel()
-        if self._call is not call:
+    def _broken(self, reader: _CallReader, reason: str) -> None:
+        reader.drain()                     # what compute sent before the break still counts
+        reader.call.cancel()
+        if self._reader is not reader:
             return      # an older call: its requests failed when it broke; the open ones are the new call's
-        self._call = None
-        for task in self._tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
-        self._tasks = []
+        self._reader = None
+        self._stop_writer()
+        if self._channel is not None:
+            # a fresh channel for the next call: this one may sit in reconnect backoff long after the
+            # replica is back (the health checker talks to it over its own channel)
+            self._channel.close()
+            self._channel = None
         streams, self._streams = self._streams, {}
         self._starts, self._cancels = [], []
         for stream in streams.values():

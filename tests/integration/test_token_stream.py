@@ -131,8 +131,7 @@ def test_a_reader_that_stops_slows_no_one_and_stays_bounded(model_dir):
 
     async def main():
         server, address = await serve(rt)
-        channel = grpc.aio.insecure_channel(address)
-        session = ReplicaSession(address, compute_pb2_grpc.ComputeStub(channel), max_buffered_tokens=16)
+        session = ReplicaSession(address, max_buffered_tokens=16)
         try:
             alone_s, alone = await others(session, "alone")
             stalled = session.start(request("stalled", 90), None)    # never read while the others run
@@ -145,7 +144,6 @@ def test_a_reader_that_stops_slows_no_one_and_stays_bounded(model_dir):
             return alone_s, alone, with_stalled_s, beside, batch
         finally:
             await session.close()
-            await channel.close()
             await server.stop(0)
             await rt.runner.stop()
 
