@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from loraplex.formats import (FORMATS, STORAGE_DTYPES, AdapterError, ModelSpec, load_adapter,
-                              save_adapter, validate)
+from loraplex.formats import (FORMATS, STORAGE_DTYPES, AdapterError, ModelSpec, check_consistent,
+                              load_adapter, save_adapter, validate)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = args.format or ("safetensors" if args.dst.suffix == ".safetensors" else "npy")
     dtype = args.storage_type or ("float16" if fmt == "npy" else None)
     try:
-        adapter = load_adapter(args.src, dtype=dtype)
+        adapter = check_consistent(load_adapter(args.src, dtype=dtype))   # even without --model
         if args.model:
             spec = ModelSpec.from_path(args.model)
             adapter = validate(adapter, spec, args.max_lora_rank or adapter.max_rank)

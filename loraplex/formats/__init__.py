@@ -16,7 +16,7 @@ from loraplex.formats.npy import read_npy_dir, write_npy_dir
 from loraplex.formats.peft import read_peft, write_peft
 from loraplex.formats.tensors import (STORAGE_DTYPES, adapter_from_tensors, cast_adapter,
                                       storage_dtype)
-from loraplex.formats.validate import validate
+from loraplex.formats.validate import check_consistent, validate
 
 __all__ = [
     "Adapter", "AdapterMetadata", "AdapterRow", "content_hash",
@@ -28,5 +28,5 @@ __all__ = [
     "read_llgtrt", "write_llgtrt", "read_npy_dir", "write_npy_dir", "read_peft", "write_peft",
     "ModelSpec", "HF_TO_MODULE_ID", "MODULE_ID_TO_HF", "MODULE_IDS", "MODULE_NAMES",
     "SERVED_MODULE_IDS", "ModuleShape", "module_shape",
-    "STORAGE_DTYPES", "adapter_from_tensors", "cast_adapter", "storage_dtype", "validate",
+    "STORAGE_DTYPES", "adapter_from_tensors", "cast_adapter", "storage_dtype", "validate", "check_consistent",
 ]

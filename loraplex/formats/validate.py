@@ -121,3 +121,29 @@ def validate(adapter: Adapter, spec: ModelSpec, max_lora_rank: int, *,
         raise AdapterTooLargeError(f"adapter is {out.num_bytes} bytes, over the limit of {max_bytes}")
     out = Adapter(config=out.config, weights=out.weights, in_out=tuple(in_out), metadata=out.metadata)
     return out.with_metadata(fingerprint=fp)
+
+
+def check_consistent(adapter: Adapter) -> Adapter:
+    """Checks that need no base model, for tools that write adapters without one (`loraplex convert`).
+
+    No NaN/Inf anywhere; where the reader knows each row's shapes (PEFT), every
+    layer of a module has the same A [rank, in] / B [out, rank] features, and
+    nothing but zeros follows them. Returns the adapter unchanged.
+    """
+    if not adapter.in_out:
+        w = adapter.weights
+        if not _all_finite(w):
+            bad = _first_bad_row(~torch.isfinite(w))
+            assert bad is not None
+            raise NonFiniteError(f"{w[bad].item()} at column {bad[1]}", row=bad[0])
+        return adapter
+    features: dict[int, tuple[int, int, int]] = {}   # module id -> (in, out, first layer with them)
+    for row, ((module_id, layer, rank), (fin, fout)) in enumerate(zip(adapter.config.tolist(), adapter.in_out)):
+        first = features.setdefault(module_id, (fin, fout, layer))
+        if first[:2] != (fin, fout):
+            raise RowShapeError(
+                f"{MODULE_NAMES.get(module_id, module_id)} layer {layer} has A [{rank}, {fin}] and "
+                f"B [{fout}, {rank}], but layer {first[2]} of the same module has in {first[0]} / out "
+                f"{first[1]}: every layer of a module must have the model's features", row=row)
+    _check_values(adapter, list(adapter.in_out))
+    return adapter

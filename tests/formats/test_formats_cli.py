@@ -85,3 +85,38 @@ def test_spec_from_smollm2_gguf():
     spec = ModelSpec.from_gguf(origin / "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads,
             spec.head_dim, spec.intermediate_size, spec.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
+
+
+def _edit_peft(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def test_convert_refuses_nan_without_a_model(make_peft, tmp_path, capsys):
+    _, folder = make_peft("nan", r=4, lora_alpha=8)
+
+    def poison(t):
+        name = next(k for k in sorted(t) if "layers.1." in k and "v_proj.lora_A" in k)
+        t[name][2, 3] = float("nan")
+    _edit_peft(folder, poison)
+    assert cli.main(["convert", "-i", str(folder), "-o", str(tmp_path / "out"), "-t", "float32"]) == 1
+    err = capsys.readouterr().err
+    assert "nan" in err.lower() and "row" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_a_layer_wider_than_the_others(make_peft, tmp_path, capsys):
+    import torch
+    _, folder = make_peft("wide", r=4, lora_alpha=8)
+
+    def widen(t):
+        name = next(k for k in sorted(t) if "layers.1." in k and "k_proj.lora_B" in k)
+        t[name] = torch.cat([t[name], torch.randn(8, t[name].shape[1])])    # out features + 8
+    _edit_peft(folder, widen)
+    assert cli.main(["convert", "-i", str(folder), "-o", str(tmp_path / "out"), "-t", "float32"]) == 1
+    err = capsys.readouterr().err
+    assert "attn_k layer 1" in err and "every layer of a module" in err
+    assert not (tmp_path / "out").exists()

@@ -147,6 +147,18 @@ def test_invalid_inline_tensors_are_refused_before_caching(tokenizer):
     assert st.store.puts == 0 and st.compute.log.requests == []
 
 
+def test_a_huge_adapter_name_is_refused_with_a_bounded_message(tokenizer):
+    """A 20,000-character name is echoed in the refusal; cut, it stays a status the client can read."""
+    async def go():
+        async with gateway_stack(tokenizer) as st:
+            with pytest.raises(NotFoundError) as e:
+                await st.client.generate("q", lora="n" * 20_000)
+            return e.value
+    err = run(go())
+    assert err.grpc_code == grpc.StatusCode.NOT_FOUND
+    assert len(str(err)) <= 1024 + len("NOT_FOUND: ") and "characters cut" in str(err)
+
+
 def test_named_adapter_resolves_through_the_store(tokenizer):
     async def go():
         async with gateway_stack(tokenizer) as st:
