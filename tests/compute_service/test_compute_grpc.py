@@ -10,17 +10,11 @@ from compute_helpers import random_adapter
 from test_runner_workload import make_runtime, reference_engine
 
 from compute_service.adapter_cache.loader import adapter_key
-from compute_service.engine.loader import load_model
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.servicer import ComputeServicer
 from loraplex import errors
 from loraplex.formats import ModelSpec
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    return load_model(tiny_model_dir)
 
 
 async def _serve(rt):

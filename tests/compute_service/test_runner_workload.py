@@ -14,19 +14,8 @@ from compute_service.build import build_runtime, zero_kv_cache
 from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.llm_engine import LLMEngine
-from compute_service.engine.loader import load_model
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.adapter_check import check_adapter
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    return load_model(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def loaded_cuda(tiny_model_dir):
-    return load_model(tiny_model_dir, device="cuda")
 
 
 def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0, device="cpu"):

@@ -18,18 +18,7 @@ from test_compute_grpc import _close, _serve, _wait_idle, slow_steps
 from test_runner_workload import make_runtime
 
 from compute_service.adapter_cache.loader import adapter_key
-from compute_service.engine.loader import load_model
 from loraplex.v1 import common_pb2, compute_pb2
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    return load_model(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def loaded_cuda(tiny_model_dir):
-    return load_model(tiny_model_dir, device="cuda")
 
 
 def start(handle, prompt, max_tokens, task_id=None, timeout_s=0.0, rid=None):
