@@ -63,7 +63,7 @@ def mapped_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     mm = _map(p)
     out: dict[str, torch.Tensor] = {}
     for k, v in views.items():
-        dtype, shape, (begin, end) = _VIEWABLE[v["dtype"]], tuple(v["shape"]), v["data_offsets"]
+        dtype, shape, begin = _VIEWABLE[v["dtype"]], tuple(v["shape"]), v["data_offsets"][0]
         count = math.prod(shape)
         if count == 0 or mm is None:
             out[k] = torch.empty(shape, dtype=dtype)

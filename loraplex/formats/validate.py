@@ -74,12 +74,17 @@ def _all_finite(w: torch.Tensor) -> bool:
     return w.numel() == 0 or bool(torch.isfinite(w.abs().amax()))
 
 
-def _check_values(adapter: Adapter, in_out: list[tuple[int, int]]) -> None:
-    w = adapter.weights
+def _check_finite(w: torch.Tensor) -> None:
+    """NonFiniteError naming the first row and column holding NaN or Inf."""
     if not _all_finite(w):
         bad = _first_bad_row(~torch.isfinite(w))
         assert bad is not None
         raise NonFiniteError(f"{w[bad].item()} at column {bad[1]}", row=bad[0])
+
+
+def _check_values(adapter: Adapter, in_out: list[tuple[int, int]]) -> None:
+    w = adapter.weights
+    _check_finite(w)
     ranks = adapter.config[:, 2].tolist()
     for row, (rank, (fin, fout)) in enumerate(zip(ranks, in_out)):
         used = rank * (fin + fout)
@@ -131,11 +136,7 @@ def check_consistent(adapter: Adapter) -> Adapter:
     nothing but zeros follows them. Returns the adapter unchanged.
     """
     if not adapter.in_out:
-        w = adapter.weights
-        if not _all_finite(w):
-            bad = _first_bad_row(~torch.isfinite(w))
-            assert bad is not None
-            raise NonFiniteError(f"{w[bad].item()} at column {bad[1]}", row=bad[0])
+        _check_finite(adapter.weights)
         return adapter
     features: dict[int, tuple[int, int, int]] = {}   # module id -> (in, out, first layer with them)
     for row, ((module_id, layer, rank), (fin, fout)) in enumerate(zip(adapter.config.tolist(), adapter.in_out)):

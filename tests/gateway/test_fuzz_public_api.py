@@ -13,7 +13,6 @@ import contextlib
 import threading
 
 import grpc
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from loraplex.grpc_errors import MAX_STATUS_MESSAGE
