@@ -1,4 +1,4 @@
-"""Builds the compute runtime from ComputeConfig: model, KV cache, paged adapter pool, loader, runner.
+"""Builds the compute runtime from ComputeConfig: model, KV cache, paged adapter pool, runner.
 
 Order matters: weights, then the KV cache (inside the engine), then the
 adapter pool, sized from what is left (`lora_gpu_memory_fraction` of the free
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compute_service.adapter_cache.loader import AdapterLoader, Fetch
+from compute_service.adapter_cache.loader import Fetch
 from compute_service.adapter_cache.backends import lora_backend_for
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.config import ComputeConfig
@@ -32,7 +32,6 @@ CPU_NOMINAL_BYTES = 4 << 30
 class Runtime:
     engine: LLMEngine
     slots: PagedAdapterSlots
-    loader: AdapterLoader
     runner: EngineRunner
     loaded: LoadedModel
     device: torch.device
@@ -92,7 +91,7 @@ def zero_kv_cache(engine: LLMEngine) -> None:
 
 def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | None = None,
                   capture_graphs: bool = True) -> Runtime:
-    """Loads the model (unless given) and wires engine, pool, loader and runner (call `runner.start()`).
+    """Loads the model (unless given) and wires engine, pool and runner (call `runner.start()`).
 
     `capture_graphs=False` leaves the decode graphs to `compute_service.warmup`, which compiles the
     kernels on many threads first and then captures.
@@ -118,5 +117,4 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
         t0 = time.perf_counter()
         graphs.capture_all(backend)
         log.info("captured %d decode CUDA graphs in %.1f s", len(graphs.buckets) * 2, time.perf_counter() - t0)
-    loader = AdapterLoader(slots, fetch)
-    return Runtime(engine, slots, loader, EngineRunner(engine, slots, loader), loaded, device)
+    return Runtime(engine, slots, EngineRunner(engine, slots, fetch), loaded, device)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from compute_service.adapter_cache.loader import AdapterLoader, adapter_key, task_of
+from compute_service.adapter_cache.loader import Fetch, adapter_key, task_of
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.adapter_cache.staging import Uploaded
 from compute_service.engine.errors import InvalidRequestError
@@ -80,11 +80,11 @@ class _QueueConsumer:
 class EngineRunner:
     """Owns the engine thread; every method is called on the event loop."""
 
-    def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots, loader: AdapterLoader,
+    def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots, fetch: Fetch,
                  on_step: Callable[[int, float], None] | None = None) -> None:
         self.engine = engine
         self.slots = slots
-        self.loader = loader            # its `fetch` reads adapters from the host cache
+        self.fetch = fetch              # reads adapters from the host cache
         self.on_step = on_step          # (num tokens emitted, step seconds), for metrics and benchmarks
         self.steps = StepLoop(engine, slots, self._drain)
         self._requests: dict[str, _Request] = {}
@@ -170,9 +170,7 @@ class EngineRunner:
 
     def _queue_prefetch(self, key: str, staged: Uploaded | None) -> bool | None:
         """(engine thread) Queues the adapter's copy; None when it must be fetched first."""
-        if staged is not None and not self.slots.knows(key):
-            self.slots.add_staged(key, staged)
-        if not (self.slots.knows(key) or self.slots.has_staged(key)):
+        if not self.slots.offer(key, staged):
             return None
         resident = self.slots.is_ready(key)
         self.slots.prefetch(key)
@@ -286,8 +284,7 @@ class EngineRunner:
         return task
 
     async def _fetch_and_stage(self, key: str, task_id: int, version: str) -> Uploaded:
-        self.loader.num_fetches += 1
-        adapter = await self.loader.fetch(task_id, version or None)
+        adapter = await self.fetch(task_id, version or None)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._staging, self.slots.stage_adapter, key, adapter)
 

@@ -104,9 +104,7 @@ class StepLoop:
         key = adm.key
         try:
             if key is not None:
-                if adm.staged is not None and not self.slots.knows(key):
-                    self.slots.add_staged(key, adm.staged)
-                if not (self.slots.knows(key) or self.slots.has_staged(key)):
+                if not self.slots.offer(key, adm.staged):
                     raise NeedsFetch(key)
                 self.slots.want(key)
             try:

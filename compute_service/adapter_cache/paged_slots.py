@@ -10,7 +10,7 @@ It is the one adapter pool of loraplex: the engine's default (sized by
 Two ways in:
 - `load(key, adapter)` / `load_rows(key, rows)`: synchronous (the engine's
   `add_adapter`, benchmarks, tests); loading a resident key replaces it;
-- `want(key, staged)` with an adapter staged by `compute_service.adapter_cache.loader`,
+- `want(key, staged)` with an adapter staged by the runner (`compute_service.runner`),
   then `pump()` each loop turn: grants pages FIFO, queues copies on the side
   stream, and marks copies that finished as resident.
 """
@@ -88,7 +88,6 @@ class PagedAdapterSlots:
         self.residency: AdapterResidency | None = None
         self._staged: dict[str, Uploaded] = {}
         self._in_flight: dict[str, _InFlight] = {}
-        self._claims: dict[str, int] = {}
         self.failed: dict[str, BaseException] = {}  # loads that failed; the runner fails their requests
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Packs run here, so their Python (a few ms per adapter) never sits between two steps.
@@ -250,16 +249,12 @@ class PagedAdapterSlots:
     def has_staged(self, key: str) -> bool:
         return key in self._staged
 
-    def claim(self, key: str) -> None:
-        """Keeps `key`'s staged copy while a request is between `prepare` and `want`."""
-        self._claims[key] = self._claims.get(key, 0) + 1
-
-    def release(self, key: str) -> None:
-        n = self._claims.get(key, 0) - 1
-        if n > 0:
-            self._claims[key] = n
-        else:
-            self._claims.pop(key, None)
+    def offer(self, key: str, staged: Uploaded | None) -> bool:
+        """Takes `staged` unless the pool already knows `key`; True when `key` is known or staged,
+        False when it still has to be fetched."""
+        if staged is not None and not self.knows(key):
+            self.add_staged(key, staged)
+        return self.knows(key) or self.has_staged(key)
 
     def want(self, key: str, num_pages: int | None = None) -> Entry:
         """A request naming `key` enters the engine; the adapter must be known (resident, queued or staged)."""
@@ -314,7 +309,7 @@ class PagedAdapterSlots:
             self.generation[res.slot_of(k)] = f.load_id
             done.append(k)
         # Staged copies nobody waits for any more (their requests left while queued).
-        for k in [k for k in self._staged if res.get(k) is None and k not in self._claims]:
+        for k in [k for k in self._staged if res.get(k) is None]:
             del self._staged[k]
         return done
 

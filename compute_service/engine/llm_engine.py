@@ -21,7 +21,7 @@ from compute_service.engine.outputs import EngineStats, RequestOutput
 from compute_service.engine.sampler import sample
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import Scheduler, SchedulerConfig
-from compute_service.engine.sequence import FinishReason, Sequence
+from compute_service.engine.sequence import Sequence
 from compute_service.engine.spec import ModelSpec
 from compute_service.engine.stop import check_stop
 from loraplex.formats.adapter import Adapter

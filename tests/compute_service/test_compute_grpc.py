@@ -159,7 +159,7 @@ def test_unknown_adapter_not_found_and_prefetch_drop(loaded, tiny_model_dir):
         if task_id not in adapters:
             raise errors.NotFoundError(f"task id {task_id} is not in the host cache")
         return adapters[task_id]
-    rt.loader.fetch = fetch
+    rt.runner.fetch = fetch
 
     async def main():
         server, channel, stub = await _serve(rt)

@@ -166,7 +166,7 @@ def test_one_bad_request_or_deadline_never_disturbs_the_others(loaded, tiny_mode
         if task_id not in adapters:
             raise NotFoundError(f"task id {task_id} is not in the host cache")
         return adapters[task_id]
-    rt.loader.fetch = fetch
+    rt.runner.fetch = fetch
 
     async def main():
         server, channel, stub = await _serve(rt)
