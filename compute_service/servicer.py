@@ -73,6 +73,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             kv_blocks_used=eng.num_kv_blocks_used, kv_blocks_total=eng.num_kv_blocks_total,
             adapter_pool_bytes_used=pool.bytes_used, adapter_pool_bytes_total=pool.bytes_total,
             adapter_pages_used=pool.pages_used, adapter_pages_total=pool.pages_total,
+            adapter_pins=pool.num_holds,
             resident_task_ids=sorted({task_of(k) for k in pool.resident_keys}))
         keys = (set(eng.running_per_adapter) | set(eng.waiting_per_adapter)) - {""}
         per_task: dict[int, list[int]] = {}

@@ -71,6 +71,7 @@ class PoolStats:
     num_loading: int
     num_queued: int
     num_evictions: int
+    num_holds: int = 0         # a want per request in the engine naming an adapter, plus a pin per running one
     resident_keys: list[str] = field(default_factory=list)
 
 
@@ -346,7 +347,8 @@ class PagedAdapterSlots:
             bytes_used=res.pages.num_used * self.layout.page_bytes, bytes_total=self.layout.pool_bytes,
             num_resident=sum(e.state is State.RESIDENT for e in ents),
             num_loading=sum(e.state is State.LOADING for e in ents), num_queued=res.num_queued,
-            num_evictions=res.num_evictions, resident_keys=res.resident_keys())
+            num_evictions=res.num_evictions, num_holds=sum(e.wants + e.pins for e in ents),
+            resident_keys=res.resident_keys())
 
     def _on_evict(self, e: Entry) -> None:
         assert self.tables is not None

@@ -30,12 +30,13 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @classmethod
-    def start(cls, timeout_s: float = 20.0) -> "RedisServer":
+    def start(cls, timeout_s: float = 20.0, port: int = 0) -> "RedisServer":
+        """`port` 0: a free one (a restart passes the port it had)."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed: `apt-get install redis-server` (make setup "
                                "does), pass --redis-url to use a running one, or use --backend shm")
-        port = free_port()
+        port = port or free_port()
         proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
                                  "--appendonly", "no"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
