@@ -8,6 +8,8 @@ cancels the request on compute, so the sequence's KV blocks and adapter pin
 are released at once. `merge_entries` runs several entries concurrently (they land
 in the same batches on the compute service) and interleaves their messages;
 an entry that fails ends with finish_reason ERROR and never disturbs the others.
+`run_entries` is what every front end calls (the gRPC Generate and the
+HTTP API): one entry streams alone, several are merged.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import grpc
 from loraplex.detokenize import StopStringMatcher
 from loraplex.errors import UnavailableError
 from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2
-from gateway.adapters import ResolvedLora
+from gateway.adapters import AdapterResolver, ResolvedLora
 from gateway.downstream import from_rpc_error
 from gateway.requests import PromptCodec
 from gateway.router import ComputeRouter
@@ -142,3 +144,44 @@ async def merge_entries(entries: Sequence[tuple[int, EntryFactory, int | None]]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a call: its job, the adapter it names, and how messages name that adapter."""
+
+    job: EntryJob
+    spec: common_pb2.LoraSpec
+    what: str                   # e.g. "lora", "loras[2]" or "model": the prefix of its error messages
+
+
+async def run_entries(entries: Sequence[Entry], resolver: AdapterResolver, router: ComputeRouter,
+                      codec: PromptCodec, *, resolve_first: bool = False
+                      ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Streams a call's entries. One entry: its failures raise (they are the call's status). Several:
+    they run concurrently, each resolving its adapter as it starts, and a failing one ends alone with
+    ERROR; with `resolve_first`, every distinct adapter is resolved before any entry starts, so an
+    unknown one fails the whole call instead (the HTTP API answers one status per request)."""
+    if len(entries) == 1:
+        lora = await resolver.resolve(entries[0].spec, entries[0].what)
+        async for msg in entry_stream(entries[0].job, lora, router, codec):
+            yield msg
+        return
+    resolved: dict[bytes, ResolvedLora] = {}
+    if resolve_first:
+        for e in entries:
+            key = e.spec.SerializeToString(deterministic=True)
+            if key not in resolved:
+                resolved[key] = await resolver.resolve(e.spec, e.what)
+
+    def factory(entry: Entry) -> EntryFactory:
+        async def start() -> AsyncIterator[gateway_pb2.GenerateResponse]:
+            lora = resolved.get(entry.spec.SerializeToString(deterministic=True)) if resolved else None
+            if lora is None:
+                lora = await resolver.resolve(entry.spec, entry.what)
+            return entry_stream(entry.job, lora, router, codec)
+        return start
+
+    known = [(e.job.index, factory(e), e.spec.task_id if e.spec.HasField("task_id") else None) for e in entries]
+    async for msg in merge_entries(known):
+        yield msg

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import grpc
 
@@ -20,7 +20,7 @@ from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.adapters import AdapterResolver, AdapterStore
 from gateway.config import GatewayConfig
 from gateway.downstream import from_rpc_error
-from gateway.generation import EntryJob, entry_stream, merge_entries
+from gateway.generation import Entry, EntryJob, run_entries
 from gateway.requests import PromptCodec, check_loras, check_prompt_length, check_sampling
 from gateway.router import ComputeRouter
 
@@ -42,6 +42,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._router = router
         self._model_info: common_pb2.ModelInfo | None = None
         self._model_info_lock = asyncio.Lock()
+
+    @property
+    def codec(self) -> PromptCodec:
+        return self._codec
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self._config
 
     async def model_info(self) -> common_pb2.ModelInfo:
         """The compute service's model description, asked once and kept."""
@@ -88,30 +96,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                  len(specs), "y" if len(specs) == 1 else "ies", sampling.max_tokens,
                  "" if timeout is None else f", deadline {timeout:.1f}s")
 
-        def job(index: int) -> EntryJob:
+        def entry(index: int, spec: common_pb2.LoraSpec) -> Entry:
             rid = request_id if len(specs) == 1 else f"{request_id}/{index}"
-            return EntryJob(index, rid, prompt_ids, sampling, list(request.sampling.stop), timeout)
+            job = EntryJob(index, rid, prompt_ids, sampling, list(request.sampling.stop), timeout)
+            return Entry(job, spec, f"loras[{index}]" if request.loras else "lora")
 
-        if len(specs) == 1:
-            # One entry: its failures are the call's status (NOT_FOUND, UNAVAILABLE ...).
-            lora = await self._resolver.resolve(specs[0], "loras[0]" if request.loras else "lora")
-            async for msg in entry_stream(job(0), lora, self._router, self._codec):
-                yield msg
-            return
-
-        def factory(index: int, spec: common_pb2.LoraSpec):
-            async def start() -> AsyncIterator[gateway_pb2.GenerateResponse]:
-                lora = await self._resolver.resolve(spec, f"loras[{index}]")
-                return entry_stream(job(index), lora, self._router, self._codec)
-            return start
-
-        entries = [(i, factory(i, s), s.task_id if s.HasField("task_id") else None) for i, s in enumerate(specs)]
-        async for msg in merge_entries(entries):
+        # One entry: its failures are the call's status (NOT_FOUND, UNAVAILABLE ...); several: per entry.
+        async for msg in self.run_entries([entry(i, s) for i, s in enumerate(specs)]):
             yield msg
+
+    def run_entries(self, entries: Sequence[Entry], *, resolve_first: bool = False
+                    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Streams checked entries on compute (gateway.generation.run_entries); the HTTP API calls it too."""
+        return run_entries(entries, self._resolver, self._router, self._codec, resolve_first=resolve_first)
 
     @maps_errors
     async def LoadLora(self, request: gateway_pb2.LoadLoraRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.LoadLoraResponse:
+        return gateway_pb2.LoadLoraResponse(adapter=await self.load_lora(request))
+
+    async def load_lora(self, request: gateway_pb2.LoadLoraRequest) -> common_pb2.AdapterInfo:
+        """Stores an adapter in the host cache; returns what was stored (also the HTTP API's load route)."""
         self._check_size(request)
         has_inline = request.HasField("weights") or request.HasField("config")
         task_id = request.task_id if request.HasField("task_id") else None
@@ -134,7 +139,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         else:
             raise InvalidArgumentError("nothing to load: give a path, inline weights + config, or a name "
                                        "under the adapter root")
-        return gateway_pb2.LoadLoraResponse(adapter=info)
+        return info
 
     async def _find(self, task_id: int) -> common_pb2.AdapterInfo:
         adapters, _, _ = await self._store.list()
@@ -147,6 +152,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @maps_errors
     async def UnloadLora(self, request: gateway_pb2.UnloadLoraRequest,
                          context: grpc.aio.ServicerContext) -> gateway_pb2.UnloadLoraResponse:
+        return gateway_pb2.UnloadLoraResponse(unloaded=await self.unload_lora(request))
+
+    async def unload_lora(self, request: gateway_pb2.UnloadLoraRequest) -> bool:
+        """Removes an adapter everywhere; False when nothing was cached (also the HTTP API's unload route)."""
         task_id = request.task_id if request.HasField("task_id") else None
         if task_id is None and not request.name:
             raise InvalidArgumentError("give the task_id or the name of the adapter to unload")
@@ -156,7 +165,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._resolver.forget(task_id, request.name)
         if task_id is not None:
             await self._drop_from_compute(task_id)
-        return gateway_pb2.UnloadLoraResponse(unloaded=unloaded)
+        return unloaded
 
     async def _task_id_of(self, name: str) -> int | None:
         try:
@@ -178,8 +187,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @maps_errors
     async def ListLoras(self, request: gateway_pb2.ListLorasRequest,
                         context: grpc.aio.ServicerContext) -> gateway_pb2.ListLorasResponse:
+        return await self.list_loras()
+
+    async def list_loras(self, gpu_residency: bool = True) -> gateway_pb2.ListLorasResponse:
+        """Every adapter the host cache holds or knows by name (`in_gpu_cache` only with `gpu_residency`)."""
         adapters, used, total = await self._store.list()
-        resident = await self._gpu_resident()
+        resident = await self._gpu_resident() if gpu_residency else set()
         for a in adapters:
             a.in_gpu_cache = a.task_id in resident
         return gateway_pb2.ListLorasResponse(adapters=adapters, host_cache_bytes_used=used,
