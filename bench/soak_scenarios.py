@@ -204,7 +204,6 @@ async def _stalled(stack: Stack, num_beside: int, max_tokens: int, stalled_token
     problems: list[str] = []
     beside = make_plans(num_beside, [None], max_tokens, num_prompts=num_beside, cancel_frac=0, deadline_frac=0,
                         seed=7)
-    compute = stack.computes[0]
     gw_rss0 = rss_bytes(stack.gateway.proc.pid)
     async with channel(stack.address) as ch, channel(stack.address, window_bytes=16 << 10) as stalled_ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
@@ -220,9 +219,8 @@ async def _stalled(stack: Stack, num_beside: int, max_tokens: int, stalled_token
         beside_s = time.monotonic() - t0
         # the gateway ends it on compute once its buffer is full, long before max_tokens
         t_end = time.monotonic() + 120
-        while stack.compute_stats(compute).num_running and time.monotonic() < t_end:
+        while (still_running := stack.num_running()) and time.monotonic() < t_end:
             await asyncio.sleep(0.1)
-        still_running = stack.compute_stats(compute).num_running
         gw_rss1 = rss_bytes(stack.gateway.proc.pid)
         code = "OK"
         try:

@@ -164,6 +164,11 @@ class Stack:
     def compute_stats(self, svc: ServiceProcess) -> compute_pb2.GetStatsResponse:
         return self.compute_stub(svc).GetStats(compute_pb2.GetStatsRequest(), timeout=30)
 
+    def num_running(self) -> int:
+        """Sequences running or waiting on the live replicas."""
+        return sum(s.num_running + s.num_waiting for s in (self.compute_stats(c) for c in self.computes
+                                                             if c.proc.poll() is None))
+
     def compute_metric(self, svc: ServiceProcess, name: str) -> float:
         """One unlabelled figure of a compute replica's Prometheus endpoint (NaN when it is not there)."""
         url = f"http://127.0.0.1:{self.metrics_ports[svc.name]}/metrics"

@@ -1,0 +1,60 @@
+"""Faults against the real services: a client that stops reading, the cache killed mid-load, redis
+restarted, a compute replica killed mid-stream.
+
+One system: the cache (redis backend with its own redis-server when one is installed, else shm), two
+compute replicas on the CPU and a gateway, as processes. The compute kill runs last (it leaves one
+replica). Each scenario also checks that nothing is held on the live services afterwards.
+"""
+from __future__ import annotations
+
+import pytest
+
+import soak_scenarios as sc
+from soak_stack import Stack, redis_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STALLED_TOKENS = 12000   # well past what the gateway buffers (4096) plus what transport windows hold
+
+
+@pytest.fixture(scope="module")
+def stack(soak_model, soak_adapters):
+    root, _ = soak_adapters
+    s = Stack.start(soak_model, root, num_computes=2, backend="redis" if redis_available() else "shm",
+                    compute_flags=("--max-num-seqs", "64", "--max-model-len", str(STALLED_TOKENS + 64)),
+                    # far apart: failover must not wait for a health check to notice a dead replica
+                    gateway_flags=("--replica-health-interval-s", "600"))
+    yield s
+    s.stop()
+
+
+def test_a_client_that_stops_reading_slows_no_one_and_its_stream_stays_bounded(stack):
+    out = sc.stalled_reader(stack, num_beside=16, max_tokens=32, stalled_tokens=STALLED_TOKENS)
+    assert out["problems"] == [], "\n".join(out["problems"])
+    assert out["stalled_code"] == "RESOURCE_EXHAUSTED"
+    assert out["stalled_tokens_delivered"] < STALLED_TOKENS
+
+
+def test_cache_killed_mid_load_is_unavailable_then_serves_after_restart(stack, soak_adapters):
+    _, names = soak_adapters
+    out = sc.kill_cache(stack, names[-4:-2], recover_timeout_s=30.0)
+    assert out["problems"] == [], "\n".join(out["problems"])
+    assert out["loads_while_killed"].get("UNAVAILABLE")
+    assert out["recovered_after_restart_s"] is not None
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed (scripts/setup.sh installs it)")
+def test_redis_restarted_is_unavailable_then_named_adapters_reload(stack, soak_adapters):
+    _, names = soak_adapters
+    out = sc.restart_redis(stack, names[-2:], recover_timeout_s=30.0)
+    assert out["problems"] == [], "\n".join(out["problems"])
+    assert out["down_code"] == "UNAVAILABLE"
+
+
+def test_compute_killed_mid_stream_is_unavailable_within_a_second_and_new_requests_move(stack, soak_adapters):
+    _, names = soak_adapters
+    out = sc.kill_compute(stack, names[:2], num_streams=8, num_burst=64, num_after=8)
+    assert out["problems"] == [], "\n".join(out["problems"])
+    assert out["on_killed_replica"] >= 1 and out["kept_streaming"] >= 1, out
+    assert out["kill_to_error_s"]["max"] < 1.0
+    assert out["failed_after"] == 0

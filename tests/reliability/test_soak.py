@@ -1,0 +1,49 @@
+"""Many concurrent streams through the real services, then nothing held.
+
+One system (cache, compute on the CPU, gateway as processes) whose adapter pool holds 2 of the 6
+adapters at once and whose KV cache is small enough that sequences are preempted. Every stream's
+tokens are a prefix of what the same request gets alone (all of it, for a stream that ran to its
+end), and afterwards every replica reports no sequence, KV block or adapter pin held, no host-cache
+segment mapped after it was dropped, and the cache no shared-memory segment beyond its adapters.
+"""
+from __future__ import annotations
+
+import pytest
+
+import soak_scenarios as sc
+from soak_stack import Stack, env_int
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+POOL_ADAPTERS = 2
+
+
+@pytest.fixture(scope="module")
+def stack(soak_model, soak_adapters):
+    root, _ = soak_adapters
+    s = Stack.start(soak_model, root, compute_flags=(
+        "--max-num-seqs", "256", "--max-model-len", "512", "--max-resident-adapters", str(POOL_ADAPTERS),
+        "--kv-cache-bytes", str(2 << 20)))
+    yield s
+    s.stop()
+
+
+def test_concurrent_streams_with_cancels_and_deadlines_leave_nothing_held(stack, soak_adapters):
+    _, names = soak_adapters
+    num = env_int("LORAPLEX_SOAK_STREAMS", 1000)
+    out = sc.streams(stack, num, names, max_tokens=16, cancel_frac=0.2, deadline_frac=0.2, seed=0)
+    assert out["problems"] == [], "\n".join(out["problems"][:20])
+    assert out["streams"] == num and sum(out["codes"].values()) == num
+    # each kind of ending happened, so each path was exercised
+    assert out["codes"].get("OK") and out["codes"].get("CANCELLED") and out["codes"].get("DEADLINE_EXCEEDED")
+    assert set(out["leaks"]) >= {"compute-0.kv_blocks_used", "compute-0.adapter_pins",
+                                 "cache.shm_segments_beyond_adapters"}
+    assert out["churn"]["adapter_evictions"] > 0 and out["churn"]["preemptions"] > 0, out["churn"]
+
+
+def test_adapter_pool_smaller_than_the_working_set_gives_alone_outputs_in_bounded_time(stack, soak_adapters):
+    _, names = soak_adapters
+    assert len(names) > POOL_ADAPTERS
+    out = sc.small_pool(stack, 120, names, max_tokens=16, max_e2e_s=30.0)
+    assert out["problems"] == [], "\n".join(out["problems"][:20])
+    assert out["codes"] == {"OK": 120}
