@@ -30,6 +30,11 @@ class GatewayConfig:
         default=1 << 30, metadata={"help": "largest request accepted, in bytes (inline adapters can be ~335 MB)"})
     downstream_timeout_s: float = field(
         default=30.0, metadata={"help": "deadline of calls to the cache and of non-streaming compute calls"})
+    http_listen: str = field(
+        default="", metadata={"help": "address of the OpenAI-compatible HTTP API, e.g. 127.0.0.1:8000 (empty: off)"})
+    served_model_name: str = field(
+        default="", metadata={"help": "the base model's name in the HTTP API (default: the model file's or "
+                                      "folder's name, e.g. SmolLM2-135M-Instruct)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
@@ -43,3 +48,5 @@ class GatewayConfig:
             raise SettingsError("default_max_tokens: must be at least 1")
         if self.downstream_timeout_s <= 0:
             raise SettingsError("downstream_timeout_s: must be positive")
+        if self.http_listen and ":" not in self.http_listen:
+            raise SettingsError(f"http_listen: expected HOST:PORT, got {self.http_listen!r}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from jinja2 import TemplateError
+
 from loraplex.detokenize import IncrementalDetokenizer
 from loraplex.errors import InvalidArgumentError
 from loraplex.v1 import common_pb2, gateway_pb2
@@ -39,12 +41,19 @@ class PromptCodec:
                                            f"(size {self.vocab_size})")
             return ids
         if request.chat:
-            if not getattr(self._tok, "chat_template", None):
-                raise InvalidArgumentError("chat: this model's tokenizer has no chat template; send plain text")
-            text = self._tok.apply_chat_template([{"role": "user", "content": request.text}],
-                                                 tokenize=False, add_generation_prompt=True)
-            return list(self._tok.encode(text, add_special_tokens=False))
+            return self.encode_chat([{"role": "user", "content": request.text}])
         return list(self._tok.encode(request.text))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A conversation ({"role", "content"} turns) in the model's chat template, with the assistant
+        prompt after it, as token ids."""
+        if not getattr(self._tok, "chat_template", None):
+            raise InvalidArgumentError("chat: this model's tokenizer has no chat template; send plain text")
+        try:
+            text = self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except TemplateError as exc:   # the template's own checks (e.g. roles that must alternate)
+            raise InvalidArgumentError(f"chat: the model's chat template refused the messages: {exc}") from exc
+        return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -18,6 +18,7 @@ from loraplex.serving import run_server
 from loraplex.v1 import gateway_pb2_grpc
 from gateway.adapters import AdapterResolver, AdapterStore
 from gateway.config import GatewayConfig
+from gateway.http.app import HttpServer, http_server_for
 from gateway.requests import PromptCodec
 from gateway.router import ComputeRouter, build_router
 from gateway.servicer import GatewayServicer
@@ -50,6 +51,15 @@ async def serve(config: GatewayConfig) -> None:
                           spill_threshold=config.replica_spill_threshold,
                           health_interval_s=config.replica_health_interval_s)
     servicer = build_servicer(config, tokenizer, model_spec, store, router)
+    http = http_server_for(config, servicer, model_path) if config.http_listen else None
+    if http is not None:
+        # bound before the gRPC server starts (a taken port fails the start); connections wait in the
+        # backlog until it serves, once the gRPC server does
+        print(f"gateway http listening on {http.bind()}", flush=True)
+
+    async def started(port: int) -> None:
+        if http is not None:
+            await http.start()
 
     def register(server: grpc.aio.Server) -> list[str]:
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
@@ -59,5 +69,15 @@ async def serve(config: GatewayConfig) -> None:
              ",".join(config.compute_addresses))
     # Channels close with the process: closing them before the server's grace period ends
     # would cut the streams it is letting finish.
-    await run_server("gateway", config.listen, register,
-                     max_message_bytes=transport_limit(config.max_message_bytes))
+    try:
+        await run_server("gateway", config.listen, register,
+                         max_message_bytes=transport_limit(config.max_message_bytes), on_started=started,
+                         on_stopping=(lambda: _begin_stop(http)))
+    finally:
+        if http is not None:
+            await http.stop()
+
+
+async def _begin_stop(http: HttpServer | None) -> None:
+    if http is not None:
+        http.begin_stop()   # stops accepting; running answers finish while gRPC's grace period runs

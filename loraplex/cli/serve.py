@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="Start redis (optional), cache, compute and gateway together.",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen", default="127.0.0.1:50051", help="gateway address (default 127.0.0.1:50051)")
+    p.add_argument("--http-listen", default=None,
+                   help="address of the gateway's OpenAI-compatible HTTP API (default 127.0.0.1:8000, or a "
+                        "free port when --listen's port is 0; empty: off)")
     p.add_argument("--model", default="", help="GGUF file or HF folder; default SmolLM2-135M-Instruct")
     p.add_argument("--backend", choices=("shm", "redis"), default="shm",
                    help="host cache backend: shm (shared memory, default) or redis")
@@ -83,7 +86,8 @@ def start_all(args: argparse.Namespace, cache_args: list[str], compute_args: lis
     specs = [("cache", cache_args),
              ("compute", compute_args + ["--cache-address", cache_addr]),
              ("gateway", ["gateway", "--listen", args.listen, "--cache-address", cache_addr,
-                          "--compute-addresses", compute_addr] + _opt("--model", args.model)
+                          "--compute-addresses", compute_addr, "--http-listen", args.http_listen]
+              + _opt("--model", args.model)
               + shlex.split(args.gateway_flags))]
     services = [spawn_service(name, argv, env=env) for name, argv in specs]
     started.extend(services)    # as soon as they exist: a failure or Ctrl-C part-way stops them all
@@ -121,6 +125,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.http_listen is None:      # a gateway on a free port (tests, scripts) takes a free HTTP port too
+        args.http_listen = "127.0.0.1:0" if args.listen.endswith(":0") else "127.0.0.1:8000"
     started: list[ServiceProcess] = []
     redis: RedisServer | None = None
     # Until everything is up, SIGTERM acts like Ctrl-C, so a half-started system is still stopped.
@@ -137,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         cache, compute, gateway = start_all(args, cache_args, compute_args, env, t0, started)
         print(f"serve: cache at {cache.address} ({args.backend}), compute at {compute.address}, "
               f"ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+        if args.http_listen and not args.http_listen.endswith(":0"):   # port 0: the gateway's own line says
+            print(f"serve: OpenAI-compatible API at http://{args.http_listen}/v1", file=sys.stderr, flush=True)
         # The one line tools read (same form as every service's): where the public API is.
         print(f"gateway listening on {gateway.address}", flush=True)
         reason = _wait_stop_signal(started)

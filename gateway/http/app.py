@@ -1,0 +1,170 @@
+"""The ASGI app of the OpenAI-compatible API and the server that runs it on the gateway's event loop.
+
+`build_app` mounts the routes (`gateway.http.routes`) and `/metrics`; unknown
+paths and methods get OpenAI error bodies too. `HttpServer` binds its socket
+before the gRPC server starts (a taken port fails the start), serves with
+the ASGI server on the running event loop, and stops with the gateway: the
+gRPC server's SIGTERM handling stops it, not a signal handler of its own.
+
+Access control plugs in at one point: the `guard` passed to `build_app`
+(see `routes.Guard`); `gateway.server` passes the one the gateway's
+security module provides, if any.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.http.errors import error_body
+from gateway.config import GatewayConfig
+from gateway.http.routes import Guard, OpenAIRoutes, allow_all
+from gateway.servicer import GatewayServicer
+
+log = logging.getLogger(__name__)
+
+
+def metrics_route(registry: Any = None) -> Route:
+    """`/metrics`: the Prometheus text of `registry` (the default registry when None)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry or REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    return Route("/metrics", metrics, methods=["GET"])
+
+
+def build_app(servicer: GatewayServicer, base_model: str, *, guard: Guard = allow_all,
+              metrics_registry: Any = None) -> Starlette:
+    routes = OpenAIRoutes(servicer, base_model, guard)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        message = (f"no route {request.method} {request.url.path} (see docs/openai.md)" if status in (404, 405)
+                   else str(getattr(exc, "detail", exc)))
+        return JSONResponse(error_body(status, message), status_code=status)
+
+    return Starlette(
+        routes=[
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"]),
+            Route("/health", routes.health, methods=["GET"]),
+            metrics_route(metrics_registry),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: http_error},
+    )
+
+
+class _Embedded(uvicorn.Server):
+    """The ASGI server without signal handlers of its own: it stops when the gateway does."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class HttpServer:
+    """Serves an ASGI app on `address` (port 0 picks one) inside the running event loop."""
+
+    def __init__(self, app: Starlette, address: str, grace_s: float = 5.0) -> None:
+        self._config = uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
+                                      timeout_graceful_shutdown=grace_s, server_header=False)
+        self._server = _Embedded(self._config)
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.address = address
+
+    def bind(self) -> str:
+        """Binds and listens (connections wait in the backlog until `start`); returns HOST:PORT."""
+        host, port = split_host_port(self.address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"gateway: cannot serve HTTP on {self.address}: {exc.strerror or exc}") from exc
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._socket = sock
+        bound = sock.getsockname()[1]
+        self.address = f"{host if family == socket.AF_INET else '[' + host + ']'}:{bound}"
+        return self.address
+
+    async def start(self) -> None:
+        if self._socket is None:
+            self.bind()
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]), name="http-server")
+
+    def begin_stop(self) -> None:
+        self._server.should_exit = True
+
+    async def stop(self) -> None:
+        if self._task is None:
+            if self._socket is not None:
+                self._socket.close()
+            return
+        self.begin_stop()
+        try:
+            await self._task
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - stopping anyway
+            log.warning("http server stopped with %s", exc)
+        self._task = None
+
+
+def served_model_name(config: GatewayConfig, model_path: Path) -> str:
+    """The base model's id in the API: --served-model-name, else the model folder's name, or the GGUF
+    file's without its quantization tag ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
+    if config.served_model_name:
+        return config.served_model_name
+    if model_path.is_file():
+        return re.sub(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", "", model_path.stem, flags=re.IGNORECASE)
+    return model_path.name
+
+
+def _hooked(module_names: tuple[str, ...], attribute: str) -> Any:
+    """`attribute` of the first of `module_names` that exists and has it (None if none does)."""
+    for name in module_names:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        found = getattr(module, attribute, None)
+        if found is not None:
+            return found
+    return None
+
+
+def http_server_for(config: GatewayConfig, servicer: GatewayServicer, model_path: Path,
+                    grace_s: float = 5.0) -> HttpServer:
+    """The gateway's HTTP server on `config.http_listen`. The hook points: access control is the
+    `http_guard(config)` of the gateway's security module (gateway.auth or gateway.security) when it
+    has one; /metrics serves the `REGISTRY` of gateway.metrics when it has one, else the default one."""
+    make_guard = _hooked(("gateway.auth", "gateway.security"), "http_guard")
+    guard = make_guard(config) if make_guard is not None else allow_all
+    registry = _hooked(("gateway.metrics",), "REGISTRY")
+    app = build_app(servicer, served_model_name(config, model_path), guard=guard, metrics_registry=registry)
+    return HttpServer(app, config.http_listen, grace_s)
