@@ -1,0 +1,103 @@
+"""The HTTP API's test stack: `loraplex serve` (cache, compute on the CPU, gateway) over a tiny model.
+
+The model is a random two-layer Llama with SmolLM2's tokenizer (so prompts,
+chat template and detokenizing are real) and SmolLM2's vocabulary; it starts
+in seconds and its greedy output is deterministic. Adapters are PEFT folders
+for it, under the cache's adapter root.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from safetensors.torch import save_file
+
+from loraplex.procs import ServiceProcess, start_service
+from loraplex.v1 import compute_pb2, compute_pb2_grpc
+
+DIMS = dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096)
+_SHAPES = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+           "gate_proj": (64, 80), "up_proj": (64, 80), "down_proj": (80, 64)}      # (in, out)
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def make_tiny_model(folder: Path, tokenizer) -> Path:
+    """A random Llama (SmolLM2's vocabulary and tokenizer, tied embeddings) saved as a HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, rms_norm_eps=1e-5,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **DIMS)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():       # wider than the default init, so outputs vary and adapters matter
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_adapter(folder: Path, seed: int, rank: int = 4, std: float = 0.3) -> Path:
+    """A PEFT LoRA folder for the tiny model on all seven projections."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(DIMS["num_hidden_layers"]):
+        for proj, (fin, fout) in _SHAPES.items():
+            key = f"base_model.model.model.layers.{layer}.{_BLOCK[proj]}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=gen) * std
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": list(_SHAPES)}))
+    return folder
+
+
+@dataclass
+class HttpStack:
+    serve: ServiceProcess
+    base_url: str            # http://HOST:PORT
+    grpc_address: str
+    compute_address: str
+
+    def compute_busy(self) -> int:
+        """Requests running or waiting on the compute service."""
+        with grpc.insecure_channel(self.compute_address) as ch:
+            stats = compute_pb2_grpc.ComputeStub(ch).GetStats(compute_pb2.GetStatsRequest(), timeout=10)
+        return stats.num_running + stats.num_waiting
+
+    def stop(self) -> int:
+        return self.serve.stop()
+
+
+def _find(svc: ServiceProcess, pattern: str, timeout_s: float = 15.0) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in list(svc.lines):
+            m = re.search(pattern, line)
+            if m:
+                return m
+        time.sleep(0.05)
+    raise RuntimeError(f"no line matching {pattern!r} in:\n{svc.output()[-4000:]}")
+
+
+def start_http_stack(model: Path, lora_root: Path, *extra: str) -> HttpStack:
+    svc = start_service("serve", ["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--device",
+                                  "cpu", "--model", str(model), "--lora-root", str(lora_root), "--max-model-len",
+                                  "4096", *extra], timeout_s=300)
+    try:
+        http = _find(svc, r"\[gateway\] gateway http listening on (\S+)").group(1)
+        compute = _find(svc, r"serve: cache at \S+ \(\w+\), compute at (\S+),").group(1)
+    except BaseException:
+        svc.stop()
+        raise
+    return HttpStack(svc, f"http://{http}", svc.address, compute)
