@@ -7,7 +7,6 @@ for it, under the cache's adapter root.
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -15,17 +14,12 @@ from pathlib import Path
 
 import grpc
 import torch
-from safetensors.torch import save_file
 
 from loraplex.procs import ServiceProcess, start_service
 from loraplex.v1 import compute_pb2, compute_pb2_grpc
 
 DIMS = dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096)
-_SHAPES = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
-           "gate_proj": (64, 80), "up_proj": (64, 80), "down_proj": (80, 64)}      # (in, out)
-_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def make_tiny_model(folder: Path, tokenizer) -> Path:
@@ -45,21 +39,22 @@ def make_tiny_model(folder: Path, tokenizer) -> Path:
     return folder
 
 
-def write_adapter(folder: Path, seed: int, rank: int = 4, std: float = 0.3) -> Path:
-    """A PEFT LoRA folder for the tiny model on all seven projections."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(DIMS["num_hidden_layers"]):
-        for proj, (fin, fout) in _SHAPES.items():
-            key = f"base_model.model.model.layers.{layer}.{_BLOCK[proj]}.{proj}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=gen) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=gen) * std
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
-        "bias": "none", "target_modules": list(_SHAPES)}))
-    return folder
+def write_adapters(model: Path, root: Path, ranks: dict[str, int]) -> None:
+    """PEFT LoRA folders `root/<name>` for the tiny model on all seven projections, saved by PEFT itself,
+    with random factors large enough to change its greedy output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    for seed, (name, rank) in enumerate(ranks.items()):
+        torch.manual_seed(100 + seed)
+        cfg = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, init_lora_weights=False,
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        peft_model = get_peft_model(LlamaForCausalLM.from_pretrained(model), cfg)
+        with torch.no_grad():
+            for key, p in peft_model.named_parameters():
+                if "lora_" in key:
+                    p.normal_(0.0, 0.3)
+        peft_model.save_pretrained(root / name)
 
 
 @dataclass

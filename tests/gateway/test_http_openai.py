@@ -22,7 +22,7 @@ import pytest
 from loraplex.client import Client
 from loraplex.grpc_errors import MAX_STATUS_MESSAGE
 from loraplex.procs import start_service
-from http_stack import make_tiny_model, start_http_stack, write_adapter
+from http_stack import make_tiny_model, start_http_stack, write_adapters
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The capital of France is"
@@ -34,10 +34,7 @@ def stack(tmp_path_factory, tokenizer):
     tmp = tmp_path_factory.mktemp("http")
     model = make_tiny_model(tmp / BASE, tokenizer)
     root = tmp / "root"
-    write_adapter(root / "alpha", seed=1)
-    write_adapter(root / "beta", seed=2)
-    write_adapter(root / "gamma", seed=3)
-    write_adapter(root / "huge", seed=4, rank=256)
+    write_adapters(model, root, {"alpha": 4, "beta": 4, "gamma": 4, "huge": 256})
     s = start_http_stack(model, root, "--host-cache-bytes", "512KiB", "--gateway-flags", "--max-message-bytes 4MiB")
     s.root = root
     yield s
