@@ -35,7 +35,6 @@ from loraplex.v1 import gateway_pb2, gateway_pb2_grpc
 
 from soak_stack import Stack, rss_bytes
 
-EXPECTED = {"OK", "CANCELLED", "DEADLINE_EXCEEDED"}
 VOCAB_LOW, VOCAB_HIGH = 3, 255     # byte tokens of the tiny model (0-255), clear of the specials
 
 
@@ -86,7 +85,7 @@ async def run_stream(stub: gateway_pb2_grpc.GatewayStub, plan: Plan, stop_readin
                      ) -> Result:
     """Runs one planned stream to its end (or its client's cancel); never raises for a status."""
     req = build_generate_request(list(plan.prompt), [plan.lora] if plan.lora else [], max_tokens=plan.max_tokens,
-                                 ignore_eos=True)
+                                 ignore_eos=True, request_id=f"soak-{plan.index}-{id(plan) & 0xffff:x}")
     res = Result(plan, sent=time.monotonic())
     call = stub.Generate(req, timeout=plan.deadline_s)
     try:
@@ -134,10 +133,19 @@ def make_plans(num: int, loras: list[str | None], max_tokens: int, *, num_prompt
     return plans
 
 
+def expected_codes(plan: Plan) -> set[str]:
+    """How a stream may end: a client's cancel, its deadline, or else OK (any other ending is a fault)."""
+    if plan.cancel_after is not None:
+        return {"CANCELLED"}
+    if plan.deadline_s is not None:
+        return {"OK", "DEADLINE_EXCEEDED"}
+    return {"OK"}
+
+
 def check_results(results: list[Result], alone: dict, problems: list[str]) -> None:
     for r in results:
         want = alone[(r.plan.prompt, r.plan.lora)]
-        if r.code not in EXPECTED:
+        if r.code not in expected_codes(r.plan):
             problems.append(f"stream {r.plan.index} ({r.plan.lora}) ended {r.code}: {r.detail[:300]}")
         elif r.tokens != want[:len(r.tokens)]:
             problems.append(f"stream {r.plan.index} ({r.plan.lora}) got {r.tokens}, alone {want}")
@@ -156,13 +164,34 @@ def summarize(results: list[Result]) -> dict[str, Any]:
             "e2e_s": percentiles([r.ended - r.sent for r in results if r.code == "OK"])}
 
 
+async def _burst(address: str, num: int) -> dict[str, int]:
+    async with channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def one() -> str:
+            try:
+                await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=120)
+                return "OK"
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+        codes: dict[str, int] = {}
+        for code in await asyncio.gather(*[one() for _ in range(num)]):
+            codes[code] = codes.get(code, 0) + 1
+        return codes
+
+
+def burst(stack: Stack, num: int) -> dict[str, int]:
+    """`num` GetModelInfo calls at once: how they ended (the gateway must take them all, not drop some)."""
+    return asyncio.run(_burst(stack.address, num))
+
+
 async def _streams(stack: Stack, plans: list[Plan], max_tokens: int) -> dict[str, Any]:
     problems: list[str] = []
     async with channel(stack.address) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         alone_results = await answers(stub, {(p.prompt, p.lora) for p in plans}, max_tokens)
         alone = {k: r.tokens for k, r in alone_results.items()}
-        churn0 = stack.churn()
+        churn0, rss0 = stack.churn(), stack.rss()
         t0 = time.monotonic()
         results = await asyncio.gather(*[run_stream(stub, p) for p in plans])
         wall = time.monotonic() - t0
@@ -170,7 +199,9 @@ async def _streams(stack: Stack, plans: list[Plan], max_tokens: int) -> dict[str
     leaks = stack.wait_no_leaks()
     problems += [f"leak: {k} = {v} after every stream ended" for k, v in leaks.items() if v]
     churn = {k: v - churn0[k] for k, v in stack.churn().items()}
+    rss_growth = {k: v - rss0.get(k, 0) for k, v in stack.rss().items()}
     return dict(summarize(results), streams=len(plans), wall_s=wall, leaks=leaks, churn=churn,
+                rss_growth_bytes=rss_growth,
                 alone_e2e_s=percentiles([r.ended - r.sent for r in alone_results.values()]),
                 cancels=sum(p.cancel_after is not None for p in plans),
                 deadlines=sum(p.deadline_s is not None for p in plans), problems=problems)

@@ -182,6 +182,11 @@ class Stack:
         return {key: sum(self.compute_metric(c, f"loraplex_{name}") for c in live)
                 for key, name in (("preemptions", "compute_preemptions"), ("adapter_evictions", "adapter_evictions"))}
 
+    def rss(self) -> dict[str, int]:
+        """Resident memory of each live service process, in bytes."""
+        return {svc.name: rss_bytes(svc.proc.pid) for svc in (self.gateway, *self.computes, self.cache)
+                if svc.proc.poll() is None}
+
     def leaks(self) -> dict[str, int]:
         """Everything that must be zero when no request runs (live services only)."""
         out: dict[str, int] = {}

@@ -25,11 +25,19 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 
 
+# Calls the server may hold before the application takes them. gRPC's default (1,000, hard limit 3,000)
+# cancels the calls of a larger burst with a bare CANCELLED, as if their clients had cancelled them; a
+# burst of new streams is the services' own business to queue (tests/reliability/test_soak.py).
+MAX_PENDING_CALLS = 1 << 16
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     ]
 
 

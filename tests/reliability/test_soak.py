@@ -47,3 +47,9 @@ def test_adapter_pool_smaller_than_the_working_set_gives_alone_outputs_in_bounde
     out = sc.small_pool(stack, 120, names, max_tokens=16, max_e2e_s=30.0)
     assert out["problems"] == [], "\n".join(out["problems"][:20])
     assert out["codes"] == {"OK": 120}
+
+
+def test_a_burst_of_calls_past_the_transport_default_is_served_not_cancelled(stack):
+    # gRPC's server cancels calls arriving while more than 1,000 wait to be taken (its default); a client
+    # saw CANCELLED for requests it never cancelled. The services raise that bound.
+    assert sc.burst(stack, 4000) == {"OK": 4000}
