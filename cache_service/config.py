@@ -26,8 +26,12 @@ class CacheConfig:
         default=60.0, metadata={"help": "redis: seconds an evicted or replaced version stays readable for streams already reading it"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
+                                                              "request ids"})
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"log_format: expected text or json, got {self.log_format!r}")
         if self.backend not in ("shm", "redis"):
             raise SettingsError(f"backend: expected shm or redis, got {self.backend!r}")
         if self.host_cache_bytes <= 0:

@@ -80,11 +80,17 @@ class HostCache:
     def _store_from_disk(self, path: Path, task_id: int, *, name: str, kind: str, replace: bool,
                          source_label: str) -> PutOutcome:
         started = time.perf_counter()
-        sig = disk.signature(path)
-        upload = upload_from_disk(path, task_id, name=name, source=source_label, begin=self.begin_upload)
-        outcome = self.finish_upload(upload, replace=replace,
-                                     source=SourceEntry(task_id, str(path), name, kind, sig))
-        self.metrics.load_seconds.observe(time.perf_counter() - started)
+        try:
+            sig = disk.signature(path)
+            upload = upload_from_disk(path, task_id, name=name, source=source_label, begin=self.begin_upload)
+            outcome = self.finish_upload(upload, replace=replace,
+                                         source=SourceEntry(task_id, str(path), name, kind, sig))
+        except BaseException:
+            self.metrics.adapter_loads.observe(0, time.perf_counter() - started, False)
+            raise
+        seconds = time.perf_counter() - started
+        self.metrics.load_seconds.observe(seconds)
+        self.metrics.adapter_loads.observe(outcome.record.num_bytes, seconds, True)
         return outcome
 
     # -- gets ---------------------------------------------------------------

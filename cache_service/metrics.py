@@ -2,18 +2,22 @@
 
 Cache-wide numbers (hits, misses, evictions, bytes, adapters) are read from
 the backend at scrape time, so with Redis they describe the shared cache that
-every replica sees; latencies are this process's own.
+every replica sees; latencies are this process's own, and so are adapter loads
+from disk (`loraplex_adapter_loads_total{tier="host", outcome}`, their bytes
+and seconds: the compute service counts its loads into the GPU pool under
+`tier="gpu"`).
 """
 from __future__ import annotations
 
 import logging
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from loraplex.errors import UnavailableError
+from loraplex.metrics import AdapterLoadMetrics, serve_metrics
 from cache_service.records import CacheStats
 
 log = logging.getLogger(__name__)
@@ -32,16 +36,17 @@ class _StatsCollector(Collector):
             log.warning("metrics: cache stats unavailable: %s", exc)
             return
         labels = ["backend"]
-        for name, doc, value in (("hits", "gets that found the adapter", s.hits),
-                                 ("misses", "gets that did not find the adapter", s.misses),
-                                 ("evictions", "adapters evicted by the LRU", s.evictions)):
-            c = CounterMetricFamily(f"loraplex_host_cache_{name}", doc, labels=labels)
+        for name, doc, value in (("loraplex_host_cache_hits", "gets that found the adapter", s.hits),
+                                 ("loraplex_host_cache_misses", "gets that did not find the adapter", s.misses),
+                                 ("loraplex_host_cache_evictions", "adapters evicted by the LRU", s.evictions)):
+            c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self._backend], value)
             yield c
-        for name, doc, value in (("bytes_used", "bytes of cached adapters", s.bytes_used),
-                                 ("bytes_total", "byte budget (lora_cache_host_memory_bytes)", s.bytes_total),
-                                 ("adapters", "cached adapters", s.num_adapters)):
-            g = GaugeMetricFamily(f"loraplex_host_cache_{name}", doc, labels=labels)
+        for name, doc, value in (("loraplex_host_cache_bytes_used", "bytes of cached adapters", s.bytes_used),
+                                 ("loraplex_host_cache_bytes_total", "byte budget (lora_cache_host_memory_bytes)",
+                                  s.bytes_total),
+                                 ("loraplex_host_cache_adapters", "cached adapters", s.num_adapters)):
+            g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self._backend], value)
             yield g
 
@@ -61,7 +66,8 @@ class CacheMetrics:
         self.get_seconds = Histogram(
             "loraplex_host_cache_get_seconds", "GetAdapter until the last message is sent",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.adapter_loads = AdapterLoadMetrics(self.registry, "host")
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Starts the /metrics HTTP endpoint in a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        serve_metrics(self.registry, port, host)

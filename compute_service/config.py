@@ -40,8 +40,12 @@ class ComputeConfig:
                                                            "one per CPU core, up to 16)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
+                                                              "request ids"})
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"log_format: expected text or json, got {self.log_format!r}")
         if not 0.0 < self.lora_gpu_memory_fraction < 1.0:
             raise SettingsError("lora_gpu_memory_fraction: must be in (0, 1)")
         if self.lora_cache_optimal_adapter_size < 1 or self.max_resident_adapters < 0:

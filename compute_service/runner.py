@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +37,14 @@ from compute_service.step_loop import Admission, NeedsFetch, StepLoop
 
 # Staging is CPU work partly under the GIL: two workers keep a burst of loads moving.
 STAGING_WORKERS = 2
+
+
+class SequenceObserver(Protocol):
+    """Sees every delta on the event loop with the drain's clock reading (`_Request.started` and
+    `last_token_at` are its to read and set)."""
+
+    def delivered(self, req: Any, out: RequestOutput, now: float) -> None:
+        """New tokens (and perhaps the end) of one request."""
 
 
 class StepConsumer(Protocol):
@@ -59,6 +68,8 @@ class _Request:
     task_id: int | None
     version: str
     timer: asyncio.TimerHandle | None = None
+    started: float = 0.0            # perf_counter when it started (latency metrics)
+    last_token_at: float = 0.0      # perf_counter of its latest tokens; 0 before the first
 
 
 class _QueueConsumer:
@@ -86,6 +97,8 @@ class EngineRunner:
         self.slots = slots
         self.fetch = fetch              # reads adapters from the host cache
         self.on_step = on_step          # (num tokens emitted, step seconds), for metrics and benchmarks
+        self.latency: SequenceObserver | None = None   # per-sequence timings (compute_service.metrics)
+        self.on_adapter_load: Callable[[int, float, bool], None] | None = None   # (bytes, seconds, ok)
         self.steps = StepLoop(engine, slots, self._drain)
         self._requests: dict[str, _Request] = {}
         self._fetches: dict[str, asyncio.Task[Uploaded]] = {}
@@ -121,7 +134,7 @@ class EngineRunner:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
         key = None if task_id is None else adapter_key(task_id, version)
         adm = Admission(request_id, list(prompt), params, key)
-        req = _Request(consumer, handle, adm, task_id, version)
+        req = _Request(consumer, handle, adm, task_id, version, started=time.perf_counter())
         if timeout_s is not None and timeout_s > 0:
             req.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, request_id)
         self._requests[request_id] = req
@@ -215,9 +228,10 @@ class EngineRunner:
     # -- step batches (event loop) -----------------------------------------------------------
     def _drain(self) -> None:
         touched: dict[int, StepConsumer] = {}
-        ready, requests = self.steps.ready, self._requests
+        ready, requests, latency = self.steps.ready, self._requests, self.latency
         while ready:
             batch = ready.popleft()
+            now = time.perf_counter() if latency is not None else 0.0
             for rid, exc in batch.failed:
                 if isinstance(exc, NeedsFetch):
                     self._fetch_then_add(rid)
@@ -232,6 +246,8 @@ class EngineRunner:
                 req = requests.get(out.request_id)
                 if req is None:
                     continue
+                if latency is not None:
+                    latency.delivered(req, out, now)
                 if out.finished:
                     del requests[out.request_id]
                     if req.timer is not None:
@@ -284,9 +300,19 @@ class EngineRunner:
         return task
 
     async def _fetch_and_stage(self, key: str, task_id: int, version: str) -> Uploaded:
-        adapter = await self.fetch(task_id, version or None)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._staging, self.slots.stage_adapter, key, adapter)
+        started, num_bytes = time.perf_counter(), 0
+        try:
+            adapter = await self.fetch(task_id, version or None)
+            num_bytes = adapter.num_bytes
+            loop = asyncio.get_running_loop()
+            staged = await loop.run_in_executor(self._staging, self.slots.stage_adapter, key, adapter)
+        except BaseException:
+            if self.on_adapter_load is not None:
+                self.on_adapter_load(num_bytes, time.perf_counter() - started, False)
+            raise
+        if self.on_adapter_load is not None:
+            self.on_adapter_load(num_bytes, time.perf_counter() - started, True)
+        return staged
 
 
 def _settle(fut: asyncio.Future[Any], result: Any) -> None:

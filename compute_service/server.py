@@ -67,7 +67,7 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
     load_s = time.perf_counter() - t0
     log.info("start-up: model and caches ready in %.1f s; warming up (health NOT_SERVING until done)", load_s)
     metrics = ComputeMetrics(rt)
-    rt.runner.on_step = metrics.on_step
+    metrics.attach()     # warm-up drives the engine directly: none of its work is counted
     if config.metrics_port:
         metrics.serve(config.metrics_port)
         log.info("metrics on :%d/metrics", config.metrics_port)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator
 
 from compute_service.conversions import finish_of, sampling_from_proto
@@ -23,6 +24,7 @@ from loraplex.errors import InvalidArgumentError
 from loraplex.v1 import compute_pb2
 
 _SESSION_NUMBERS = itertools.count(1)
+log = logging.getLogger(__name__)
 
 
 class TokenSession:
@@ -47,12 +49,17 @@ class TokenSession:
             self._counts.append(len(ids))
             self._tokens += ids
         if out.finished:
-            self._open.pop(handle, None)
+            rid = self._open.pop(handle, None)
             reason, usage = finish_of(out)
+            if rid is not None and log.isEnabledFor(logging.DEBUG):
+                log.debug("finished (%s): %d prompt, %d output tokens", out.finish_reason, out.num_prompt_tokens,
+                          out.num_output_tokens, extra={"request_id": rid.rsplit("@", 1)[0]})
             self._finished.append(compute_pb2.TokensFinished(handle=handle, finish_reason=reason, usage=usage))
 
     def fail(self, handle: int, exc: BaseException) -> None:
-        self._open.pop(handle, None)
+        rid = self._open.pop(handle, None)
+        if rid is not None:
+            log.info("failed: %s", exc, extra={"request_id": rid.rsplit("@", 1)[0]})
         self._error(handle, exc)
 
     def _error(self, handle: int, exc: BaseException) -> None:
@@ -111,6 +118,9 @@ class TokenSession:
             self.runner.start_request(rid, request.input_ids, params, task_id, version, self, handle,
                                       start.timeout_s or None)
             self._open[handle] = rid
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("started: %d prompt tokens, adapter %s", len(request.input_ids),
+                          task_id if task_id is not None else "none", extra={"request_id": request.request_id})
         except Exception as exc:  # noqa: BLE001 - reported for this request only
             self._error(handle, exc)
 

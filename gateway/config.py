@@ -35,9 +35,17 @@ class GatewayConfig:
     served_model_name: str = field(
         default="", metadata={"help": "the base model's name in the HTTP API (default: the model file's or "
                                       "folder's name, e.g. SmolLM2-135M-Instruct)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off; the HTTP API's "
+                                                           "port serves /metrics too)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
+                                                              "request ids"})
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise SettingsError(f"log_format: expected text or json, got {self.log_format!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise SettingsError("metrics_port: must be in 0..65535")
         if not self.compute_addresses:
             raise SettingsError("compute_addresses: give at least one compute service address")
         if self.replica_spill_threshold < 1 or self.replica_health_interval_s <= 0:

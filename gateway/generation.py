@@ -22,9 +22,11 @@ import grpc
 
 from loraplex.detokenize import StopStringMatcher
 from loraplex.errors import UnavailableError
+from loraplex.logging_setup import REQUEST_ID
 from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2
 from gateway.adapters import AdapterResolver, ResolvedLora
 from gateway.downstream import from_rpc_error
+from gateway.metrics import EntryClock
 from gateway.requests import PromptCodec
 from gateway.router import ComputeRouter
 
@@ -66,11 +68,14 @@ async def entry_stream(job: EntryJob, lora: ResolvedLora, router: ComputeRouter,
     detok = codec.detokenizer(job.prompt_ids)
     matcher = StopStringMatcher(job.stop)
     completion = 0
+    REQUEST_ID.set(job.request_id)       # this entry's log lines carry its id
+    clock = EntryClock()
     # the router retries on another replica until the request's first tokens are in
     async with router.stream(lora.task_id, request, job.timeout_s) as call:
         try:
             async for batch in call:
                 completion += len(batch.token_ids)
+                clock.tokens(len(batch.token_ids))
                 text, stopped = matcher.push(detok.push(batch.token_ids))
                 if stopped:
                     call.cancel()  # frees the sequence on compute now, not after max_tokens
@@ -88,6 +93,7 @@ async def entry_stream(job: EntryJob, lora: ResolvedLora, router: ComputeRouter,
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "compute", call.address) from exc
         finally:
+            clock.end()
             if not call.done():
                 call.cancel()  # the caller went away (cancel, deadline) or we failed: tell compute
     raise UnavailableError(f"the compute service at {call.address} ended request {job.request_id} "

@@ -14,8 +14,10 @@ import grpc
 
 from loraplex.formats import ModelSpec
 from loraplex.model_files import load_tokenizer, resolve_model_path
+from loraplex.metrics import serve_metrics
 from loraplex.serving import run_server
 from loraplex.v1 import gateway_pb2_grpc
+from gateway import metrics
 from gateway.adapters import AdapterResolver, AdapterStore
 from gateway.config import GatewayConfig
 from gateway.http.app import HttpServer, http_server_for
@@ -67,11 +69,15 @@ async def serve(config: GatewayConfig) -> None:
 
     log.info("gateway: model %s, cache %s, compute %s", model_path, config.cache_address,
              ",".join(config.compute_addresses))
+    if config.metrics_port:
+        serve_metrics(metrics.REGISTRY, config.metrics_port)
+        log.info("metrics on :%d/metrics", config.metrics_port)
     # Channels close with the process: closing them before the server's grace period ends
     # would cut the streams it is letting finish.
     try:
         await run_server("gateway", config.listen, register,
                          max_message_bytes=transport_limit(config.max_message_bytes), on_started=started,
+                         interceptors=[metrics.RequestMetrics()],
                          on_stopping=(lambda: _begin_stop(http)))
     finally:
         if http is not None:

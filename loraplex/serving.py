@@ -12,7 +12,6 @@ import asyncio
 import gc
 import logging
 import signal
-import sys
 from typing import Awaitable, Callable, Iterable
 
 import grpc
@@ -112,12 +111,11 @@ async def run_server(
     print(f"{name} stopped", flush=True)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def configure_logging(level: str = "INFO", log_format: str = "text", service: str = "") -> None:
+    """Text or JSON log lines on stderr (`loraplex.logging_setup`)."""
+    from loraplex.logging_setup import configure_logging as configure
+
+    configure(level, log_format, service)
 
 
 def abort_code_for(exc: BaseException) -> grpc.StatusCode:

@@ -35,7 +35,7 @@ def run_service(package: str, config_cls: type, args: argparse.Namespace | None)
         return 2
     server = importlib.import_module(f"{package}.server")
     from loraplex.serving import configure_logging
-    configure_logging(getattr(config, "log_level", "INFO"))
+    configure_logging(getattr(config, "log_level", "INFO"), getattr(config, "log_format", "text"), package)
     try:
         asyncio.run(server.serve(config))
     except KeyboardInterrupt:
