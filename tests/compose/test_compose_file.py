@@ -49,7 +49,7 @@ def test_services(config):
 def test_only_the_gateway_is_published(config):
     for name, svc in config["services"].items():
         if name == "gateway":
-            assert svc["ports"] == [{"published": 50051, "target": 50051}]
+            assert svc["ports"] == [{"published": 50051, "target": 50051}, {"published": 8000, "target": 8000}]
         else:
             assert "ports" not in svc, f"{name} is internal and must not be published to the host"
 
@@ -114,6 +114,7 @@ def test_variables_reach_the_services():
     config = compose_config(COMPOSE, env=env)
     for name in ("cache", "compute", "gateway"):
         assert service_env(config, name)["LORAPLEX_MODEL"] == "/models/llama.gguf"
-    assert config["services"]["gateway"]["ports"] == [{"published": 6000, "target": 50051}]
+    assert config["services"]["gateway"]["ports"] == [{"published": 6000, "target": 50051},
+                                                      {"published": 8000, "target": 8000}]
     gateway = settings_from_args(GatewayConfig, None, environ=service_env(config, "gateway"))
     assert gateway.compute_addresses == ("10.0.0.2:50053", "10.0.0.3:50053")
