@@ -1,4 +1,4 @@
-"""`loraplex gateway`: Run the public gateway (loraplex.v1.Gateway)."""
+"""`loraplex gateway`: Run the public gateway (loraplex.v1.Gateway, and the OpenAI-compatible HTTP API)."""
 from __future__ import annotations
 
 import argparse
@@ -7,4 +7,6 @@ from loraplex.cli._service import register_service
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    register_service(subparsers, "gateway", "gateway", "GatewayConfig", "Run the public gateway (loraplex.v1.Gateway).")
+    register_service(subparsers, "gateway", "gateway", "GatewayConfig",
+                     "Run the public gateway (loraplex.v1.Gateway; with --http-listen also the OpenAI-compatible "
+                     "HTTP API, docs/openai.md).")
