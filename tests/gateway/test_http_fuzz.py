@@ -144,20 +144,14 @@ def assert_serves(stack) -> None:
     assert call(stack, "GET", "/v1/models")[0] == 200 and call(stack, "GET", "/health")[0] == 200
 
 
-def test_fuzz_completions(stack):
-    @FUZZ
-    @given(bodies(generation_bodies(chat=False)))
-    def check(body):
-        assert_clean(stack, "/v1/completions", body)
-    check()
-    assert_serves(stack)
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_fuzz_generation_routes(stack, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
 
-
-def test_fuzz_chat_completions(stack):
     @FUZZ
-    @given(bodies(generation_bodies(chat=True)))
+    @given(bodies(generation_bodies(chat=chat)))
     def check(body):
-        assert_clean(stack, "/v1/chat/completions", body)
+        assert_clean(stack, path, body)
     check()
     assert_serves(stack)
 
