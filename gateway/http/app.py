@@ -46,8 +46,32 @@ def metrics_route(registry: Any = None) -> Route:
     return Route("/metrics", metrics, methods=["GET"])
 
 
+class CountRequests:
+    """ASGI middleware: counts each HTTP request by "METHOD /path" (known routes; others as "other") and
+    status code in `counter` (the gateway's requests counter), when it ends."""
+
+    def __init__(self, app: Any, counter: Any, paths: set[str]) -> None:
+        self._app, self._counter, self._paths = app, counter, paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        status = 499     # unless a response starts: the client left first
+
+        async def counting(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self._app(scope, receive, counting)
+        finally:
+            path = scope["path"] if scope["path"] in self._paths else "other"
+            self._counter.labels(f"{scope['method']} {path}", str(status)).inc()
+
+
 def build_app(servicer: GatewayServicer, base_model: str, *, guard: Guard = allow_all,
-              metrics_registry: Any = None) -> Starlette:
+              metrics_registry: Any = None, request_counter: Any = None) -> Starlette:
     routes = OpenAIRoutes(servicer, base_model, guard)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -56,7 +80,7 @@ def build_app(servicer: GatewayServicer, base_model: str, *, guard: Guard = allo
                    else str(getattr(exc, "detail", exc)))
         return JSONResponse(error_body(status, message), status_code=status)
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
@@ -68,6 +92,10 @@ def build_app(servicer: GatewayServicer, base_model: str, *, guard: Guard = allo
         ],
         exception_handlers={HTTPException: http_error, Exception: http_error},
     )
+    if request_counter is not None:
+        app.add_middleware(CountRequests, counter=request_counter,
+                           paths={r.path for r in app.routes if isinstance(r, Route)})
+    return app
 
 
 class _Embedded(uvicorn.Server):
@@ -162,9 +190,11 @@ def http_server_for(config: GatewayConfig, servicer: GatewayServicer, model_path
                     grace_s: float = 5.0) -> HttpServer:
     """The gateway's HTTP server on `config.http_listen`. The hook points: access control is the
     `http_guard(config)` of the gateway's security module (gateway.auth or gateway.security) when it
-    has one; /metrics serves the `REGISTRY` of gateway.metrics when it has one, else the default one."""
+    has one; /metrics serves the `REGISTRY` of gateway.metrics when it has one, else the default one, and
+    its `REQUESTS` counter counts the HTTP requests too."""
     make_guard = _hooked(("gateway.auth", "gateway.security"), "http_guard")
     guard = make_guard(config) if make_guard is not None else allow_all
-    registry = _hooked(("gateway.metrics",), "REGISTRY")
-    app = build_app(servicer, served_model_name(config, model_path), guard=guard, metrics_registry=registry)
+    app = build_app(servicer, served_model_name(config, model_path), guard=guard,
+                    metrics_registry=_hooked(("gateway.metrics",), "REGISTRY"),
+                    request_counter=_hooked(("gateway.metrics",), "REQUESTS"))
     return HttpServer(app, config.http_listen, grace_s)

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from loraplex.errors import NotFoundError
+from loraplex.logging_setup import REQUEST_ID
 from loraplex.v1 import common_pb2, gateway_pb2
 from gateway.generation import Entry, EntryJob
 from gateway.http.errors import HttpError, error_response
@@ -33,6 +34,7 @@ from gateway.servicer import GatewayServicer
 
 log = logging.getLogger(__name__)
 TASK_PREFIX = "task:"
+REQUEST_ID_HEADER = "x-request-id"     # a caller's request id (else one is made up)
 
 
 class Guard(Protocol):
@@ -144,7 +146,8 @@ class OpenAIRoutes:
         info = await self._servicer.model_info()
         for ids in prompts:
             check_prompt_length(len(ids), info.max_model_len)
-        request_id = uuid.uuid4().hex[:16]
+        request_id = request.headers.get(REQUEST_ID_HEADER, "")[:128] or uuid.uuid4().hex[:16]
+        REQUEST_ID.set(request_id)     # every line logged for this request carries it (--log-format json)
         entries = self._entries(plan, prompts, info.max_model_len, request_id)
         log.info("http %s %s: %d prompt(s), %d choice(s)%s", "chat" if chat else "completion", request_id,
                  len(prompts), len(entries), ", streaming" if plan.stream else "")

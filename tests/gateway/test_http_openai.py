@@ -271,15 +271,18 @@ def _wait_idle(stack, timeout_s: float = 3.0) -> None:
 
 def test_curl_streams_and_health(stack):
     out = subprocess.run(["curl", "-sN", f"{stack.base_url}/v1/completions", "-H", "Content-Type: application/json",
+                          "-H", "x-request-id: curl-1",
                           "-d", json.dumps({"model": "alpha", "prompt": PROMPT, "max_tokens": 5, "stream": True})],
                          capture_output=True, text=True, timeout=60)
     events = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 2, out.stdout
     assert json.loads(events[0][6:])["object"] == "text_completion"
+    assert json.loads(events[0][6:])["id"] == "cmpl-curl-1"      # the caller's request id
     health = subprocess.run(["curl", "-s", f"{stack.base_url}/health"], capture_output=True, text=True, timeout=30)
     assert json.loads(health.stdout)["status"] == "ok"
     metrics = subprocess.run(["curl", "-s", f"{stack.base_url}/metrics"], capture_output=True, text=True, timeout=30)
-    assert "# TYPE" in metrics.stdout
+    assert 'loraplex_gateway_requests_total{code="200",method="POST /v1/completions"}' in metrics.stdout
+    assert "loraplex_gateway_time_to_first_token_seconds_count" in metrics.stdout
 
 
 def test_unavailable_downstream_is_503(tmp_path, stack, free_port):
