@@ -8,7 +8,8 @@ HTTP app looks it up by name; a process runs one gateway.
 
 - `loraplex_gateway_requests_total{method, code}`: calls by gRPC method
   (`Generate`, `ListLoras`, ...) and status code name (`OK`, `NOT_FOUND`, ...),
-  counted by `RequestMetrics`, a server interceptor.
+  counted by `RequestMetrics`, a server interceptor; the HTTP API counts its
+  requests in `REQUESTS` too, by route (`POST /v1/completions`) and HTTP status.
 - `loraplex_gateway_time_to_first_token_seconds`,
   `loraplex_gateway_inter_token_latency_seconds`,
   `loraplex_gateway_e2e_request_latency_seconds`: per stream (one per adapter
