@@ -10,6 +10,8 @@ gateway Service has the HTTP and gRPC ports, pods carry scrape annotations.
 """
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import kubernetes_validate
@@ -26,13 +28,19 @@ VERSIONS = ("1.29.0", "1.37.0")    # an older release still in use, and the newe
 CONFIGS = {"cache": CacheConfig, "compute": ComputeConfig, "gateway": GatewayConfig}
 
 
-def manifests() -> list[tuple[str, dict]]:
+@functools.cache
+def _parsed() -> tuple[tuple[str, dict], ...]:
     docs = []
     for path in sorted(K8S.glob("*.yaml")):
         if path.name == "kustomization.yaml":
             continue
         docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
+    return tuple(docs)
+
+
+def manifests() -> list[tuple[str, dict]]:
+    """(file name, a fresh copy of each document), parsed once."""
+    return copy.deepcopy(list(_parsed()))
 
 
 def by_kind(kind: str) -> dict[str, dict]:
