@@ -89,9 +89,11 @@ class OpenAIRoutes:
                 raise HttpError(413, f"the body is over the gateway's limit of {self._max_body} bytes",
                                 code="request_too_large")
         try:
-            return json.loads(body)
+            data = json.loads(body)
         except (ValueError, RecursionError) as exc:
             raise HttpError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        _check_text(data)
+        return data
 
     def spec_of(self, model: str, param: str) -> common_pb2.LoraSpec:
         """A model id as the gRPC API's LoraSpec: the base model, `task:<id>`, or an adapter's name."""
@@ -241,6 +243,25 @@ async def _collect(book: ChoiceBook, stream: AsyncIterator[gateway_pb2.GenerateR
     finally:
         await stream.aclose()        # type: ignore[attr-defined]
     return book.response()
+
+
+def _check_text(data: Any) -> None:
+    """JSON's \\ud800-style escapes can make strings that are not text (lone surrogates), which no
+    tokenizer takes: refused here, for every string of the body."""
+    todo = [data]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HttpError(400, "the body holds a string with a lone surrogate (an escape in \\ud800-"
+                                     "\\udfff not part of a pair): not text", code="invalid_json") from None
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
 
 
 def _adapter_fields(body: Any) -> tuple[str, str]:

@@ -33,7 +33,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                                                        st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                       max_leaves=8)
 models = st.sampled_from([BASE, BASE, BASE, "alpha", "alpha", "task:1", "nope"])
-words = st.text(min_size=1, max_size=24)
+words = st.one_of(st.text(min_size=1, max_size=24), st.text(alphabet="\ud800\U0001F600\x00\u0301", min_size=1,
+                                                             max_size=4))
 prompts = st.one_of(words, st.lists(st.integers(0, 60_000), min_size=1, max_size=8),
                     st.lists(words, min_size=1, max_size=3))
 content = st.one_of(words, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": words}), max_size=2))

@@ -13,15 +13,21 @@ import asyncio
 import http.client
 import json
 import subprocess
+import threading
 import time
 import urllib.parse
 
 import openai
 import pytest
 
+from gateway.cache_store import CacheStore
+from gateway.config import GatewayConfig
+from gateway.http.app import http_server_for
+from gateway.router import SingleReplicaRouter
+from gateway.server import build_servicer
 from loraplex.client import Client
+from loraplex.formats import ModelSpec
 from loraplex.grpc_errors import MAX_STATUS_MESSAGE
-from loraplex.procs import start_service
 from http_stack import make_tiny_model, start_http_stack, write_adapters
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,7 +42,7 @@ def stack(tmp_path_factory, tokenizer):
     root = tmp / "root"
     write_adapters(model, root, {"alpha": 4, "beta": 4, "gamma": 4, "huge": 256})
     s = start_http_stack(model, root, "--host-cache-bytes", "512KiB", "--gateway-flags", "--max-message-bytes 4MiB")
-    s.root = root
+    s.root, s.model = root, model
     yield s
     s.stop()
 
@@ -225,6 +231,8 @@ def test_error_statuses(stack, client):
         client.completions.create(model=BASE, prompt="x " * 5000, max_tokens=2)     # longer than max_model_len
     assert_error(e.value, 400, "invalid_argument")
     assert _post(stack, "/v1/completions", b"{not json")[0] == 400
+    status, body = _post(stack, "/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}')   # not text
+    assert status == 400 and body["error"]["code"] == "invalid_json", body
     for model in ("nope", "task:123456"):
         with pytest.raises(openai.NotFoundError) as e:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], stream=True)
@@ -285,20 +293,34 @@ def test_curl_streams_and_health(stack):
     assert "loraplex_gateway_time_to_first_token_seconds_count" in metrics.stdout
 
 
-def test_unavailable_downstream_is_503(tmp_path, stack, free_port):
-    model = stack.serve.proc.args[stack.serve.proc.args.index("--model") + 1]
+def test_unavailable_downstream_is_503(stack, tokenizer, free_port):
+    """The gateway's HTTP server (built as `loraplex gateway` builds it, on a loop of its own) with its cache
+    and compute down: requests that need them answer 503 naming them."""
     dead = f"127.0.0.1:{free_port}"
-    gw = start_service("gateway", ["gateway", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--model",
-                                   model, "--cache-address", dead, "--compute-addresses", dead], timeout_s=120)
+    config = GatewayConfig(cache_address=dead, compute_addresses=(dead,), http_listen="127.0.0.1:0")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        store = CacheStore(dead, config.max_message_bytes, config.downstream_timeout_s)
+        servicer = build_servicer(config, tokenizer, ModelSpec.from_path(stack.model), store,
+                                  SingleReplicaRouter(dead, config.max_message_bytes))
+        server = http_server_for(config, servicer, stack.model)
+        server.bind()
+        await server.start()
+        return server
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     try:
-        http_address = next(line.split(" on ")[1].strip() for line in gw.lines
-                            if line.startswith("gateway http listening on"))
-        c = openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="unused", max_retries=0, timeout=30)
+        c = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model=BASE, prompt=PROMPT, max_tokens=2)
-        assert_error(e.value, 503, "unavailable")
+        assert dead in assert_error(e.value, 503, "unavailable")["message"]
         with pytest.raises(openai.APIStatusError) as e:
             c.models.list()
-        assert_error(e.value, 503, "unavailable")
+        assert dead in assert_error(e.value, 503, "unavailable")["message"]
     finally:
-        gw.stop()
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
