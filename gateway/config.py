@@ -37,6 +37,22 @@ class GatewayConfig:
                                       "folder's name, e.g. SmolLM2-135M-Instruct)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off; the HTTP API's "
                                                            "port serves /metrics too)"})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain: serve the public API over TLS "
+                                                        "(with --tls-key); docs/security.md"})
+    tls_key: str = field(default="", metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str = field(default="", metadata={"help": "PEM CA: clients must present a certificate it "
+                                                             "signed (mutual TLS)"})
+    api_keys_file: str = field(default="", metadata={"help": "hashed API keys with their scopes and limits (lines, "
+                                                             ".toml or .json; `loraplex keys add`); none: open"})
+    api_keys: str = field(default="", repr=False, metadata={
+        "help": "comma-separated API keys with every scope, hashed on load: set it in the environment, "
+                "not as a flag (flags show in the process list)"})
+    api_key_rate: float = field(default=0.0, metadata={"help": "requests per second per key, for entries that "
+                                                                "set no rate (0: no limit)"})
+    api_key_burst: int = field(default=0, metadata={"help": "requests a key may send at once above its rate "
+                                                             "(0: the rate rounded up)"})
+    api_key_max_streams: int = field(default=0, metadata={"help": "concurrent Generate streams per key, for "
+                                                                   "entries that set none (0: no limit)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
                                                               "request ids"})
@@ -56,5 +72,11 @@ class GatewayConfig:
             raise SettingsError("default_max_tokens: must be at least 1")
         if self.downstream_timeout_s <= 0:
             raise SettingsError("downstream_timeout_s: must be positive")
+        if self.api_key_rate < 0 or self.api_key_burst < 0 or self.api_key_max_streams < 0:
+            raise SettingsError("api_key_rate, api_key_burst and api_key_max_streams must be >= 0")
+        from gateway.auth import load_keys
+        from gateway.tls import check_tls_settings
+        check_tls_settings(self.tls_cert, self.tls_key, self.tls_client_ca)
+        load_keys(self.api_keys_file, self.api_keys)     # a bad key file fails the start, naming the line
         if self.http_listen and ":" not in self.http_listen:
             raise SettingsError(f"http_listen: expected HOST:PORT, got {self.http_listen!r}")

@@ -19,11 +19,13 @@ from loraplex.serving import run_server
 from loraplex.v1 import gateway_pb2_grpc
 from gateway import metrics
 from gateway.adapters import AdapterResolver, AdapterStore
+from gateway.auth import AuthInterceptor, access_from_config, http_guard, warn_if_exposed
 from gateway.config import GatewayConfig
 from gateway.http.app import HttpServer, http_server_for
 from gateway.requests import PromptCodec
 from gateway.router import ComputeRouter, build_router
 from gateway.servicer import GatewayServicer
+from gateway.tls import credentials_from_config
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,9 @@ async def serve(config: GatewayConfig) -> None:
                           spill_threshold=config.replica_spill_threshold,
                           health_interval_s=config.replica_health_interval_s)
     servicer = build_servicer(config, tokenizer, model_spec, store, router)
-    http = http_server_for(config, servicer, model_path) if config.http_listen else None
+    access = access_from_config(config)
+    http = (http_server_for(config, servicer, model_path, guard=http_guard(access)) if config.http_listen
+            else None)
     if http is not None:
         # bound before the gRPC server starts (a taken port fails the start); connections wait in the
         # backlog until it serves, once the gRPC server does
@@ -69,6 +73,12 @@ async def serve(config: GatewayConfig) -> None:
 
     log.info("gateway: model %s, cache %s, compute %s", model_path, config.cache_address,
              ",".join(config.compute_addresses))
+    credentials = credentials_from_config(config)
+    warn_if_exposed(config.listen, access, credentials is not None)
+    if config.http_listen:
+        warn_if_exposed(config.http_listen, access, credentials is not None, "the HTTP API")
+    log.info("gateway: %s, %s", f"{len(access.key_names())} API key(s)" if access.enabled else "no API keys (open)",
+             "TLS" + (" with client certificates" if config.tls_client_ca else "") if credentials else "plaintext")
     if config.metrics_port:
         serve_metrics(metrics.REGISTRY, config.metrics_port)
         log.info("metrics on :%d/metrics", config.metrics_port)
@@ -77,7 +87,7 @@ async def serve(config: GatewayConfig) -> None:
     try:
         await run_server("gateway", config.listen, register,
                          max_message_bytes=transport_limit(config.max_message_bytes), on_started=started,
-                         interceptors=[metrics.RequestMetrics()],
+                         interceptors=[metrics.RequestMetrics(), AuthInterceptor(access)], credentials=credentials,
                          on_stopping=(lambda: _begin_stop(http)))
     finally:
         if http is not None:

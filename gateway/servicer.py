@@ -19,6 +19,7 @@ from loraplex.grpc_errors import maps_errors
 from loraplex.logging_setup import REQUEST_ID
 from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.adapters import AdapterResolver, AdapterStore
+from gateway.auth import current_principal
 from gateway.config import GatewayConfig
 from gateway.downstream import from_rpc_error
 from gateway.generation import Entry, EntryJob, run_entries
@@ -117,7 +118,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def run_entries(self, entries: Sequence[Entry], *, resolve_first: bool = False
                     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Streams checked entries on compute (gateway.generation.run_entries); the HTTP API calls it too."""
+        """Streams checked entries on compute (gateway.generation.run_entries); the HTTP API calls it too.
+        The caller's key must reach every adapter named (PERMISSION_DENIED before anything runs)."""
+        current_principal().check_lora_specs(e.spec for e in entries)
         return run_entries(entries, self._resolver, self._router, self._codec, resolve_first=resolve_first)
 
     @maps_errors
@@ -127,6 +130,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def load_lora(self, request: gateway_pb2.LoadLoraRequest) -> common_pb2.AdapterInfo:
         """Stores an adapter in the host cache; returns what was stored (also the HTTP API's load route)."""
+        current_principal().check_management(request.name, request.HasField("task_id"))
         self._check_size(request)
         has_inline = request.HasField("weights") or request.HasField("config")
         task_id = request.task_id if request.HasField("task_id") else None
@@ -166,6 +170,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def unload_lora(self, request: gateway_pb2.UnloadLoraRequest) -> bool:
         """Removes an adapter everywhere; False when nothing was cached (also the HTTP API's unload route)."""
+        current_principal().check_management(request.name, request.HasField("task_id"))
         task_id = request.task_id if request.HasField("task_id") else None
         if task_id is None and not request.name:
             raise InvalidArgumentError("give the task_id or the name of the adapter to unload")
@@ -202,6 +207,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def list_loras(self, gpu_residency: bool = True) -> gateway_pb2.ListLorasResponse:
         """Every adapter the host cache holds or knows by name (`in_gpu_cache` only with `gpu_residency`)."""
         adapters, used, total = await self._store.list()
+        principal = current_principal()      # a key scoped to name prefixes sees only those adapters
+        adapters = [a for a in adapters if principal.adapters is None or principal.allows_adapter(a.name)]
         resident = await self._gpu_resident() if gpu_residency else set()
         for a in adapters:
             a.in_gpu_cache = a.task_id in resident

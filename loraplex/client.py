@@ -8,7 +8,9 @@
         outs = c.fan_out("Translate: hello", [None, 1, 2])  # base model + two adapters
 
 Errors arrive as `loraplex.errors` exceptions (NotFoundError, InvalidArgumentError,
-UnavailableError, ...) whose `grpc_code` is the call's status.
+UnavailableError, ...) whose `grpc_code` is the call's status. A gateway with API keys
+takes `api_key=`; one with TLS `tls=True` (system roots) or `tls_ca=` (and `tls_cert=` +
+`tls_key=` for mutual TLS). docs/security.md.
 """
 from __future__ import annotations
 
@@ -31,6 +33,24 @@ __all__ = ["Client", "AsyncClient", "Lora", "Chunk", "Completion", "DEFAULT_ADDR
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def _credentials(tls: bool, tls_ca: str | Path | None, tls_cert: str | Path | None,
+                 tls_key: str | Path | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials when any TLS argument is set: `tls_ca` (PEM) to trust instead of the system's roots,
+    `tls_cert` + `tls_key` (PEM) for a gateway that requires client certificates (mutual TLS)."""
+    if not (tls or tls_ca or tls_cert or tls_key):
+        return None
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together (a client certificate and its key)")
+
+    def read(path: str | Path | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 def _loras(lora: LoraLike | Sequence[LoraLike]) -> list[LoraLike]:
@@ -67,10 +87,15 @@ class Client:
     """Blocking client of loraplex.v1.Gateway. `timeout` (seconds) applies to every call."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, api_key: str | None = None,
+                 tls: bool = False, tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
+                 tls_key: str | Path | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=_options(max_message_bytes))
+        self._metadata = _auth_metadata(api_key)
+        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
+        self._channel = (grpc.secure_channel(address, creds, options=_options(max_message_bytes)) if creds
+                         else grpc.insecure_channel(address, options=_options(max_message_bytes)))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def __enter__(self) -> "Client":
@@ -87,7 +112,7 @@ class Client:
         """Streams chunks; with a list of loras, chunks of every entry interleave (see `Chunk.index`).
         Closing the iterator early cancels the request on the server."""
         request = build_generate_request(prompt, _loras(lora), **sampling)
-        call = self._stub.Generate(request, timeout=self.timeout)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             for msg in call:
                 yield Chunk.from_proto(msg)
@@ -124,7 +149,7 @@ class Client:
 
     def _call(self, method: Any, request: Any) -> Any:
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
 
@@ -133,10 +158,15 @@ class AsyncClient:
     """asyncio client of loraplex.v1.Gateway; the same methods as `Client`, awaited."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, api_key: str | None = None,
+                 tls: bool = False, tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
+                 tls_key: str | Path | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=_options(max_message_bytes))
+        self._metadata = _auth_metadata(api_key)
+        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
+        self._channel = (grpc.aio.secure_channel(address, creds, options=_options(max_message_bytes)) if creds
+                         else grpc.aio.insecure_channel(address, options=_options(max_message_bytes)))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     async def __aenter__(self) -> "AsyncClient":
@@ -151,7 +181,7 @@ class AsyncClient:
     async def stream(self, prompt: str | Sequence[int], lora: LoraLike | Sequence[LoraLike] = None,
                      **sampling: Any) -> AsyncIterator[Chunk]:
         request = build_generate_request(prompt, _loras(lora), **sampling)
-        call = self._stub.Generate(request, timeout=self.timeout)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield Chunk.from_proto(msg)
@@ -184,6 +214,6 @@ class AsyncClient:
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self.timeout)
+            return await method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None

@@ -62,8 +62,10 @@ async def run_server(
     on_stopping: Callable[[], Awaitable[None]] | None = None,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     ready: Callable[[], Awaitable[None]] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
     """Serves until SIGTERM/SIGINT. `register` adds servicers and returns their full names.
+    With `credentials`, the port speaks TLS only.
 
     With `ready`, health says NOT_SERVING from the listening line until `ready()` returns (a service
     that warms up while reachable); an exception from it stops the server and propagates.
@@ -76,7 +78,7 @@ async def run_server(
         service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"{name}: cannot listen on {address} (address in use or not local?)")
     first = health_pb2.HealthCheckResponse.SERVING if ready is None else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -114,9 +114,11 @@ def split_host_port(address: str) -> tuple[str, int]:
 class HttpServer:
     """Serves an ASGI app on `address` (port 0 picks one) inside the running event loop."""
 
-    def __init__(self, app: Starlette, address: str, grace_s: float = 5.0) -> None:
+    def __init__(self, app: Starlette, address: str, grace_s: float = 5.0,
+                 tls: dict[str, Any] | None = None) -> None:
+        # `tls`: uvicorn's ssl_* options (gateway.tls.http_tls_options), None for plaintext
         self._config = uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
-                                      timeout_graceful_shutdown=grace_s, server_header=False)
+                                      timeout_graceful_shutdown=grace_s, server_header=False, **(tls or {}))
         self._server = _Embedded(self._config)
         self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -187,14 +189,17 @@ def _hooked(module_names: tuple[str, ...], attribute: str) -> Any:
 
 
 def http_server_for(config: GatewayConfig, servicer: GatewayServicer, model_path: Path,
-                    grace_s: float = 5.0) -> HttpServer:
+                    grace_s: float = 5.0, guard: Guard | None = None) -> HttpServer:
     """The gateway's HTTP server on `config.http_listen`. The hook points: access control is the
     `http_guard(config)` of the gateway's security module (gateway.auth or gateway.security) when it
     has one; /metrics serves the `REGISTRY` of gateway.metrics when it has one, else the default one, and
-    its `REQUESTS` counter counts the HTTP requests too."""
-    make_guard = _hooked(("gateway.auth", "gateway.security"), "http_guard")
-    guard = make_guard(config) if make_guard is not None else allow_all
+    its `REQUESTS` counter counts the HTTP requests too. A `guard` given (the gateway's, sharing its
+    keys' limits with the gRPC API) replaces the hook's. TLS settings are the gRPC API's."""
+    if guard is None:
+        make_guard = _hooked(("gateway.auth", "gateway.security"), "http_guard")
+        guard = make_guard(config) if make_guard is not None else allow_all
     app = build_app(servicer, served_model_name(config, model_path), guard=guard,
                     metrics_registry=_hooked(("gateway.metrics",), "REGISTRY"),
                     request_counter=_hooked(("gateway.metrics",), "REQUESTS"))
-    return HttpServer(app, config.http_listen, grace_s)
+    from gateway.tls import http_tls_options
+    return HttpServer(app, config.http_listen, grace_s, http_tls_options(config))

@@ -1,7 +1,7 @@
 """What the user commands (`generate`, `load`, `unload`, `list`, `info`) share.
 
 The gateway address flag (`-u/--url`, as in Triton's clients; env
-LORAPLEX_URL), the call timeout, and turning a failed call into one line on
+LORAPLEX_URL), the API key and TLS flags (docs/security.md), the call timeout, and turning a failed call into one line on
 stderr and exit code 1.
 """
 from __future__ import annotations
@@ -25,6 +25,25 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"gateway address (default {DEFAULT_URL}) [env LORAPLEX_URL]")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the call gives up")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    env = os.environ.get
+    parser.add_argument("--api-key", default=env("LORAPLEX_API_KEY"),
+                        help="API key sent as `authorization: Bearer` (prefer the env variable: flags show in "
+                             "the process list) [env LORAPLEX_API_KEY]")
+    parser.add_argument("--tls", action="store_true", default=bool(env("LORAPLEX_TLS")),
+                        help="connect with TLS, trusting the system's roots [env LORAPLEX_TLS]")
+    parser.add_argument("--tls-ca", default=env("LORAPLEX_TLS_CA"),
+                        help="PEM CA to trust for the gateway's certificate (implies --tls) [env LORAPLEX_TLS_CA]")
+    parser.add_argument("--tls-cert", default=env("LORAPLEX_TLS_CLIENT_CERT"),
+                        help="PEM client certificate, for a gateway that requires one (mutual TLS) "
+                             "[env LORAPLEX_TLS_CLIENT_CERT]")
+    parser.add_argument("--tls-key", default=env("LORAPLEX_TLS_CLIENT_KEY"),
+                        help="PEM private key of --tls-cert [env LORAPLEX_TLS_CLIENT_KEY]")
+
+
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `Client` keywords of the connection flags."""
+    return dict(timeout=args.timeout, api_key=args.api_key or None, tls=args.tls, tls_ca=args.tls_ca,
+                tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def reports_errors(command: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:

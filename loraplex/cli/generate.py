@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import sys
 
-from loraplex.cli._gateway_client import add_client_flags, print_json, reports_errors
+from loraplex.cli._gateway_client import add_client_flags, client_options, print_json, reports_errors
 from loraplex.client import Client
 from loraplex.client_types import Chunk, Completion, Lora, LoraLike, build_generate_request, collect
 
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     num_entries = max(1, len(loras))
     chunks: list[Chunk] = []
-    with Client(args.url, timeout=args.timeout) as client:
+    with Client(args.url, **client_options(args)) as client:
         for chunk in client.stream(prompt, loras, **sampling):
             chunks.append(chunk)
             if args.stream and not args.json and num_entries == 1:

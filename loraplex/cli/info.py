@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from loraplex.cli._gateway_client import add_client_flags, message_dict, print_json, reports_errors
+from loraplex.cli._gateway_client import add_client_flags, client_options, message_dict, print_json, reports_errors
 from loraplex.client import Client
 
 
@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_errors("info")
 def run(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout) as client:
+    with Client(args.url, **client_options(args)) as client:
         model = client.model_info()
     fields = message_dict(model)
     if args.json:

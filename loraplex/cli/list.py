@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from loraplex.cli._gateway_client import add_client_flags, message_dict, print_json, reports_errors
+from loraplex.cli._gateway_client import add_client_flags, client_options, message_dict, print_json, reports_errors
 from loraplex.client import Client
 from loraplex.v1 import common_pb2
 
@@ -28,7 +28,7 @@ def format_adapter(a: common_pb2.AdapterInfo) -> str:
 
 @reports_errors("list")
 def run(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout) as client:
+    with Client(args.url, **client_options(args)) as client:
         listing = client.list_loras()
     if args.json:
         print_json(message_dict(listing))

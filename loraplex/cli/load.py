@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from loraplex.cli._gateway_client import add_client_flags, message_dict, print_json, reports_errors
+from loraplex.cli._gateway_client import add_client_flags, client_options, message_dict, print_json, reports_errors
 from loraplex.cli.list import format_adapter
 from loraplex.client import Client
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --path (on the server), --local-path (on this machine) or --name")
     if args.local_path and args.task_id is None:
         raise ValueError("--local-path needs --task-id: the adapter is stored under that id")
-    with Client(args.url, timeout=args.timeout) as client:
+    with Client(args.url, **client_options(args)) as client:
         info = client.load_lora(task_id=args.task_id, name=args.name, path=args.path,
                                 local_path=args.local_path, replace=args.replace, dtype=args.dtype)
     if args.json:

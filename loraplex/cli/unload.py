@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from loraplex.cli._gateway_client import add_client_flags, print_json, reports_errors
+from loraplex.cli._gateway_client import add_client_flags, client_options, print_json, reports_errors
 from loraplex.client import Client
 
 
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_errors("unload")
 def run(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout) as client:
+    with Client(args.url, **client_options(args)) as client:
         unloaded = client.unload_lora(task_id=args.task_id, name=args.name or "")
     what = f"task id {args.task_id}" if args.task_id is not None else f"name {args.name!r}"
     if args.json:

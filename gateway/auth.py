@@ -1,0 +1,528 @@
+"""Access control of the public gateway: API keys, their scopes, request-rate and stream limits.
+
+A key is a random string a client sends as `authorization: Bearer <key>` (gRPC
+metadata or an HTTP header). The gateway keeps only its SHA-256 (keys are
+random, 256 bits from `loraplex keys add`, so a salted slow hash would buy
+nothing but a per-request cost); entries come from `--api-keys-file` (lines,
+TOML or JSON: `load_key_file`) and from `LORAPLEX_API_KEYS` (comma-separated keys, hashed on load). No entry at all
+means the gateway is open, as before.
+
+An entry may restrict its key to adapters whose names start with given
+prefixes (the base model is always allowed; a scoped key names adapters, it
+cannot reach them by bare task id), allow management (LoadLora/UnloadLora,
+off unless `manage`), and limit its request rate (a token bucket) and its
+concurrent streams. `AccessControl.authorize` and `stream_slot` are the whole
+check; `AuthInterceptor` applies them to gRPC calls and `http_guard` to the
+HTTP API. The adapter scope is checked where the servicer resolves adapters,
+through the principal this module puts in a context variable.
+
+Keys never reach a log line or an error message: refusals name the entry.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import ipaddress
+import json
+import logging
+import math
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
+
+import grpc
+
+from loraplex.errors import LoraplexError, ResourceExhaustedError
+from loraplex.grpc_errors import bounded
+from loraplex.settings import SettingsError
+
+log = logging.getLogger(__name__)
+
+HASH_SCHEME = "sha256:"
+MIN_KEY_CHARS = 16
+ACTIONS = ("generate", "manage", "read")
+_MANAGEMENT_METHODS = frozenset({"LoadLora", "UnloadLora"})
+# Reachable without a key: container and load-balancer probes speak plain health checks.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+class UnauthenticatedError(LoraplexError):
+    """No API key, or one the gateway does not know."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(LoraplexError):
+    """The key is known but may not do this (an adapter outside its prefixes, a management call)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class RateLimitedError(ResourceExhaustedError):
+    """Over a key's request rate or stream limit (HTTP 429, with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One API key as stored: its hash, its name (what logs and refusals show) and its scope."""
+
+    name: str
+    key_hash: str                                   # "sha256:<64 hex>"
+    adapters: tuple[str, ...] | None = None         # adapter-name prefixes; None: every adapter
+    manage: bool = False                            # LoadLora/UnloadLora allowed
+    rate: float | None = None                       # requests per second; None: the gateway's default
+    burst: int | None = None                        # bucket size; None: the gateway's default
+    max_streams: int | None = None                  # concurrent streams; None: the gateway's default
+
+    def __post_init__(self) -> None:
+        digest = self.key_hash[len(HASH_SCHEME):]
+        if not self.key_hash.startswith(HASH_SCHEME) or len(digest) != 64 or not _is_hex(digest):
+            raise SettingsError(f"api key {self.name!r}: hash must be sha256:<64 hex digits> "
+                                "(make one with `loraplex keys hash`)")
+        if not self.name or any(c.isspace() for c in self.name):
+            raise SettingsError(f"api key entry {self.name!r}: a name is required, without spaces")
+        if self.rate is not None and not (self.rate >= 0 and math.isfinite(self.rate)):
+            raise SettingsError(f"api key {self.name!r}: rate must be a finite number >= 0")
+        for what in ("burst", "max_streams"):
+            value = getattr(self, what)
+            if value is not None and value < 0:
+                raise SettingsError(f"api key {self.name!r}: {what} must be >= 0")
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
+
+
+def hash_key(key: str) -> str:
+    """The stored form of a key."""
+    return HASH_SCHEME + hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a call runs as: a key's name and scope (OPEN when the gateway has no keys)."""
+
+    name: str
+    adapters: tuple[str, ...] | None = None
+    manage: bool = True
+
+    def allows_adapter(self, name: str) -> bool:
+        return self.adapters is None or any(name.startswith(p) for p in self.adapters)
+
+    def check_adapter(self, name: str, what: str = "adapter") -> None:
+        """Raises PERMISSION_DENIED unless the key may use the adapter called `name`."""
+        if not self.allows_adapter(name):
+            raise PermissionDeniedError(f"{what}: key {self.name!r} may not use adapter {bounded(name, 200)!r} "
+                                        f"(its adapters start with {', '.join(map(repr, self.adapters or ()))})")
+
+    def check_lora_specs(self, specs: Iterable[Any]) -> None:
+        """The adapters of a request's LoraSpecs: the base model always, names in scope; a scoped key
+        cannot reach an adapter by bare task id (its name is what the scope is about)."""
+        for i, spec in enumerate(specs):
+            if spec.name:
+                self.check_adapter(spec.name, f"loras[{i}]")
+            elif spec.HasField("task_id") and self.adapters is not None:
+                raise PermissionDeniedError(f"loras[{i}]: key {self.name!r} may use adapters by name only "
+                                            f"(task id {spec.task_id} given without one)")
+
+    def check_management(self, name: str, has_task_id: bool) -> None:
+        """LoadLora/UnloadLora of the adapter `name` (or a bare task id)."""
+        if not self.manage:
+            raise PermissionDeniedError(f"key {self.name!r} may not load or unload adapters "
+                                        "(its entry needs manage = true)")
+        if self.adapters is not None:
+            if not name:
+                raise PermissionDeniedError(f"key {self.name!r} may manage adapters by name only"
+                                            + (" (a task id was given without one)" if has_task_id else ""))
+            self.check_adapter(name)
+
+
+OPEN = Principal("open")
+_CURRENT: contextvars.ContextVar[Principal] = contextvars.ContextVar("loraplex_principal", default=OPEN)
+
+
+def current_principal() -> Principal:
+    """The principal of the call being served (OPEN when the gateway has no keys)."""
+    return _CURRENT.get()
+
+
+def set_principal(principal: Principal) -> None:
+    """Makes `principal` the current call's (each gRPC call and HTTP request runs in its own task)."""
+    _CURRENT.set(principal)
+
+
+def action_of(method: str) -> str:
+    """'generate', 'manage' or 'read' for an action name or a gRPC method ('/pkg.Service/Method')."""
+    if method in ACTIONS:
+        return method
+    short = method.rsplit("/", 1)[-1]
+    if short in _MANAGEMENT_METHODS:
+        return "manage"
+    return "generate" if short == "Generate" else "read"
+
+
+def bearer_token(value: str | bytes | None) -> str | None:
+    """The key of an `authorization: Bearer <key>` value (None when absent or of another scheme)."""
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if not value:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+@dataclass
+class _Usage:
+    """A key's token bucket and open streams."""
+
+    tokens: float
+    stamp: float
+    streams: int = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The gateway's defaults for entries that set no limits of their own (0: no limit)."""
+
+    rate: float = 0.0
+    burst: int = 0
+    max_streams: int = 0
+
+
+@dataclass
+class _Key:
+    principal: Principal
+    rate: float
+    burst: int
+    max_streams: int
+    usage: _Usage = field(default_factory=lambda: _Usage(0.0, 0.0))
+
+
+class AccessControl:
+    """Checks keys, scopes and limits. With no entries every call is allowed, as the OPEN principal."""
+
+    def __init__(self, entries: Sequence[KeyEntry], limits: Limits = Limits(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._by_hash: dict[str, _Key] = {}
+        self._by_name: dict[str, _Key] = {}
+        self._clock = clock
+        self._lock = threading.Lock()
+        for e in entries:
+            if e.name in self._by_name or e.key_hash in self._by_hash:
+                raise SettingsError(f"api key {e.name!r}: its name or its key appears twice")
+            rate = limits.rate if e.rate is None else e.rate
+            burst = limits.burst if e.burst is None else e.burst
+            burst = burst or max(1, math.ceil(rate))
+            key = _Key(Principal(e.name, e.adapters, e.manage), rate, burst,
+                       limits.max_streams if e.max_streams is None else e.max_streams)
+            key.usage = _Usage(float(burst), clock())
+            self._by_hash[e.key_hash] = self._by_name[e.name] = key
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._by_hash)
+
+    def key_names(self) -> list[str]:
+        return list(self._by_name)
+
+    def authorize(self, token: str | None, method: str, adapter_names: Sequence[str] = ()) -> Principal:
+        """The principal of `token` if it may call `method` (a gRPC method or 'generate'/'manage'/'read')
+        naming `adapter_names`; takes one request from its rate. Raises UNAUTHENTICATED,
+        PERMISSION_DENIED or RESOURCE_EXHAUSTED (over its rate)."""
+        if not self.enabled:
+            return OPEN
+        if not token:
+            raise UnauthenticatedError("this gateway needs an API key: send `authorization: Bearer <key>` "
+                                       "(gRPC metadata or HTTP header)")
+        key = self._by_hash.get(hash_key(token))
+        if key is None:
+            raise UnauthenticatedError("the API key is not one this gateway knows")
+        principal = key.principal
+        if action_of(method) == "manage" and not principal.manage:
+            raise PermissionDeniedError(f"key {principal.name!r} may not load or unload adapters "
+                                        "(its entry needs manage = true)")
+        for name in adapter_names:
+            principal.check_adapter(name)
+        self._take(key)
+        return principal
+
+    def _take(self, key: _Key) -> None:
+        if key.rate <= 0:
+            return
+        with self._lock:
+            now = self._clock()
+            u = key.usage
+            u.tokens = min(float(key.burst), u.tokens + (now - u.stamp) * key.rate)
+            u.stamp = now
+            if u.tokens < 1.0:
+                wait = (1.0 - u.tokens) / key.rate
+                raise RateLimitedError(f"key {key.principal.name!r} is over its rate of {key.rate:g} requests "
+                                       f"per second (burst {key.burst}); retry in {wait:.2f} s", wait)
+            u.tokens -= 1.0
+
+    @contextlib.contextmanager
+    def stream_slot(self, principal: Principal) -> Iterator[None]:
+        """Holds one of the key's concurrent streams for the block (RESOURCE_EXHAUSTED when all are open)."""
+        key = self._key_of(principal)
+        if key is None or key.max_streams <= 0:
+            yield
+            return
+        with self._lock:
+            if key.usage.streams >= key.max_streams:
+                raise RateLimitedError(f"key {principal.name!r} already has {key.max_streams} streams open, "
+                                       "its limit: wait for one to end", 1.0)
+            key.usage.streams += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                key.usage.streams -= 1
+
+    def open_streams(self, principal: Principal) -> int:
+        key = self._key_of(principal)
+        return 0 if key is None else key.usage.streams
+
+    def _key_of(self, principal: Principal) -> _Key | None:
+        key = self._by_name.get(principal.name)
+        return key if key is not None and key.principal is principal else None
+
+
+# -- gRPC ------------------------------------------------------------------------------------------
+
+def _metadata_token(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return bearer_token(value)
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authorizes every call but health checks; a Generate stream holds a stream slot while it runs."""
+
+    def __init__(self, access: AccessControl) -> None:
+        self._access = access
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        try:
+            principal: Principal | None = self._access.authorize(_metadata_token(details.invocation_metadata),
+                                                                 details.method)
+            refusal: LoraplexError | None = None
+        except LoraplexError as exc:
+            principal, refusal = None, exc
+            log.info("refused %s: %s: %s", details.method, exc.grpc_code.name, exc)
+        return _guarded(handler, self._access, principal, refusal)
+
+
+async def _refuse(context: grpc.aio.ServicerContext, exc: LoraplexError) -> None:
+    await context.abort(exc.grpc_code, bounded(str(exc)))
+
+
+def _guarded(handler: grpc.RpcMethodHandler, access: AccessControl, principal: Principal | None,
+             refusal: LoraplexError | None) -> grpc.RpcMethodHandler:
+    """The same handler, refusing the call or running it as `principal`; a Generate stream (unary
+    request, streamed answer) holds one of the key's stream slots while it runs."""
+    async def admit(context: grpc.aio.ServicerContext) -> Principal:
+        if refusal is not None or principal is None:
+            await _refuse(context, refusal or UnauthenticatedError("refused"))
+        assert principal is not None
+        set_principal(principal)
+        return principal
+
+    def answering(inner: Any) -> Any:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await admit(context)
+            return await inner(request, context)
+        return call
+
+    def streaming(inner: Any, holds_slot: bool) -> Any:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            who = await admit(context)
+            slot = access.stream_slot(who) if holds_slot else contextlib.nullcontext()
+            try:
+                slot.__enter__()
+            except RateLimitedError as exc:
+                await _refuse(context, exc)
+            try:
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                slot.__exit__(None, None, None)
+        return call
+
+    args = (handler.request_deserializer, handler.response_serializer)
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(answering(handler.unary_unary), *args)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(answering(handler.stream_unary), *args)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream, True), *args)
+    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream, False), *args)  # reflection
+
+
+# -- HTTP ------------------------------------------------------------------------------------------
+
+def http_guard(source: Any) -> Callable[..., contextlib.AbstractAsyncContextManager[None]]:
+    """The HTTP API's access-control hook (`gateway.http.routes.Guard`) over an AccessControl (the
+    gateway passes its own, so a key's rate and streams count both APIs) or the gateway's settings.
+    Adapter names are checked by the servicer, where the routes' models become LoraSpecs."""
+    access = source if isinstance(source, AccessControl) else access_from_config(source)
+
+    @contextlib.asynccontextmanager
+    async def guard(request: Any, action: str, models: Sequence[str]) -> AsyncIterator[None]:
+        principal = access.authorize(bearer_token(request.headers.get("authorization")), action)
+        set_principal(principal)
+        if action != "generate":
+            yield
+            return
+        with access.stream_slot(principal):
+            yield
+    return guard
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+def access_from_config(config: Any) -> AccessControl:
+    """The gateway's AccessControl: `api_keys_file` entries and `api_keys` (env) keys, with its limits."""
+    entries = load_keys(config.api_keys_file, config.api_keys)
+    return AccessControl(entries, Limits(config.api_key_rate, config.api_key_burst, config.api_key_max_streams))
+
+
+def load_keys(path: str, env_keys: str) -> list[KeyEntry]:
+    """Entries of the key file (if any) and of LORAPLEX_API_KEYS (comma-separated keys or sha256: hashes;
+    these have every scope and the gateway's default limits)."""
+    entries = load_key_file(Path(path)) if path else []
+    for i, item in enumerate(k.strip() for k in env_keys.split(",") if k.strip()):
+        if item.startswith(HASH_SCHEME):
+            key_hash = item
+        elif len(item) < MIN_KEY_CHARS:
+            raise SettingsError(f"LORAPLEX_API_KEYS: key {i + 1} is shorter than {MIN_KEY_CHARS} characters "
+                                "(make keys with `loraplex keys add`)")
+        else:
+            key_hash = hash_key(item)
+        entries.append(KeyEntry(f"env-{i + 1}", key_hash, manage=True))
+    return entries
+
+
+_FIELDS = ("name", "hash", "adapters", "manage", "rate", "burst", "max_streams")
+
+
+def entry_from_dict(raw: dict[str, Any], where: str) -> KeyEntry:
+    """A TOML/JSON table or a parsed line as an entry."""
+    unknown = set(raw) - set(_FIELDS)
+    if unknown:
+        raise SettingsError(f"{where}: unknown field(s) {sorted(unknown)}; known: {', '.join(_FIELDS)}")
+    if "hash" not in raw:
+        raise SettingsError(f"{where}: no hash (make an entry with `loraplex keys add` or `loraplex keys hash`)")
+    adapters = raw.get("adapters")
+    if isinstance(adapters, str):
+        adapters = [a for a in adapters.split(",") if a]
+    try:
+        return KeyEntry(
+            name=str(raw.get("name", "")), key_hash=str(raw["hash"]),
+            adapters=None if adapters is None or adapters == ["*"] else tuple(str(a) for a in adapters),
+            manage=_as_bool(raw.get("manage", False)),
+            rate=None if raw.get("rate") is None else float(raw["rate"]),
+            burst=None if raw.get("burst") is None else int(raw["burst"]),
+            max_streams=None if raw.get("max_streams") is None else int(raw["max_streams"]))
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{where}: {exc}") from None
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"manage: expected true or false, got {value!r}")
+
+
+def load_key_file(path: Path) -> list[KeyEntry]:
+    """Entries of a key file: `.toml` (`[[keys]]` tables), `.json` (a list, or {"keys": [...]}), or lines
+    `NAME sha256:HEX [adapters=a-,b-] [manage=true] [rate=R] [burst=B] [max_streams=S]` (# comments)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"api_keys_file: cannot read {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            tables = tomllib.loads(text).get("keys", [])
+        elif path.suffix == ".json":
+            data = json.loads(text)
+            tables = data.get("keys", []) if isinstance(data, dict) else data
+        else:
+            return [entry_from_dict(_parse_line(line), f"{path}:{n}")
+                    for n, line in enumerate(text.splitlines(), 1) if line.split("#", 1)[0].strip()]
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise SettingsError(f"api_keys_file {path}: {exc}") from None
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise SettingsError(f"api_keys_file {path}: expected a list of key tables")
+    return [entry_from_dict(t, f"{path}: key {i + 1}") for i, t in enumerate(tables)]
+
+
+def _parse_line(line: str) -> dict[str, Any]:
+    words = line.split("#", 1)[0].split()
+    if len(words) < 2:
+        raise ValueError("expected NAME sha256:HEX [field=value ...]")
+    raw: dict[str, Any] = {"name": words[0], "hash": words[1]}
+    for word in words[2:]:
+        k, sep, v = word.partition("=")
+        if not sep:
+            raise ValueError(f"expected field=value, got {word!r}")
+        raw[k] = v
+    return raw
+
+
+def format_entry(entry: KeyEntry, fmt: str = "line") -> str:
+    """The entry as a key-file line, a TOML `[[keys]]` table or a JSON object (what load_key_file reads)."""
+    raw: dict[str, Any] = {"name": entry.name, "hash": entry.key_hash}
+    if entry.adapters is not None:
+        raw["adapters"] = list(entry.adapters)
+    raw["manage"] = entry.manage
+    for k in ("rate", "burst", "max_streams"):
+        if getattr(entry, k) is not None:
+            raw[k] = getattr(entry, k)
+    if fmt == "json":
+        return json.dumps(raw)
+    if fmt == "toml":
+        return "[[keys]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in raw.items())
+    extra = [f"{k}={','.join(v) if isinstance(v, list) else str(v).lower()}"
+             for k, v in raw.items() if k not in ("name", "hash")]
+    return " ".join([entry.name, entry.key_hash, *extra])
+
+
+def is_loopback(address: str) -> bool:
+    """Whether HOST:PORT listens on loopback only (127.0.0.0/8, ::1, localhost)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(listen: str, access: AccessControl, tls: bool, what: str = "gateway") -> None:
+    """One startup warning when a non-loopback address is open to anyone, or carries keys in clear."""
+    if is_loopback(listen):
+        return
+    if not access.enabled:
+        log.warning("%s listens on %s with no API keys: anyone who can reach it can generate and load or "
+                    "unload adapters (set --api-keys-file or LORAPLEX_API_KEYS; docs/security.md)", what, listen)
+    elif not tls:
+        log.warning("%s listens on %s without TLS: API keys and prompts cross the network in clear "
+                    "(set --tls-cert and --tls-key; docs/security.md)", what, listen)
