@@ -28,6 +28,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 # cancels the calls of a larger burst with a bare CANCELLED, as if their clients had cancelled them; a
 # burst of new streams is the services' own business to queue (tests/reliability/test_soak.py).
 MAX_PENDING_CALLS = 1 << 16
+# gRPC also cancels (bare CANCELLED again) a call that waited 30 s to be taken; a saturated service
+# leaves that to the caller's deadline (tests/reliability/test_transport.py).
+MAX_PENDING_CALL_S = 24 * 3600
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -37,6 +40,7 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.so_reuseport", 0),
         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
         ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+        ("grpc.server_max_unrequested_time_in_server", MAX_PENDING_CALL_S),
     ]
 
 
