@@ -75,6 +75,13 @@ def service_args(args: argparse.Namespace, redis_url: str) -> tuple[list[str], l
     return cache, compute
 
 
+def gateway_speaks_tls(args: argparse.Namespace) -> bool:
+    """Whether the gateway was given a certificate (--gateway-flags or LORAPLEX_TLS_CERT)."""
+    flags = shlex.split(args.gateway_flags)
+    return any(f == "--tls-cert" or f.startswith("--tls-cert=") for f in flags) or bool(
+        os.environ.get("LORAPLEX_TLS_CERT"))
+
+
 def start_all(args: argparse.Namespace, cache_args: list[str], compute_args: list[str], env: dict[str, str],
               t0: float, started: list[ServiceProcess]) -> list[ServiceProcess]:
     """Starts the three services at once (their ports picked here, so none waits for another's address),
@@ -97,6 +104,8 @@ def start_all(args: argparse.Namespace, cache_args: list[str], compute_args: lis
     for svc in services:
         wait_listening(svc, max(1.0, deadline - time.monotonic()))
     for svc in sorted(services, key=lambda s: s.name == "compute"):   # the compute service is the slow one
+        if svc.name == "gateway" and gateway_speaks_tls(args):
+            continue    # the probe speaks plaintext; the gateway serves from its listening line on
         wait_serving(svc, deadline)
         print(f"serve: {svc.name} healthy after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return services
