@@ -35,12 +35,15 @@ from gateway.servicer import GatewayServicer
 log = logging.getLogger(__name__)
 TASK_PREFIX = "task:"
 REQUEST_ID_HEADER = "x-request-id"     # a caller's request id (else one is made up)
+MAX_BODY_BYTES = 32 << 20               # no HTTP body carries adapter weights: prompts fit well within
 
 
 class Guard(Protocol):
-    """The access-control hook: called once per request with its action ("generate", "manage", "read")
-    and the models it names; raises a domain error (UNAUTHENTICATED 401, PERMISSION_DENIED 403,
-    RESOURCE_EXHAUSTED 429) to refuse it, and is held open (an async context) until its answer ends."""
+    """The access-control hook: entered once per request, before its body is read, with its action
+    ("generate", "manage" for the adapter routes, "read" for the model list); raises a domain error
+    (UNAUTHENTICATED 401, PERMISSION_DENIED 403, RESOURCE_EXHAUSTED 429) to refuse it, and is held
+    open (an async context) until its answer ends, a stream's last event included. `models` is empty:
+    the body is not read yet; adapter scopes are checked where the servicer resolves adapters."""
 
     def __call__(self, request: Request, action: str, models: Sequence[str]) -> AbstractAsyncContextManager[None]:
         ...
@@ -51,19 +54,33 @@ async def allow_all(request: Request, action: str, models: Sequence[str]) -> Asy
     yield
 
 
-def handles_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
-    """Every failure of a route becomes an OpenAI error body with its status."""
-    async def wrapper(self: "OpenAIRoutes", request: Request) -> Response:
-        try:
-            return await route(self, request)
-        except EntryFailed as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
-        except ClientGone:
-            return Response(status_code=499)       # nobody reads it
-        except Exception as exc:  # noqa: BLE001 - mapped to a status (500 only for the unexpected)
-            return error_response(exc)
-    wrapper.__name__ = route.__name__
-    return wrapper
+Route = Callable[["OpenAIRoutes", Request], Awaitable[Response]]
+
+
+def guarded(action: str | None) -> Callable[[Route], Route]:
+    """A route behind the guard (for `action`; None: open), whose every failure becomes an OpenAI error
+    body with its status."""
+    def decorate(route: Route) -> Route:
+        async def wrapper(self: "OpenAIRoutes", request: Request) -> Response:
+            held = contextlib.AsyncExitStack()
+            try:
+                if action is not None:
+                    await held.enter_async_context(self._guard(request, action, ()))
+                response = await route(self, request)
+                if isinstance(response, EventStream):
+                    response.on_close = held.pop_all().aclose     # held until the stream's end
+                return response
+            except EntryFailed as exc:
+                return JSONResponse(exc.body, status_code=exc.status)
+            except ClientGone:
+                return Response(status_code=499)       # nobody reads it
+            except Exception as exc:  # noqa: BLE001 - mapped to a status (500 only for the unexpected)
+                return error_response(exc)
+            finally:
+                await held.aclose()
+        wrapper.__name__ = route.__name__
+        return wrapper
+    return decorate
 
 
 class OpenAIRoutes:
@@ -73,20 +90,20 @@ class OpenAIRoutes:
         self._servicer = servicer
         self.base_model = base_model
         self._guard = guard
-        self._max_body = servicer.config.max_message_bytes
+        self._max_body = min(servicer.config.max_message_bytes, MAX_BODY_BYTES)
 
     # -- helpers ------------------------------------------------------------------------------
     async def _json(self, request: Request) -> Any:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > self._max_body:
-            raise HttpError(413, f"the body is {int(length)} bytes, over the gateway's limit of {self._max_body} "
-                                 "(max_message_bytes: --max-message-bytes or LORAPLEX_MAX_MESSAGE_BYTES)",
+            raise HttpError(413, f"the body is {int(length)} bytes, over the HTTP API's limit of {self._max_body} "
+                                 "(the smaller of 32 MiB and --max-message-bytes, LORAPLEX_MAX_MESSAGE_BYTES)",
                             code="request_too_large")
         body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > self._max_body:
-                raise HttpError(413, f"the body is over the gateway's limit of {self._max_body} bytes",
+                raise HttpError(413, f"the body is over the HTTP API's limit of {self._max_body} bytes",
                                 code="request_too_large")
         try:
             data = json.loads(body)
@@ -133,11 +150,11 @@ class OpenAIRoutes:
         return entries
 
     # -- routes -------------------------------------------------------------------------------
-    @handles_errors
+    @guarded("generate")
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
 
-    @handles_errors
+    @guarded("generate")
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
@@ -157,31 +174,23 @@ class OpenAIRoutes:
                           choice_prompts=[e.job.index // (len(plan.models) * plan.n) for e in entries],
                           choice_models=[plan.models[(e.job.index // plan.n) % len(plan.models)] for e in entries]
                           if plan.fan_out else None, include_usage=plan.include_usage)
-        guard = contextlib.AsyncExitStack()
-        await guard.enter_async_context(self._guard(request, "generate", plan.models))
-        try:
-            stream = self._servicer.run_entries(entries, resolve_first=True)
-            if plan.stream:
-                # the first message before the status line: failing to start (unknown adapter, compute
-                # down) is the request's status, not an event inside a 200 stream
-                try:
-                    first = await until_disconnect(request.receive, anext(stream))
-                    if first.finish_reason == common_pb2.ERROR:
-                        raise EntryFailed(first.error)
-                except BaseException:
-                    await stream.aclose()     # type: ignore[attr-defined]  (stops the other choices)
-                    raise
-                response = EventStream(events(book, first, stream), on_close=guard.aclose)
-                guard = contextlib.AsyncExitStack()       # the stream closes it when it ends
-                return response      # type: ignore[return-value]
+        stream = self._servicer.run_entries(entries, resolve_first=True)
+        if not plan.stream:
             return JSONResponse(await until_disconnect(request.receive, _collect(book, stream)))
-        finally:
-            await guard.aclose()
+        # the first message before the status line: failing to start (unknown adapter, compute down) is
+        # the request's status, not an event inside a 200 stream
+        try:
+            first = await until_disconnect(request.receive, anext(stream))
+            if first.finish_reason == common_pb2.ERROR:
+                raise EntryFailed(first.error)
+        except BaseException:
+            await stream.aclose()     # type: ignore[attr-defined]  (stops the other choices)
+            raise
+        return EventStream(events(book, first, stream))      # type: ignore[return-value]
 
-    @handles_errors
+    @guarded("read")
     async def models(self, request: Request) -> Response:
-        async with self._guard(request, "read", []):
-            adapters = (await self._servicer.list_loras(gpu_residency=False)).adapters
+        adapters = (await self._servicer.list_loras(gpu_residency=False)).adapters
         created = int(time.time())
 
         def card(model_id: str, root: str, parent: str | None, **extra: Any) -> dict[str, Any]:
@@ -196,21 +205,20 @@ class OpenAIRoutes:
             data.append(card(f"{TASK_PREFIX}{a.task_id}", root, self.base_model, task_id=a.task_id))
         return JSONResponse({"object": "list", "data": data})
 
-    @handles_errors
+    @guarded("manage")
     async def load_lora_adapter(self, request: Request) -> Response:
         body = await self._json(request)
         name, path = _adapter_fields(body)
         replace = body.get("load_inplace", False)
         if not isinstance(replace, bool):
             raise HttpError(400, "load_inplace: expected true or false", param="load_inplace", code="invalid_value")
-        async with self._guard(request, "manage", [name]):
-            info = await self._servicer.load_lora(gateway_pb2.LoadLoraRequest(name=name, path=path, replace=replace))
+        info = await self._servicer.load_lora(gateway_pb2.LoadLoraRequest(name=name, path=path, replace=replace))
         return JSONResponse({"object": "lora_adapter", "id": info.name or f"task:{info.task_id}",
                              "task_id": info.task_id, "version": info.version, "num_bytes": info.num_bytes,
                              "max_rank": info.max_rank, "source": info.source,
                              "message": f"adapter {info.name or info.task_id!r} loaded"})
 
-    @handles_errors
+    @guarded("manage")
     async def unload_lora_adapter(self, request: Request) -> Response:
         name, _ = _adapter_fields(await self._json(request))
         unload = gateway_pb2.UnloadLoraRequest()
@@ -222,14 +230,13 @@ class OpenAIRoutes:
         else:
             raise HttpError(400, "lora_name: the base model cannot be unloaded", param="lora_name",
                             code="invalid_value")
-        async with self._guard(request, "manage", [name]):
-            unloaded = await self._servicer.unload_lora(unload)
+        unloaded = await self._servicer.unload_lora(unload)
         if not unloaded:
             raise NotFoundError(f"no adapter {name[:200]!r} is loaded")
         return JSONResponse({"object": "lora_adapter", "id": name, "deleted": True,
                              "message": f"adapter {name!r} unloaded"})
 
-    @handles_errors
+    @guarded(None)
     async def health(self, request: Request) -> Response:
         """200 once the gateway has reached a compute service (503 with the reason until then)."""
         info = await self._servicer.model_info()

@@ -157,6 +157,8 @@ async def events(book: ChoiceBook, first: gateway_pb2.GenerateResponse,
         yield sse(error_of(exc)[1])
         yield DONE
         return
+    finally:
+        await stream.aclose()      # type: ignore[attr-defined]  (closed here too, stops compute at once)
     for event in book.closing():
         yield event
 
@@ -188,7 +190,7 @@ class EventStream:
 
     def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         self._body = body
-        self._on_close = on_close
+        self.on_close = on_close       # called once the stream ended, however it ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def pump() -> None:
@@ -205,5 +207,5 @@ class EventStream:
             pass            # the client left: nobody to tell
         finally:
             await self._body.aclose()       # type: ignore[attr-defined]
-            if self._on_close is not None:
-                await self._on_close()
+            if self.on_close is not None:
+                await self.on_close()
