@@ -125,8 +125,12 @@ class Principal:
 
     def check_lora_specs(self, specs: Iterable[Any]) -> None:
         """The adapters of a request's LoraSpecs: the base model always, names in scope; a scoped key
-        cannot reach an adapter by bare task id (its name is what the scope is about)."""
+        cannot reach an adapter by bare task id (its name is what the scope is about). Inline weights
+        store an adapter in the shared host cache (ALWAYS replaces the one others use): management."""
         for i, spec in enumerate(specs):
+            if spec.HasField("weights") and not self.manage:
+                raise PermissionDeniedError(f"loras[{i}]: key {self.name!r} may not send inline weights: they "
+                                            "store an adapter in the shared cache (its entry needs manage = true)")
             if spec.name:
                 self.check_adapter(spec.name, f"loras[{i}]")
             elif spec.HasField("task_id") and self.adapters is not None:

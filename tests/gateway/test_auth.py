@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from loraplex.client import AsyncClient
+from loraplex.client import AsyncClient, Lora
 from loraplex.model_files import resolve_model_path
 from loraplex.settings import SettingsError, settings_from_args
 from loraplex.v1 import compute_pb2_grpc, gateway_pb2_grpc
@@ -31,11 +31,13 @@ pytestmark = pytest.mark.timeout(120)
 ADMIN, ALICE, READER, SLOW = ("lpx-admin-" + "a" * 30, "lpx-alice-" + "b" * 30, "lpx-reader-" + "c" * 30,
                               "lpx-slow-" + "d" * 30)
 WRONG = "lpx-wrong-" + "e" * 30
+USER = "lpx-user-" + "g" * 30
 ENTRIES = [
     KeyEntry("admin", hash_key(ADMIN), manage=True),
     KeyEntry("alice", hash_key(ALICE), adapters=("alice-",), manage=True),
     KeyEntry("reader", hash_key(READER), adapters=("alice-",)),
     KeyEntry("slow", hash_key(SLOW), rate=0.2, burst=2, max_streams=1),
+    KeyEntry("user", hash_key(USER)),
 ]
 
 
@@ -148,13 +150,17 @@ def test_scopes_adapter_prefixes_and_management(tokenizer, keys_file):
                 listed = {a.name for a in (await reader.list_loras()).adapters}
                 everything = {a.name for a in (await admin.list_loras()).adapters}
                 out["admin unload"] = await call_code(admin.unload_lora(name="bob-b"))
+                async with st.client(USER) as user:      # every adapter, no management
+                    out["user task id"] = await call_code(user.generate("q", lora=1, max_tokens=2))
+                    out["user inline"] = await call_code(user.generate(
+                        "q", lora=Lora(task_id=1, weights=w, config=c, load_mode="always"), max_tokens=2))
             return out, listed, everything, st.store
     out, listed, everything, store = asyncio.run(go())
     ok, denied = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED
     assert out == {"alice own": ok, "alice base": ok, "alice other": denied, "alice task id": denied,
                    "alice fan-out": denied, "alice load own": ok, "alice load other": denied,
                    "alice unload by id": denied, "reader generate": ok, "reader load": denied,
-                   "reader unload": denied, "admin unload": ok}
+                   "reader unload": denied, "admin unload": ok, "user task id": ok, "user inline": denied}
     assert listed == {"alice-a", "alice-c"} and everything == {"alice-a", "alice-c", "bob-b"}
 
 
