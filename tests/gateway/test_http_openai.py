@@ -10,6 +10,7 @@ same request: both run the same code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import subprocess
@@ -17,21 +18,27 @@ import threading
 import time
 import urllib.parse
 
+import grpc
 import openai
 import pytest
 
 from gateway.cache_store import CacheStore
 from gateway.config import GatewayConfig
-from gateway.http.app import http_server_for
+from gateway.http.app import HttpServer, build_app, http_server_for
 from gateway.router import SingleReplicaRouter
 from gateway.server import build_servicer
 from loraplex.client import Client
+from loraplex.errors import LoraplexError
 from loraplex.formats import ModelSpec
 from loraplex.grpc_errors import MAX_STATUS_MESSAGE
 from http_stack import make_tiny_model, start_http_stack, write_adapters
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = "The capital of France is"
+
+
+class UnauthenticatedError(LoraplexError):
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
 BASE = "tiny"        # the model folder's name is the served name
 
 
@@ -293,10 +300,10 @@ def test_curl_streams_and_health(stack):
     assert "loraplex_gateway_time_to_first_token_seconds_count" in metrics.stdout
 
 
-def test_unavailable_downstream_is_503(stack, tokenizer, free_port):
-    """The gateway's HTTP server (built as `loraplex gateway` builds it, on a loop of its own) with its cache
-    and compute down: requests that need them answer 503 naming them."""
-    dead = f"127.0.0.1:{free_port}"
+@contextlib.contextmanager
+def gateway_http_in_process(model, tokenizer, dead: str, guard=None):
+    """The gateway's HTTP server, built as `loraplex gateway` builds it, on a loop of its own, with its
+    cache and compute at `dead` (nothing listens there); `guard` replaces the access-control hook."""
     config = GatewayConfig(cache_address=dead, compute_addresses=(dead,), http_listen="127.0.0.1:0")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -304,23 +311,47 @@ def test_unavailable_downstream_is_503(stack, tokenizer, free_port):
 
     async def start():
         store = CacheStore(dead, config.max_message_bytes, config.downstream_timeout_s)
-        servicer = build_servicer(config, tokenizer, ModelSpec.from_path(stack.model), store,
+        servicer = build_servicer(config, tokenizer, ModelSpec.from_path(model), store,
                                   SingleReplicaRouter(dead, config.max_message_bytes))
-        server = http_server_for(config, servicer, stack.model)
+        server = (http_server_for(config, servicer, model) if guard is None
+                  else HttpServer(build_app(servicer, BASE, guard=guard), config.http_listen))
         server.bind()
         await server.start()
         return server
     server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     try:
-        c = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0, timeout=30)
+        yield openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="k1", max_retries=0, timeout=30)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_unavailable_downstream_is_503(stack, tokenizer, free_port):
+    """Requests that need the cache or compute while they are down answer 503 naming them."""
+    dead = f"127.0.0.1:{free_port}"
+    with gateway_http_in_process(stack.model, tokenizer, dead) as c:
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model=BASE, prompt=PROMPT, max_tokens=2)
         assert dead in assert_error(e.value, 503, "unavailable")["message"]
         with pytest.raises(openai.APIStatusError) as e:
             c.models.list()
         assert dead in assert_error(e.value, 503, "unavailable")["message"]
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+
+
+def test_the_guard_refuses_before_the_body_is_read(stack, tokenizer, free_port):
+    seen = []
+
+    @contextlib.asynccontextmanager
+    async def guard(request, action, models):
+        seen.append((action, request.headers.get("authorization")))
+        raise UnauthenticatedError("no such API key")
+        yield
+    with gateway_http_in_process(stack.model, tokenizer, f"127.0.0.1:{free_port}", guard) as c:
+        with pytest.raises(openai.AuthenticationError) as e:
+            c.completions.create(model=BASE, prompt=PROMPT, max_tokens=2)
+        assert assert_error(e.value, 401, "unauthenticated")["message"] == "no such API key"
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+    assert seen == [("generate", "Bearer k1"), ("read", "Bearer k1")]
