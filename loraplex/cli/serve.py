@@ -7,7 +7,9 @@ names) from the start, so the compute service's warm-up progress shows; waits
 until each answers its health check (the compute service says SERVING once its
 kernels are compiled and graphs captured); prints `gateway listening on
 HOST:PORT`; then runs until Ctrl-C or SIGTERM, when it stops them all, gateway
-first. If any service exits on its own, the others are stopped too.
+first. If any service exits on its own, the others are stopped too. The
+gateway also serves the OpenAI-compatible HTTP API (--http-listen, default
+127.0.0.1:8000; docs/openai.md).
 """
 from __future__ import annotations
 
