@@ -83,6 +83,7 @@ def build_app(servicer: GatewayServicer, base_model: str, *, guard: Guard = allo
     app = Starlette(
         routes=[
             Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", routes.model, methods=["GET"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),

@@ -190,6 +190,18 @@ class OpenAIRoutes:
 
     @guarded("read")
     async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": await self._model_cards()})
+
+    @guarded("read")
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: one model's card, 404 if it is not listed."""
+        model_id = request.path_params["model_id"]
+        for card in await self._model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise NotFoundError(f"no model {model_id[:200]!r}: GET /v1/models lists them")
+
+    async def _model_cards(self) -> list[dict[str, Any]]:
         adapters = (await self._servicer.list_loras(gpu_residency=False)).adapters
         created = int(time.time())
 
@@ -203,7 +215,7 @@ class OpenAIRoutes:
             if a.name:
                 data.append(card(a.name, root, self.base_model, task_id=a.task_id))
             data.append(card(f"{TASK_PREFIX}{a.task_id}", root, self.base_model, task_id=a.task_id))
-        return JSONResponse({"object": "list", "data": data})
+        return data
 
     @guarded("manage")
     async def load_lora_adapter(self, request: Request) -> Response:

@@ -72,6 +72,10 @@ def test_models_lists_base_and_named_adapters(client, grpc_client):
     assert {"alpha", "beta", "gamma"} <= set(ids)
     alpha_task = next(a.task_id for a in grpc_client.list_loras().adapters if a.name == "alpha")
     assert f"task:{alpha_task}" in ids
+    card = client.models.retrieve("alpha")
+    assert (card.id, card.parent, card.task_id) == ("alpha", BASE, alpha_task)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
 
 
 @pytest.mark.parametrize("model", [BASE, "alpha"])
