@@ -74,7 +74,7 @@ class GatewayConfig:
             raise SettingsError("downstream_timeout_s: must be positive")
         if self.api_key_rate < 0 or self.api_key_burst < 0 or self.api_key_max_streams < 0:
             raise SettingsError("api_key_rate, api_key_burst and api_key_max_streams must be >= 0")
-        from gateway.auth import load_keys
+        from gateway.api_keys import load_keys
         from gateway.tls import check_tls_settings
         check_tls_settings(self.tls_cert, self.tls_key, self.tls_client_ca)
         load_keys(self.api_keys_file, self.api_keys)     # a bad key file fails the start, naming the line

@@ -44,7 +44,7 @@ def _scope_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _entry(args: argparse.Namespace, key: str):  # type: ignore[no-untyped-def]
-    from gateway.auth import KeyEntry, hash_key
+    from gateway.api_keys import KeyEntry, hash_key
     adapters = None if args.adapters is None else tuple(a for a in args.adapters.split(",") if a)
     return KeyEntry(args.name, hash_key(key), adapters, args.manage, args.rate, args.burst, args.max_streams)
 
@@ -55,7 +55,7 @@ def _format_of(path: Path) -> str:
 
 def append_entry(path: Path, entry) -> None:  # type: ignore[no-untyped-def]
     """Adds `entry` to a key file (made mode 0600 when new), refusing a name already there."""
-    from gateway.auth import format_entry, load_key_file
+    from gateway.api_keys import format_entry, load_key_file
     existing = load_key_file(path) if path.exists() else []
     if any(e.name == entry.name for e in existing):
         raise ValueError(f"{path} already has a key named {entry.name!r}")
@@ -88,7 +88,7 @@ def run_add(args: argparse.Namespace) -> int:
 
 
 def run_hash(args: argparse.Namespace) -> int:
-    from gateway.auth import MIN_KEY_CHARS, format_entry
+    from gateway.api_keys import MIN_KEY_CHARS, format_entry
     from loraplex.settings import SettingsError
     if sys.stdin.isatty():
         print("key (input hidden is not supported: paste it, then Enter):", file=sys.stderr)

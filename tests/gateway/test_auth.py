@@ -16,8 +16,8 @@ from loraplex.client import AsyncClient, Lora
 from loraplex.model_files import resolve_model_path
 from loraplex.settings import SettingsError, settings_from_args
 from loraplex.v1 import compute_pb2_grpc, gateway_pb2_grpc
-from gateway.auth import (AccessControl, AuthInterceptor, KeyEntry, Limits, access_from_config, format_entry,
-                          hash_key, http_guard, load_key_file, load_keys)
+from gateway.api_keys import KeyEntry, format_entry, hash_key, load_key_file, load_keys
+from gateway.auth import AccessControl, AuthInterceptor, Limits, access_from_config, http_guard
 from gateway.config import GatewayConfig
 from gateway.http.app import http_server_for
 from gateway.router import SingleReplicaRouter
