@@ -295,3 +295,21 @@ def test_token_bucket_refills_at_its_rate():
         access.authorize(SLOW, "generate")
     now[0] = 0.5
     access.authorize(SLOW, "generate")
+
+
+def test_startup_warns_when_a_public_address_is_open_or_in_clear(caplog):
+    from gateway.auth import is_loopback, warn_if_exposed
+    assert is_loopback("127.0.0.1:50051") and is_loopback("[::1]:1") and is_loopback("localhost:1")
+    assert not is_loopback("0.0.0.0:50051") and not is_loopback("[::]:1") and not is_loopback("gateway:1")
+    open_, keyed = AccessControl([]), AccessControl(ENTRIES)
+    caplog.set_level(logging.WARNING)
+    warn_if_exposed("127.0.0.1:50051", open_, tls=False)
+    assert caplog.text == ""
+    warn_if_exposed("0.0.0.0:50051", open_, tls=False)
+    assert "no API keys" in caplog.text
+    caplog.clear()
+    warn_if_exposed("0.0.0.0:50051", keyed, tls=False)
+    assert "without TLS" in caplog.text
+    caplog.clear()
+    warn_if_exposed("0.0.0.0:50051", keyed, tls=True)
+    assert caplog.text == ""
