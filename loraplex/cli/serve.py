@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"serve: cache at {cache.address} ({args.backend}), compute at {compute.address}, "
               f"ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
         if args.http_listen and not args.http_listen.endswith(":0"):   # port 0: the gateway's own line says
-            print(f"serve: OpenAI-compatible API at http://{args.http_listen}/v1", file=sys.stderr, flush=True)
+            scheme = "https" if gateway_speaks_tls(args) else "http"
+            print(f"serve: OpenAI-compatible API at {scheme}://{args.http_listen}/v1", file=sys.stderr, flush=True)
         # The one line tools read (same form as every service's): where the public API is.
         print(f"gateway listening on {gateway.address}", flush=True)
         reason = _wait_stop_signal(started)
