@@ -29,7 +29,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=env("LORAPLEX_API_KEY"),
                         help="API key sent as `authorization: Bearer` (prefer the env variable: flags show in "
                              "the process list) [env LORAPLEX_API_KEY]")
-    parser.add_argument("--tls", action="store_true", default=bool(env("LORAPLEX_TLS")),
+    parser.add_argument("--tls", action="store_true", default=env("LORAPLEX_TLS", "").lower() in ("1", "true", "yes", "on"),
                         help="connect with TLS, trusting the system's roots [env LORAPLEX_TLS]")
     parser.add_argument("--tls-ca", default=env("LORAPLEX_TLS_CA"),
                         help="PEM CA to trust for the gateway's certificate (implies --tls) [env LORAPLEX_TLS_CA]")
