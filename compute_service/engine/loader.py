@@ -60,20 +60,24 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist (want a HF folder with config.json or a .gguf file)")
     t0 = time.perf_counter()
-    if p.is_file() and p.suffix == ".gguf":
-        from compute_service.engine.gguf_loader import read_gguf  # gguf is only needed for GGUF files
-        spec, get, template = read_gguf(p)
-    elif p.is_dir() and (p / "config.json").is_file():
-        spec, get = _read_hf_folder(p)
-        template = None
-    else:
-        raise ModelLoadError(f"{str(p)!r} is neither a .gguf file nor a folder with config.json and safetensors")
+    spec, get, template = read_model_source(p)
     t1 = time.perf_counter()
     weights, fingerprint = build_weights(spec, get, dtype, device)
     model = LlamaModel(spec, weights, max_positions or spec.max_position_embeddings)
     log.info("model %s: header read in %.1f s, weights converted and placed on %s in %.1f s", p.name, t1 - t0,
              device, time.perf_counter() - t1)
     return LoadedModel(spec, model, fingerprint, p, template)
+
+
+def read_model_source(p: Path) -> tuple[ModelSpec, Any, str | None]:
+    """(spec, tensor source by HF name, chat template) of a .gguf file or a HF safetensors folder."""
+    if p.is_file() and p.suffix == ".gguf":
+        from compute_service.engine.gguf_loader import read_gguf  # gguf is only needed for GGUF files
+        return read_gguf(p)
+    if p.is_dir() and (p / "config.json").is_file():
+        spec, get = _read_hf_folder(p)
+        return spec, get, None
+    raise ModelLoadError(f"{str(p)!r} is neither a .gguf file nor a folder with config.json and safetensors")
 
 
 def _read_hf_folder(folder: Path) -> tuple[ModelSpec, Any]:

@@ -8,6 +8,7 @@ LoRA deltas are added to the fused outputs' slices by a `LoraBackend`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,9 @@ class LlamaModel:
         self.scale = spec.head_dim ** -0.5
         # Fused Triton ops (add + RMSNorm, RoPE + KV write, SwiGLU) on CUDA: decode is launch-bound there.
         self.fused = self.device.type == "cuda"
+        # Tensor parallelism: sums a row-parallel layer's partial output over the ranks in place
+        # (o and down, LoRA delta included); None on one GPU.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | DecodeMetadata,
@@ -84,6 +88,8 @@ class LlamaModel:
             o = F.linear(attn, lw.o, lw.o_bias)
             if lora is not None:
                 lora.apply(i, "o", attn, [o])
+            if self.all_reduce is not None:
+                self.all_reduce(o)
             h = residual + o
             residual = h
             x = rms_norm(h, lw.post_norm, spec.rms_norm_eps)
@@ -95,6 +101,8 @@ class LlamaModel:
             down = F.linear(act, lw.down, lw.down_bias)
             if lora is not None:
                 lora.apply(i, "down", act, [down])
+            if self.all_reduce is not None:
+                self.all_reduce(down)
             h = residual + down
         return rms_norm(h, self.weights.norm, spec.rms_norm_eps)
 
@@ -124,6 +132,8 @@ class LlamaModel:
             o = F.linear(attn, lw.o, lw.o_bias)
             if lora is not None:
                 lora.apply(i, "o", attn, [o])
+            if self.all_reduce is not None:
+                self.all_reduce(o)
             add_rms_norm(o, h, lw.post_norm, eps, x, h)                       # h += o; x = norm(h)
             gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)                # [T, 2I]
             if lora is not None:
@@ -133,6 +143,8 @@ class LlamaModel:
             pending = F.linear(act, lw.down, lw.down_bias)
             if lora is not None:
                 lora.apply(i, "down", act, [pending])
+            if self.all_reduce is not None:
+                self.all_reduce(pending)
         out = torch.empty_like(h)
         if pending is None:                                                   # a model with no layers
             add_rms_norm(h, None, self.weights.norm, eps, out)

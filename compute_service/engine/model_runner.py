@@ -7,6 +7,8 @@ otherwise, or when the LoRA backend is not graph-safe).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from compute_service.engine.attention import AttentionMetadata, DecodeMetadata
@@ -14,6 +16,20 @@ from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.lora_backend import NO_ADAPTER, AdapterSlots, LoraBackend
 from compute_service.engine.model import LlamaModel
 from compute_service.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs: flat tokens of all scheduled sequences, and per sequence its adapter,
+    query and context lengths and block table; `sample_rows` are the tokens whose logits are wanted."""
+
+    input_ids: list[int]
+    positions: list[int]
+    adapter_keys: list[str | None]
+    query_lens: list[int]
+    context_lens: list[int]
+    tables: list[list[int]]
+    sample_rows: list[int]
 
 
 class ModelRunner:
@@ -34,21 +50,31 @@ class ModelRunner:
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [N, V] float32 for each scheduled sequence with `sample`, in schedule order."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        token_slots: list[int] = []
-        query_lens, context_lens, tables, sample_rows = [], [], [], []
+        return self.run_inputs(self.inputs(out))
+
+    def inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step as plain host lists (what tensor-parallel followers receive)."""
+        step = StepInputs([], [], [], [], [], [], [])
         for s in out.scheduled:
             end = s.start + s.num_new_tokens
-            input_ids.extend(s.seq.token_ids[s.start:end])
-            positions.extend(range(s.start, end))
-            slot = NO_ADAPTER if s.seq.adapter_key is None else self.slots.slot_of(s.seq.adapter_key)  # type: ignore[union-attr]
-            token_slots.extend([slot] * s.num_new_tokens)
-            query_lens.append(s.num_new_tokens)
-            context_lens.append(end)
-            tables.append(s.seq.block_table)
+            step.input_ids.extend(s.seq.token_ids[s.start:end])
+            step.positions.extend(range(s.start, end))
+            step.adapter_keys.append(s.seq.adapter_key)
+            step.query_lens.append(s.num_new_tokens)
+            step.context_lens.append(end)
+            step.tables.append(list(s.seq.block_table))
             if s.sample:
-                sample_rows.append(len(input_ids) - 1)
+                step.sample_rows.append(len(step.input_ids) - 1)
+        return step
+
+    def run_inputs(self, step: StepInputs) -> torch.Tensor:
+        """Runs one step's inputs; adapter keys resolve to this process's slots."""
+        input_ids, positions, query_lens = step.input_ids, step.positions, step.query_lens
+        context_lens, tables, sample_rows = step.context_lens, step.tables, step.sample_rows
+        token_slots: list[int] = []
+        for key, n in zip(step.adapter_keys, query_lens):
+            slot = NO_ADAPTER if key is None else self.slots.slot_of(key)  # type: ignore[union-attr]
+            token_slots.extend([slot] * n)
         dev = self.model.device
         has_lora = self.lora is not None and any(t != NO_ADAPTER for t in token_slots)
         decode = self.decode_kernel and len(sample_rows) == len(input_ids) == len(query_lens)

@@ -1,0 +1,59 @@
+"""Builds one rank's engine: the sharded model, the KV cache over its KV heads, its adapter pool."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from compute_service.engine.config import EngineConfig
+from compute_service.engine.kv_cache import cuda_kv_budget
+from compute_service.engine.llm_engine import LLMEngine, _default_lora
+from compute_service.engine.loader import LoadedModel, default_model_path, read_model_source
+from compute_service.engine.model import LlamaModel
+from compute_service.engine.spec import ModelSpec
+from compute_service.engine.weights import build_weights
+from compute_service.parallel.group import TensorParallelGroup
+from compute_service.parallel.schedule import DriverRunner, ShardedSlots
+from compute_service.parallel.shard import Shard, local_spec, shard_for, sharded_source, whole_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+def load_sharded(path: str | None, group: TensorParallelGroup,
+                 dtype: torch.dtype) -> tuple[LoadedModel, ModelSpec, Shard]:
+    """The rank's slices of a HF safetensors folder or a GGUF file (each rank keeps only its slices;
+    it reads one whole tensor at a time, then drops the rest)."""
+    p = default_model_path() if path is None else Path(path)
+    t0 = time.perf_counter()
+    spec, get, template = read_model_source(p)
+    shard = shard_for(spec, group.world_size, group.rank)
+    local = local_spec(spec, shard)
+    weights, _ = build_weights(local, sharded_source(spec, shard, get), dtype, group.device)
+    model = LlamaModel(local, weights, spec.max_position_embeddings)
+    if group.world_size > 1:
+        model.all_reduce = group.all_reduce
+    log.info("rank %d/%d: %s sharded (%d of %d heads, %d of %d KV heads) in %.1f s", group.rank,
+             group.world_size, p.name, local.num_heads, spec.num_heads, local.num_kv_heads, spec.num_kv_heads,
+             time.perf_counter() - t0)
+    return LoadedModel(local, model, whole_fingerprint(spec, get), p, template), spec, shard
+
+
+def build_rank_engine(config: EngineConfig, group: TensorParallelGroup) -> tuple[LLMEngine, ShardedSlots]:
+    """This rank's engine; on rank 0 its runner broadcasts every step to the followers."""
+    if config.torch_device.type != group.device.type:
+        raise ValueError(f"engine device {config.device} and the group's {group.device} differ")
+    config = dataclasses.replace(config, device=str(group.device))
+    loaded, whole_spec, shard = load_sharded(config.model, group, config.torch_dtype)
+    inner, backend = _default_lora(config, loaded.spec, group.device, loaded.model.dtype)
+    slots = ShardedSlots(inner, whole_spec, shard)
+    if config.kv_cache_bytes is None and group.device.type == "cuda":
+        budget = cuda_kv_budget(group.device, config.gpu_memory_fraction)
+        config = dataclasses.replace(config, kv_cache_bytes=group.min_int(budget))
+    engine = LLMEngine(config, loaded, slots=slots, lora_backend=backend)  # type: ignore[arg-type]
+    if group.is_driver and group.world_size > 1:
+        engine.runner = DriverRunner(engine.runner, slots, group)  # type: ignore[assignment]
+    return engine, slots
+

@@ -1,0 +1,84 @@
+"""The tensor-parallel process group: one process per rank, started by a launcher that sets
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun, or `loraplex compute --tensor-parallel-size`).
+
+Every collective has a timeout, so a rank that dies brings the others down with an error instead of a
+hang: activations are all-reduced on the device group (NCCL on CUDA, whose watchdog aborts a stuck
+collective; gloo on CPU); step inputs travel on a gloo control group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class ParallelGroupError(RuntimeError):
+    """The group could not start, or a rank failed: the whole group must go down."""
+
+
+@dataclass
+class TensorParallelGroup:
+    """This process's place in the group and the two process groups it talks on."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    device_group: Any          # all-reduce of activations (NCCL or gloo)
+    control_group: Any         # step inputs (gloo, host objects)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sums `t` in place over the ranks (a row-parallel layer's partial outputs)."""
+        dist.all_reduce(t, group=self.device_group)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (pickled over the control group)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest `value` over the ranks (KV blocks must agree: rank 0's block tables index all)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(t.item())
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
+    """Joins the group described by the launcher's environment; CUDA ranks take GPU `LOCAL_RANK`."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ParallelGroupError(f"tensor parallelism needs a launcher: {', '.join(missing)} not set "
+                                 "(start with `loraplex compute --tensor-parallel-size N` or torchrun)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= torch.cuda.device_count():
+            raise ParallelGroupError(f"rank {rank} wants GPU {local} but this host has {torch.cuda.device_count()}")
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        device_group = dist.group.WORLD
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        device_group = control = dist.group.WORLD
+    log.info("tensor parallel rank %d/%d on %s joined the group", rank, world, device)
+    return TensorParallelGroup(rank, world, device, device_group, control)

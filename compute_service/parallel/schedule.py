@@ -1,0 +1,114 @@
+"""Rank 0 drives, the other ranks follow: one broadcast of each step's inputs, the same forward.
+
+Rank 0 owns the scheduler, the sampler and the service; before each forward it broadcasts the
+step's `StepInputs` (token ids, positions, block tables, adapter keys) with the adapters the
+followers have not been sent yet and the keys rank 0 evicted since. Every rank then runs the same
+forward over its shard; the all-reduces inside it keep the ranks in lock step, and only rank 0
+reads the logits. A follower's KV pages and adapter pool mirror rank 0's (same sizes, same block
+tables; adapters loaded and evicted on rank 0's word), so keys resolve to slots on every rank.
+
+Not yet done: a follower loads an adapter it is sent synchronously, on the step that first uses it
+(rank 0's own load stays asynchronous); the served compute service does not drive followers yet.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compute_service.engine.model_runner import ModelRunner, StepInputs
+from compute_service.engine.scheduler import SchedulerOutput
+from compute_service.engine.spec import ModelSpec
+from compute_service.parallel.group import TensorParallelGroup
+from compute_service.parallel.lora_split import split_adapter
+from compute_service.parallel.shard import Shard
+from loraplex.formats.adapter import Adapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepMessage:
+    """What rank 0 broadcasts per step; `step` None = stop."""
+
+    step: StepInputs | None
+    ship: list[tuple[str, Adapter]] = field(default_factory=list)   # whole adapters, first use
+    evict: list[str] = field(default_factory=list)
+
+
+class ShardedSlots:
+    """An adapter pool that keeps only this rank's share of every adapter it is given.
+
+    Wraps the pool (`PagedAdapterSlots`) over the rank's local spec; rank 0 also remembers each
+    whole adapter until it has been shipped to the followers.
+    """
+
+    def __init__(self, inner: Any, whole_spec: ModelSpec, shard: Shard) -> None:
+        self._inner = inner
+        self._whole_spec = whole_spec
+        self._shard = shard
+        self.unshipped: dict[str, Adapter] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def share(self, adapter: Adapter) -> Adapter:
+        return split_adapter(adapter, self._whole_spec, self._shard)
+
+    def load(self, key: str, adapter: Adapter) -> int:
+        slot = self._inner.load(key, self.share(adapter))
+        self.unshipped[key] = adapter
+        return int(slot)
+
+    def stage_adapter(self, key: str, adapter: Adapter) -> Any:
+        staged = self._inner.stage_adapter(key, self.share(adapter))
+        self.unshipped[key] = adapter
+        return staged
+
+
+class DriverRunner:
+    """Rank 0's model runner: broadcasts each step, then runs it like any rank."""
+
+    def __init__(self, runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup) -> None:
+        self._runner = runner
+        self._slots = slots
+        self._group = group
+        self._shipped: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        step = self._runner.inputs(out)
+        evict = sorted(k for k in self._shipped if not self._slots.resident(k))
+        self._shipped.difference_update(evict)
+        ship = []
+        for key in dict.fromkeys(k for k in step.adapter_keys if k is not None):
+            if key in self._slots.unshipped:       # new, or replaced since it was shipped
+                ship.append((key, self._slots.unshipped.pop(key)))
+                self._shipped.add(key)
+        self._group.broadcast_object(StepMessage(step, ship, evict))
+        return self._runner.run_inputs(step)
+
+    def stop(self) -> None:
+        """Releases the followers (they return from `follow`)."""
+        self._group.broadcast_object(StepMessage(None))
+
+
+def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup) -> int:
+    """A follower's loop: runs rank 0's steps until told to stop; returns the number of steps run."""
+    num_steps = 0
+    while True:
+        msg: StepMessage = group.broadcast_object()
+        if msg.step is None:
+            log.info("tensor parallel rank %d: stop after %d steps", group.rank, num_steps)
+            return num_steps
+        for key in msg.evict:
+            slots.evict(key)
+        for key, adapter in msg.ship:
+            slots.load(key, adapter)
+            slots.unshipped.pop(key, None)
+        runner.run_inputs(msg.step)
+        num_steps += 1

@@ -1,0 +1,103 @@
+"""Which slice of each weight a tensor-parallel rank holds, and the model it then runs.
+
+Column-parallel layers (q, k, v, gate, up) keep a slice of their output features, row-parallel
+ones (o, down) the matching slice of their input features, so a rank runs an ordinary, smaller
+decoder (`local_spec`) whose o and down outputs are partial sums, all-reduced once each per layer.
+Query heads and MLP columns split evenly. KV heads split evenly when tp divides them; when tp is a
+multiple of them (tp > num_kv_heads), each rank holds the one KV head its query heads read, so a
+KV head is replicated on tp / num_kv_heads ranks. Embedding, norms and head stay whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from compute_service.engine.errors import ModelLoadError
+from compute_service.engine.spec import ModelSpec
+from compute_service.engine.weights import TensorSource, _Fingerprint
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Feature ranges [start, end) of one rank, in the whole model's numbering."""
+
+    tp: int
+    rank: int
+    q: tuple[int, int]        # query features (heads * head_dim)
+    kv: tuple[int, int]       # key (and value) features of the local KV heads
+    inter: tuple[int, int]    # MLP intermediate features
+
+
+def shard_for(spec: ModelSpec, tp: int, rank: int) -> Shard:
+    """The rank's slices; refuses a model whose heads or MLP do not split over `tp`."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside tensor-parallel size {tp}")
+    h, kvh, d, inter = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    if h % tp or inter % tp:
+        raise ModelLoadError(f"tensor-parallel size {tp} must divide num_heads {h} and intermediate_size {inter}")
+    if kvh % tp == 0:
+        kv_first, kv_count = rank * (kvh // tp), kvh // tp
+    elif tp % kvh == 0:
+        kv_first, kv_count = rank // (tp // kvh), 1          # replicated on tp / kvh ranks
+    else:
+        raise ModelLoadError(f"tensor-parallel size {tp} and num_kv_heads {kvh}: one must divide the other")
+    hl, il = h // tp, inter // tp
+    return Shard(tp, rank, (rank * hl * d, (rank + 1) * hl * d), (kv_first * d, (kv_first + kv_count) * d),
+                 (rank * il, (rank + 1) * il))
+
+
+def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
+    """The decoder one rank runs: its heads, KV heads and MLP columns."""
+    d = spec.head_dim
+    return replace(spec, num_heads=(shard.q[1] - shard.q[0]) // d, num_kv_heads=(shard.kv[1] - shard.kv[0]) // d,
+                   intermediate_size=shard.inter[1] - shard.inter[0])
+
+
+def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSource:
+    """A tensor source of the rank's slices under the checkpoint's names (for `build_weights`).
+
+    Row-parallel biases (o, down) are added once, after the all-reduce: rank 0 keeps them, the
+    others read zeros.
+    """
+    rows = {"q_proj": shard.q, "k_proj": shard.kv, "v_proj": shard.kv, "gate_proj": shard.inter,
+            "up_proj": shard.inter}
+    cols = {"o_proj": shard.q, "down_proj": shard.inter}
+
+    def local(name: str) -> torch.Tensor | None:
+        t = get(name)
+        if t is None or not name.startswith("model.layers."):
+            return t
+        proj, kind = name.split(".")[-2:]
+        if proj in rows:
+            a, b = rows[proj]
+            return t[a:b]
+        if proj in cols:
+            if kind == "bias":
+                return t if shard.rank == 0 else torch.zeros_like(t)
+            a, b = cols[proj]
+            return t[:, a:b]
+        return t
+
+    return local
+
+
+def whole_fingerprint(spec: ModelSpec, get: TensorSource) -> str:
+    """The base-model fingerprint of the whole model (as `build_weights` computes it at tp=1), so
+    adapters validated against the single-GPU service fit the tensor-parallel one."""
+    h = _Fingerprint(spec)
+
+    def need(name: str) -> torch.Tensor:
+        t = get(name)
+        if t is None:
+            raise ModelLoadError(f"checkpoint lacks tensor {name!r}")
+        return t
+
+    h.add("embed", need("model.embed_tokens.weight")[:8])
+    for i in sorted({0, spec.num_layers - 1}) if spec.num_layers else []:
+        p = f"model.layers.{i}.self_attn."
+        h.add(f"qkv{i}", torch.cat([need(p + f"{m}_proj.weight")[:, :8] for m in "qkv"]))
+    h.add("norm", need("model.norm.weight"))
+    if not spec.tie_word_embeddings:
+        h.add("lm_head", need("lm_head.weight")[:8])
+    return h.hexdigest()
