@@ -15,9 +15,11 @@ after the model's chat template exactly as `loraplex generate --chat` sends it:
 It needs PEFT (`pip install -e '.[demo]'`; `make serve` and `make test` set up
 a .venv that has it). The output depends only on the seed, the flags, the data
 and the thread count: the same command writes the same bytes (float sums may
-round differently with another --threads). With the defaults it takes about
-two minutes on two cores. The adapters are small and overfit a 50-example
-set: good enough to show what each one is for, not for real use.
+round differently with another --threads). With the defaults: 10 minutes on a
+busy shared 2-core machine with --threads 1 (24 s to load, 4-5 s a step, 90
+steps); every step runs the whole model forward and back, so more free cores
+take less. The adapters are small and overfit a 50-example set: good enough to
+show what each one is for, not for real use.
 """
 from __future__ import annotations
 
