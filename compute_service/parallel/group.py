@@ -55,7 +55,9 @@ class TensorParallelGroup:
         return int(t.item())
 
     def close(self) -> None:
+        """Leaves the group once every rank is done (a barrier first, so no rank tears down early)."""
         if dist.is_initialized():
+            dist.barrier(group=self.control_group)
             dist.destroy_process_group()
 
 

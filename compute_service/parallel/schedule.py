@@ -21,7 +21,7 @@ import torch
 from compute_service.engine.model_runner import ModelRunner, StepInputs
 from compute_service.engine.scheduler import SchedulerOutput
 from compute_service.engine.spec import ModelSpec
-from compute_service.parallel.group import TensorParallelGroup
+from compute_service.parallel.group import ParallelGroupError, TensorParallelGroup
 from compute_service.parallel.lora_split import split_adapter
 from compute_service.parallel.shard import Shard
 from loraplex.formats.adapter import Adapter
@@ -89,8 +89,12 @@ class DriverRunner:
             if key in self._slots.unshipped:       # new, or replaced since it was shipped
                 ship.append((key, self._slots.unshipped.pop(key)))
                 self._shipped.add(key)
-        self._group.broadcast_object(StepMessage(step, ship, evict))
-        return self._runner.run_inputs(step)
+        try:
+            self._group.broadcast_object(StepMessage(step, ship, evict))
+            return self._runner.run_inputs(step)
+        except RuntimeError as e:      # a collective failed or timed out: a rank is gone
+            log.error("tensor parallel group down: a rank failed or timed out (%s); this service stops", e)
+            raise ParallelGroupError(f"tensor parallel group down: {e}") from e
 
     def stop(self) -> None:
         """Releases the followers (they return from `follow`)."""
