@@ -8,6 +8,7 @@ GPU memory, as the seed's `lora_cache_gpu_memory_fraction`) unless
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
     """
     device = resolve_device(config.device)
     ecfg = engine_config(config, device)
+    if config.tensor_parallel_size > 1:
+        return _tensor_parallel_runtime(config, fetch, ecfg, device)
     if loaded is None:
         loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device)
     slots = PagedAdapterSlots(loaded.spec, config.max_lora_rank, device, loaded.model.dtype)
@@ -118,3 +121,13 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
         graphs.capture_all(backend)
         log.info("captured %d decode CUDA graphs in %.1f s", len(graphs.buckets) * 2, time.perf_counter() - t0)
     return Runtime(engine, slots, EngineRunner(engine, slots, fetch), loaded, device)
+
+
+def _tensor_parallel_runtime(config: ComputeConfig, fetch: Fetch, ecfg: EngineConfig,
+                             device: torch.device) -> Runtime:
+    """Rank 0 of a tensor-parallel group (see compute_service/parallel/service.py)."""
+    from compute_service.parallel.service import build_rank0_engine
+
+    engine, slots = build_rank0_engine(config, ecfg)
+    slots.fingerprint = adapter_fingerprint(dataclasses.replace(engine.loaded, spec=slots.spec))
+    return Runtime(engine, slots, EngineRunner(engine, slots, fetch), engine.loaded, device)

@@ -26,6 +26,9 @@ class ComputeConfig:
     gil_switch_interval_us: int = field(
         default=500, metadata={"help": "Python thread switch interval while serving, in microseconds (0 = Python's "
                                        "5000): short, so adapter loads in side threads do not hold up engine steps"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes the model is split over (tensor parallelism; > 1 served on CPU only so far, "
+                "see docs/tensor_parallel.md)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (prefill is chunked)"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + output"})
@@ -56,6 +59,8 @@ class ComputeConfig:
             raise SettingsError("lora_gpu_cache_bytes must be >= 0 and max_lora_rank in [1, 4096]")
         if not 0 <= self.metrics_port <= 65535:
             raise SettingsError("metrics_port: must be in 0..65535")
+        if self.tensor_parallel_size < 1:
+            raise SettingsError("tensor_parallel_size must be >= 1")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise SettingsError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
         if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0:

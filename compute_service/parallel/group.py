@@ -61,8 +61,13 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
-def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallelGroup:
-    """Joins the group described by the launcher's environment; CUDA ranks take GPU `LOCAL_RANK`."""
+def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+               control_timeout_s: float | None = None) -> TensorParallelGroup:
+    """Joins the group described by the launcher's environment; CUDA ranks take GPU `LOCAL_RANK`.
+
+    `control_timeout_s` bounds a follower's wait for rank 0's next step (a served group idles between
+    requests: give it a long one; a dead rank 0 still fails the wait at once, its connection closes).
+    """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ParallelGroupError(f"tensor parallelism needs a launcher: {', '.join(missing)} not set "
@@ -76,11 +81,11 @@ def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Tensor
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)
-        control = dist.new_group(backend="gloo", timeout=timeout)
         device_group = dist.group.WORLD
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        device_group = control = dist.group.WORLD
+        device_group = dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s or timeout_s))
     log.info("tensor parallel rank %d/%d on %s joined the group", rank, world, device)
     return TensorParallelGroup(rank, world, device, device_group, control)

@@ -41,18 +41,26 @@ class StepMessage:
 class ShardedSlots:
     """An adapter pool that keeps only this rank's share of every adapter it is given.
 
-    Wraps the pool (`PagedAdapterSlots`) over the rank's local spec; rank 0 also remembers each
-    whole adapter until it has been shipped to the followers.
+    Wraps the pool (`PagedAdapterSlots`) over the rank's local spec; `spec` is the whole model's (what
+    adapters are built for); rank 0 also remembers each whole adapter until it is shipped to the followers.
     """
 
     def __init__(self, inner: Any, whole_spec: ModelSpec, shard: Shard) -> None:
         self._inner = inner
-        self._whole_spec = whole_spec
+        self.spec = self._whole_spec = whole_spec
         self._shard = shard
         self.unshipped: dict[str, Adapter] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self._inner.fingerprint  # type: ignore[no-any-return]
+
+    @fingerprint.setter
+    def fingerprint(self, value: str | None) -> None:
+        self._inner.fingerprint = value
 
     def share(self, adapter: Adapter) -> Adapter:
         return split_adapter(adapter, self._whole_spec, self._shard)

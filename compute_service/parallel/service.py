@@ -1,0 +1,78 @@
+"""The served compute service over a tensor-parallel group: rank 0 is the service, the followers are
+child processes it starts (one per further rank), each running `follow` until rank 0 stops.
+
+So far on CPU (gloo) only: on CUDA the warm-up's graph capture and kernel compilation run on rank 0
+alone and would wait forever on the followers, so the service refuses `--tensor-parallel-size` > 1
+on a GPU with a message saying so (the engine-level group runs on GPUs; see docs/tensor_parallel.md).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import socket
+
+from compute_service.config import ComputeConfig
+from compute_service.engine.config import EngineConfig
+from compute_service.parallel.engine import build_rank_engine
+from compute_service.parallel.group import TensorParallelGroup, init_group
+from compute_service.parallel.schedule import follow
+
+log = logging.getLogger(__name__)
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0     # a follower waits this long for a step while the service idles
+
+
+def _environment(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def _follower_main(ecfg: EngineConfig, rank: int, world: int, port: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    _environment(rank, world, port)
+    group = init_group(ecfg.torch_device.type, control_timeout_s=IDLE_TIMEOUT_S)
+    engine, slots = build_rank_engine(ecfg, group)
+    try:
+        follow(engine.runner, slots, group)  # type: ignore[arg-type]
+    except RuntimeError as e:
+        log.error("tensor parallel rank %d: group down (%s); exiting", rank, e)
+        os._exit(1)
+    group.close()
+
+
+def start_group(ecfg: EngineConfig, world: int) -> TensorParallelGroup:
+    """Starts ranks 1..world-1 as child processes and joins the group as rank 0."""
+    if ecfg.torch_device.type == "cuda":
+        raise ValueError("tensor_parallel_size > 1 is not served on GPUs yet (the warm-up's graph capture does "
+                         "not run in lock step on the followers); see docs/tensor_parallel.md")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(ecfg, r, world, port), daemon=True,
+                         name=f"loraplex-tp-rank{r}") for r in range(1, world)]
+    for p in procs:
+        p.start()
+    _environment(0, world, port)
+    group = init_group(ecfg.torch_device.type, control_timeout_s=IDLE_TIMEOUT_S)
+    log.info("tensor parallel group of %d ranks: followers %s", world, [p.pid for p in procs])
+    return group
+
+
+def build_rank0_engine(config: ComputeConfig, ecfg: EngineConfig):  # type: ignore[no-untyped-def]
+    """Rank 0's engine and slots for the service (followers started, group joined)."""
+    ecfg = dataclasses.replace(ecfg, lora_backend="auto")
+    group = start_group(ecfg, config.tensor_parallel_size)
+    engine, slots = build_rank_engine(ecfg, group)
+
+    def stop() -> None:
+        try:
+            engine.runner.stop()             # type: ignore[attr-defined]
+            group.close()
+        except RuntimeError as e:
+            log.warning("tensor parallel group: stop failed (%s)", e)
+    atexit.register(stop)
+    return engine, slots
+
