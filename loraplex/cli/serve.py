@@ -45,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="compute device: auto (GPU if present), cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, float16 or bfloat16")
     p.add_argument("--max-model-len", default="", help="longest prompt + output")
+    p.add_argument("--tensor-parallel-size", default="",
+                   help="processes the compute service splits the model over (> 1 on CPU only so far)")
     p.add_argument("--cache-flags", default="", help='more flags for the cache service, e.g. "--metrics-port 9101"')
     p.add_argument("--compute-flags", default="", help='more flags for the compute service, e.g. "--max-num-seqs 8"')
     p.add_argument("--gateway-flags", default="", help="more flags for the gateway")
@@ -73,7 +75,8 @@ def service_args(args: argparse.Namespace, redis_url: str) -> tuple[list[str], l
              + _opt("--lora-root", args.lora_root) + _opt("--lora-prefetch-dir", args.lora_prefetch_dir)
              + _opt("--host-cache-bytes", args.host_cache_bytes) + shared + shlex.split(args.cache_flags))
     compute = (["compute", "--listen", "127.0.0.1:0", "--device", args.device, "--dtype", args.dtype]
-               + _opt("--max-model-len", args.max_model_len) + shared + shlex.split(args.compute_flags))
+               + _opt("--max-model-len", args.max_model_len) + _opt("--tensor-parallel-size", args.tensor_parallel_size)
+               + shared + shlex.split(args.compute_flags))
     return cache, compute
 
 

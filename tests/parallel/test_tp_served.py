@@ -55,3 +55,14 @@ def test_served_tp2_streams_the_single_process_tokens(tmp_path):
     assert codes == [0, 0], compute.output() if compute else ""
     assert "tensor parallel group of 2 ranks" in compute.output()
 
+
+
+def test_serve_passes_tensor_parallel_size_to_compute():
+    from loraplex.cli.main import build_parser
+    from loraplex.cli.serve import service_args
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--tensor-parallel-size", "2"])
+    _cache, compute = service_args(args, "")
+    assert compute[compute.index("--tensor-parallel-size") + 1] == "2"
+    _cache, compute = service_args(build_parser().parse_args(["serve"]), "")
+    assert "--tensor-parallel-size" not in compute
