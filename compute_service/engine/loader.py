@@ -102,11 +102,28 @@ def _read_hf_folder(folder: Path) -> tuple[ModelSpec, Any]:
         for k in h.keys():
             weight_map.setdefault(k, f)
 
-    def get(name: str) -> torch.Tensor | None:
-        f = weight_map.get(name)
-        return None if f is None else handles[f].get_tensor(name)
+    return spec, SafetensorsSource(handles, weight_map)
 
-    return spec, get
+
+class SafetensorsSource:
+    """Tensors by HF name from open safetensors files; `rows` / `columns` read only a slice from disk
+    (tensor-parallel ranks keep only theirs)."""
+
+    def __init__(self, handles: dict[str, Any], weight_map: dict[str, str]) -> None:
+        self._handles = handles
+        self._weight_map = weight_map
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        f = self._weight_map.get(name)
+        return None if f is None else self._handles[f].get_tensor(name)
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor | None:
+        f = self._weight_map.get(name)
+        return None if f is None else self._handles[f].get_slice(name)[start:end]
+
+    def columns(self, name: str, start: int, end: int) -> torch.Tensor | None:
+        f = self._weight_map.get(name)
+        return None if f is None else self._handles[f].get_slice(name)[:, start:end]
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None) -> Any:

@@ -58,26 +58,34 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
     """A tensor source of the rank's slices under the checkpoint's names (for `build_weights`).
 
     Row-parallel biases (o, down) are added once, after the all-reduce: rank 0 keeps them, the
-    others read zeros.
+    others read zeros. A source with `rows(name, a, b)` / `columns(name, a, b)` (safetensors) is
+    read a slice at a time; others (GGUF, dequantized at load) are read whole, then sliced.
     """
     rows = {"q_proj": shard.q, "k_proj": shard.kv, "v_proj": shard.kv, "gate_proj": shard.inter,
             "up_proj": shard.inter}
     cols = {"o_proj": shard.q, "down_proj": shard.inter}
 
+    read_rows = getattr(get, "rows", None)          # a source that reads slices from disk (safetensors)
+    read_cols = getattr(get, "columns", None)
+
     def local(name: str) -> torch.Tensor | None:
-        t = get(name)
-        if t is None or not name.startswith("model.layers."):
-            return t
         proj, kind = name.split(".")[-2:]
+        if not name.startswith("model.layers.") or (proj not in rows and proj not in cols):
+            return get(name)
         if proj in rows:
             a, b = rows[proj]
-            return t[a:b]
-        if proj in cols:
-            if kind == "bias":
-                return t if shard.rank == 0 else torch.zeros_like(t)
-            a, b = cols[proj]
-            return t[:, a:b]
-        return t
+            if read_rows is not None:
+                return read_rows(name, a, b)  # type: ignore[no-any-return]
+            t = get(name)
+            return None if t is None else t[a:b]
+        if kind == "bias":
+            t = get(name)
+            return t if t is None or shard.rank == 0 else torch.zeros_like(t)
+        a, b = cols[proj]
+        if read_cols is not None:
+            return read_cols(name, a, b)  # type: ignore[no-any-return]
+        t = get(name)
+        return None if t is None else t[:, a:b]
 
     return local
 

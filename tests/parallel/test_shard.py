@@ -1,0 +1,39 @@
+"""Sharded reading: from safetensors a rank reads only its slices (never a whole sharded tensor), and
+they equal the slices of the whole tensors; row-parallel biases stay on rank 0."""
+from __future__ import annotations
+
+import torch
+
+from compute_service.engine.loader import read_model_source
+from compute_service.parallel.shard import shard_for, sharded_source
+from tp_helpers import save_tiny_llama
+
+
+def test_safetensors_slices_equal_whole_slices_and_skip_whole_reads(tmp_path):
+    folder = save_tiny_llama(tmp_path, 4, 1, seed=4, qwen=True)
+    spec, get, _ = read_model_source(folder)
+    whole_reads: list[str] = []
+
+    class Counting:                       # the real source, counting whole-tensor reads
+        def __call__(self, name):
+            whole_reads.append(name)
+            return get(name)
+
+        def rows(self, name, a, b):
+            return get.rows(name, a, b)
+
+        def columns(self, name, a, b):
+            return get.columns(name, a, b)
+
+    for rank in (0, 1):
+        shard = shard_for(spec, 2, rank)
+        local = sharded_source(spec, shard, Counting())
+        p = "model.layers.1."
+        assert torch.equal(local(p + "self_attn.q_proj.weight"), get(p + "self_attn.q_proj.weight")[slice(*shard.q)])
+        assert torch.equal(local(p + "self_attn.k_proj.bias"), get(p + "self_attn.k_proj.bias")[slice(*shard.kv)])
+        assert torch.equal(local(p + "mlp.down_proj.weight"), get(p + "mlp.down_proj.weight")[:, slice(*shard.inter)])
+        assert torch.equal(local(p + "self_attn.o_proj.weight"), get(p + "self_attn.o_proj.weight")[:, slice(*shard.q)])
+        assert local(p + "mlp.up_proj.weight").shape == (spec.intermediate_size // 2, spec.hidden_size)
+        assert torch.equal(local("model.embed_tokens.weight"), get("model.embed_tokens.weight"))
+    assert all("proj" not in n for n in whole_reads), whole_reads
+    assert shard_for(spec, 2, 0).kv == shard_for(spec, 2, 1).kv == (0, spec.head_dim)   # one KV head, replicated
