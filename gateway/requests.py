@@ -6,13 +6,27 @@ without servers. Each refusal names the field and what to change.
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any, Sequence
 
 from jinja2 import TemplateError
 
 from loraplex.detokenize import IncrementalDetokenizer
 from loraplex.errors import InvalidArgumentError
+from loraplex.logging_setup import REQUEST_ID
 from loraplex.v1 import common_pb2, gateway_pb2
+
+
+REQUEST_ID_KEY = "x-request-id"   # gRPC metadata key and HTTP header of a caller's request id
+MAX_REQUEST_ID = 128
+
+
+def take_request_id(*given: str) -> str:
+    """The call's request id: the first one the caller gave (cut to MAX_REQUEST_ID characters), else a
+    new one; set as the log context, so every line logged for the call carries it (--log-format json)."""
+    request_id = next((g[:MAX_REQUEST_ID] for g in given if g), "") or uuid.uuid4().hex[:16]
+    REQUEST_ID.set(request_id)
+    return request_id
 
 
 class PromptCodec:

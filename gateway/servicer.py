@@ -9,34 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import AsyncIterator, Sequence
 
 import grpc
 
 from loraplex.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError
 from loraplex.grpc_errors import maps_errors
-from loraplex.logging_setup import REQUEST_ID
 from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.adapters import AdapterResolver, AdapterStore
 from gateway.auth import current_principal
 from gateway.config import GatewayConfig
 from gateway.downstream import from_rpc_error
 from gateway.generation import Entry, EntryJob, run_entries
-from gateway.requests import PromptCodec, check_loras, check_prompt_length, check_sampling
+from gateway.requests import (REQUEST_ID_KEY, PromptCodec, check_loras, check_prompt_length, check_sampling,
+                              take_request_id)
 from gateway.router import ComputeRouter
 
 log = logging.getLogger(__name__)
 
 # A deadline further away than this is treated as none (grpc reports "no deadline" as a huge number).
 _NO_DEADLINE_S = 1e8
-REQUEST_ID_METADATA = "x-request-id"    # a caller's request id, when GenerateRequest.request_id is empty
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_METADATA and isinstance(value, str):
-            return value[:128]
+        if key == REQUEST_ID_KEY and isinstance(value, str):
+            return value
     return ""
 
 
@@ -98,8 +96,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         sampling = check_sampling(request.sampling, self._config.default_max_tokens)
         info = await self.model_info()
         check_prompt_length(len(prompt_ids), info.max_model_len)
-        request_id = request.request_id or _metadata_request_id(context) or uuid.uuid4().hex[:16]
-        REQUEST_ID.set(request_id)     # every line logged for this call carries it (--log-format json)
+        request_id = take_request_id(request.request_id, _metadata_request_id(context))
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < _NO_DEADLINE_S else None
         specs = list(request.loras) or [common_pb2.LoraSpec()]

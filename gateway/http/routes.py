@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -23,18 +22,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from loraplex.errors import NotFoundError
-from loraplex.logging_setup import REQUEST_ID
 from loraplex.v1 import common_pb2, gateway_pb2
 from gateway.generation import Entry, EntryJob
 from gateway.http.errors import HttpError, error_response
 from gateway.http.schemas import GenerationPlan, parse_plan
 from gateway.http.streams import ChoiceBook, ClientGone, EntryFailed, EventStream, events, until_disconnect
-from gateway.requests import check_prompt_length, check_sampling
+from gateway.requests import REQUEST_ID_KEY, check_prompt_length, check_sampling, take_request_id
 from gateway.servicer import GatewayServicer
 
 log = logging.getLogger(__name__)
 TASK_PREFIX = "task:"
-REQUEST_ID_HEADER = "x-request-id"     # a caller's request id (else one is made up)
 MAX_BODY_BYTES = 32 << 20               # no HTTP body carries adapter weights: prompts fit well within
 
 
@@ -165,8 +162,7 @@ class OpenAIRoutes:
         info = await self._servicer.model_info()
         for ids in prompts:
             check_prompt_length(len(ids), info.max_model_len)
-        request_id = request.headers.get(REQUEST_ID_HEADER, "")[:128] or uuid.uuid4().hex[:16]
-        REQUEST_ID.set(request_id)     # every line logged for this request carries it (--log-format json)
+        request_id = take_request_id(request.headers.get(REQUEST_ID_KEY, ""))
         entries = self._entries(plan, prompts, info.max_model_len, request_id)
         log.info("http %s %s: %d prompt(s), %d choice(s)%s", "chat" if chat else "completion", request_id,
                  len(prompts), len(entries), ", streaming" if plan.stream else "")
