@@ -4,7 +4,7 @@ import asyncio
 import grpc
 import pytest
 
-from loraplex.client import AsyncClient, Lora
+from loraplex.client import Lora
 from loraplex.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from gateway_fakes import FAIL_TASK_ID, SCRIPTS
 from gateway_harness import gateway_stack, random_adapter
