@@ -47,11 +47,12 @@ def metrics_route(registry: Any = None) -> Route:
 
 
 class CountRequests:
-    """ASGI middleware: counts each HTTP request by "METHOD /path" (known routes; others as "other") and
-    status code in `counter` (the gateway's requests counter), when it ends."""
+    """ASGI middleware: counts each HTTP request by "METHOD /route" (the route's template, e.g.
+    `GET /v1/models/{model_id:path}`; requests no route matched as "other") and status code in `counter`
+    (the gateway's requests counter), when it ends."""
 
-    def __init__(self, app: Any, counter: Any, paths: set[str]) -> None:
-        self._app, self._counter, self._paths = app, counter, paths
+    def __init__(self, app: Any, counter: Any) -> None:
+        self._app, self._counter = app, counter
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -66,7 +67,8 @@ class CountRequests:
         try:
             await self._app(scope, receive, counting)
         finally:
-            path = scope["path"] if scope["path"] in self._paths else "other"
+            route = scope.get("route")       # set by the router on the scope it was handed
+            path = route.path if isinstance(route, Route) else "other"
             self._counter.labels(f"{scope['method']} {path}", str(status)).inc()
 
 
@@ -94,8 +96,7 @@ def build_app(servicer: GatewayServicer, base_model: str, *, guard: Guard = allo
         exception_handlers={HTTPException: http_error, Exception: http_error},
     )
     if request_counter is not None:
-        app.add_middleware(CountRequests, counter=request_counter,
-                           paths={r.path for r in app.routes if isinstance(r, Route)})
+        app.add_middleware(CountRequests, counter=request_counter)
     return app
 
 
