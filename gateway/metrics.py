@@ -3,8 +3,8 @@
 `REGISTRY` is the gateway's `prometheus_client.CollectorRegistry`: the gateway
 serves it on `--metrics-port` (LORAPLEX_METRICS_PORT), and the HTTP API
 (`gateway.http`) mounts it at `/metrics` on its own port, so one scrape of
-either port reads the same numbers. It is a module-level registry, as the
-HTTP app looks it up by name; a process runs one gateway.
+either port reads the same numbers. It is a module-level registry: a process
+runs one gateway.
 
 - `loraplex_gateway_requests_total{method, code}`: calls by gRPC method
   (`Generate`, `ListLoras`, ...) and status code name (`OK`, `NOT_FOUND`, ...),

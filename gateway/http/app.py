@@ -7,14 +7,13 @@ the ASGI server on the running event loop, and stops with the gateway: the
 gRPC server's SIGTERM handling stops it, not a signal handler of its own.
 
 Access control plugs in at one point: the `guard` passed to `build_app`
-(see `routes.Guard`); `gateway.server` passes the one the gateway's
-security module provides, if any.
+(see `routes.Guard`); `gateway.server` passes `gateway.auth.http_guard` over
+the gateway's own AccessControl, so a key's limits count both APIs.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import re
 import socket
@@ -29,10 +28,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.http.errors import error_body
+from gateway import metrics
+from gateway.auth import http_guard
 from gateway.config import GatewayConfig
+from gateway.http.errors import error_body
 from gateway.http.routes import Guard, OpenAIRoutes, allow_all
 from gateway.servicer import GatewayServicer
+from gateway.tls import http_tls_options
 
 log = logging.getLogger(__name__)
 
@@ -175,33 +177,13 @@ def served_model_name(config: GatewayConfig, model_path: Path) -> str:
     return model_path.name
 
 
-def _hooked(module_names: tuple[str, ...], attribute: str) -> Any:
-    """`attribute` of the first of `module_names` that exists and has it (None if none does)."""
-    for name in module_names:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue
-            raise
-        found = getattr(module, attribute, None)
-        if found is not None:
-            return found
-    return None
-
-
 def http_server_for(config: GatewayConfig, servicer: GatewayServicer, model_path: Path,
                     grace_s: float = 5.0, guard: Guard | None = None) -> HttpServer:
-    """The gateway's HTTP server on `config.http_listen`. The hook points: access control is the
-    `http_guard(config)` of the gateway's security module (gateway.auth or gateway.security) when it
-    has one; /metrics serves the `REGISTRY` of gateway.metrics when it has one, else the default one, and
-    its `REQUESTS` counter counts the HTTP requests too. A `guard` given (the gateway's, sharing its
-    keys' limits with the gRPC API) replaces the hook's. TLS settings are the gRPC API's."""
-    if guard is None:
-        make_guard = _hooked(("gateway.auth", "gateway.security"), "http_guard")
-        guard = make_guard(config) if make_guard is not None else allow_all
-    app = build_app(servicer, served_model_name(config, model_path), guard=guard,
-                    metrics_registry=_hooked(("gateway.metrics",), "REGISTRY"),
-                    request_counter=_hooked(("gateway.metrics",), "REQUESTS"))
-    from gateway.tls import http_tls_options
+    """The gateway's HTTP server on `config.http_listen`: access control is `guard` (the gateway's,
+    sharing its keys' limits with the gRPC API), else `gateway.auth.http_guard(config)`; /metrics
+    serves the gateway's `metrics.REGISTRY` and its `REQUESTS` counter counts the HTTP requests too.
+    TLS settings are the gRPC API's."""
+    app = build_app(servicer, served_model_name(config, model_path),
+                    guard=http_guard(config) if guard is None else guard,
+                    metrics_registry=metrics.REGISTRY, request_counter=metrics.REQUESTS)
     return HttpServer(app, config.http_listen, grace_s, http_tls_options(config))
