@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loraplex.settings import SettingsError
+from loraplex.settings import SettingsError, parse_bool
 
 HASH_SCHEME = "sha256:"
 MIN_KEY_CHARS = 16
@@ -103,12 +103,10 @@ def entry_from_dict(raw: dict[str, Any], where: str) -> KeyEntry:
 def _as_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"manage: expected true or false, got {value!r}")
+    try:
+        return parse_bool(str(value))
+    except SettingsError:
+        raise ValueError(f"manage: expected true or false, got {value!r}") from None
 
 
 def load_key_file(path: Path) -> list[KeyEntry]:

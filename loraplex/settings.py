@@ -32,7 +32,8 @@ def _base_type(tp: Any) -> Any:
     return origin or tp
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """A boolean setting: 1/true/yes/on or 0/false/no/off (any case; empty is false)."""
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
@@ -45,7 +46,7 @@ def _convert(name: str, tp: Any, text: str) -> Any:
     base = _base_type(tp)
     try:
         if base is bool:
-            return _parse_bool(text)
+            return parse_bool(text)
         if base is list or base is tuple:
             items = [p.strip() for p in text.split(",") if p.strip()]
             return tuple(items) if base is tuple else items

@@ -1,8 +1,8 @@
 """What the user commands (`generate`, `load`, `unload`, `list`, `info`) share.
 
-The gateway address flag (`-u/--url`, as in Triton's clients; env
-LORAPLEX_URL), the API key and TLS flags (docs/security.md), the call timeout, and turning a failed call into one line on
-stderr and exit code 1.
+The gateway address flag (`-u/--url`; env LORAPLEX_URL), the API key and
+TLS flags (docs/security.md), the call timeout, and turning a failed call into
+one line on stderr and exit code 1.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any, Callable
 from google.protobuf.json_format import MessageToDict
 
 from loraplex.errors import LoraplexError
+from loraplex.settings import SettingsError, parse_bool
 
 DEFAULT_URL = "127.0.0.1:50051"
 
@@ -29,7 +30,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=env("LORAPLEX_API_KEY"),
                         help="API key sent as `authorization: Bearer` (prefer the env variable: flags show in "
                              "the process list) [env LORAPLEX_API_KEY]")
-    parser.add_argument("--tls", action="store_true", default=env("LORAPLEX_TLS", "").lower() in ("1", "true", "yes", "on"),
+    parser.add_argument("--tls", action="store_true", default=None,
                         help="connect with TLS, trusting the system's roots [env LORAPLEX_TLS]")
     parser.add_argument("--tls-ca", default=env("LORAPLEX_TLS_CA"),
                         help="PEM CA to trust for the gateway's certificate (implies --tls) [env LORAPLEX_TLS_CA]")
@@ -41,8 +42,14 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def client_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The `Client` keywords of the connection flags."""
-    return dict(timeout=args.timeout, api_key=args.api_key or None, tls=args.tls, tls_ca=args.tls_ca,
+    """The `Client` keywords of the connection flags (a bad LORAPLEX_TLS is a ValueError naming it)."""
+    tls = args.tls
+    if tls is None:
+        try:
+            tls = parse_bool(os.environ.get("LORAPLEX_TLS", ""))
+        except SettingsError as exc:
+            raise SettingsError(f"LORAPLEX_TLS: {exc}") from None
+    return dict(timeout=args.timeout, api_key=args.api_key or None, tls=tls, tls_ca=args.tls_ca,
                 tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
