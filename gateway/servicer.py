@@ -143,7 +143,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             adapter = await self._resolver.validate_inline(request.weights, request.config, "adapter")
             info = await self._store.put(task_id, adapter, name=request.name, replace=request.replace)
         elif request.name:
-            # A name alone: load it from the adapter root (llgtrt's lora_model).
+            # A name alone: load it from the adapter root.
             mode = common_pb2.LOAD_MODE_ALWAYS if request.replace else common_pb2.LOAD_MODE_AUTO
             resolved, _ = await self._store.resolve_name(request.name, mode)
             info = await self._find(resolved)
