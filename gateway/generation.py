@@ -120,8 +120,12 @@ async def merge_entries(entries: Sequence[tuple[int, EntryFactory, int | None]]
     `entries` holds (index, factory, task id if known); a factory resolves the
     entry's adapter and returns its stream. A failing entry yields an ERROR
     message; cancelling this generator cancels every entry (and so its compute call).
+    The queue holds a few messages per entry: an entry whose messages the
+    caller has not taken waits, so its tokens gather in its own bounded buffer
+    (`token_stream.RequestStream`: coalesced, and a client that stops reading a
+    fan-out is cut off as one that stops reading a single stream is).
     """
-    queue: asyncio.Queue[gateway_pb2.GenerateResponse | None] = asyncio.Queue()
+    queue: asyncio.Queue[gateway_pb2.GenerateResponse | None] = asyncio.Queue(maxsize=4 * len(entries))
 
     async def pump(index: int, factory: EntryFactory, task_id: int | None) -> None:
         try:
@@ -134,8 +138,7 @@ async def merge_entries(entries: Sequence[tuple[int, EntryFactory, int | None]]
             if getattr(exc, "grpc_code", None) is None:
                 log.exception("entry %d failed", index)
             await queue.put(error_response(index, exc, task_id))
-        finally:
-            queue.put_nowait(None)
+        await queue.put(None)       # not in a finally: a cancelled pump's reader is gone
 
     tasks = [asyncio.create_task(pump(i, f, t)) for i, f, t in entries]
     try:
