@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stalled-tokens", type=int, default=12000, help="max_tokens of the stalled stream")
     ap.add_argument("--kill-streams", type=int, default=8, help="long streams when a compute replica is killed")
     ap.add_argument("--kill-burst", type=int, default=64, help="short requests arriving as it dies")
+    ap.add_argument("--dtype", default="float32",
+                    help="compute dtype; the outputs are compared token for token with each request run alone, "
+                         "which holds in float32 (bf16 on a GPU flips greedy near-ties between batch shapes)")
     ap.add_argument("--scenarios", default="streams,small_pool,stalled_reader,kill_cache,restart_redis,kill_compute")
     ap.add_argument("--commit", default="", help="commit to record (default: git rev-parse HEAD)")
     return ap.parse_args(argv)
@@ -68,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def soak_flags(args: argparse.Namespace) -> tuple[str, ...]:
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-resident-adapters", str(args.pool_adapters),
-             "--max-model-len", "512"]
+             "--max-model-len", "512", "--dtype", args.dtype]
     if args.kv_cache_bytes:
         flags += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     return tuple(flags)
@@ -122,7 +125,9 @@ def run_faults(args: argparse.Namespace, model: Path, root: Path, names: list[st
     # the stalled stream outgrows the gateway's buffer: the model length holds it
     max_len = max(8192, args.stalled_tokens + 64)
     stack = Stack.start(model, root, num_computes=2, backend=backend, device=args.device,
-                        compute_flags=("--max-model-len", str(max_len), "--max-num-seqs", str(args.max_num_seqs)),
+                        compute_flags=("--max-model-len", str(max_len), "--max-num-seqs", str(args.max_num_seqs),
+                                       "--dtype", args.dtype,
+                                       *(("--kv-cache-bytes", str(args.kv_cache_bytes)) if args.kv_cache_bytes else ())),
                         gateway_flags=("--replica-health-interval-s", "600"))
     fresh = names[-4:]     # adapters no request on this system used yet: loading them needs the cache
     try:
