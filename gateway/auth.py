@@ -96,11 +96,15 @@ class Principal:
                 raise PermissionDeniedError(f"loras[{i}]: key {self.name!r} may use adapters by name only "
                                             f"(task id {spec.task_id} given without one)")
 
-    def check_management(self, name: str, has_task_id: bool) -> None:
-        """LoadLora/UnloadLora of the adapter `name` (or a bare task id)."""
+    def check_may_manage(self) -> None:
+        """Raises PERMISSION_DENIED unless the key may load and unload adapters at all."""
         if not self.manage:
             raise PermissionDeniedError(f"key {self.name!r} may not load or unload adapters "
                                         "(its entry needs manage = true)")
+
+    def check_management(self, name: str, has_task_id: bool) -> None:
+        """LoadLora/UnloadLora of the adapter `name` (or a bare task id)."""
+        self.check_may_manage()
         if self.adapters is not None:
             if not name:
                 raise PermissionDeniedError(f"key {self.name!r} may manage adapters by name only"
@@ -197,10 +201,10 @@ class AccessControl:
     def key_names(self) -> list[str]:
         return list(self._by_name)
 
-    def authorize(self, token: str | None, method: str, adapter_names: Sequence[str] = ()) -> Principal:
-        """The principal of `token` if it may call `method` (a gRPC method or 'generate'/'manage'/'read')
-        naming `adapter_names`; takes one request from its rate. Raises UNAUTHENTICATED,
-        PERMISSION_DENIED or RESOURCE_EXHAUSTED (over its rate)."""
+    def authorize(self, token: str | None, method: str) -> Principal:
+        """The principal of `token` if it may call `method` (a gRPC method or 'generate'/'manage'/'read');
+        takes one request from its rate. Raises UNAUTHENTICATED, PERMISSION_DENIED or RESOURCE_EXHAUSTED
+        (over its rate). Adapter scopes are checked later, where the servicer resolves adapters."""
         if not self.enabled:
             return OPEN
         if not token:
@@ -210,11 +214,8 @@ class AccessControl:
         if key is None:
             raise UnauthenticatedError("the API key is not one this gateway knows")
         principal = key.principal
-        if action_of(method) == "manage" and not principal.manage:
-            raise PermissionDeniedError(f"key {principal.name!r} may not load or unload adapters "
-                                        "(its entry needs manage = true)")
-        for name in adapter_names:
-            principal.check_adapter(name)
+        if action_of(method) == "manage":
+            principal.check_may_manage()
         self._take(key)
         return principal
 
@@ -249,10 +250,6 @@ class AccessControl:
         finally:
             with self._lock:
                 key.usage.streams -= 1
-
-    def open_streams(self, principal: Principal) -> int:
-        key = self._key_of(principal)
-        return 0 if key is None else key.usage.streams
 
     def _key_of(self, principal: Principal) -> _Key | None:
         key = self._by_name.get(principal.name)
