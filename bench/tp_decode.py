@@ -42,6 +42,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# copy_bandwidth: bytes read + written per second of a device copy; run_engine: wall TPOT of the decode steps
+from multi_lora import copy_bandwidth, run_engine  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256)
@@ -163,28 +167,6 @@ class Built:
         self.graphs = self.engine.runner.graphs
 
 
-def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
-    """Bytes read + written per second of a device-to-device copy (median of 10, CUDA events on GPU)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t)
-    del src, dst
-    return 2 * nbytes / sorted(times)[5]
-
-
 def allreduce_ms(group, hidden: int, layers: int, batch: int, dtype: torch.dtype) -> float | None:
     """GPU ms of one step's all-reduces alone (2 per layer of [batch, hidden]) captured in a graph."""
     if group.device.type != "cuda":
@@ -201,42 +183,14 @@ def allreduce_ms(group, hidden: int, layers: int, batch: int, dtype: torch.dtype
     with torch.cuda.graph(graph):
         body()
     graph.replay()
-    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    end.record()
+    end.synchronize()
     del graph
-    return sorted(times)[10]
-
-
-def run_engine(engine, batch: int, keys: list, in_len: int, out_len: int, seed: int) -> dict:
-    """Wall time per output token of the decode steps (rank 0)."""
-    from compute_service.engine import SamplingParams
-
-    g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-    for i, key in enumerate(keys):
-        engine.add_request(f"s{seed}-{batch}-{i}", torch.randint(0, engine.spec.vocab_size, (in_len,),
-                                                                   generator=g).tolist(), params, key)
-    started: set[str] = set()
-    t0 = time.perf_counter()
-    t_first = None
-    n = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.new_token_ids:
-                started.add(o.request_id)
-                n += len(o.new_token_ids)
-        if t_first is None and len(started) == batch:
-            t_first = time.perf_counter()
-    t_end = time.perf_counter()
-    assert n == batch * out_len, (n, batch, out_len)
-    tpot = (t_end - t_first) / (out_len - 1)
-    return dict(tpot_ms=tpot * 1e3, decode_tok_per_s=batch / tpot, ttft_s=t_first - t0, total_s=t_end - t0)
+    return start.elapsed_time(end) / 20          # mean of 20 back-to-back replays
 
 
 def bench_config(label: str, spec, tp: int, group, dtype, batches, in_len, out_len, bw, res, save) -> None:
