@@ -168,7 +168,7 @@ def test_rate_and_stream_limits_answer_resource_exhausted(tokenizer, keys_file):
     async def go():
         async with auth_stack(tokenizer, keys_file=keys_file) as st:
             async with st.client(SLOW) as slow, st.client(ADMIN) as admin:
-                # burst 2 at 0.01/s (no refill in a slow run): two pass, the third is refused; other keys are not affected
+                # burst 2 at 0.01/s (no refill in a slow run): two pass, the third is refused; other keys unaffected
                 rate = [await call_code(slow.model_info()) for _ in range(3)]
                 other = await call_code(admin.model_info())
                 try:
