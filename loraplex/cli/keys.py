@@ -10,6 +10,7 @@ reads a key you already have from stdin and prints its entry. docs/security.md.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import secrets
@@ -68,9 +69,18 @@ def append_entry(path: Path, entry) -> None:  # type: ignore[no-untyped-def]
         sep = "\n" if old and not old.endswith("\n") else ""
         text = old + sep + ("\n" if fmt == "toml" and old else "") + format_entry(entry, fmt) + \
             ("" if fmt == "toml" else "\n")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    # a new file beside it, then renamed over it: a failed write leaves the old keys whole
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o777)      # the file keeps its own mode
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def run_add(args: argparse.Namespace) -> int:
@@ -91,8 +101,9 @@ def run_hash(args: argparse.Namespace) -> int:
     from gateway.api_keys import MIN_KEY_CHARS, format_entry
     from loraplex.settings import SettingsError
     if sys.stdin.isatty():
-        print("key (input hidden is not supported: paste it, then Enter):", file=sys.stderr)
-    key = sys.stdin.readline().strip()
+        key = getpass.getpass("key (not echoed): ", stream=sys.stderr).strip()
+    else:
+        key = sys.stdin.readline().strip()
     if len(key) < MIN_KEY_CHARS:
         print(f"loraplex keys hash: a key needs at least {MIN_KEY_CHARS} characters (make one with "
               "`loraplex keys add`)", file=sys.stderr)
