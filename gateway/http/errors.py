@@ -10,6 +10,7 @@ caller sent.
 from __future__ import annotations
 
 import logging
+import math
 
 import grpc
 from starlette.responses import JSONResponse
@@ -79,5 +80,11 @@ def status_of_entry_error(error: str) -> tuple[int, dict]:
 
 
 def error_response(exc: BaseException) -> JSONResponse:
+    """The error's JSON response; a refusal that knows when to come back (a key over its rate) says so in
+    `Retry-After` (whole seconds)."""
     status, body = error_of(exc)
-    return JSONResponse(body, status_code=status)
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = None
+    if status == 429 and isinstance(retry_after, (int, float)):
+        headers = {"retry-after": str(max(1, math.ceil(retry_after)))}
+    return JSONResponse(body, status_code=status, headers=headers)

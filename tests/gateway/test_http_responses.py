@@ -1,4 +1,4 @@
-"""The HTTP API's request counter labels requests by their route's template, not the raw path."""
+"""Pieces of the HTTP API's responses: the request counter's labels, and Retry-After on a rate refusal."""
 from __future__ import annotations
 
 import asyncio
@@ -43,3 +43,11 @@ def test_requests_count_by_route_template_and_unknown_paths_as_other():
     assert count("GET /v1/models/{model_id:path}", "200") == 2
     assert count("GET /v1/models", "200") == 1
     assert count("GET other", "404") == 1
+
+
+def test_a_key_over_its_rate_gets_429_with_retry_after():
+    from gateway.auth import RateLimitedError
+    from gateway.http.errors import error_response
+    limited = error_response(RateLimitedError("key 'k' is over its rate", 2.3))
+    assert limited.status_code == 429 and limited.headers["retry-after"] == "3"
+    assert "retry-after" not in error_response(ValueError("x")).headers
