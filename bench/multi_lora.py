@@ -120,7 +120,7 @@ def build_loaded(hf, dev: torch.device, dtype: torch.dtype, max_len: int):
     weights, fingerprint = build_weights(spec, state.get, dtype, dev)
     loaded = LoadedModel(spec, LlamaModel(spec, weights, max_len), fingerprint, Path("/tmp/random-llama"), None)
     w = weights
-    base_bytes = sum(t.numel() * t.element_size() for lw in w.layers for t in vars(lw).values() if t is not None)
+    base_bytes = sum(t.nbytes for lw in w.layers for t in vars(lw).values() if t is not None)
     base_bytes += (w.norm.numel() + w.lm_head.numel()) * w.norm.element_size()
     return loaded, base_bytes
 
@@ -261,15 +261,15 @@ def gemm_ms(engine, batch: int) -> float:
 
     w = engine.runner.model.weights
     x = torch.randn(batch, w.embed.shape[1], dtype=w.embed.dtype, device=w.embed.device)
-    xi = torch.randn(batch, w.layers[0].down.shape[1], dtype=x.dtype, device=x.device)
-    xq = torch.randn(batch, w.layers[0].o.shape[1], dtype=x.dtype, device=x.device)
+    xi = torch.randn(batch, w.layers[0].down.in_features, dtype=x.dtype, device=x.device)
+    xq = torch.randn(batch, w.layers[0].o.in_features, dtype=x.dtype, device=x.device)
 
     def body() -> None:
         for lw in w.layers:
-            F.linear(x, lw.qkv)
-            F.linear(xq, lw.o)
-            F.linear(x, lw.gate_up)
-            F.linear(xi, lw.down)
+            lw.qkv(x)
+            lw.o(xq)
+            lw.gate_up(x)
+            lw.down(xi)
         F.linear(x, w.lm_head)
 
     body()

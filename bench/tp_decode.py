@@ -149,7 +149,7 @@ class Built:
             model.all_reduce = group.all_reduce
         elem = torch.empty((), dtype=dtype).element_size()
         self.elem = elem
-        self.weight_bytes = sum(t.numel() * t.element_size() for lw in weights.layers for t in vars(lw).values()
+        self.weight_bytes = sum(t.nbytes for lw in weights.layers for t in vars(lw).values()
                                 if t is not None) + (weights.norm.numel() + weights.lm_head.numel()) * elem
         self.kv_per_token = 2 * local.num_layers * local.kv_size * elem
         kv_tokens = 2 * max_batch * max_len

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_service.engine.attention import AttentionMetadata, DecodeMetadata, paged_attention
+from compute_service.engine.linear import Linear
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
@@ -22,15 +23,11 @@ from compute_service.engine.spec import ModelSpec
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor             # [H]
-    qkv: torch.Tensor                    # [q + 2kv, H]
-    qkv_bias: torch.Tensor | None        # [q + 2kv]
-    o: torch.Tensor                      # [H, q]
-    o_bias: torch.Tensor | None
+    qkv: Linear                          # [q + 2kv, H], bias [q + 2kv] when the model has one
+    o: Linear                            # [H, q]
     post_norm: torch.Tensor              # [H]
-    gate_up: torch.Tensor                # [2I, H]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor                   # [H, I]
-    down_bias: torch.Tensor | None
+    gate_up: Linear                      # [2I, H]
+    down: Linear                         # [H, I]
 
 
 @dataclass
@@ -75,7 +72,7 @@ class LlamaModel:
         for i, lw in enumerate(self.weights.layers):
             residual = h
             x = rms_norm(h, lw.input_norm, spec.rms_norm_eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)                            # [T, q + 2kv]
+            qkv = lw.qkv(x)                                                 # [T, q + 2kv]
             q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
             if lora is not None:
                 lora.apply(i, "qkv", x, [q, k, v])
@@ -85,7 +82,7 @@ class LlamaModel:
             v = v.reshape(t, spec.num_kv_heads, spec.head_dim)
             attn = paged_attention(q, k, v, kv_caches[i][0], kv_caches[i][1], meta, self.scale)
             attn = attn.reshape(t, spec.q_size)
-            o = F.linear(attn, lw.o, lw.o_bias)
+            o = lw.o(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, [o])
             if self.all_reduce is not None:
@@ -93,12 +90,12 @@ class LlamaModel:
             h = residual + o
             residual = h
             x = rms_norm(h, lw.post_norm, spec.rms_norm_eps)
-            gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)                # [T, 2I]
+            gate_up = lw.gate_up(x)                                         # [T, 2I]
             gate, up = gate_up.split([spec.intermediate_size, spec.intermediate_size], dim=-1)
             if lora is not None:
                 lora.apply(i, "gate_up", x, [gate, up])
             act = F.silu(gate) * up
-            down = F.linear(act, lw.down, lw.down_bias)
+            down = lw.down(act)
             if lora is not None:
                 lora.apply(i, "down", act, [down])
             if self.all_reduce is not None:
@@ -122,25 +119,25 @@ class LlamaModel:
         for i, lw in enumerate(self.weights.layers):
             add_rms_norm(pending if pending is not None else h, h if pending is not None else None,
                          lw.input_norm, eps, x, h if pending is not None else None)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)                            # [T, q + 2kv]
+            qkv = lw.qkv(x)                                                 # [T, q + 2kv]
             if lora is not None:
                 lora.apply(i, "qkv", x, list(qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)))
             q = torch.empty(t, spec.num_heads, spec.head_dim, dtype=h.dtype, device=h.device)
             k_cache, v_cache = kv_caches[i]
             rope_and_cache(qkv, positions, meta.slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache)
             attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale).reshape(t, spec.q_size)
-            o = F.linear(attn, lw.o, lw.o_bias)
+            o = lw.o(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, [o])
             if self.all_reduce is not None:
                 self.all_reduce(o)
             add_rms_norm(o, h, lw.post_norm, eps, x, h)                       # h += o; x = norm(h)
-            gate_up = F.linear(x, lw.gate_up, lw.gate_up_bias)                # [T, 2I]
+            gate_up = lw.gate_up(x)                                         # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", x, list(gate_up.split([spec.intermediate_size] * 2, dim=-1)))
             act = torch.empty(t, spec.intermediate_size, dtype=h.dtype, device=h.device)
             silu_mul(gate_up, act)
-            pending = F.linear(act, lw.down, lw.down_bias)
+            pending = lw.down(act)
             if lora is not None:
                 lora.apply(i, "down", act, [pending])
             if self.all_reduce is not None:

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from compute_service.engine.errors import ModelLoadError
+from compute_service.engine.linear import Linear
 from compute_service.engine.model import LayerWeights, ModelWeights
 from compute_service.engine.spec import ModelSpec
 
@@ -60,13 +61,13 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
             hasher.add(f"qkv{i}", qkv[:, :8])
         layers.append(LayerWeights(
             input_norm=cast(need(p + "input_layernorm.weight", (hid,))),
-            qkv=cast(qkv), qkv_bias=cast_opt(qkv_bias),
-            o=cast(need(p + "self_attn.o_proj.weight", (hid, q))),
-            o_bias=cast_opt(opt(p + "self_attn.o_proj.bias", (hid,), s.o_bias)),
+            qkv=Linear(cast(qkv), cast_opt(qkv_bias)),
+            o=Linear(cast(need(p + "self_attn.o_proj.weight", (hid, q))),
+                     cast_opt(opt(p + "self_attn.o_proj.bias", (hid,), s.o_bias))),
             post_norm=cast(need(p + "post_attention_layernorm.weight", (hid,))),
-            gate_up=cast(gate_up), gate_up_bias=cast_opt(gate_up_bias),
-            down=cast(need(p + "mlp.down_proj.weight", (hid, inter))),
-            down_bias=cast_opt(opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias)),
+            gate_up=Linear(cast(gate_up), cast_opt(gate_up_bias)),
+            down=Linear(cast(need(p + "mlp.down_proj.weight", (hid, inter))),
+                        cast_opt(opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias))),
         ))
     norm = need("model.norm.weight", (hid,))
     hasher.add("norm", norm)
