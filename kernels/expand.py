@@ -20,7 +20,7 @@ from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_launch,
                             check_slices)
-from kernels.tiles import segment_tile
+from kernels.tiles import dot, segment_tile
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _expand_kernel(
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_N: tl.constexpr,
     N_GROUPS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, USE_PDL: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     if USE_PDL:
         gdc_wait()                     # see the shrink kernel: launched early, waits for its predecessor
@@ -82,7 +82,7 @@ def _expand_kernel(
             b_mask0 = r_mask0[:, None] & n_mask[None, :]
             y_mask = m_mask[:, None] & n_mask[None, :]
         bt = tl.load(pool_ptr + rows0[:, None] + offs_n[None, :], mask=b_mask0, other=0.0)
-        acc = tl.dot(s0, bt)                                                                     # [BLOCK_M, BLOCK_N]
+        acc = dot(s0, bt, IEEE)                                                                     # [BLOCK_M, BLOCK_N]
         if not ONE_R_BLOCK:
             for r0 in range(BLOCK_R, rank, BLOCK_R):
                 offs_r = r0 + offs_rb
@@ -94,7 +94,7 @@ def _expand_kernel(
                 else:
                     b_mask = r_mask[:, None] & (offs_n < width)[None, :]
                 bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=b_mask, other=0.0)
-                acc += tl.dot(st.to(bt.dtype), bt)
+                acc += dot(st.to(bt.dtype), bt, IEEE)
         cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
         tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
 
@@ -178,7 +178,7 @@ def lora_expand_triton(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], GROUP_N=cfg["GROUP_N"],
         N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=_next_pow2(meta.max_slots),
         ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
-        EVEN_N=all(w % cfg["BLOCK_N"] == 0 for w in widths),
+        EVEN_N=all(w % cfg["BLOCK_N"] == 0 for w in widths), IEEE=pool.dtype == torch.float32,
         USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if cfg.get("PDL") else {}),
     )

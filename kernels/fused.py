@@ -28,7 +28,7 @@ from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_input,
                             check_launch, check_slices)
-from kernels.tiles import pick4, segment_tile, shrink_tile, table_entry
+from kernels.tiles import dot, pick4, segment_tile, shrink_tile, table_entry
 
 MIN_K_PER_SPLIT = 256      # a K split reads at least this many columns of x and A
 # At or below this many tokens one fused launch beats a shrink + expand pair (whole decode step on an H200:
@@ -56,7 +56,7 @@ def _fused_kernel(
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4, grp1, grp2, grp3, num_groups,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_tile = tl.program_id(1)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
@@ -77,7 +77,7 @@ def _fused_kernel(
             r_mask = offs_r < rank
             k_lo = (ticket % SPLIT_K) * K_PER_SPLIT
             acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo,
-                              tl.minimum(k_lo + K_PER_SPLIT, K), K, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K)
+                              tl.minimum(k_lo + K_PER_SPLIT, K), K, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)
             s_ptrs = s_ptr + toks[:, None] * s_stride + slice_id * BLOCK_R + offs_r[None, :]
             tl.atomic_add(s_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :], sem="relaxed")
             tl.debug_barrier()           # every thread's sums are issued before the arrival is published
@@ -107,7 +107,7 @@ def _fused_kernel(
                 y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
                 mask = m_mask[:, None] & n_mask[None, :]
                 cur = tl.load(y_ptrs, mask=mask, other=0.0)
-                tl.store(y_ptrs, (cur.to(tl.float32) + tl.dot(s, bt)).to(cur.dtype), mask=mask)
+                tl.store(y_ptrs, (cur.to(tl.float32) + dot(s, bt, IEEE)).to(cur.dtype), mask=mask)
         tl.debug_barrier()               # this program's reads of the workspace are done
         if tl.atomic_add(cnt + 5, 1, sem="acq_rel") == num_groups - 1:
             # The tile's last expand: every ticket was taken and every read done; leave zeros behind.
@@ -229,5 +229,5 @@ def lora_fused_triton(
         NUM_SLICES=num_slices, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=_next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=pool.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

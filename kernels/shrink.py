@@ -34,7 +34,7 @@ def _shrink_kernel(
     mod0, mod1, mod2, mod3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr,
 ):
     if USE_PDL:
         # Programmatic dependent launch: this grid was launched while the previous one ran; wait for it
@@ -69,7 +69,7 @@ def _shrink_kernel(
     k_lo = (pid_rk % SPLIT_K) * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
-                      BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K)                               # [BLOCK_M, BLOCK_R]
+                      BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)                             # [BLOCK_M, BLOCK_R]
 
     out_ptrs = out_ptr + slice_id * out_stride_s + toks[:, None] * out_stride_t + offs_r[None, :]
     out_mask = m_mask[:, None] & r_mask[None, :]
@@ -208,7 +208,7 @@ def lora_shrink_triton(
         *mods,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
         MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
-        ROW_ALIGN=tables.row_alignment(),
+        ROW_ALIGN=tables.row_alignment(), IEEE=pool.dtype == torch.float32,
         USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if cfg.get("PDL") else {}),
     )

@@ -35,8 +35,20 @@ def segment_tile(pid, seg_starts_ptr, max_slots, BLOCK_M: tl.constexpr, MAX_SEGS
 
 
 @triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in fp32; IEEE (float32 models) keeps full fp32 products instead of TF32's 10-bit
+    mantissa, so a float32 model's LoRA delta does not depend on which kernel or batch shape computed it."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
-                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                IEEE: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_R]: x[toks, k_lo:k_hi] @ A[rows, k_lo:k_hi].T, A's rows read in place from the pool."""
     offs_kb = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -51,7 +63,7 @@ def shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_h
                          mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(pool_ptr + rows[:, None] + offs_k[None, :],
                          mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(xt, tl.trans(at))
+        acc += dot(xt, tl.trans(at), IEEE)
     return acc
 
 
