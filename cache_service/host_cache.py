@@ -89,7 +89,6 @@ class HostCache:
             self.metrics.adapter_loads.observe(0, time.perf_counter() - started, False)
             raise
         seconds = time.perf_counter() - started
-        self.metrics.load_seconds.observe(seconds)
         self.metrics.adapter_loads.observe(outcome.record.num_bytes, seconds, True)
         return outcome
 

@@ -57,15 +57,13 @@ class CacheMetrics:
     def __init__(self, stats: Callable[[], CacheStats], backend: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(stats, backend))
-        self.load_seconds = Histogram(
-            "loraplex_host_cache_load_seconds", "reading + validating + storing an adapter from disk",
-            registry=self.registry, buckets=_LATENCY_BUCKETS)
         self.put_seconds = Histogram(
             "loraplex_host_cache_put_seconds", "PutAdapter from first to last byte, validation included",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
         self.get_seconds = Histogram(
             "loraplex_host_cache_get_seconds", "GetAdapter until the last message is sent",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
+        # disk loads (read + validate + store): loraplex_adapter_load_seconds{tier="host"}
         self.adapter_loads = AdapterLoadMetrics(self.registry, "host")
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:

@@ -83,7 +83,7 @@ def test_concurrent_requests_for_a_new_name_share_one_conversion(cache, tmp_path
     write_adapter(tmp_path / "burst", seed=3, rank=32)
     results = run_together(8, lambda: cache.resolve_name("burst"))
     assert len(set(results)) == 1 and not isinstance(results[0], Exception)
-    assert cache.metrics.registry.get_sample_value("loraplex_host_cache_load_seconds_count") == 1
+    assert cache.metrics.registry.get_sample_value("loraplex_adapter_load_seconds_count", {"tier": "host"}) == 1
     assert len(cache.backend.segment_names()) == 1
 
 

@@ -210,7 +210,7 @@ def test_metrics_endpoint(tmp_path, tiny_model, free_port):
     finally:
         svc.proc.stop()
     assert 'loraplex_host_cache_hits_total{backend="shm"} 1.0' in text
-    assert "loraplex_host_cache_bytes_used" in text and "loraplex_host_cache_load_seconds_count" in text
+    assert "loraplex_host_cache_bytes_used" in text and 'loraplex_adapter_load_seconds_count{tier="host"}' in text
 
 
 def test_verify_and_corrupted_or_short_uploads(service):
