@@ -5,6 +5,7 @@ without servers. Each refusal names the field and what to change.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from typing import Any, Sequence
@@ -27,6 +28,11 @@ def take_request_id(*given: str) -> str:
     request_id = next((g[:MAX_REQUEST_ID] for g in given if g), "") or uuid.uuid4().hex[:16]
     REQUEST_ID.set(request_id)
     return request_id
+
+
+# Prompts longer than this are tokenized on a worker thread: a megabyte of text takes the tokenizer
+# about a second, which would stall every stream the event loop serves.
+INLINE_TOKENIZE_CHARS = 16 << 10
 
 
 class PromptCodec:
@@ -57,6 +63,18 @@ class PromptCodec:
         if request.chat:
             return self.encode_chat([{"role": "user", "content": request.text}])
         return list(self._tok.encode(request.text))
+
+    async def encode_async(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        """`encode`, on a worker thread when the prompt is long (the event loop keeps streaming)."""
+        if len(request.text) <= INLINE_TOKENIZE_CHARS:
+            return self.encode(request)
+        return await asyncio.to_thread(self.encode, request)
+
+    async def encode_chat_async(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """`encode_chat`, on a worker thread when the conversation is long."""
+        if sum(len(str(m.get("content", ""))) for m in messages) <= INLINE_TOKENIZE_CHARS:
+            return self.encode_chat(messages)
+        return await asyncio.to_thread(self.encode_chat, messages)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """A conversation ({"role", "content"} turns) in the model's chat template, with the assistant

@@ -92,7 +92,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self._check_size(request)
         check_loras(request.loras)
-        prompt_ids = self._codec.encode(request)
+        prompt_ids = await self._codec.encode_async(request)
         sampling = check_sampling(request.sampling, self._config.default_max_tokens)
         info = await self.model_info()
         check_prompt_length(len(prompt_ids), info.max_model_len)

@@ -158,7 +158,8 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         plan = parse_plan(await self._json(request), chat)
         codec = self._servicer.codec
-        prompts = [codec.encode_chat(plan.messages)] if chat else [codec.encode(p) for p in plan.prompts]
+        prompts = ([await codec.encode_chat_async(plan.messages)] if chat
+                   else [await codec.encode_async(p) for p in plan.prompts])
         info = await self._servicer.model_info()
         for ids in prompts:
             check_prompt_length(len(ids), info.max_model_len)
