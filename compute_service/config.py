@@ -27,7 +27,7 @@ class ComputeConfig:
         default=500, metadata={"help": "Python thread switch interval while serving, in microseconds (0 = Python's "
                                        "5000): short, so adapter loads in side threads do not hold up engine steps"})
     tensor_parallel_size: int = field(default=1, metadata={
-        "help": "processes the model is split over (tensor parallelism; > 1 served on CPU only so far, "
+        "help": "processes (GPUs, or CPU processes) the model is split over (tensor parallelism; "
                 "see docs/tensor_parallel.md)"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in a batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (prefill is chunked)"})

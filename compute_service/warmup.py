@@ -13,6 +13,11 @@ Three passes, then a clean-up:
    what the first user request runs has run once.
 Clean-up: the synthetic adapters leave the pool, the KV cache is zeroed, and the
 counters a user reads (evictions, graph steps) are as they were.
+
+Tensor parallel (rank 0 drives followers): every forward holds all-reduces that the
+other ranks must join, so the threaded compile pass is skipped (kernels compile in the
+engine pass, which the followers run step for step) and the graphs are captured on all
+ranks at once (`DriverRunner.capture_graphs`).
 """
 from __future__ import annotations
 
@@ -91,8 +96,12 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0) -> WarmupRepo
     engine = rt.engine
     keys = load_synthetic(rt.slots)
     report.adapter_ranks = [rank for _, rank in keys]
+    tensor_parallel = hasattr(engine.runner, "capture_graphs")
     try:
-        if mode == "full":
+        if mode == "full" and tensor_parallel:
+            log.info("warm-up: tensor parallel, so no threaded compile pass (its forwards would need the other "
+                     "ranks); kernels compile in the engine pass, step for step on every rank")
+        elif mode == "full":
             _compile_pass(rt, [k for k, _ in keys], report, num_threads)
         _capture(rt, report)
         t = time.perf_counter()
@@ -115,11 +124,15 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0) -> WarmupRepo
 
 
 def _capture(rt: Runtime, report: WarmupReport) -> None:
-    graphs = rt.engine.runner.graphs
+    runner = rt.engine.runner
+    graphs = runner.graphs
     if graphs is None:
         return
     t = time.perf_counter()
-    graphs.capture_all(rt.engine.runner.lora)
+    if hasattr(runner, "capture_graphs"):
+        runner.capture_graphs()                # tensor parallel: every rank captures the same graphs at once
+    else:
+        graphs.capture_all(runner.lora)
     report.graphs_s = time.perf_counter() - t
     report.num_graphs = 2 * len(graphs.buckets)
     log.info("warm-up: captured %d decode CUDA graphs in %.1f s", report.num_graphs, report.graphs_s)

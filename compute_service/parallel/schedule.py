@@ -7,8 +7,11 @@ forward over its shard; the all-reduces inside it keep the ranks in lock step, a
 reads the logits. A follower's KV pages and adapter pool mirror rank 0's (same sizes, same block
 tables; adapters loaded and evicted on rank 0's word), so keys resolve to slots on every rank.
 
+CUDA graphs hold the all-reduces, so every rank captures the same graphs in the same order: rank 0
+broadcasts a "capture" command (`DriverRunner.capture_graphs`) and captures while the followers do.
+
 Not yet done: a follower loads an adapter it is sent synchronously, on the step that first uses it
-(rank 0's own load stays asynchronous); the served compute service does not drive followers yet.
+(rank 0's own load stays asynchronous).
 """
 from __future__ import annotations
 
@@ -27,15 +30,17 @@ from compute_service.parallel.shard import Shard
 from loraplex.formats.adapter import Adapter
 
 log = logging.getLogger(__name__)
+CAPTURE = "capture"
 
 
 @dataclass
 class StepMessage:
-    """What rank 0 broadcasts per step; `step` None = stop."""
+    """What rank 0 broadcasts per step; `step` None = stop (or a `command`)."""
 
     step: StepInputs | None
     ship: list[tuple[str, Adapter]] = field(default_factory=list)   # whole adapters, first use
     evict: list[str] = field(default_factory=list)
+    command: str = ""            # "capture": capture every decode graph now, in lock step
 
 
 class ShardedSlots:
@@ -104,6 +109,12 @@ class DriverRunner:
             log.error("tensor parallel group down: a rank failed or timed out (%s); this service stops", e)
             raise ParallelGroupError(f"tensor parallel group down: {e}") from e
 
+    def capture_graphs(self) -> int:
+        """Captures every decode graph on all ranks at once (their all-reduces pair up); returns how many
+        this rank holds (0 without graphs: CPU, or graphs off)."""
+        self._group.broadcast_object(StepMessage(None, command=CAPTURE))
+        return _capture(self._runner)
+
     def stop(self) -> None:
         """Releases the followers (they return from `follow`)."""
         self._group.broadcast_object(StepMessage(None))
@@ -114,6 +125,9 @@ def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup)
     num_steps = 0
     while True:
         msg: StepMessage = group.broadcast_object()
+        if msg.command == CAPTURE:
+            log.info("tensor parallel rank %d: captured %d decode graphs", group.rank, _capture(runner))
+            continue
         if msg.step is None:
             log.info("tensor parallel rank %d: stop after %d steps", group.rank, num_steps)
             return num_steps
@@ -124,3 +138,12 @@ def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup)
             slots.unshipped.pop(key, None)
         runner.run_inputs(msg.step)
         num_steps += 1
+
+
+def _capture(runner: ModelRunner) -> int:
+    """Every decode graph of the runner, base and with its LoRA backend (the same on every rank)."""
+    graphs = runner.graphs
+    if graphs is None:
+        return 0
+    graphs.capture_all(runner.lora)
+    return 2 * len(graphs.buckets) if runner.lora is not None else len(graphs.buckets)

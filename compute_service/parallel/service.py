@@ -1,9 +1,9 @@
 """The served compute service over a tensor-parallel group: rank 0 is the service, the followers are
 child processes it starts (one per further rank), each running `follow` until rank 0 stops.
 
-So far on CPU (gloo) only: on CUDA the warm-up's graph capture and kernel compilation run on rank 0
-alone and would wait forever on the followers, so the service refuses `--tensor-parallel-size` > 1
-on a GPU with a message saying so (the engine-level group runs on GPUs; see docs/tensor_parallel.md).
+On CPU the group talks gloo; on GPUs NCCL (activations) and gloo (step inputs). The warm-up drives
+the followers too: its graph capture is broadcast as a command so every rank captures in lock step,
+and its threaded compile pass is skipped (see compute_service/warmup.py).
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+
+import torch
 
 from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
@@ -44,9 +46,9 @@ def _follower_main(ecfg: EngineConfig, rank: int, world: int, port: int) -> None
 
 def start_group(ecfg: EngineConfig, world: int) -> TensorParallelGroup:
     """Starts ranks 1..world-1 as child processes and joins the group as rank 0."""
-    if ecfg.torch_device.type == "cuda":
-        raise ValueError("tensor_parallel_size > 1 is not served on GPUs yet (the warm-up's graph capture does "
-                         "not run in lock step on the followers); see docs/tensor_parallel.md")
+    if ecfg.torch_device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; this host has "
+                         f"{torch.cuda.device_count()}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
