@@ -3,7 +3,8 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun, or `loraplex compute --
 
 Every collective has a timeout, so a rank that dies brings the others down with an error instead of a
 hang: activations are all-reduced on the device group (NCCL on CUDA, whose watchdog aborts a stuck
-collective; gloo on CPU); step inputs travel on a gloo control group.
+collective; gloo on CPU); each step's inputs travel through a shared-memory `StepChannel` (the ranks
+share one host), other objects and oversized steps on a gloo control group.
 """
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from compute_service.parallel.step_channel import StepChannel
+
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
+STEP_CHANNEL_BYTES = 8 << 20       # a step's inputs; larger messages (adapters shipped) use the control group
 
 
 class ParallelGroupError(RuntimeError):
@@ -32,7 +36,10 @@ class TensorParallelGroup:
     world_size: int
     device: torch.device
     device_group: Any          # all-reduce of activations (NCCL or gloo)
-    control_group: Any         # step inputs (gloo, host objects)
+    control_group: Any         # host objects (gloo)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    control_timeout_s: float = DEFAULT_TIMEOUT_S     # a follower's wait for the next step
+    channel: StepChannel | None = None               # step inputs, rank 0 -> followers
 
     @property
     def is_driver(self) -> bool:
@@ -48,6 +55,19 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
 
+    def send_step(self, obj: Any) -> None:
+        """Rank 0: the next step message to every follower (`receive_step` there)."""
+        if self.channel is None:
+            self.broadcast_object(obj)
+        else:
+            self.channel.send(obj, self.timeout_s)
+
+    def receive_step(self) -> Any:
+        """A follower: rank 0's next `send_step` message."""
+        if self.channel is None:
+            return self.broadcast_object()
+        return self.channel.receive(self.control_timeout_s)
+
     def min_int(self, value: int) -> int:
         """The smallest `value` over the ranks (KV blocks must agree: rank 0's block tables index all)."""
         t = torch.tensor([value], dtype=torch.int64)
@@ -59,6 +79,9 @@ class TensorParallelGroup:
         if dist.is_initialized():
             dist.barrier(group=self.control_group)
             dist.destroy_process_group()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -87,5 +110,26 @@ def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S,
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
         device_group = dist.group.WORLD
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s or timeout_s))
+    group = TensorParallelGroup(rank, world, device, device_group, control, timeout_s,
+                                control_timeout_s or timeout_s)
+    if world > 1:
+        group.channel = _open_channel(group)
     log.info("tensor parallel rank %d/%d on %s joined the group", rank, world, device)
-    return TensorParallelGroup(rank, world, device, device_group, control)
+    return group
+
+
+def _open_channel(group: TensorParallelGroup) -> StepChannel:
+    """Rank 0 makes the shared file, every rank maps it, then rank 0 unlinks it (the mappings stay)."""
+    path = group.broadcast_object(StepChannel.create(STEP_CHANNEL_BYTES) if group.is_driver else None)
+    try:
+        channel = StepChannel(path, group.rank, group.world_size, STEP_CHANNEL_BYTES,
+                              spin=group.device.type == "cuda", fallback_send=group.broadcast_object,
+                              fallback_receive=group.broadcast_object)
+    except OSError as e:
+        raise ParallelGroupError(f"rank {group.rank} cannot map rank 0's step channel {path} "
+                                 f"(every rank must run on one host): {e}") from None
+    finally:
+        dist.barrier(group=group.control_group)
+        if group.is_driver:
+            os.unlink(path)
+    return channel

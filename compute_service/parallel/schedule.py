@@ -103,7 +103,7 @@ class DriverRunner:
                 ship.append((key, self._slots.unshipped.pop(key)))
                 self._shipped.add(key)
         try:
-            self._group.broadcast_object(StepMessage(step, ship, evict))
+            self._group.send_step(StepMessage(step, ship, evict))
             return self._runner.run_inputs(step)
         except RuntimeError as e:      # a collective failed or timed out: a rank is gone
             log.error("tensor parallel group down: a rank failed or timed out (%s); this service stops", e)
@@ -112,19 +112,19 @@ class DriverRunner:
     def capture_graphs(self) -> int:
         """Captures every decode graph on all ranks at once (their all-reduces pair up); returns how many
         this rank holds (0 without graphs: CPU, or graphs off)."""
-        self._group.broadcast_object(StepMessage(None, command=CAPTURE))
+        self._group.send_step(StepMessage(None, command=CAPTURE))
         return _capture(self._runner)
 
     def stop(self) -> None:
         """Releases the followers (they return from `follow`)."""
-        self._group.broadcast_object(StepMessage(None))
+        self._group.send_step(StepMessage(None))
 
 
 def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup) -> int:
     """A follower's loop: runs rank 0's steps until told to stop; returns the number of steps run."""
     num_steps = 0
     while True:
-        msg: StepMessage = group.broadcast_object()
+        msg: StepMessage = group.receive_step()
         if msg.command == CAPTURE:
             log.info("tensor parallel rank %d: captured %d decode graphs", group.rank, _capture(runner))
             continue

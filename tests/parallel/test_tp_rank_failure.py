@@ -22,7 +22,7 @@ def worker(rank: int, port: int, folder: str, results) -> None:
     group = init_group("cpu", timeout_s=30)
     engine, slots = build_rank_engine(EngineConfig(model=folder, block_size=4, max_loras=2), group)
     if rank:
-        msg = group.broadcast_object()           # one step, then the process dies without a word
+        msg = group.receive_step()               # one step, then the process dies without a word
         engine.runner.run_inputs(msg.step)
         os._exit(3)
     engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
