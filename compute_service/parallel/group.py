@@ -78,6 +78,8 @@ class TensorParallelGroup:
         """Leaves the group once every rank is done (a barrier first, so no rank tears down early)."""
         if dist.is_initialized():
             dist.barrier(group=self.control_group)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             dist.destroy_process_group()
         if self.channel is not None:
             self.channel.close()

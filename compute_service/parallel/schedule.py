@@ -15,6 +15,7 @@ Not yet done: a follower loads an adapter it is sent synchronously, on the step 
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +117,9 @@ class DriverRunner:
         return _capture(self._runner)
 
     def stop(self) -> None:
-        """Releases the followers (they return from `follow`)."""
+        """Releases the followers (they return from `follow`) and drops this rank's graphs."""
         self._group.send_step(StepMessage(None))
+        release_graphs(self._runner)
 
 
 def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup) -> int:
@@ -130,6 +132,7 @@ def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup)
             continue
         if msg.step is None:
             log.info("tensor parallel rank %d: stop after %d steps", group.rank, num_steps)
+            release_graphs(runner)
             return num_steps
         for key in msg.evict:
             slots.evict(key)
@@ -147,3 +150,13 @@ def _capture(runner: ModelRunner) -> int:
         return 0
     graphs.capture_all(runner.lora)
     return 2 * len(graphs.buckets) if runner.lora is not None else len(graphs.buckets)
+
+
+def release_graphs(runner: ModelRunner) -> None:
+    """Frees the decode graphs: captured NCCL work keeps the communicator busy, and leaving the group
+    (`TensorParallelGroup.close`) with graphs alive hangs on GPUs."""
+    if runner.graphs is None:
+        return
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.synchronize()
