@@ -312,7 +312,9 @@ def main() -> None:
                      gpus=group.world_size, commit=args.commit, torch=torch.__version__,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      dtype=str(dtype), input_len=in_len, output_len=out_len, lora_rank=LORA_RANK,
-                     lora_modules=list(ALL), configs={}, errors=[])
+                     lora_modules=list(ALL), configs={}, errors=[],
+                     all_reduce="one-shot peer memory up to 1 MiB, NCCL above" if group.peer_all_reduce is not None
+                     else "NCCL" if dev.type == "cuda" else "gloo")
 
     def save() -> None:
         if args.out and group.rank == 0:

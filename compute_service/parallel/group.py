@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from compute_service.parallel.fast_all_reduce import PeerAllReduce, try_peer_all_reduce
 from compute_service.parallel.step_channel import StepChannel
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,20 @@ class TensorParallelGroup:
     timeout_s: float = DEFAULT_TIMEOUT_S
     control_timeout_s: float = DEFAULT_TIMEOUT_S     # a follower's wait for the next step
     channel: StepChannel | None = None               # step inputs, rank 0 -> followers
+    peer_all_reduce: PeerAllReduce | None = None     # small all-reduces over GPU peer memory
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        """Sums `t` in place over the ranks (a row-parallel layer's partial outputs)."""
-        dist.all_reduce(t, group=self.device_group)
+        """Sums `t` in place over the ranks (a row-parallel layer's partial outputs): one-shot over peer
+        memory when small (decode rows), NCCL or gloo otherwise."""
+        fast = self.peer_all_reduce
+        if fast is not None and fast.takes(t):
+            fast(t)
+        else:
+            dist.all_reduce(t, group=self.device_group)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled over the control group)."""
@@ -116,6 +123,7 @@ def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                                 control_timeout_s or timeout_s)
     if world > 1:
         group.channel = _open_channel(group)
+        group.peer_all_reduce = try_peer_all_reduce(device_group, device, world, group.min_int)
     log.info("tensor parallel rank %d/%d on %s joined the group", rank, world, device)
     return group
 

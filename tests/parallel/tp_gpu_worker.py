@@ -27,6 +27,10 @@ def main(out_path: str) -> None:
         t = torch.arange(4099, device=group.device, dtype=dtype) * (rank + 1)
         group.all_reduce(t)
         verdict[f"all_reduce_{dtype}"] = bool(torch.equal(t, torch.arange(4099, device=group.device, dtype=dtype) * 3))
+    big = torch.full((1 << 19, 3), float(rank + 1), device=group.device)    # 6 MiB: past the one-shot path
+    group.all_reduce(big)
+    verdict["all_reduce_large"] = bool((big == 3).all())
+    verdict["peer_all_reduce"] = group.peer_all_reduce is not None
     folder = group.broadcast_object(
         str(save_tiny_llama(Path(out_path).parent / "tiny", 8, 2, seed=5)) if rank == 0 else None)
     cfg = EngineConfig(model=folder, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=8,
