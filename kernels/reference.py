@@ -135,3 +135,19 @@ def lora_apply_ref(
     s = torch.empty(len(module_indices), x.shape[0], tables.max_rank, dtype=torch.float32, device=x.device)
     lora_shrink_ref(x, pool, tables, meta_or_slot_ids, layer, module_indices, s)
     lora_expand_ref(s, pool, tables, meta_or_slot_ids, layer, module_indices, y, slice_offsets)
+
+
+def quant_matmul_ref(
+    x: torch.Tensor,                 # [T, K]
+    q: torch.Tensor,                 # uint8 [N, K] codes
+    scales: torch.Tensor,            # [N, K // G]
+    offsets: torch.Tensor,           # [N, K // G]
+    bias: torch.Tensor | None = None,   # [N]
+) -> torch.Tensor:
+    """fp32 [T, N]: x @ W.T + bias with W[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G], all in fp32
+    (the weight-only quantized matmul's definition; `kernels.quant_matmul` rounds W to x's dtype)."""
+    n, k = q.shape
+    g = k // scales.shape[1]
+    w = q.float().view(n, k // g, g) * scales.float()[..., None] + offsets.float()[..., None]
+    y = x.float() @ w.view(n, k).t()
+    return y if bias is None else y + bias.float()

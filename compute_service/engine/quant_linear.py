@@ -4,8 +4,16 @@ Same call as `Linear` (`__call__([T, K]) -> [T, N]`, `in_features`, `out_feature
 `nbytes`), so the model, the LoRA backend (which adds its deltas to the output, in
 the activations' dtype) and CUDA graphs do not change.
 
+CUDA: the codes are packed at construction (`kernels.quant_pack`: int32 words, group-major
+scales) and only the packed form is kept on the GPU; a call runs `kernels.quant_matmul`
+(fused dequantize + matmul, split-K for decode), or for prompts of `dense_min_tokens`
+tokens and more, dequantizes the weight once into a temporary and runs a library GEMM,
+which is faster there. Nothing in a call syncs with the host, so decode steps capture
+into CUDA graphs. `qweight` and `dequantize()` rebuild the canonical form from the packed one.
+
 CPU: dequantize-then-matmul on every call (the reference path; slow, meant for tests
-and small models).
+and small models). `use_kernel=True` runs the packed path on CPU too (Triton's
+interpreter, for tests).
 """
 from __future__ import annotations
 
@@ -14,43 +22,96 @@ import torch.nn.functional as F
 
 from compute_service.engine.quantized import QuantizedWeight
 
+# Prompt rows at and above which dequantize + library GEMM beats the fused kernel (measured on an H100).
+DENSE_MIN_TOKENS = 256
+
 
 class QuantLinear:
     """Quantized weight [N, K] (canonical form, see `quantized.py`), optional bias [N] in the model dtype."""
 
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device) -> None:
-        self.qweight = qweight.to(device)
-        self.bias = None if bias is None else bias.to(device)
-        self.device = device
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, *,
+                 use_kernel: bool | None = None, dense_min_tokens: int = DENSE_MIN_TOKENS) -> None:
+        self.device = torch.device(device)
+        self.bias = None if bias is None else bias.to(self.device).contiguous()
+        self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
+        self.dense_min_tokens = dense_min_tokens
+        self._bits, self._group_size = qweight.bits, qweight.group_size
+        self._shape = qweight.shape
+        self._qweight: QuantizedWeight | None = None
+        if not self.use_kernel:
+            self._qweight = qweight.to(self.device)
+            return
+        from kernels.quant_pack import pack_quantized   # imported late: the interpreter flag must be set first
+
+        q = qweight.to(self.device)
+        self.packed = pack_quantized(q.q, q.scales, q.offsets, q.bits, q.group_size)
+        del q
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 4)
+        # One zero counter per output tile of a split-K launch (16-feature tiles of up to 64 tokens suffice).
+        self.locks = torch.zeros(4 * -(-self._shape[0] // 16), dtype=torch.int32, device=self.device)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        """The canonical form (rebuilt from the packed codes on the kernel path)."""
+        if self._qweight is not None:
+            return self._qweight
+        from kernels.quant_pack import unpack_quantized
+
+        q, s, o = unpack_quantized(self.packed)
+        return QuantizedWeight(q, s, o, self._bits, self._group_size)
 
     @property
     def bits(self) -> int:
-        return self.qweight.bits
+        return self._bits
 
     @property
     def group_size(self) -> int:
-        return self.qweight.group_size
+        return self._group_size
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[1]
+        return self._shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self._shape[0]
 
     @property
     def nbytes(self) -> int:
         """Bytes a forward reads: packed codes, scales, offsets (and bias)."""
-        n, k = self.qweight.shape
-        codes = n * k * self.bits // 8
-        return (codes + self.qweight.scales.nbytes + self.qweight.offsets.nbytes
-                + (0 if self.bias is None else self.bias.nbytes))
+        bias = 0 if self.bias is None else self.bias.nbytes
+        if self.use_kernel:
+            return self.packed.nbytes + bias
+        n, k = self._shape
+        qw = self._qweight
+        assert qw is not None
+        return n * k * self.bits // 8 + qw.scales.nbytes + qw.offsets.nbytes + bias
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] dense weight (for fingerprints, sharding and tests)."""
         return self.qweight.dequantize(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.qweight.dequantize(x.dtype)                                  # [N, K]
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))   # [T, N]
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if not self.use_kernel:
+            assert self._qweight is not None
+            return F.linear(x, self._qweight.dequantize(x.dtype), bias)                    # [T, N]
+        from kernels.quant_matmul import dequantize_packed, pick_config, quant_matmul
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        t, (n, k) = x2.shape[0], self._shape
+        if t >= self.dense_min_tokens:
+            w = torch.empty(n, k, dtype=x.dtype, device=x.device)
+            dequantize_packed(self.packed, w)
+            return F.linear(x2, w, bias).view(*lead, n)
+        out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+        cfg = pick_config(t, n, k, self._bits, self.num_sms)
+        partials = None
+        if cfg.split_k > 1:
+            partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks)
+        return out.view(*lead, n)

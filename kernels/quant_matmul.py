@@ -1,0 +1,203 @@
+"""Weight-only quantized matmul (W4A16 / W8A16): out = x @ dequant(W).T, reading the packed codes in place.
+
+One kernel for decode and prefill. A program owns a tile of BLOCK_N output features by BLOCK_M tokens and
+a range of K blocks; per K block it loads 32 int32 words per row (`kernels.quant_pack` layout), and for
+each field i dequantizes 32 consecutive codes of one group into registers (code | 0x4B000000 read as a
+float is 2**23 + code, so one subtract makes it a float without a conversion instruction), scales them,
+and accumulates `w_tile @ x_tile.T` with a tensor-core dot in fp32. The tile is computed as out.T
+(features by tokens), so a decode batch of 1-16 tokens is the dot's small side and features fill the
+instruction's large one.
+
+Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336): SPLIT_K
+programs share an output tile, each writes its fp32 partial, bumps the tile's counter, and the program
+that finds itself last sums the partials in a fixed order (deterministic), adds the bias, writes the
+output and resets the counter to zero. No extra launch and no host sync, so it runs inside CUDA graphs;
+the counters (int32, zero) and the partials buffer are owned by the caller.
+
+For large T, `dequantize_packed` writes the dense weight once so a library GEMM can run at full rate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant_pack import SUB_K, PackedQuantWeight, block_k
+from kernels.tiles import dot
+
+_F32_MAGIC = 0x4B000000     # bit pattern of 2**23; OR-ing a code < 2**23 into the mantissa gives 2**23 + code
+
+
+@dataclass(frozen=True)
+class QuantMatmulConfig:
+    block_n: int        # output features per program (>= 16)
+    block_m: int        # tokens per program (>= 16)
+    split_k: int        # programs sharing one output tile along K
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _dequant_field(words, s_ptr, o_ptr, g, N, offs_n, n_mask, i: tl.constexpr, BITS: tl.constexpr):
+    """fp32 [BLOCK_N, 32]: field i of a block's words, times its group's scale, plus its offset."""
+    codes = (words >> (BITS * i)) & ((1 << BITS) - 1)
+    f = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    return f * s[:, None] + o[:, None]
+
+
+@triton.jit
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                         T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks,
+                         GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    FIELDS: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = 32 * FIELDS
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, 32)
+    n_mask, m_mask = offs_n < N, offs_m < T
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + offs_j[None, :]     # [BN, 32]
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + offs_j[:, None]         # [32, BM]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                              # out.T tile
+    b_lo = pid_k * blocks_per_split
+    b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
+    for b in range(b_lo, b_hi):
+        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
+        for i in tl.static_range(FIELDS):
+            k0 = b * BLOCK_K + i * 32
+            w = _dequant_field(words, s_ptr, o_ptr, k0 // GROUP, N, offs_n, n_mask, i, BITS)
+            if EVEN_K:
+                xt = tl.load(x_cols + k0, mask=m_mask[None, :], other=0.0)             # [32, BM]
+            else:
+                xt = tl.load(x_cols + k0, mask=m_mask[None, :] & (k0 + offs_j < K)[:, None], other=0.0)
+            acc += dot(w.to(xt.dtype), xt, IEEE)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]            # [BN, BM] of split 0
+        tile_stride = T.to(tl.int64) * N
+        tl.store(part + pid_k * tile_stride, acc, mask=out_mask)
+        tl.debug_barrier()                         # every thread's partial is stored before the count
+        lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:                    # the last program of this tile reduces it
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * tile_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+
+
+def quant_matmul(
+    x: torch.Tensor,                 # [T, K] float16 / bfloat16 / float32, unit stride along K
+    w: PackedQuantWeight,            # [N, K] packed (kernels.quant_pack)
+    bias: torch.Tensor | None,       # [N] or None
+    out: torch.Tensor,               # [T, N] contiguous, x's dtype
+    config: QuantMatmulConfig,
+    partials: torch.Tensor | None = None,   # float32, >= split_k * T * N elements (split_k > 1 only)
+    locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
+) -> None:
+    """Semantics (fp32 arithmetic, products of x's dtype; IEEE fp32 products for float32 x):
+        W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K], q unpacked from w.words
+        out[:] = (x.float() @ W.T + (bias.float() if bias is not None else 0)).to(x.dtype)
+    W is rounded to x's dtype before the product (as a dequantize-then-matmul in that dtype would be).
+    `locks` must hold zeros before the call and holds zeros after it.
+    """
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be [T, K] float16/bfloat16/float32 with unit stride along K, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    T, K = x.shape
+    N = w.out_features
+    if K != w.in_features:
+        raise ValueError(f"x has {K} features, the weight takes {w.in_features}")
+    if out.shape != (T, N) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous [{T}, {N}] of dtype {x.dtype}, got {out.dtype} {tuple(out.shape)}")
+    if w.words.dtype != torch.int32 or not w.words.is_contiguous() or w.scales.dtype != torch.float16 \
+            or not w.scales.is_contiguous() or not w.offsets.is_contiguous() or w.scales.shape != w.offsets.shape:
+        raise ValueError("packed weight must be contiguous int32 words and float16 [groups, N] scales/offsets")
+    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
+    cfg = config
+    if cfg.block_n < 16 or cfg.block_m < 16 or cfg.split_k < 1:
+        raise ValueError(f"bad config {cfg}: blocks must be >= 16, split_k >= 1")
+    num_blocks = w.padded_in_features // block_k(w.bits)
+    split = min(cfg.split_k, num_blocks)
+    per_split = -(-num_blocks // split)
+    split = -(-num_blocks // per_split)                     # no program left without a block
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(T, cfg.block_m), split)
+    if split > 1:
+        if partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N:
+            raise ValueError(f"split-K {split} needs float32 partials of >= {split * T * N} elements")
+        if locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]:
+            raise ValueError(f"split-K needs int32 zero locks of >= {grid[0] * grid[1]} elements")
+    if T == 0 or N == 0:
+        return
+    _quant_matmul_kernel[grid](
+        x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
+        partials if split > 1 else out, locks if split > 1 else out,
+        T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks,
+        GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT_K=split,
+        HAS_BIAS=bias is not None, EVEN_K=K % block_k(w.bits) == 0, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulConfig:
+    """Tile and split for a shape: decode tiles of 16 tokens split along K until ~2 programs per SM;
+    prefill tiles of 64 tokens by 128 features."""
+    num_blocks = -(-K // block_k(bits))
+    if T <= 64:
+        block_m = max(16, triton.next_power_of_2(T))
+        block_n = 64
+        tiles = triton.cdiv(N, block_n) * triton.cdiv(T, block_m)
+        split = max(1, min(num_blocks // 2, -(-2 * num_sms // tiles)))
+        return QuantMatmulConfig(block_n, block_m, split, num_warps=4, num_stages=3)
+    return QuantMatmulConfig(128, 64, 1, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, o_ptr, out_ptr, N, K, words_per_row,
+                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    FIELDS: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = 32 * FIELDS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.program_id(1)
+    offs_j = tl.arange(0, 32)
+    n_mask = offs_n < N
+    words = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + b * 32 + offs_j[None, :],
+                    mask=n_mask[:, None], other=0)
+    for i in tl.static_range(FIELDS):
+        k0 = b * BLOCK_K + i * 32
+        w = _dequant_field(words, s_ptr, o_ptr, k0 // GROUP, N, offs_n, n_mask, i, BITS)
+        cols = k0 + offs_j
+        tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & (cols < K)[None, :])
+
+
+def dequantize_packed(w: PackedQuantWeight,       # [N, K] packed
+                      out: torch.Tensor,          # [N, K] contiguous, float16 / bfloat16 / float32
+                      ) -> None:
+    """Semantics: out[:] = (q * scales[:, k // G] + offsets[:, k // G]).to(out.dtype)   (computed in fp32)."""
+    N, K = w.out_features, w.in_features
+    if out.shape != (N, K) or not out.is_contiguous() or out.dtype not in (torch.float16, torch.bfloat16,
+                                                                           torch.float32):
+        raise ValueError(f"out must be contiguous float [{N}, {K}], got {out.dtype} {tuple(out.shape)}")
+    if N == 0:
+        return
+    block_n = 32
+    grid = (triton.cdiv(N, block_n), w.padded_in_features // block_k(w.bits))
+    _dequant_kernel[grid](w.words, w.scales, w.offsets, out, N, K, w.words.shape[1],
+                          GROUP=w.group_size, BITS=w.bits, BLOCK_N=block_n, num_warps=4)
+
+
+__all__ = ["SUB_K", "QuantMatmulConfig", "dequantize_packed", "pick_config", "quant_matmul"]

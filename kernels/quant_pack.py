@@ -1,0 +1,95 @@
+"""The GPU layout of a weight-only quantized matrix: codes packed in int32 words, group scales transposed.
+
+Canonical form (what loaders produce, see compute_service/engine/quantized.py):
+`w[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G]`, q uint8 in [0, 2**bits).
+
+Packed form, read in place by `kernels.quant_matmul`:
+- in features are padded up to a multiple of `block_k(bits)` = 32 * (32 // bits) (256 for 4 bits, 128 for
+  8) with zero codes and zero scales/offsets, so padded columns contribute exactly 0;
+- `words` int32 [N, Kp * bits / 32]: one block of 32 words per row holds `block_k` codes, and field i
+  (bits [bits*i, bits*(i+1))) of word j of block b holds code k = b * block_k + i * 32 + j. Unpacking field
+  i of a block's 32 words gives 32 consecutive codes, all inside one group (the group size is a multiple of
+  32), so the kernel needs one scale and one offset per row per field and no reshuffle in registers;
+- `scales`, `offsets` float16 [ceil(Kp / G), N]: group-major, so a tile of rows reads them contiguously.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUB_K = 32           # codes per field run: one field of a block's 32 words
+
+
+def block_k(bits: int) -> int:
+    """In features covered by one block of 32 words (the kernel's K step)."""
+    return SUB_K * (32 // bits)
+
+
+@dataclass
+class PackedQuantWeight:
+    """A quantized [N, K] weight in the kernel's layout (see the module docstring)."""
+
+    words: torch.Tensor       # int32 [N, Kp * bits // 32]
+    scales: torch.Tensor      # float16 [num_groups_padded, N]
+    offsets: torch.Tensor     # float16 [num_groups_padded, N]
+    bits: int
+    group_size: int
+    in_features: int          # K before padding
+
+    @property
+    def out_features(self) -> int:
+        return self.words.shape[0]
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.words.shape[1] * 32 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.nbytes + self.scales.nbytes + self.offsets.nbytes
+
+
+def check_packable(n: int, k: int, bits: int, group_size: int) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"packed quantized weights hold 4 or 8 bits, got {bits}")
+    if group_size % SUB_K or k % group_size:
+        raise ValueError(f"group size must be a multiple of {SUB_K} dividing in features {k}, got {group_size}")
+
+
+def pack_quantized(q: torch.Tensor,         # uint8 [N, K], codes in [0, 2**bits)
+                   scales: torch.Tensor,    # float16 [N, K // G]
+                   offsets: torch.Tensor,   # float16 [N, K // G]
+                   bits: int, group_size: int) -> PackedQuantWeight:
+    """Packs canonical codes for the kernel, on q's device (a few temporaries of q's size)."""
+    n, k = q.shape
+    check_packable(n, k, bits, group_size)
+    fields, blk = 32 // bits, block_k(bits)
+    kp = -(-k // blk) * blk
+    codes = torch.zeros(n, kp, dtype=torch.int64, device=q.device)
+    codes[:, :k] = q
+    codes = codes.view(n, kp // blk, fields, SUB_K)                        # [n, block, field i, word j]
+    shifts = (torch.arange(fields, device=q.device, dtype=torch.int64) * bits).view(1, 1, fields, 1)
+    words = (codes << shifts).sum(dim=2)                                   # [n, block, 32], in [0, 2**32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    num_groups = -(-kp // group_size)
+
+    def transpose_padded(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(num_groups, n, dtype=torch.float16, device=q.device)
+        out[: t.shape[1]] = t.t()
+        return out
+
+    return PackedQuantWeight(words.view(n, -1).contiguous(), transpose_padded(scales), transpose_padded(offsets),
+                             bits, group_size, k)
+
+
+def unpack_quantized(p: PackedQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K], scales float16 [N, K // G], offsets float16 [N, K // G]): `pack_quantized`'s inverse."""
+    n, k, bits = p.out_features, p.in_features, p.bits
+    fields = 32 // bits
+    words = p.words.to(torch.int64).view(n, -1, 1, SUB_K) & 0xFFFFFFFF    # [n, block, 1, 32]
+    shifts = (torch.arange(fields, device=words.device, dtype=torch.int64) * bits).view(1, 1, fields, 1)
+    codes = ((words >> shifts) & (2**bits - 1)).view(n, -1)[:, :k]        # [n, K]
+    ng = k // p.group_size
+    return (codes.to(torch.uint8).contiguous(), p.scales[:ng].t().contiguous(),
+            p.offsets[:ng].t().contiguous())

@@ -1,0 +1,85 @@
+"""QuantLinear: the CPU path is dequantize + F.linear; the packed kernel path (interpreter on CPU, Triton on
+the GPU) is close to the fp32 reference; nbytes counts packed bytes; the canonical form survives packing."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compute_service.engine.quant_linear import QuantLinear
+from compute_service.engine.quantized import QuantizedWeight, quantize_rtn
+
+
+def fresh(seed_extra: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed((torch.seed() + seed_extra) % 2**31)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not torch.isnan(got).any()
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_cpu_path_is_dequantize_then_linear(bits: int, group: int, has_bias: bool) -> None:
+    g = fresh()
+    qw = quantize_rtn(torch.randn(48, 256, generator=g) * 0.05, bits, group)
+    bias = torch.randn(48, generator=g) if has_bias else None
+    lin = QuantLinear(qw, bias, torch.device("cpu"))
+    x = torch.randn(5, 256, generator=g)
+    assert torch.equal(lin(x), F.linear(x, qw.dequantize(torch.float32), bias))
+    assert (lin.in_features, lin.out_features, lin.bits, lin.group_size) == (256, 48, bits, group)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 128), (8, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kernel_path_matches_reference(bits: int, group: int, dtype: torch.dtype) -> None:
+    """Packed path forced on CPU (Triton's interpreter): decode rows, split-K, and the dense prefill path."""
+    g = fresh(1)
+    qw = quantize_rtn(torch.randn(40, 512, generator=g) * 0.05, bits, group)
+    bias = torch.randn(40, generator=g).to(dtype)
+    lin = QuantLinear(qw, bias, torch.device("cpu"), use_kernel=True, dense_min_tokens=24)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for t in (1, 3, 30):                                          # 30 >= dense_min_tokens: dequantize + GEMM
+        x = torch.randn(t, 512, generator=g).to(dtype)
+        want = F.linear(x.float(), qw.dequantize(torch.float32), bias.float())
+        got = lin(x)
+        assert got.dtype == dtype and got.shape == (t, 40)
+        assert rel_err(got, want) < tol, (t, rel_err(got, want))
+    assert int(lin.locks.abs().sum()) == 0
+
+
+def test_kernel_path_keeps_the_canonical_form() -> None:
+    g = fresh(2)
+    qw = quantize_rtn(torch.randn(24, 320, generator=g), 4, 32)       # 320: padded to the 256-wide block
+    lin = QuantLinear(qw, None, torch.device("cpu"), use_kernel=True)
+    back = lin.qweight
+    assert isinstance(back, QuantizedWeight)
+    assert torch.equal(back.q, qw.q) and torch.equal(back.scales, qw.scales) and torch.equal(back.offsets, qw.offsets)
+    assert torch.equal(lin.dequantize(), qw.dequantize())
+    assert not hasattr(lin, "_qweight") or lin._qweight is None      # only the packed form is held
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_nbytes_counts_packed_bytes(use_kernel: bool) -> None:
+    n, k, group = 64, 1024, 128
+    qw = quantize_rtn(torch.randn(n, k), 4, group)
+    lin = QuantLinear(qw, torch.randn(n), torch.device("cpu"), use_kernel=use_kernel)
+    want = n * k // 2 + 2 * (n * k // group) * 2 + n * 4       # nibbles, fp16 scales + offsets, fp32 bias
+    assert lin.nbytes == want
+    assert lin.nbytes < torch.empty(n, k, dtype=torch.bfloat16).nbytes / 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_close_to_fp32_reference(n: int, k: int, bits: int) -> None:
+    dev = torch.device("cuda")
+    g = fresh(3)
+    qw = quantize_rtn((torch.randn(n, k, generator=g) * 0.02).to(dev), bits, 128)
+    lin = QuantLinear(qw, None, dev)
+    w = qw.dequantize(torch.float32)
+    for t in (1, 8, 64, 512):
+        x = torch.randn(t, k, generator=g).to(dev, torch.bfloat16)
+        assert rel_err(lin(x), F.linear(x.float(), w)) < 1e-2, t
+    x = torch.randn(3, k, generator=g).to(dev)
+    assert rel_err(lin(x), F.linear(x, w)) < 1e-5                     # float32 model: IEEE products
+    assert lin.nbytes == n * k * bits // 8 + 2 * n * (k // 128) * 2

@@ -1,0 +1,158 @@
+"""Weight-only quantized matmul against the fp32 dequantize-then-matmul reference.
+
+On CPU this runs in Triton's interpreter with small shapes (fp16/fp32; bf16 is wrong in the
+interpreter); the `gpu` tests use the 8B model's layer shapes and bf16. Every case draws fresh
+codes, scales, offsets and inputs, and poisons the output before the call.
+"""
+import pytest
+import torch
+
+from kernels.quant_matmul import QuantMatmulConfig, dequantize_packed, pick_config, quant_matmul
+from kernels.quant_pack import block_k, pack_quantized, unpack_quantized
+from kernels.reference import quant_matmul_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# x rounded to its dtype, W rounded to x's dtype, fp32 accumulation (TF32-free IEEE dots for float32).
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def random_weight(n: int, k: int, bits: int, group: int, gen: torch.Generator):
+    q = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.002).half()
+    offsets = (-torch.rand(n, k // group, generator=gen) * 2 ** (bits - 1) * 0.02).half()
+    return q.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert not torch.isnan(got).any(), "output left unwritten (NaN poison survived)"
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+def check(T: int, N: int, K: int, bits: int, group: int, dtype: torch.dtype, has_bias: bool,
+          config: QuantMatmulConfig | None = None, gen: torch.Generator | None = None) -> float:
+    gen = gen or torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, s, o = random_weight(N, K, bits, group, gen)
+    w = pack_quantized(q, s, o, bits, group)
+    x = torch.randn(T, K, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if has_bias else None
+    cfg = config or pick_config(T, N, K, bits, num_sms=4 if DEVICE == "cpu" else 132)
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
+    partials = torch.full((cfg.split_k * T * N,), float("nan"), device=DEVICE)
+    locks = torch.zeros(256, dtype=torch.int32, device=DEVICE)
+    quant_matmul(x, w, bias, out, cfg, partials, locks)
+    err = rel_err(out, quant_matmul_ref(x, q, s, o, bias))
+    assert err < TOL[dtype], f"rel err {err} (T={T} N={N} K={K} bits={bits} G={group} {dtype} {cfg})"
+    assert int(locks.abs().sum()) == 0, "split-K counters must be left at zero"
+    return err
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_shapes_match_reference(bits: int, group: int, dtype: torch.dtype) -> None:
+    # K = 384 is not a multiple of the 256-wide packed block (padded columns); N = 40 is not a multiple of 16.
+    for T, has_bias in ((1, True), (5, False)):
+        check(T, 40, 384, bits, group, dtype, has_bias)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_split_k_and_tiles(bits: int, split: int) -> None:
+    """Forced configs: split-K (the last program reduces), several token and feature tiles, odd T."""
+    cfg = QuantMatmulConfig(block_n=16, block_m=16, split_k=split)
+    check(19, 37, 768, bits, 64, torch.float16, True, cfg)
+    check(3, 50, 512, bits, 32, torch.float32, False, cfg)
+
+
+def test_prefill_tile() -> None:
+    check(70, 24, 256, 4, 128, torch.float16, True)
+
+
+def test_split_k_is_deterministic() -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, s, o = random_weight(32, 1024, 4, 128, gen)
+    w = pack_quantized(q, s, o, 4, 128)
+    x = torch.randn(2, 1024, generator=gen).half().to(DEVICE)
+    cfg = QuantMatmulConfig(16, 16, 4)
+    outs = []
+    for _ in range(3):
+        out = torch.full((2, 32), float("nan"), dtype=torch.float16, device=DEVICE)
+        quant_matmul(x, w, None, out, cfg, torch.empty(4 * 2 * 32, device=DEVICE),
+                     torch.zeros(8, dtype=torch.int32, device=DEVICE))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.parametrize("bits,group,k", [(4, 32, 96), (4, 128, 640), (8, 64, 320)])
+def test_pack_round_trip_and_dequantize(bits: int, group: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, s, o = random_weight(21, k, bits, group, gen)
+    w = pack_quantized(q, s, o, bits, group)
+    assert w.padded_in_features % block_k(bits) == 0 and w.padded_in_features >= k
+    assert w.words.numel() * 4 == 21 * w.padded_in_features * bits // 8
+    q2, s2, o2 = unpack_quantized(w)
+    assert torch.equal(q2, q) and torch.equal(s2, s) and torch.equal(o2, o)
+    for dtype in (torch.float32, torch.float16):
+        out = torch.full((21, k), float("nan"), dtype=dtype, device=DEVICE)
+        dequantize_packed(w, out)
+        want = quant_matmul_ref(torch.eye(k, device=DEVICE), q, s, o).t().to(dtype)
+        assert torch.equal(out, want)
+
+
+def test_checks_inputs() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, s, o = random_weight(16, 512, 4, 32, gen)
+    w = pack_quantized(q, s, o, 4, 32)
+    x = torch.randn(2, 512, generator=gen).half().to(DEVICE)
+    out = torch.empty(2, 16, dtype=torch.float16, device=DEVICE)
+    cfg = QuantMatmulConfig(16, 16, 1)
+    with pytest.raises(ValueError, match="features"):
+        quant_matmul(x[:, :256], w, None, out, cfg)
+    with pytest.raises(ValueError, match="out must be"):
+        quant_matmul(x, w, None, out.float(), cfg)
+    with pytest.raises(ValueError, match="unit stride"):
+        quant_matmul(x.t().contiguous().t(), w, None, out, cfg)
+    with pytest.raises(ValueError, match="split-K 2 needs"):
+        quant_matmul(x, w, None, out, QuantMatmulConfig(16, 16, 2))
+    with pytest.raises(ValueError, match="group size"):
+        pack_quantized(q[:, :48], s[:, :3], o[:, :3], 4, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("T", [1, 7, 32, 64, 300])
+def test_gpu_8b_layer_shapes(n: int, k: int, T: int) -> None:
+    check(T, n, k, 4, 128, torch.bfloat16, T == 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 128), (8, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_bits_groups_dtypes(bits: int, group: int, dtype: torch.dtype) -> None:
+    for T in (1, 13, 150):
+        check(T, 1000, 1536, bits, group, dtype, True)
+        check(T, 1536, 576, bits, group if 576 % group == 0 else 32, dtype, False)
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_under_graph_capture() -> None:
+    """A captured split-K launch replays right with new inputs (no host sync, counters reset each time)."""
+    gen = torch.Generator().manual_seed(3)
+    q, s, o = random_weight(4096, 14336, 4, 128, gen)
+    w = pack_quantized(q, s, o, 4, 128)
+    x = torch.randn(8, 14336, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(8, 4096, device=DEVICE, dtype=torch.bfloat16)
+    cfg = pick_config(8, 4096, 14336, 4, 132)
+    assert cfg.split_k > 1
+    partials = torch.empty(cfg.split_k * 8 * 4096, device=DEVICE)
+    locks = torch.zeros(256, dtype=torch.int32, device=DEVICE)
+    quant_matmul(x, w, None, out, cfg, partials, locks)            # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quant_matmul(x, w, None, out, cfg, partials, locks)
+    for _ in range(3):
+        x.copy_(torch.randn(8, 14336, generator=gen).to(DEVICE, torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, quant_matmul_ref(x, q, s, o)) < TOL[torch.bfloat16]
+    assert int(locks.abs().sum()) == 0
