@@ -122,7 +122,7 @@ def sweep_configs(quant: list, x: torch.Tensor, n: int, k: int, dev: torch.devic
     found = []
     for block_n in (32, 64, 128):
         for split in (1, 2, 4, 8, 16):
-            for stages in (2, 3, 4):
+            for stages in (3,):
                 cfg = config_cls(block_n, block_m, split, num_warps=4, num_stages=stages)
                 outs = [torch.empty(t, n, dtype=x.dtype, device=dev) for _ in quant]
                 part = torch.empty(split * t * n, device=dev)

@@ -51,11 +51,12 @@ def _dequant_field(words, s_ptr, o_ptr, g, N, offs_n, n_mask, i: tl.constexpr, B
 
 @triton.jit
 def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-                         T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks,
+                         T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = 32 * FIELDS
+    FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,21 +65,32 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + offs_j[None, :]     # [BN, 32]
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + offs_j[:, None]         # [32, BM]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                              # out.T tile
+    ones = tl.full((BLOCK_N, 32), 1.0, x_ptr.dtype.element_ty)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     for b in range(b_lo, b_hi):
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
-        for i in tl.static_range(FIELDS):
-            k0 = b * BLOCK_K + i * 32
-            w = _dequant_field(words, s_ptr, o_ptr, k0 // GROUP, N, offs_n, n_mask, i, BITS)
-            if EVEN_K:
-                xt = tl.load(x_cols + k0, mask=m_mask[None, :], other=0.0)             # [32, BM]
-            else:
-                xt = tl.load(x_cols + k0, mask=m_mask[None, :] & (k0 + offs_j < K)[:, None], other=0.0)
-            acc += dot(w.to(xt.dtype), xt, IEEE)
+        for gi in tl.static_range(FIELDS // FPG):                                     # groups in the block
+            acc_q = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                    # sum_k q * x
+            acc_x = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                    # sum_k x (every row)
+            for f in tl.static_range(FPG):
+                i = gi * FPG + f
+                k0 = b * BLOCK_K + i * 32
+                if EVEN_K:
+                    xt = tl.load(x_cols + k0, mask=m_mask[None, :], other=0.0)         # [32, BM]
+                else:
+                    xt = tl.load(x_cols + k0, mask=m_mask[None, :] & (k0 + offs_j < K)[:, None], other=0.0)
+                codes = (((words >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+                codes = (codes - 8388608.0).to(xt.dtype)                               # exact small integers
+                acc_q += dot(codes, xt, IEEE)
+                acc_x += dot(ones, xt, IEEE)
+            g = (b * BLOCK_K + gi * FPG * 32) // GROUP
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += s[:, None] * acc_q + o[:, None] * acc_x
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     out_mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -89,9 +101,9 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
         tl.debug_barrier()                         # every thread's partial is stored before the count
         lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:                    # the last program of this tile reduces it
+        if done == split_k - 1:                    # the last program of this tile reduces it
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in range(split_k):
                 total += tl.load(part + s * tile_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -108,10 +120,10 @@ def quant_matmul(
     partials: torch.Tensor | None = None,   # float32, >= split_k * T * N elements (split_k > 1 only)
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
 ) -> None:
-    """Semantics (fp32 arithmetic, products of x's dtype; IEEE fp32 products for float32 x):
-        W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K], q unpacked from w.words
+    """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
+        W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
         out[:] = (x.float() @ W.T + (bias.float() if bias is not None else 0)).to(x.dtype)
-    W is rounded to x's dtype before the product (as a dequantize-then-matmul in that dtype would be).
+    W is never rounded to x's dtype: per group, scales[n, g] * sum(q * x) + offsets[n, g] * sum(x).
     `locks` must hold zeros before the call and holds zeros after it.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -146,8 +158,8 @@ def quant_matmul(
     _quant_matmul_kernel[grid](
         x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
         partials if split > 1 else out, locks if split > 1 else out,
-        T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks,
-        GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT_K=split,
+        T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split,
+        GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1,
         HAS_BIAS=bias is not None, EVEN_K=K % block_k(w.bits) == 0, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -4,6 +4,8 @@ Canonical form (what loaders produce, see compute_service/engine/quantized.py):
 `w[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G]`, q uint8 in [0, 2**bits).
 
 Packed form, read in place by `kernels.quant_matmul`:
+- the group size is a multiple of 32 that divides the block (32, 64, 128; 256 for 4 bits) or is a multiple
+  of it (a group then spans whole blocks);
 - in features are padded up to a multiple of `block_k(bits)` = 32 * (32 // bits) (256 for 4 bits, 128 for
   8) with zero codes and zero scales/offsets, so padded columns contribute exactly 0;
 - `words` int32 [N, Kp * bits / 32]: one block of 32 words per row holds `block_k` codes, and field i
@@ -53,8 +55,10 @@ class PackedQuantWeight:
 def check_packable(n: int, k: int, bits: int, group_size: int) -> None:
     if bits not in (4, 8):
         raise ValueError(f"packed quantized weights hold 4 or 8 bits, got {bits}")
-    if group_size % SUB_K or k % group_size:
-        raise ValueError(f"group size must be a multiple of {SUB_K} dividing in features {k}, got {group_size}")
+    blk = block_k(bits)
+    if group_size % SUB_K or k % group_size or (blk % group_size and group_size % blk):
+        raise ValueError(f"group size must be a multiple of {SUB_K} that divides or is a multiple of {blk} "
+                         f"and divides in features {k}, got {group_size}")
 
 
 def pack_quantized(q: torch.Tensor,         # uint8 [N, K], codes in [0, 2**bits)

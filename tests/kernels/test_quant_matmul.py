@@ -64,6 +64,11 @@ def test_split_k_and_tiles(bits: int, split: int) -> None:
     check(3, 50, 512, bits, 32, torch.float32, False, cfg)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 256), (4, 512), (8, 256)])
+def test_groups_spanning_whole_blocks(bits: int, group: int) -> None:
+    check(6, 40, 1024, bits, group, torch.float16, True, QuantMatmulConfig(16, 16, 2))
+
+
 def test_prefill_tile() -> None:
     check(70, 24, 256, 4, 128, torch.float16, True)
 
@@ -116,6 +121,8 @@ def test_checks_inputs() -> None:
         quant_matmul(x, w, None, out, QuantMatmulConfig(16, 16, 2))
     with pytest.raises(ValueError, match="group size"):
         pack_quantized(q[:, :48], s[:, :3], o[:, :3], 4, 16)
+    with pytest.raises(ValueError, match="group size"):
+        pack_quantized(q[:, :192], s[:, :2], o[:, :2], 4, 96)
 
 
 @pytest.mark.gpu
