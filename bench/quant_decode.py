@@ -40,11 +40,11 @@ from multi_lora import (  # noqa: E402  (bench helpers: the 8B shape, engine bui
     ALL, LLAMA3_8B, QKV, SMOKE, adapter_bytes, adapter_rows, build_engine, build_hf, case_keys,
     copy_bandwidth, floor, run_engine)
 
-from compute_service.engine.quant_linear import QuantLinear  # noqa: E402
+from compute_service.engine.quant_linear import DENSE_MIN_TOKENS, QuantLinear  # noqa: E402
 from compute_service.engine.quantized import QuantizedWeight, quantize_rtn  # noqa: E402
 
 LAYER_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-KERNEL_ROWS = (1, 8, 32, 64, 512)
+KERNEL_ROWS = (1, 8, 32, 64, 128, 512)
 CASES = [("base", 0, (), False), ("distinct_r16_all", 16, ALL, True), ("distinct_r64_qkv", 64, QKV, True)]
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 GIB = 2**30
@@ -102,6 +102,13 @@ def kernel_table(dev: torch.device, bw: float, shapes: dict, rows: tuple, sweep:
             r = dict(quant_us=graph_time_us([lambda lin=lin: lin(x) for lin in quant], dev),
                      bf16_us=graph_time_us([lambda w=w: F.linear(x, w) for w in dense], dev),
                      quant_floor_us=(q_one.nbytes + io) / bw * 1e6, bf16_floor_us=(bf16_bytes + io) / bw * 1e6)
+            if t > 64 and q_one.use_kernel:                     # both prefill paths, to place the switch
+                for key, switch in (("fused_us", 1 << 30), ("dense_us", 0)):
+                    for lin in quant:
+                        lin.dense_min_tokens = switch
+                    r[key] = graph_time_us([lambda lin=lin: lin(x) for lin in quant], dev)
+                for lin in quant:
+                    lin.dense_min_tokens = DENSE_MIN_TOKENS
             r["speedup"] = r["bf16_us"] / r["quant_us"]
             r["quant_over_floor"] = r["quant_us"] / r["quant_floor_us"]
             if sweep and t <= 64 and q_one.use_kernel:
@@ -111,7 +118,8 @@ def kernel_table(dev: torch.device, bw: float, shapes: dict, rows: tuple, sweep:
             out.setdefault(name, {})[str(t)] = r
             print(f"kernel {name:8s} T={t:4d} quant {r['quant_us']:8.1f} us (floor {r['quant_floor_us']:7.1f}, "
                   f"x{r['quant_over_floor']:.2f})  bf16 {r['bf16_us']:8.1f} us  speedup {r['speedup']:.2f}"
-                  + (f"  best {r['best_us']:.1f} {r['best_config']}" if "best_us" in r else ""), flush=True)
+                  + (f"  best {r['best_us']:.1f} {r['best_config']}" if "best_us" in r else "")
+                  + (f"  fused {r['fused_us']:.1f} dense {r['dense_us']:.1f}" if "fused_us" in r else ""), flush=True)
         del dense, quant, q_one
     res["kernels"] = out
 
