@@ -40,7 +40,9 @@ class PeerAllReduce:
             self._buffers[dtype] = buf
 
     def takes(self, t: torch.Tensor) -> bool:
-        return t.dtype in self._buffers and t.is_contiguous() and t.numel() * t.element_size() <= MAX_BYTES
+        """Small, contiguous, a whole number of 16-byte words (the kernel's vector width)."""
+        nbytes = t.numel() * t.element_size()
+        return t.dtype in self._buffers and t.is_contiguous() and nbytes <= MAX_BYTES and nbytes % 16 == 0
 
     def __call__(self, t: torch.Tensor) -> None:
         flat = t.view(-1)

@@ -116,10 +116,13 @@ class DriverRunner:
         self._group.send_step(StepMessage(None, command=CAPTURE))
         return _capture(self._runner)
 
+    @property
+    def inner(self) -> ModelRunner:
+        return self._runner
+
     def stop(self) -> None:
-        """Releases the followers (they return from `follow`) and drops this rank's graphs."""
+        """Releases the followers (they return from `follow`; they can be driven again after)."""
         self._group.send_step(StepMessage(None))
-        release_graphs(self._runner)
 
 
 def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup) -> int:
@@ -132,7 +135,6 @@ def follow(runner: ModelRunner, slots: ShardedSlots, group: TensorParallelGroup)
             continue
         if msg.step is None:
             log.info("tensor parallel rank %d: stop after %d steps", group.rank, num_steps)
-            release_graphs(runner)
             return num_steps
         for key in msg.evict:
             slots.evict(key)
@@ -153,8 +155,8 @@ def _capture(runner: ModelRunner) -> int:
 
 
 def release_graphs(runner: ModelRunner) -> None:
-    """Frees the decode graphs: captured NCCL work keeps the communicator busy, and leaving the group
-    (`TensorParallelGroup.close`) with graphs alive hangs on GPUs."""
+    """Frees the decode graphs before a rank leaves the group: captured NCCL work keeps the
+    communicator busy, and `TensorParallelGroup.close` with graphs alive hangs on GPUs."""
     if runner.graphs is None:
         return
     runner.graphs = None

@@ -20,7 +20,7 @@ from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
 from compute_service.parallel.engine import build_rank_engine
 from compute_service.parallel.group import TensorParallelGroup, init_group
-from compute_service.parallel.schedule import follow
+from compute_service.parallel.schedule import follow, release_graphs
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0     # a follower waits this long for a step while the service idles
@@ -41,6 +41,7 @@ def _follower_main(ecfg: EngineConfig, rank: int, world: int, port: int) -> None
     except RuntimeError as e:
         log.error("tensor parallel rank %d: group down (%s); exiting", rank, e)
         os._exit(1)
+    release_graphs(engine.runner)
     group.close()
 
 
@@ -72,6 +73,7 @@ def build_rank0_engine(config: ComputeConfig, ecfg: EngineConfig):  # type: igno
     def stop() -> None:
         try:
             engine.runner.stop()             # type: ignore[attr-defined]
+            release_graphs(engine.runner.inner)  # type: ignore[attr-defined]
             group.close()
         except RuntimeError as e:
             log.warning("tensor parallel group: stop failed (%s)", e)
