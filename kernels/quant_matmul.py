@@ -96,7 +96,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         part = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]            # [BN, BM] of split 0
-        tile_stride = T.to(tl.int64) * N
+        tile_stride = T * N                        # split-K runs only for small T: int32 suffices
         tl.store(part + pid_k * tile_stride, acc, mask=out_mask)
         tl.debug_barrier()                         # every thread's partial is stored before the count
         lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
