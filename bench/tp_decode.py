@@ -167,6 +167,36 @@ class Built:
         self.graphs = self.engine.runner.graphs
 
 
+def profile_replays(graphs, batch: int, with_lora: bool, iters: int = 10) -> dict | None:
+    """GPU microseconds per step by kernel (the top 12) and by kind, from a profile of `iters` replays of
+    the batch's decode graph (every rank replays in lock step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bucket = graphs.bucket_for(batch)
+    entry = graphs._graphs.get((bucket, with_lora)) if bucket is not None else None
+    if entry is None:
+        return None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            entry[0].replay()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
+            per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time_total / iters
+    kinds = {"matmul": ("gemm", "gemv", "nvjet", "sm90_", "cutlass", "quant_matmul"),
+             "all_reduce": ("all_reduce", "allreduce", "nccl", "one_shot"),
+             "attention": ("attention",), "lora": ("shrink", "expand", "fused_lora", "lora"),
+             "norm_rope_act": ("rms", "rope", "silu")}
+    by_kind: dict[str, float] = {}
+    for name, us in per_kernel.items():
+        kind = next((k for k, pats in kinds.items() if any(p in name.lower() for p in pats)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return dict(total_us=sum(per_kernel.values()), by_kind_us=by_kind, top_kernels_us=dict(top))
+
+
 def allreduce_ms(group, hidden: int, layers: int, batch: int, dtype: torch.dtype) -> float | None:
     """GPU ms of one step's all-reduces alone (2 per layer of [batch, hidden]) captured in a graph."""
     if group.device.type != "cuda":
@@ -193,7 +223,8 @@ def allreduce_ms(group, hidden: int, layers: int, batch: int, dtype: torch.dtype
     return start.elapsed_time(end) / 20          # mean of 20 back-to-back replays
 
 
-def bench_config(label: str, spec, tp: int, group, dtype, batches, in_len, out_len, bw, res, save) -> None:
+def bench_config(label: str, spec, tp: int, group, dtype, batches, in_len, out_len, bw, res, save,
+                 profile: bool = False) -> None:
     """Every case and batch of one (shape, tp); ranks >= tp only wait (TP=1 runs on rank 0 alone)."""
     from compute_service.parallel.schedule import follow
 
@@ -238,6 +269,14 @@ def bench_config(label: str, spec, tp: int, group, dtype, batches, in_len, out_l
                     follow(b.engine.runner, b.slots, group)
                 if b.graphs is not None:                     # every rank replays in lock step
                     r["gpu_step_ms"] = b.graphs.time_replay(batch, distinct)
+                    if profile and batch in (1, max(batches)):
+                        r["profile"] = profile_replays(b.graphs, batch, distinct)
+                        if rank == 0 and r["profile"]:
+                            p = r["profile"]
+                            print(f"  profile {label} {name} B={batch}: total {p['total_us']:.0f} us, by kind "
+                                  + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p["by_kind_us"].items())), flush=True)
+                            for kname, us in p["top_kernels_us"].items():
+                                print(f"    {us:8.1f} us  {kname[:110]}", flush=True)
                 if tp > 1:
                     r["allreduce_ms"] = allreduce_ms(group, spec.hidden_size, spec.num_layers, batch, dtype)
                 n_ad = batch if distinct else 0
@@ -297,6 +336,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=100)
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU over gloo: checks the script, no figures")
+    ap.add_argument("--profile", action="store_true", help="also a per-kernel GPU time breakdown of the decode "
+                    "graph at the smallest and largest batch")
     args = ap.parse_args()
 
     from compute_service.parallel.group import init_group
@@ -328,13 +369,13 @@ def main() -> None:
     small = TINY if args.tiny else LLAMA3_8B
     spec8 = model_spec(small, "llama3-8b-shape-random" if not args.tiny else "tiny")
     try:
-        bench_config("8b_tp1", spec8, 1, group, dtype, batches, in_len, out_len, bw, res, save)
-        bench_config("8b_tp2", spec8, 2, group, dtype, batches, in_len, out_len, bw, res, save)
+        bench_config("8b_tp1", spec8, 1, group, dtype, batches, in_len, out_len, bw, res, save, args.profile)
+        bench_config("8b_tp2", spec8, 2, group, dtype, batches, in_len, out_len, bw, res, save, args.profile)
         ratios(res)
         save()
         if not args.skip_70b:
             spec70 = model_spec(TINY if args.tiny else LLAMA_70B, "llama-70b-shape-random" if not args.tiny else "tiny")
-            bench_config("70b_tp2", spec70, 2, group, dtype, batches, in_len, out_len, bw, res, save)
+            bench_config("70b_tp2", spec70, 2, group, dtype, batches, in_len, out_len, bw, res, save, args.profile)
     finally:
         res["wall_s"] = time.perf_counter() - t_start
         save()
