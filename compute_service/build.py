@@ -20,6 +20,7 @@ from compute_service.adapter_cache.backends import lora_backend_for
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
+from compute_service.engine.errors import UnsupportedModelError
 from compute_service.engine.llm_engine import LLMEngine
 from compute_service.engine.loader import LoadedModel, load_model
 from compute_service.runner import EngineRunner
@@ -46,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
 
 def engine_config(config: ComputeConfig, device: torch.device) -> EngineConfig:
     return EngineConfig(
-        model=config.model or None, device=str(device), dtype=config.dtype,
+        model=config.model or None, device=str(device), dtype=config.dtype, quantization=config.quantization,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, kv_cache_bytes=config.kv_cache_bytes or None,
         gpu_memory_fraction=config.gpu_memory_utilization, max_lora_rank=config.max_lora_rank,
@@ -100,9 +101,12 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
     device = resolve_device(config.device)
     ecfg = engine_config(config, device)
     if config.tensor_parallel_size > 1:
+        if config.quantization == "keep":
+            raise UnsupportedModelError("--quantization keep is not supported with tensor parallelism yet: use "
+                                        "auto or none, which dequantize a quantized checkpoint's shards")
         return _tensor_parallel_runtime(config, fetch, ecfg, device)
     if loaded is None:
-        loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device)
+        loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device, quantization=ecfg.quantization)
     slots = PagedAdapterSlots(loaded.spec, config.max_lora_rank, device, loaded.model.dtype)
     slots.fingerprint = adapter_fingerprint(loaded)
     backend = lora_backend_for(slots, config.max_num_batched_tokens)   # Triton on CUDA, torch matmuls on CPU

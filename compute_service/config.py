@@ -15,6 +15,10 @@ class ComputeConfig:
     model: str = field(default="", metadata={"help": "GGUF file or HF folder; default SmolLM2-135M-Instruct"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda[:N]"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, float16 or bfloat16"})
+    quantization: str = field(default="auto", metadata={
+        "help": "a quantized checkpoint (AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q8_0): auto (kept quantized "
+                "on a GPU, dequantized on the CPU), keep (quantized on the CPU too: a slow reference path) or none "
+                "(dequantized to --dtype everywhere)"})
     max_lora_rank: int = field(default=256, metadata={"help": "largest adapter rank accepted"})
     lora_gpu_memory_fraction: float = field(
         default=0.05, metadata={"help": "adapter pool as a fraction of memory free after weights and KV cache"})
@@ -66,5 +70,7 @@ class ComputeConfig:
         if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0:
             raise SettingsError(f"warmup: expected auto, full, light or off, got {self.warmup!r}; "
                                 "warmup_threads must be >= 0")
+        if self.quantization not in ("auto", "keep", "none"):
+            raise SettingsError(f"quantization: expected auto, keep or none, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise SettingsError(f"dtype: expected auto, float32, float16 or bfloat16, got {self.dtype!r}")

@@ -19,6 +19,9 @@ class EngineConfig:
     max_model_len: None = the model's max positions, capped at 8192.
     enforce_eager: on CUDA, decode steps of up to `max_num_seqs` sequences
       replay CUDA graphs unless this is True.
+    quantization: a quantized checkpoint's projections: "auto" = kept quantized on
+      CUDA, dequantized on CPU; "keep" = kept quantized everywhere (on CPU a slow
+      reference path); "none" = dequantized to `dtype` everywhere.
     """
 
     model: str | None = None
@@ -35,6 +38,7 @@ class EngineConfig:
     lora_backend: str = "auto"      # "torch" | "kernels" | "auto" (kernels on CUDA when present)
     seed: int = 0                   # seeds the generators of requests without their own seed
     enforce_eager: bool = False     # True = no CUDA graphs for decode steps (debugging, profiling)
+    quantization: str = "auto"      # "auto" | "keep" | "none"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -48,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.quantization not in ("auto", "keep", "none"):
+            raise ValueError(f"quantization must be auto, keep or none, got {self.quantization!r}")
         if self.lora_backend not in ("auto", "torch", "kernels"):
             raise ValueError(f"lora_backend must be auto, torch or kernels, got {self.lora_backend!r}")
 

@@ -2,18 +2,21 @@
 
 llama.cpp's converter permutes the q and k rows of Llama checkpoints for its
 interleaved RoPE; we undo it (as transformers does) to use the rotate-half
-layout. Qwen2 GGUFs are not permuted.
+layout. Qwen2 GGUFs are not permuted. Q4_0 / Q4_1 / Q8_0 projections can also be
+read kept quantized (`GGUFSource.quantized`), their rows un-permuted the same way
+(a row is whole blocks along K, so moving rows is exact).
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from compute_service.engine.errors import ModelLoadError, UnsupportedModelError
+from compute_service.engine.quantized import QuantizedWeight
 from compute_service.engine.spec import ModelSpec, spec_from_gguf_fields
 
 _GLOBAL_NAMES = {
@@ -46,10 +49,54 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def read_gguf(path: Path) -> tuple[ModelSpec, Callable[[str], torch.Tensor | None], str | None]:
-    """Returns (spec, get-by-HF-name, chat template)."""
-    from gguf import dequantize
+class GGUFSource:
+    """Tensors by HF name: `source(name)` dequantized to float32, `source.quantized(prefix)` kept quantized
+    (Q4_0 / Q4_1 / Q8_0 projections; None for other types, which are dequantized)."""
 
+    format_name = "gguf"
+
+    def __init__(self, spec: ModelSpec, by_hf: dict[str, Any]) -> None:
+        self._spec = spec
+        self._by_hf = by_hf
+        self._permute = spec.architecture == "llama"
+
+    def _heads(self, name: str) -> int | None:
+        """Heads whose rows llama.cpp interleaved in this tensor, or None."""
+        if self._permute and name.endswith("q_proj.weight"):
+            return self._spec.num_heads
+        if self._permute and name.endswith("k_proj.weight"):
+            return self._spec.num_kv_heads
+        return None
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        from gguf import dequantize
+
+        t = self._by_hf.get(name)
+        if t is None:
+            return None
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        heads = self._heads(name)
+        if heads is not None:
+            w = _unpermute(w, heads)
+        return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a writable copy
+
+    def quantized(self, prefix: str) -> QuantizedWeight | None:
+        from compute_service.engine.quant_formats.gguf import block_weight
+
+        name = prefix + ".weight"
+        t = self._by_hf.get(name)
+        if t is None or not prefix.startswith("model.layers."):
+            return None
+        qw = block_weight(t.data, t.tensor_type)
+        heads = self._heads(name)
+        if qw is None or heads is None:
+            return qw
+        rows = torch.from_numpy(_unpermute(np.arange(qw.shape[0]), heads).copy())
+        return QuantizedWeight(qw.q[rows], qw.scales[rows], qw.offsets[rows], qw.bits, qw.group_size)
+
+
+def read_gguf(path: Path) -> tuple[ModelSpec, GGUFSource, str | None]:
+    """Returns (spec, get-by-HF-name, chat template)."""
     from compute_service.engine.gguf_header import read_header
 
     try:
@@ -65,17 +112,4 @@ def read_gguf(path: Path) -> tuple[ModelSpec, Callable[[str], torch.Tensor | Non
                                     "use the HF safetensors folder instead")
     spec = spec_from_gguf_fields(fields, num_tokens, "output.weight" in tensors, path.stem)
     by_hf = {h: t for t in tensors.values() if (h := _hf_name(t.name)) is not None}
-    permute = spec.architecture == "llama"
-
-    def get(name: str) -> torch.Tensor | None:
-        t = by_hf.get(name)
-        if t is None:
-            return None
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if permute and name.endswith("q_proj.weight"):
-            w = _unpermute(w, spec.num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute(w, spec.num_kv_heads)
-        return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a writable copy
-
-    return spec, get, fields.get("tokenizer.chat_template")
+    return spec, GGUFSource(spec, by_hf), fields.get("tokenizer.chat_template")

@@ -37,7 +37,7 @@ class LLMEngine:
         self.config = config
         dev, dtype = config.torch_device, config.torch_dtype
         if loaded is None:
-            loaded = load_model(config.model, dtype=dtype, device=dev)
+            loaded = load_model(config.model, dtype=dtype, device=dev, quantization=config.quantization)
         self.loaded = loaded
         self.spec: ModelSpec = loaded.spec
         self.fingerprint: str = loaded.fingerprint
@@ -77,7 +77,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, with_tokenizer: bool = True) -> "LLMEngine":
         """Loads the model (and, for GGUF files and folders that have one, its tokenizer)."""
-        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        loaded = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device,
+                            quantization=config.quantization)
         tokenizer = None
         has_tok = loaded.path.suffix == ".gguf" or (loaded.path / "tokenizer_config.json").is_file() \
             or (loaded.path / "tokenizer.json").is_file()

@@ -53,20 +53,41 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", max_positions: int | None = None) -> LoadedModel:
-    """Loads weights, spec and fingerprint; `max_positions` sizes the RoPE table."""
+               device: str | torch.device = "cpu", max_positions: int | None = None,
+               quantization: str = "auto") -> LoadedModel:
+    """Loads weights, spec and fingerprint; `max_positions` sizes the RoPE table.
+
+    `quantization` (auto | keep | none, see `quant_formats`) decides whether a quantized checkpoint's
+    projections stay quantized."""
+    from compute_service.engine.quant_formats import keeps_quantized
+
     p = default_model_path() if path is None else Path(path)
     device = torch.device(device)
+    keep = keeps_quantized(quantization, device)
     if not p.exists():
         raise ModelLoadError(f"model path {str(p)!r} does not exist (want a HF folder with config.json or a .gguf file)")
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)
     t1 = time.perf_counter()
-    weights, fingerprint = build_weights(spec, get, dtype, device)
+    _log_quantization_choice(get, quantization, keep, device, dtype)
+    weights, fingerprint = build_weights(spec, get, dtype, device, keep_quantized=keep)
     model = LlamaModel(spec, weights, max_positions or spec.max_position_embeddings)
     log.info("model %s: header read in %.1f s, weights converted and placed on %s in %.1f s", p.name, t1 - t0,
              device, time.perf_counter() - t1)
     return LoadedModel(spec, model, fingerprint, p, template)
+
+
+def _log_quantization_choice(get: Any, mode: str, keep: bool, device: torch.device, dtype: torch.dtype) -> None:
+    fmt = getattr(get, "format_name", None)
+    if fmt is None:
+        return
+    if keep and device.type == "cpu":
+        log.info("%s checkpoint kept quantized on the CPU (--quantization keep): every projection is dequantized "
+                 "on each call, a slow reference path", fmt)
+    elif not keep:
+        why = "--quantization none" if mode == "none" else "--quantization auto on the CPU; keep holds it quantized"
+        log.info("%s checkpoint: quantized projections dequantized to %s (%s)", fmt,
+                 str(dtype).removeprefix("torch."), why)
 
 
 def read_model_source(p: Path) -> tuple[ModelSpec, Any, str | None]:
@@ -101,8 +122,11 @@ def _read_hf_folder(folder: Path) -> tuple[ModelSpec, Any]:
     for f, h in handles.items():
         for k in h.keys():
             weight_map.setdefault(k, f)
-
-    return spec, SafetensorsSource(handles, weight_map)
+    source = SafetensorsSource(handles, weight_map)
+    if cfg.get("quantization_config"):
+        from compute_service.engine.quant_formats.source import hf_quantized_source
+        return spec, hf_quantized_source(cfg["quantization_config"], source)
+    return spec, source
 
 
 class SafetensorsSource:

@@ -1,4 +1,9 @@
-"""Builds the model's fused weights from Hugging Face-named tensors, and the base-model fingerprint."""
+"""Builds the model's fused weights from Hugging Face-named tensors, and the base-model fingerprint.
+
+With `keep_quantized` and a source that has `quantized(prefix)` (see `quant_formats/source.py`),
+projections stored quantized become `QuantLinear`s (q/k/v and gate/up fused when their parts agree);
+the fingerprint hashes the same slices dequantized in float32, so it equals the dequantized load's.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +15,8 @@ import torch
 from compute_service.engine.errors import ModelLoadError
 from compute_service.engine.linear import Linear
 from compute_service.engine.model import LayerWeights, ModelWeights
+from compute_service.engine.quant_linear import QuantLinear
+from compute_service.engine.quantized import QuantizedWeight
 from compute_service.engine.spec import ModelSpec
 
 # get(name) -> float tensor as stored in the checkpoint, or None when absent.
@@ -17,9 +24,14 @@ TensorSource = Callable[[str], "torch.Tensor | None"]
 
 
 def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
-                  device: torch.device) -> tuple[ModelWeights, str]:
+                  device: torch.device, *, keep_quantized: bool = False) -> tuple[ModelWeights, str]:
     """Reads every tensor through `get`, fuses q/k/v and gate/up, casts; returns (weights, fingerprint)."""
     hasher = _Fingerprint(spec)
+    quantized = getattr(get, "quantized", None) if keep_quantized else None
+    summary = None
+    if quantized is not None:
+        from compute_service.engine.quant_formats.summary import QuantSummary
+        summary = QuantSummary(getattr(get, "format_name", "quantized"))
 
     def need(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = get(name)
@@ -38,6 +50,23 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
     def cast_opt(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else cast(t)
 
+    def project(parts: list[tuple[str, tuple[int, int]]], bias: torch.Tensor | None) -> Linear | QuantLinear:
+        """One (fused) projection from its parts' HF prefixes and [out, in] shapes."""
+        qw, why_dense = _fused_quantized(quantized, parts, device) if quantized is not None else (None, "")
+        if qw is not None:
+            layer: Linear | QuantLinear = QuantLinear(qw, cast_opt(bias), device)
+        else:
+            layer = Linear(cast(torch.cat([need(p + ".weight", shape) for p, shape in parts])), cast_opt(bias))
+        if summary is not None:
+            summary.add(" + ".join(p.removeprefix("model.") for p, _ in parts), layer, why_dense)
+        return layer
+
+    def first_columns(layer: Linear | QuantLinear, parts: list[tuple[str, tuple[int, int]]]) -> torch.Tensor:
+        """[N, :8] in float32 as the dense load hashes it (its checkpoint tensors, before the cast)."""
+        if isinstance(layer, QuantLinear):
+            return layer.dequantize(torch.float32)[:, :8]
+        return torch.cat([need(p + ".weight", shape)[:, :8] for p, shape in parts])
+
     s = spec
     hid, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size
     embed = need("model.embed_tokens.weight", (s.vocab_size, hid))
@@ -45,29 +74,26 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
     layers = []
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat([need(p + "self_attn.q_proj.weight", (q, hid)),
-                         need(p + "self_attn.k_proj.weight", (kv, hid)),
-                         need(p + "self_attn.v_proj.weight", (kv, hid))])
+        qkv_parts = [(p + "self_attn.q_proj", (q, hid)), (p + "self_attn.k_proj", (kv, hid)),
+                     (p + "self_attn.v_proj", (kv, hid))]
         qkv_bias = None
         if s.qkv_bias:
             qkv_bias = torch.cat([need(p + "self_attn.q_proj.bias", (q,)), need(p + "self_attn.k_proj.bias", (kv,)),
                                   need(p + "self_attn.v_proj.bias", (kv,))])
-        gate_up = torch.cat([need(p + "mlp.gate_proj.weight", (inter, hid)),
-                             need(p + "mlp.up_proj.weight", (inter, hid))])
+        gate_up_parts = [(p + "mlp.gate_proj", (inter, hid)), (p + "mlp.up_proj", (inter, hid))]
         gate_up_bias = None
         if s.mlp_bias:
             gate_up_bias = torch.cat([need(p + "mlp.gate_proj.bias", (inter,)), need(p + "mlp.up_proj.bias", (inter,))])
+        qkv = project(qkv_parts, qkv_bias)
         if i in (0, s.num_layers - 1):
-            hasher.add(f"qkv{i}", qkv[:, :8])
+            hasher.add(f"qkv{i}", first_columns(qkv, qkv_parts))
         layers.append(LayerWeights(
             input_norm=cast(need(p + "input_layernorm.weight", (hid,))),
-            qkv=Linear(cast(qkv), cast_opt(qkv_bias)),
-            o=Linear(cast(need(p + "self_attn.o_proj.weight", (hid, q))),
-                     cast_opt(opt(p + "self_attn.o_proj.bias", (hid,), s.o_bias))),
+            qkv=qkv,
+            o=project([(p + "self_attn.o_proj", (hid, q))], opt(p + "self_attn.o_proj.bias", (hid,), s.o_bias)),
             post_norm=cast(need(p + "post_attention_layernorm.weight", (hid,))),
-            gate_up=Linear(cast(gate_up), cast_opt(gate_up_bias)),
-            down=Linear(cast(need(p + "mlp.down_proj.weight", (hid, inter))),
-                        cast_opt(opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias))),
+            gate_up=project(gate_up_parts, gate_up_bias),
+            down=project([(p + "mlp.down_proj", (hid, inter))], opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias)),
         ))
     norm = need("model.norm.weight", (hid,))
     hasher.add("norm", norm)
@@ -79,7 +105,34 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
         hasher.add("lm_head", head[:8])
         lm_head = cast(head)
     weights = ModelWeights(embed=embed_c, layers=layers, norm=cast(norm), lm_head=lm_head)
+    if summary is not None:
+        summary.log()
     return weights, hasher.hexdigest()
+
+
+def _fused_quantized(quantized: Callable[[str], QuantizedWeight | None], parts: list[tuple[str, tuple[int, int]]],
+                     device: torch.device) -> tuple[QuantizedWeight | None, str]:
+    """The parts' quantized weights stacked, or (None, why) to build it dense: some part is stored dense,
+    they differ in bits or group size, or (on CUDA) the kernel cannot hold the group size."""
+    qws = [quantized(prefix) for prefix, _ in parts]
+    for qw, (prefix, shape) in zip(qws, parts):
+        if qw is not None and qw.shape != shape:
+            raise ModelLoadError(f"quantized {prefix!r} has shape {qw.shape}, the config implies {shape}")
+    if all(qw is None for qw in qws):
+        return None, "stored dense"
+    kinds = {(qw.bits, qw.group_size) for qw in qws if qw is not None}
+    if any(qw is None for qw in qws) or len(kinds) > 1:
+        return None, "fused parts stored " + "/".join(
+            "dense" if qw is None else f"{qw.bits}-bit g{qw.group_size}" for qw in qws)
+    fused = QuantizedWeight.cat([qw for qw in qws if qw is not None])
+    if device.type == "cuda":
+        from kernels.quant_pack import check_packable
+
+        try:
+            check_packable(*fused.shape, fused.bits, fused.group_size)
+        except ValueError as exc:
+            return None, f"the kernel cannot hold it: {exc}"
+    return fused, ""
 
 
 class _Fingerprint:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from compute_service.engine.config import EngineConfig
+from compute_service.engine.errors import UnsupportedModelError
 from compute_service.engine.kv_cache import cuda_kv_budget
 from compute_service.engine.llm_engine import LLMEngine, _default_lora
 from compute_service.engine.loader import LoadedModel, default_model_path, read_model_source
@@ -29,6 +30,9 @@ def load_sharded(path: str | None, group: TensorParallelGroup,
     p = default_model_path() if path is None else Path(path)
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)
+    if getattr(get, "format_name", None) and group.rank == 0:
+        log.info("%s checkpoint dequantized to %s: tensor-parallel shards are dense", get.format_name,
+                 str(dtype).removeprefix("torch."))
     shard = shard_for(spec, group.world_size, group.rank)
     local = local_spec(spec, shard)
     weights, _ = build_weights(local, sharded_source(spec, shard, get), dtype, group.device)
@@ -46,6 +50,9 @@ def build_rank_engine(config: EngineConfig, group: TensorParallelGroup) -> tuple
     if config.torch_device.type != group.device.type:
         raise ValueError(f"engine device {config.device} and the group's {group.device} differ")
     config = dataclasses.replace(config, device=str(group.device))
+    if config.quantization == "keep" and group.world_size > 1:
+        raise UnsupportedModelError("--quantization keep is not supported with tensor parallelism yet: use auto "
+                                    "or none, which dequantize a quantized checkpoint's shards to the model dtype")
     loaded, whole_spec, shard = load_sharded(config.model, group, config.torch_dtype)
     inner, backend = _default_lora(config, loaded.spec, group.device, loaded.model.dtype)
     slots = ShardedSlots(inner, whole_spec, shard)

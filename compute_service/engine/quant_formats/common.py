@@ -1,0 +1,45 @@
+"""What every checkpoint reader shares: (q - z) * s in the canonical form, and the checks on it."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from compute_service.engine.errors import ModelLoadError, UnsupportedModelError
+from compute_service.engine.quantized import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+
+def from_zero_points(name: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     bits: int) -> QuantizedWeight:
+    """Codes q [N, K], scales [N, K/G] (any float dtype), integer zero points z [N, K/G] -> the canonical
+    weight with offsets = float16(-z * s), so w = (q - z) * s up to that one rounding."""
+    n, k = q.shape
+    if scales.dim() != 2 or scales.shape[0] != n or k % scales.shape[1]:
+        raise ModelLoadError(f"{name}: scales of shape {tuple(scales.shape)} do not fit a [{n}, {k}] weight")
+    if tuple(zeros.shape) != tuple(scales.shape):
+        raise ModelLoadError(f"{name}: zero points of shape {tuple(zeros.shape)}, scales {tuple(scales.shape)}")
+    s16 = scales.to(torch.float16)
+    if scales.dtype != torch.float16 and not torch.equal(s16.to(scales.dtype), scales):
+        log.warning("%s: %s scales rounded to float16 (values outside float16's normal range)", name, scales.dtype)
+    offsets = (-zeros.float() * s16.float()).to(torch.float16)
+    return QuantizedWeight(q.contiguous(), s16.contiguous(), offsets.contiguous(), bits, k // scales.shape[1])
+
+
+def check_g_idx(name: str, g_idx: torch.Tensor | None, k: int, group_size: int) -> None:
+    """Act-order (g_idx not k // G) permutes input channels across groups: refused."""
+    if g_idx is None:
+        return
+    want = torch.arange(k, dtype=torch.int64) // group_size
+    if g_idx.numel() != k or not torch.equal(g_idx.to(torch.int64).cpu(), want):
+        raise UnsupportedModelError(
+            f"{name}: this checkpoint uses act-order (desc_act / actorder: g_idx is not k // group_size), "
+            "which is not supported; quantize without act-order, or load the unquantized model")
+
+
+def need(raw, name: str) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    t = raw(name)
+    if t is None:
+        raise ModelLoadError(f"quantized checkpoint lacks tensor {name!r}")
+    return t  # type: ignore[no-any-return]

@@ -1,0 +1,44 @@
+"""One log line about what a load kept quantized: format, bits and group sizes, dense layers, bytes."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from compute_service.engine.linear import Linear
+from compute_service.engine.quant_linear import QuantLinear
+
+log = logging.getLogger(__name__)
+
+
+class QuantSummary:
+    """Collects each base projection as it is built; `log()` reports them."""
+
+    def __init__(self, format_name: str) -> None:
+        self.format_name = format_name
+        self.kinds: Counter[str] = Counter()          # "4-bit group 32" -> projections
+        self.dense: list[str] = []
+        self.quantized_bytes = 0
+        self.dense_bytes = 0
+        self.bf16_bytes = 0                           # what every projection would take in bf16
+
+    def add(self, name: str, layer: Linear | QuantLinear, why_dense: str = "") -> None:
+        self.bf16_bytes += 2 * layer.in_features * layer.out_features
+        if isinstance(layer, QuantLinear):
+            self.kinds[f"{layer.bits}-bit group {layer.group_size}"] += 1
+            self.quantized_bytes += layer.nbytes
+        else:
+            self.dense.append(f"{name} ({why_dense})" if why_dense else name)
+            self.dense_bytes += layer.nbytes
+
+    @property
+    def num_quantized(self) -> int:
+        return sum(self.kinds.values())
+
+    def log(self) -> None:
+        total = self.num_quantized + len(self.dense)
+        dense = ", ".join(self.dense[:6]) + (f" and {len(self.dense) - 6} more" if len(self.dense) > 6 else "")
+        log.info("quantized base (%s): %d of %d projections kept quantized (%s)%s; projection weights %.1f MiB "
+                 "(%.1f MiB quantized + %.1f MiB dense) vs %.1f MiB in bf16", self.format_name, self.num_quantized,
+                 total, ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items())) or "none",
+                 f"; dense: {dense}" if dense else "", (self.quantized_bytes + self.dense_bytes) / 2**20,
+                 self.quantized_bytes / 2**20, self.dense_bytes / 2**20, self.bf16_bytes / 2**20)
