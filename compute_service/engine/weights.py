@@ -2,7 +2,8 @@
 
 With `keep_quantized` and a source that has `quantized(prefix)` (see `quant_formats/source.py`),
 projections stored quantized become `QuantLinear`s (q/k/v and gate/up fused when their parts agree);
-the fingerprint hashes the same slices dequantized in float32, so it equals the dequantized load's.
+the fingerprint hashes the same slices of the source's dense (float32) tensors either way, so it equals
+the dequantized load's and converted adapters keep matching.
 """
 from __future__ import annotations
 
@@ -61,10 +62,9 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
             summary.add(" + ".join(p.removeprefix("model.") for p, _ in parts), layer, why_dense)
         return layer
 
-    def first_columns(layer: Linear | QuantLinear, parts: list[tuple[str, tuple[int, int]]]) -> torch.Tensor:
-        """[N, :8] in float32 as the dense load hashes it (its checkpoint tensors, before the cast)."""
-        if isinstance(layer, QuantLinear):
-            return layer.dequantize(torch.float32)[:, :8]
+    def first_columns(parts: list[tuple[str, tuple[int, int]]]) -> torch.Tensor:
+        """[N, :8] as the source's dense tensors (before the cast), whether or not the layer is kept quantized:
+        a dequantization of one's own could differ in a bit (GGUF Q4_0 gives -0.0 where q * d - 8 * d is +0.0)."""
         return torch.cat([need(p + ".weight", shape)[:, :8] for p, shape in parts])
 
     s = spec
@@ -86,7 +86,7 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
             gate_up_bias = torch.cat([need(p + "mlp.gate_proj.bias", (inter,)), need(p + "mlp.up_proj.bias", (inter,))])
         qkv = project(qkv_parts, qkv_bias)
         if i in (0, s.num_layers - 1):
-            hasher.add(f"qkv{i}", first_columns(qkv, qkv_parts))
+            hasher.add(f"qkv{i}", first_columns(qkv_parts))
         layers.append(LayerWeights(
             input_norm=cast(need(p + "input_layernorm.weight", (hid,))),
             qkv=qkv,

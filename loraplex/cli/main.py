@@ -14,7 +14,7 @@ import sys
 SUBCOMMANDS = (
     "serve", "gateway", "cache", "compute",
     "generate", "load", "unload", "list", "info",
-    "convert", "inspect", "keys",
+    "convert", "quantize", "inspect", "keys",
 )
 
 

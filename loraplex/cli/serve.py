@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-lora-rank", default="", help="largest adapter rank accepted (default 256)")
     p.add_argument("--device", default="auto", help="compute device: auto (GPU if present), cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, float16 or bfloat16")
+    p.add_argument("--quantization", default="",
+                   help="a quantized checkpoint: auto (kept quantized on a GPU, dequantized on the CPU; the "
+                        "default), keep (quantized on the CPU too: slow), none (dequantized everywhere)")
     p.add_argument("--max-model-len", default="", help="longest prompt + output")
     p.add_argument("--tensor-parallel-size", default="",
                    help="processes the compute service splits the model over (> 1 on CPU only so far)")
@@ -75,7 +78,8 @@ def service_args(args: argparse.Namespace, redis_url: str) -> tuple[list[str], l
              + _opt("--lora-root", args.lora_root) + _opt("--lora-prefetch-dir", args.lora_prefetch_dir)
              + _opt("--host-cache-bytes", args.host_cache_bytes) + shared + shlex.split(args.cache_flags))
     compute = (["compute", "--listen", "127.0.0.1:0", "--device", args.device, "--dtype", args.dtype]
-               + _opt("--max-model-len", args.max_model_len) + _opt("--tensor-parallel-size", args.tensor_parallel_size)
+               + _opt("--max-model-len", args.max_model_len) + _opt("--quantization", args.quantization)
+               + _opt("--tensor-parallel-size", args.tensor_parallel_size)
                + shared + shlex.split(args.compute_flags))
     return cache, compute
 

@@ -1,0 +1,87 @@
+"""Quantized tiny checkpoints for tests: made with `loraplex quantize`'s writer, a GPTQ folder packed
+from the format's definition, and a GGUF with Q4_0 / Q4_1 / Q8_0 projections."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compute_service.engine.quant_formats.export import PROJECTIONS
+from compute_service.engine.quant_formats.packing import pack_int32
+from compute_service.engine.quantized import quantize_rtn
+
+
+def projection_weights(model) -> dict[str, torch.Tensor]:
+    """HF prefix -> dense [N, K] weight of every projection of a transformers model."""
+    sd = model.state_dict()
+    return {f"model.layers.{i}.{p}": sd[f"model.layers.{i}.{p}.weight"].detach().float()
+            for i in range(model.config.num_hidden_layers) for p in PROJECTIONS}
+
+
+def write_gptq_folder(model, src: Path, out: Path, bits: int, group_size: int, fmt: str = "gptq") -> Path:
+    """A GPTQ folder (symmetric, sequential packing; `gptq` stores z - 1) of `model`'s projections."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
+               if not any(k == p + ".weight" for p in projection_weights(model))}
+    for prefix, w in projection_weights(model).items():
+        qw = quantize_rtn(w, bits, group_size, symmetric=True)
+        z = torch.full(qw.scales.shape, 1 << (bits - 1), dtype=torch.int32) - (1 if fmt == "gptq" else 0)
+        tensors[prefix + ".qweight"] = pack_int32(qw.q.t(), bits, dim=0)                  # [K/f, N]
+        tensors[prefix + ".qzeros"] = pack_int32(z.t().to(torch.uint8), bits, dim=1)      # [K/G, N/f]
+        tensors[prefix + ".scales"] = qw.scales.t().contiguous()                          # [K/G, N]
+        tensors[prefix + ".g_idx"] = (torch.arange(w.shape[1]) // group_size).to(torch.int32)
+    out.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": True,
+                                  "desc_act": False, "checkpoint_format": fmt}
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The GGUF converter's q/k row order (halves -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_tiny_gguf(model, path: Path, types: dict[str, str]) -> Path:
+    """A tied tiny Llama as GGUF; `types` maps `{layer}.{projection}` to Q4_0 / Q4_1 / Q8_0 (others F32)."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, cfg.num_hidden_layers), (w.add_embedding_length, cfg.hidden_size),
+                       (w.add_feed_forward_length, cfg.intermediate_size), (w.add_head_count, cfg.num_attention_heads),
+                       (w.add_head_count_kv, cfg.num_key_value_heads), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+                       (w.add_context_length, cfg.max_position_embeddings), (w.add_vocab_size, cfg.vocab_size)):
+        add(value)
+    sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    for i in range(cfg.num_hidden_layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[f"model.layers.{i}.input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[f"model.layers.{i}.post_attention_layernorm.weight"])
+        for hf, short in GGUF_NAMES.items():
+            t = sd[f"model.layers.{i}.{hf}.weight"]
+            if short in ("attn_q", "attn_k"):
+                t = _permute(t, cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads)
+            kind = types.get(f"{i}.{hf}")
+            if kind is None:
+                w.add_tensor(f"blk.{i}.{short}.weight", np.ascontiguousarray(t))
+            else:
+                qtype = getattr(gguf.GGMLQuantizationType, kind)
+                w.add_tensor(f"blk.{i}.{short}.weight", gguf.quants.quantize(np.ascontiguousarray(t), qtype),
+                             raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

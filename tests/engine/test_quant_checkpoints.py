@@ -1,0 +1,120 @@
+"""Quantized checkpoints load kept quantized: each projection is a QuantLinear holding exactly the written
+codes, and the model's logits equal the same checkpoint dequantized (`--quantization none`) to rounding.
+
+Checkpoints: AWQ and compressed-tensors (4-bit symmetric, 8-bit asymmetric) written by `loraplex
+quantize`'s writer, GPTQ (v1 and v2 zero conventions) packed from the format's definition, and a GGUF
+whose projections are Q4_0 / Q4_1 / Q8_0 (q/k rows permuted as the GGUF converter does) with fused
+groups of mixed types, which are dequantized.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from compute_service.engine import load_model
+from compute_service.engine.linear import Linear
+from compute_service.engine.quant_formats.export import quantize_checkpoint
+from compute_service.engine.quant_linear import QuantLinear
+from compute_service.engine.quantized import quantize_rtn
+from helpers import TINY_DIMS, rel_err
+from quant_helpers import projection_weights, write_gptq_folder, write_tiny_gguf
+from test_loader import prefill_logits
+
+G = 16          # divides the tiny model's 64 hidden and 80 intermediate features
+KINDS = {       # name -> (model kind, writer arguments)
+    "awq": ("llama", dict(fmt="awq", bits=4, symmetric=False)),
+    "ct4-sym": ("qwen2", dict(fmt="compressed-tensors", bits=4, symmetric=True)),
+    "ct8-asym": ("llama", dict(fmt="compressed-tensors", bits=8, symmetric=False)),
+}
+TOKENS = torch.randint(0, TINY_DIMS["vocab_size"], (13,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_models, tmp_path_factory):
+    """name -> (transformers model, quantized folder, writer arguments)."""
+    out = {}
+    for name, (kind, kw) in KINDS.items():
+        model, src = tiny_models[kind]
+        out[name] = (model, quantize_checkpoint(src, tmp_path_factory.mktemp(name) / "q", group_size=G,
+                                                progress=False, **kw).out, kw)
+    model, src = tiny_models["llama"]
+    for fmt in ("gptq", "gptq_v2"):
+        kw = dict(bits=4, symmetric=True)
+        out[fmt] = (model, write_gptq_folder(model, src, tmp_path_factory.mktemp(fmt) / "q", 4, G, fmt), kw)
+    return out
+
+
+def layers_of(loaded):
+    return [(i, name, getattr(lw, name)) for i, lw in enumerate(loaded.model.weights.layers)
+            for name in ("qkv", "o", "gate_up", "down")]
+
+
+@pytest.mark.parametrize("name", list(KINDS) + ["gptq", "gptq_v2"])
+def test_loads_kept_quantized_with_the_written_codes(folders, name):
+    model, folder, kw = folders[name]
+    kept, dense = load_model(folder, quantization="keep"), load_model(folder, quantization="none")
+    fused = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    weights = projection_weights(model)
+    for i, proj, layer in layers_of(kept):
+        assert isinstance(layer, QuantLinear) and layer.bits == kw["bits"] and layer.group_size == G
+        written = torch.cat([quantize_rtn(weights[f"model.layers.{i}.{p}"], kw["bits"], G,
+                                          symmetric=kw["symmetric"]).dequantize() for p in fused[proj]])
+        assert torch.equal(layer.dequantize(), written), (i, proj)
+        assert torch.equal(getattr(dense.model.weights.layers[i], proj).weight, written), (i, proj)
+    assert kept.fingerprint == dense.fingerprint
+    assert all(isinstance(layer, Linear) for _, _, layer in layers_of(dense))
+    a, b = prefill_logits(kept, TOKENS), prefill_logits(dense, TOKENS)
+    assert rel_err(a, b) < 1e-5
+    with torch.no_grad():   # and it is still the model it was quantized from, within quantization error
+        original = model(torch.tensor([TOKENS])).logits[0]
+    assert rel_err(a, original) < (0.02 if kw["bits"] == 8 else 0.5)
+
+
+def test_auto_dequantizes_on_the_cpu(folders):
+    _, folder, _ = folders["awq"]
+    assert all(isinstance(layer, Linear) for _, _, layer in layers_of(load_model(folder)))
+
+
+def test_a_group_size_that_does_not_divide_stays_dense(tiny_models, tmp_path, caplog):
+    model, src = tiny_models["llama"]
+    r = quantize_checkpoint(src, tmp_path / "q", group_size=32, fmt="awq", progress=False)   # 32 does not divide 80
+    assert r.not_converted == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert cfg["modules_to_not_convert"] == r.not_converted and cfg["version"] == "gemm"
+    with caplog.at_level("INFO"):
+        kept = load_model(tmp_path / "q", quantization="keep")
+    kinds = {(name, type(layer).__name__) for _, name, layer in layers_of(kept)}
+    assert kinds == {("qkv", "QuantLinear"), ("o", "QuantLinear"), ("gate_up", "QuantLinear"), ("down", "Linear")}
+    assert "6 of 8 projections kept quantized (4-bit group 32: 6); dense: layers.0.mlp.down_proj (stored dense)" \
+        in caplog.text
+    assert rel_err(prefill_logits(kept, TOKENS), prefill_logits(load_model(tmp_path / "q", quantization="none"),
+                                                                 TOKENS)) < 1e-5
+
+
+GGUF_TYPES = {"0.self_attn.q_proj": "Q4_0", "0.self_attn.k_proj": "Q4_0", "0.self_attn.v_proj": "Q4_0",
+              "0.self_attn.o_proj": "Q8_0", "0.mlp.gate_proj": "Q4_1", "0.mlp.up_proj": "Q4_1",
+              "1.self_attn.q_proj": "Q4_1", "1.self_attn.k_proj": "Q8_0", "1.self_attn.v_proj": "Q4_1",
+              "1.mlp.gate_proj": "Q8_0", "1.self_attn.o_proj": "Q4_1"}    # layer 1: mixed fused groups
+
+
+def test_gguf_q4_q8_projections_kept_quantized(tiny_models, tmp_path, caplog):
+    model, _ = tiny_models["llama_tied"]
+    path = write_tiny_gguf(model, tmp_path / "tiny.gguf", GGUF_TYPES)
+    with caplog.at_level("INFO"):
+        kept = load_model(path, quantization="keep")
+    dense = load_model(path, quantization="none")
+    got = {(i, name): (layer.bits, layer.group_size) if isinstance(layer, QuantLinear) else None
+           for i, name, layer in layers_of(kept)}
+    assert got == {(0, "qkv"): (4, 32), (0, "o"): (8, 32), (0, "gate_up"): (4, 32), (0, "down"): None,
+                   (1, "qkv"): None, (1, "o"): (4, 32), (1, "gate_up"): None, (1, "down"): None}
+    assert "layers.1.self_attn.q_proj + layers.1.self_attn.k_proj + layers.1.self_attn.v_proj " \
+           "(fused parts stored 4-bit g32/8-bit g32/4-bit g32)" in caplog.text
+    for (i, name), kind in got.items():
+        if kind is not None:       # q/k rows un-permuted exactly as the dense path does
+            layer = getattr(kept.model.weights.layers[i], name)
+            assert torch.equal(layer.dequantize(), getattr(dense.model.weights.layers[i], name).weight)
+    assert kept.fingerprint == dense.fingerprint
+    assert rel_err(prefill_logits(kept, TOKENS), prefill_logits(dense, TOKENS)) < 1e-5

@@ -1,0 +1,76 @@
+"""`loraplex quantize` writes folders the engine loads back kept quantized; `--quantization` reaches the
+compute service from `loraplex compute` (flag and LORAPLEX_QUANTIZATION) and from `loraplex serve`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compute_service.config import ComputeConfig
+from compute_service.engine import load_model
+from compute_service.engine.quant_linear import QuantLinear
+from loraplex.cli import main as cli
+from loraplex.settings import SettingsError, settings_from_args
+from quant_helpers import write_tiny_gguf
+
+
+def test_quantize_writes_an_awq_folder_with_a_progress_bar(tiny_models, tmp_path, capsys):
+    _, src = tiny_models["llama"]
+    out = tmp_path / "awq"
+    assert cli.main(["quantize", str(src), str(out), "--format", "awq", "--group-size", "16"]) == 0
+    captured = capsys.readouterr()
+    assert "quantize 4-bit awq" in captured.err and "14/14" in captured.err          # tqdm's bar
+    assert f"wrote awq 4-bit group 16 {out}: 14 projections quantized" in captured.out
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True,
+                                          "version": "gemm", "modules_to_not_convert": None}
+    assert (out / "generation_config.json").is_file()
+    loaded = load_model(out, quantization="keep")
+    assert isinstance(loaded.model.weights.layers[1].down, QuantLinear)
+
+
+def test_quantize_errors_are_clear(tiny_models, tmp_path, capsys):
+    _, src = tiny_models["llama"]
+    assert cli.main(["quantize", str(src), str(tmp_path / "a"), "--format", "awq", "--bits", "8", "--quiet"]) == 1
+    assert "AWQ format holds 4-bit weights only" in capsys.readouterr().err
+    assert cli.main(["quantize", str(tmp_path / "nope"), str(tmp_path / "b"), "--quiet"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert cli.main(["quantize", str(src), str(tmp_path / "full"), "--quiet"]) == 1
+    assert "not empty" in capsys.readouterr().err
+    assert cli.main(["quantize", str(src), str(tmp_path / "c"), "--group-size", "0"]) == 2
+
+
+def test_quantize_reads_gguf_too(tiny_models, tmp_path, capsys):
+    model, _ = tiny_models["llama_tied"]
+    path = write_tiny_gguf(model, tmp_path / "t.gguf", {"0.mlp.up_proj": "Q8_0"})
+    out = tmp_path / "ct8"
+    assert cli.main(["quantize", str(path), str(out), "--bits", "8", "--group-size", "16", "--symmetric",
+                     "--quiet"]) == 0
+    assert "tokenizer: not written" in capsys.readouterr().out       # the tiny GGUF has no vocabulary
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
+    weights = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["symmetric"], weights["group_size"]) == (8, True, 16)
+    kept, source = load_model(out, quantization="keep"), load_model(path)
+    assert isinstance(kept.model.weights.layers[0].qkv, QuantLinear)
+    assert kept.spec.num_heads == source.spec.num_heads and kept.spec.tie_word_embeddings
+    err = (kept.model.weights.layers[0].qkv.dequantize() - source.model.weights.layers[0].qkv.weight).abs().max()
+    assert float(err) < 0.01 * float(source.model.weights.layers[0].qkv.weight.abs().max())
+
+
+def test_quantization_setting_reaches_the_compute_service():
+    assert settings_from_args(ComputeConfig, environ={}).quantization == "auto"
+    assert settings_from_args(ComputeConfig, environ={"LORAPLEX_QUANTIZATION": "keep"}).quantization == "keep"
+    parser = cli.build_parser("compute")
+    args = parser.parse_args(["compute", "--quantization", "none"])
+    assert settings_from_args(ComputeConfig, args, environ={"LORAPLEX_QUANTIZATION": "keep"}).quantization == "none"
+    with pytest.raises(SettingsError, match="quantization"):
+        settings_from_args(ComputeConfig, environ={"LORAPLEX_QUANTIZATION": "int4"})
+    from loraplex.cli.serve import service_args
+
+    _, compute = service_args(cli.build_parser().parse_args(["serve", "--quantization", "keep"]), "")
+    assert compute[compute.index("--quantization") + 1] == "keep"
+    _, compute = service_args(cli.build_parser().parse_args(["serve"]), "")
+    assert "--quantization" not in compute
