@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+from compute_service.adapter_cache.backends import lora_backend_for
+from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
+from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.errors import UnsupportedModelError
 from compute_service.engine.kv_cache import cuda_kv_budget
@@ -45,8 +48,14 @@ def load_sharded(path: str | None, group: TensorParallelGroup,
     return LoadedModel(local, model, whole_fingerprint(spec, get), p, template), spec, shard
 
 
-def build_rank_engine(config: EngineConfig, group: TensorParallelGroup) -> tuple[LLMEngine, ShardedSlots]:
-    """This rank's engine; on rank 0 its runner broadcasts every step to the followers."""
+def build_rank_engine(config: EngineConfig, group: TensorParallelGroup,
+                      service: ComputeConfig | None = None) -> tuple[LLMEngine, ShardedSlots]:
+    """This rank's engine; on rank 0 its runner broadcasts every step to the followers.
+
+    The adapter pool is sized as the engine sizes it (`max_loras` adapters of `max_lora_rank` on every
+    module), or with `service` as the compute service sizes its own (`lora_gpu_cache_bytes`, or a
+    fraction of the memory left after the KV cache), the smallest over the ranks: pools must mirror.
+    """
     if config.torch_device.type != group.device.type:
         raise ValueError(f"engine device {config.device} and the group's {group.device} differ")
     config = dataclasses.replace(config, device=str(group.device))
@@ -54,12 +63,24 @@ def build_rank_engine(config: EngineConfig, group: TensorParallelGroup) -> tuple
         raise UnsupportedModelError("--quantization keep is not supported with tensor parallelism yet: use auto "
                                     "or none, which dequantize a quantized checkpoint's shards to the model dtype")
     loaded, whole_spec, shard = load_sharded(config.model, group, config.torch_dtype)
-    inner, backend = _default_lora(config, loaded.spec, group.device, loaded.model.dtype)
+    if service is None:
+        inner, backend = _default_lora(config, loaded.spec, group.device, loaded.model.dtype)
+    else:
+        inner = PagedAdapterSlots(loaded.spec, config.max_lora_rank, group.device, loaded.model.dtype)
+        backend = lora_backend_for(inner, config.max_num_batched_tokens, config.lora_backend)
     slots = ShardedSlots(inner, whole_spec, shard)
     if config.kv_cache_bytes is None and group.device.type == "cuda":
         budget = cuda_kv_budget(group.device, config.gpu_memory_fraction)
         config = dataclasses.replace(config, kv_cache_bytes=group.min_int(budget))
     engine = LLMEngine(config, loaded, slots=slots, lora_backend=backend)  # type: ignore[arg-type]
+    if service is not None:
+        from compute_service.build import pool_bytes   # build imports this package lazily; no cycle at import
+
+        layout = inner.allocate(group.min_int(pool_bytes(service, group.device)),
+                                service.lora_cache_optimal_adapter_size, service.max_resident_adapters)
+        backend.allocate()
+        log.info("rank %d: adapter pool of %d pages (%.1f MiB), up to %d resident adapters", group.rank,
+                 layout.num_pages, layout.pool_bytes / 2**20, layout.max_slots)
     if group.is_driver and group.world_size > 1:
         engine.runner = DriverRunner(engine.runner, slots, group)  # type: ignore[assignment]
     return engine, slots

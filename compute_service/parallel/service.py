@@ -31,11 +31,11 @@ def _environment(rank: int, world: int, port: int) -> None:
                       MASTER_PORT=str(port))
 
 
-def _follower_main(ecfg: EngineConfig, rank: int, world: int, port: int) -> None:
+def _follower_main(config: ComputeConfig, ecfg: EngineConfig, rank: int, world: int, port: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     _environment(rank, world, port)
     group = init_group(ecfg.torch_device.type, control_timeout_s=IDLE_TIMEOUT_S)
-    engine, slots = build_rank_engine(ecfg, group)
+    engine, slots = build_rank_engine(ecfg, group, config)
     try:
         follow(engine.runner, slots, group)  # type: ignore[arg-type]
     except RuntimeError as e:
@@ -45,7 +45,7 @@ def _follower_main(ecfg: EngineConfig, rank: int, world: int, port: int) -> None
     group.close()
 
 
-def start_group(ecfg: EngineConfig, world: int) -> TensorParallelGroup:
+def start_group(config: ComputeConfig, ecfg: EngineConfig, world: int) -> TensorParallelGroup:
     """Starts ranks 1..world-1 as child processes and joins the group as rank 0."""
     if ecfg.torch_device.type == "cuda" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; this host has "
@@ -54,7 +54,7 @@ def start_group(ecfg: EngineConfig, world: int) -> TensorParallelGroup:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_follower_main, args=(ecfg, r, world, port), daemon=True,
+    procs = [ctx.Process(target=_follower_main, args=(config, ecfg, r, world, port), daemon=True,
                          name=f"loraplex-tp-rank{r}") for r in range(1, world)]
     for p in procs:
         p.start()
@@ -67,8 +67,8 @@ def start_group(ecfg: EngineConfig, world: int) -> TensorParallelGroup:
 def build_rank0_engine(config: ComputeConfig, ecfg: EngineConfig):  # type: ignore[no-untyped-def]
     """Rank 0's engine and slots for the service (followers started, group joined)."""
     ecfg = dataclasses.replace(ecfg, lora_backend="auto")
-    group = start_group(ecfg, config.tensor_parallel_size)
-    engine, slots = build_rank_engine(ecfg, group)
+    group = start_group(config, ecfg, config.tensor_parallel_size)
+    engine, slots = build_rank_engine(ecfg, group, config)
 
     def stop() -> None:
         try:

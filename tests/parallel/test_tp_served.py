@@ -10,11 +10,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_served_tp2_streams_the_single_process_tokens(tmp_path):
-    got, want, codes, output = serve_tp2_and_generate(tmp_path, "cpu")
+    got, want, codes, output, stats = serve_tp2_and_generate(
+        tmp_path, "cpu", extra=("--lora-gpu-cache-bytes", str(4 << 20), "--max-resident-adapters", "3"))
     assert got == {"base": want[0], "lora": want[1]}, output
     assert want[0] != want[1]
     assert codes == [0, 0], output
     assert "tensor parallel group of 2 ranks" in output
+    # the pool is the service's (its byte budget and slot limit), not the engine's max_loras sizing
+    assert 3.5 * 2**20 < stats.adapter_pool_bytes_total <= 4 << 20, stats
+    assert "rank 1: adapter pool of" in output and "up to 3 resident adapters" in output
 
 
 def test_serve_passes_tensor_parallel_size_to_compute():

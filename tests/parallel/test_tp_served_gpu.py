@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_served_tp2_on_two_gpus_captures_graphs_on_every_rank(tmp_path):
-    got, want, codes, output = serve_tp2_and_generate(tmp_path, "cuda", max_tokens=24)
+    got, want, codes, output, _stats = serve_tp2_and_generate(tmp_path, "cuda", max_tokens=24)
     print(output)
     assert got == {"base": want[0], "lora": want[1]}, output[-4000:]
     assert want[0] != want[1]

@@ -18,7 +18,8 @@ PROMPT = [5, 6, 7, 8]
 
 
 def serve_tp2_and_generate(tmp_path: Path, device: str, max_tokens: int = 8, extra: tuple[str, ...] = ()):
-    """(served tokens by request id, reference tokens [base, adapter], exit codes, compute's output)."""
+    """(served tokens by request id, reference tokens [base, adapter], exit codes, compute's output, the
+    service's GetStats after the requests)."""
     folder = save_tiny_llama(tmp_path / "m", 4, 1, seed=7)          # one KV head: replicated on both ranks
     ref = LLMEngine(EngineConfig(model=str(folder), max_model_len=96, kv_cache_bytes=1 << 20, device=device,
                                  dtype="float32", lora_backend="auto" if device == "cuda" else "torch"))
@@ -43,12 +44,12 @@ def serve_tp2_and_generate(tmp_path: Path, device: str, max_tokens: int = 8, ext
                         request_id=rid, input_ids=PROMPT, adapter=ref_,
                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
                     out[rid] = [t async for m in stub.GenerateTokens(req) for t in m.token_ids]
-                return out
+                return out, await stub.GetStats(compute_pb2.GetStatsRequest())
 
-        got = asyncio.run(main())
+        got, stats = asyncio.run(main())
     finally:
         codes = [svc.stop() for svc in (compute, cache) if svc is not None]
     ref.add_adapter("a", adapter)
     p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     want = ref.generate([PROMPT, PROMPT], p, [None, "a"])
-    return got, want, codes, compute.output() if compute is not None else ""
+    return got, want, codes, compute.output() if compute is not None else "", stats
