@@ -8,7 +8,7 @@ bf16. Both engines run in one process, CUDA graphs on.
 1. Kernels: each 8B layer shape at T = 1, 8, 32, 64, 512 rows, the quantized matmul (as QuantLinear runs
    it) against bf16 `F.linear`, each timed as a CUDA graph of calls over enough weight copies to exceed
    the L2 cache (CUDA events, median of replays), with its byte floor (weights + x + out over the
-   measured copy bandwidth). `--sweep` also tries tile/split configs at T <= 64 and records the best.
+   measured copy bandwidth). `--sweep` also tries tile/split configs at T = 1 and 8 and records the best.
 2. Engine: decode TPOT at batch 1/8/32/64 (43-token prompts, 100 output tokens, greedy), base and
    every request its own adapter (rank 16 all modules, rank 64 q/k/v), floor = (layer weights as
    stored + norm + LM head + embedding rows + the distinct adapters + KV at the mean length) / copy
@@ -111,7 +111,7 @@ def kernel_table(dev: torch.device, bw: float, shapes: dict, rows: tuple, sweep:
                     lin.dense_min_tokens = DENSE_MIN_TOKENS
             r["speedup"] = r["bf16_us"] / r["quant_us"]
             r["quant_over_floor"] = r["quant_us"] / r["quant_floor_us"]
-            if sweep and t <= 64 and q_one.use_kernel:
+            if sweep and t <= 8 and q_one.use_kernel:
                 r["sweep"] = sweep_configs(quant, x, n, k, dev, QuantMatmulConfig, quant_matmul)
                 best = min(r["sweep"], key=lambda c: c["us"])
                 r["best_us"], r["best_config"] = best["us"], best["config"]
@@ -126,9 +126,8 @@ def kernel_table(dev: torch.device, bw: float, shapes: dict, rows: tuple, sweep:
 
 def sweep_configs(quant: list, x: torch.Tensor, n: int, k: int, dev: torch.device, config_cls, quant_matmul) -> list:
     t = x.shape[0]
-    block_m = max(16, 1 << (t - 1).bit_length())
     found = []
-    for block_n in (32, 64, 128):
+    for block_n, block_m in [(bn, bm) for bn in (32, 64, 128) for bm in ((1, 16) if t == 1 else (16,))]:
         for split in (1, 2, 4, 8, 16):
             for stages in (3,):
                 cfg = config_cls(block_n, block_m, split, num_warps=4, num_stages=stages)

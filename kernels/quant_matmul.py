@@ -89,26 +89,76 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
             o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             acc += s[:, None] * acc_q + o[:, None] * acc_x
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
-    out_mask = n_mask[:, None] & m_mask[None, :]
+    part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    _write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, T * N, n_mask[:, None] & m_mask[None, :],
+               lock_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+
+
+@triton.jit
+def _write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, pid_k, split_k,
+               SPLIT: tl.constexpr):
+    """out = acc + bias; under split-K via the partials (part_stride apart) and the tile's counter `lock`."""
     if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]            # [BN, BM] of split 0
-        tile_stride = T * N                        # split-K runs only for small T: int32 suffices
-        tl.store(part + pid_k * tile_stride, acc, mask=out_mask)
+        tl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)   # split-K runs only for small T: int32 offsets
         tl.debug_barrier()                         # every thread's partial is stored before the count
-        lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if done == split_k - 1:                    # the last program of this tile reduces it
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if done == split_k - 1:                    # the last program of this tile reduces it, in split order
+            total = tl.zeros_like(acc)
             for s in range(split_k):
-                total += tl.load(part + s * tile_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                total += tl.load(part_ptrs + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
+                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+    """One token row per program (grid axis 1), no tensor cores: a [BLOCK_N, 32] fp32 accumulator takes
+    codes * x elementwise (4 instructions per weight), reduced once at the end."""
+    FIELDS: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = 32 * FIELDS
+    FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
+    pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, 32)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + offs_j[None, :]     # [BN, 32]
+    x_row = x_ptr + m.to(tl.int64) * stride_x + offs_j                                 # [32]
+    acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+    b_lo = pid_k * blocks_per_split
+    b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
+    for b in range(b_lo, b_hi):
+        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
+        for gi in tl.static_range(FIELDS // FPG):
+            acc_q = tl.zeros((BLOCK_N, 32), dtype=tl.float32)                         # q * x per column
+            x_g = tl.zeros((32,), dtype=tl.float32)                                   # x per column
+            for f in tl.static_range(FPG):
+                i = gi * FPG + f
+                k0 = b * BLOCK_K + i * 32
+                if EVEN_K:
+                    xv = tl.load(x_row + k0).to(tl.float32)
+                else:
+                    xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
+                codes = (((words >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
+                acc_q += (codes - 8388608.0) * xv[None, :]
+                x_g += xv
+            g = (b * BLOCK_K + gi * FPG * 32) // GROUP
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += s[:, None] * acc_q + o[:, None] * x_g[None, :]
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    _write_out(tl.sum(acc, axis=1), bias, out_ptr, out_ptr + m.to(tl.int64) * stride_out + offs_n,
+               part_ptr + m.to(tl.int64) * N + offs_n, T * N, n_mask, lock_ptr + m * tl.num_programs(0) + pid_n,
+               pid_k, split_k, SPLIT)
 
 
 def quant_matmul(
@@ -141,8 +191,8 @@ def quant_matmul(
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
     cfg = config
-    if cfg.block_n < 16 or cfg.block_m < 16 or cfg.split_k < 1:
-        raise ValueError(f"bad config {cfg}: blocks must be >= 16, split_k >= 1")
+    if cfg.block_n < 16 or not (cfg.block_m == 1 or cfg.block_m >= 16) or cfg.split_k < 1:
+        raise ValueError(f"bad config {cfg}: block_n >= 16, block_m 1 (one row per program) or >= 16, split_k >= 1")
     num_blocks = w.padded_in_features // block_k(w.bits)
     split = min(cfg.split_k, num_blocks)
     per_split = -(-num_blocks // split)
@@ -155,25 +205,39 @@ def quant_matmul(
             raise ValueError(f"split-K needs int32 zero locks of >= {grid[0] * grid[1]} elements")
     if T == 0 or N == 0:
         return
-    _quant_matmul_kernel[grid](
-        x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
-        partials if split > 1 else out, locks if split > 1 else out,
-        T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split,
-        GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1,
-        HAS_BIAS=bias is not None, EVEN_K=K % block_k(w.bits) == 0, IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
+            partials if split > 1 else out, locks if split > 1 else out,
+            T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
+    even_k = K % block_k(w.bits) == 0
+    if cfg.block_m == 1:
+        _quant_gemv_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
+                                 HAS_BIAS=bias is not None, EVEN_K=even_k,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        _quant_matmul_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
+                                   BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
+                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulConfig:
-    """Tile and split for a shape: decode tiles of 16 tokens split along K until ~2 programs per SM;
-    prefill tiles of 64 tokens by 128 features."""
+    """Tiles and split-K for a shape (from a sweep of the 8B layer shapes on an H100, bench/quant_decode.py).
+
+    One row: the elementwise kernel, 32 features per program, split until ~8 programs per SM. 2-64 rows:
+    the tensor-core kernel with 64-feature tiles, split until ~4 programs per SM (at most 4 splits above
+    16 rows). Prefill rows (> 64): 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
     num_blocks = -(-K // block_k(bits))
+
+    def split_for(tiles: int, per_sm: int, cap: int) -> int:
+        want = -(-per_sm * num_sms // tiles)
+        return max(1, min(1 << (want.bit_length() - 1), cap, max(1, num_blocks // 2)))
+
+    if T == 1:
+        return QuantMatmulConfig(32, 1, split_for(triton.cdiv(N, 32), 8, 16), num_warps=4, num_stages=3)
     if T <= 64:
         block_m = max(16, triton.next_power_of_2(T))
-        block_n = 64
-        tiles = triton.cdiv(N, block_n) * triton.cdiv(T, block_m)
-        split = max(1, min(num_blocks // 2, -(-2 * num_sms // tiles)))
-        return QuantMatmulConfig(block_n, block_m, split, num_warps=4, num_stages=3)
+        tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
+        return QuantMatmulConfig(64, block_m, split_for(tiles, 4, 8 if T <= 16 else 4), num_warps=4, num_stages=3)
     return QuantMatmulConfig(128, 64, 1, num_warps=4, num_stages=3)
 
 

@@ -62,6 +62,9 @@ def test_split_k_and_tiles(bits: int, split: int) -> None:
     cfg = QuantMatmulConfig(block_n=16, block_m=16, split_k=split)
     check(19, 37, 768, bits, 64, torch.float16, True, cfg)
     check(3, 50, 512, bits, 32, torch.float32, False, cfg)
+    row = QuantMatmulConfig(block_n=32, block_m=1, split_k=split)     # the one-row (elementwise) kernel
+    check(1, 37, 768, bits, 128, torch.float16, True, row)
+    check(3, 50, 640, bits, 32, torch.float32, False, row)
 
 
 @pytest.mark.parametrize("bits,group", [(4, 256), (4, 512), (8, 256)])
@@ -142,23 +145,24 @@ def test_gpu_bits_groups_dtypes(bits: int, group: int, dtype: torch.dtype) -> No
 
 
 @pytest.mark.gpu
-def test_gpu_split_k_under_graph_capture() -> None:
+@pytest.mark.parametrize("T", [1, 8])
+def test_gpu_split_k_under_graph_capture(T: int) -> None:
     """A captured split-K launch replays right with new inputs (no host sync, counters reset each time)."""
     gen = torch.Generator().manual_seed(3)
     q, s, o = random_weight(4096, 14336, 4, 128, gen)
     w = pack_quantized(q, s, o, 4, 128)
-    x = torch.randn(8, 14336, device=DEVICE, dtype=torch.bfloat16)
-    out = torch.empty(8, 4096, device=DEVICE, dtype=torch.bfloat16)
-    cfg = pick_config(8, 4096, 14336, 4, 132)
+    x = torch.randn(T, 14336, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(T, 4096, device=DEVICE, dtype=torch.bfloat16)
+    cfg = pick_config(T, 4096, 14336, 4, 132)
     assert cfg.split_k > 1
-    partials = torch.empty(cfg.split_k * 8 * 4096, device=DEVICE)
+    partials = torch.empty(cfg.split_k * T * 4096, device=DEVICE)
     locks = torch.zeros(256, dtype=torch.int32, device=DEVICE)
     quant_matmul(x, w, None, out, cfg, partials, locks)            # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         quant_matmul(x, w, None, out, cfg, partials, locks)
     for _ in range(3):
-        x.copy_(torch.randn(8, 14336, generator=gen).to(DEVICE, torch.bfloat16))
+        x.copy_(torch.randn(T, 14336, generator=gen).to(DEVICE, torch.bfloat16))
         out.fill_(float("nan"))
         graph.replay()
         assert rel_err(out, quant_matmul_ref(x, q, s, o)) < TOL[torch.bfloat16]
