@@ -43,21 +43,22 @@ def test_quantized_tiny_model_serves_base_and_adapter(tmp_path):
                            "--format", "awq", "--group-size", "16", "--quiet"], capture_output=True, text=True,
                           timeout=300)
     assert made.returncode == 0, made.stderr
-    ref = LLMEngine(EngineConfig(model=str(folder), max_model_len=96, kv_cache_bytes=1 << 20, dtype="float32",
-                                 lora_backend="torch", quantization="keep"))
+    limits = {"max_model_len": 96, "kv_cache_bytes": 1 << 20, "dtype": "float32", "quantization": "keep"}
+    ref = LLMEngine(EngineConfig(model=str(folder), lora_backend="torch", **limits))  # type: ignore[arg-type]
     assert isinstance(ref.loaded.model.weights.layers[0].gate_up, QuantLinear)
     zero_kv_cache(ref)
     adapter = random_adapter(ref.spec, (1, 2, 3, 4, 5, 6, 7), 8, seed=3)
-    cache = start_service("cache", ["cache", "--listen", "127.0.0.1:0", "--model", str(folder)])
-    compute = None
+    services: list = []
     try:
-        compute = start_service("compute", [
-            "compute", "--listen", "127.0.0.1:0", "--cache-address", cache.address, "--model", str(folder),
-            "--device", "cpu", "--dtype", "float32", "--quantization", "keep", "--max-model-len", "96",
-            "--kv-cache-bytes", str(1 << 20), "--max-lora-rank", "64"])
-        got = asyncio.run(generate(cache.address, compute.address, adapter))
+        services.append(start_service("cache", ["cache", "--listen", "127.0.0.1:0", "--model", str(folder)]))
+        flags = {"--cache-address": services[0].address, "--model": str(folder), "--device": "cpu",
+                 "--max-lora-rank": "64", **{"--" + k.replace("_", "-"): str(v) for k, v in limits.items()}}
+        services.append(start_service("compute", ["compute", "--listen", "127.0.0.1:0",
+                                                  *[x for kv in flags.items() for x in kv]]))
+        got = asyncio.run(generate(services[0].address, services[1].address, adapter))
     finally:
-        codes = [svc.stop() for svc in (compute, cache) if svc is not None]
+        codes = [svc.stop() for svc in reversed(services)]
+    compute = services[1] if len(services) > 1 else None
     output = compute.output() if compute is not None else ""
     ref.add_adapter("a", adapter)
     want = ref.generate([PROMPT, PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
