@@ -1,14 +1,19 @@
 """Weight-only quantized matmul (W4A16 / W8A16): out = x @ dequant(W).T, reading the packed codes in place.
 
-One kernel for decode and prefill. A program owns a tile of BLOCK_N output features by BLOCK_M tokens and
-a range of K blocks; per K block it loads 32 int32 words per row (`kernels.quant_pack` layout), and for
-each field i dequantizes 32 consecutive codes of one group into registers (code | 0x4B000000 read as a
-float is 2**23 + code, so one subtract makes it a float without a conversion instruction), scales them,
-and accumulates `w_tile @ x_tile.T` with a tensor-core dot in fp32. The tile is computed as out.T
-(features by tokens), so a decode batch of 1-16 tokens is the dot's small side and features fill the
-instruction's large one.
+Two kernels of one family, both reading `kernels.quant_pack`'s layout (per K block, 32 int32 words per
+row; field i of the words holds 32 consecutive codes of one group). A code becomes a float without a
+conversion instruction: code | 0x4B000000 read as a float is 2**23 + code, and one subtract leaves the
+code (small integers are exact in every float dtype). Scales and offsets are applied per group to sums,
+never per weight: s * sum(q * x) + o * sum(x) is w @ x with no multiply or rounding of w.
 
-Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336): SPLIT_K
+- Tensor-core kernel (2+ rows): a program owns BLOCK_N features by BLOCK_M tokens and a range of K blocks;
+  per group it accumulates `codes @ x.T` with dots in fp32 (and sum(x), by a dot with ones for decode
+  tiles, where the tensor cores are idle). The tile is out.T (features by tokens), so a decode batch of
+  2-16 tokens is the dot's small side.
+- One-row kernel (batch-1 decode): no tensor cores; a [BLOCK_N, 32] fp32 accumulator takes codes * x
+  elementwise (about 4 instructions per weight), reduced once at the end.
+
+Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336): split_k
 programs share an output tile, each writes its fp32 partial, bumps the tile's counter, and the program
 that finds itself last sums the partials in a fixed order (deterministic), adds the bias, writes the
 output and resets the counter to zero. No extra launch and no host sync, so it runs inside CUDA graphs;
@@ -57,6 +62,9 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = 32 * FIELDS
     FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
+    # sum_k x per group: a dot with ones rides on idle tensor cores for decode tiles; for wider token tiles
+    # the tensor cores are busy, so x is summed in registers instead.
+    XSUM_DOT: tl.constexpr = BLOCK_M <= 16
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,7 +80,10 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
         for gi in tl.static_range(FIELDS // FPG):                                     # groups in the block
             acc_q = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                    # sum_k q * x
-            acc_x = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                    # sum_k x (every row)
+            if XSUM_DOT:
+                acc_x = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                # sum_k x (every row)
+            else:
+                x_acc = tl.zeros((32, BLOCK_M), dtype=tl.float32)                     # x summed over fields
             for f in tl.static_range(FPG):
                 i = gi * FPG + f
                 k0 = b * BLOCK_K + i * 32
@@ -83,11 +94,17 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
                 codes = (((words >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
                 codes = (codes - 8388608.0).to(xt.dtype)                               # exact small integers
                 acc_q += dot(codes, xt, IEEE)
-                acc_x += dot(ones, xt, IEEE)
+                if XSUM_DOT:
+                    acc_x += dot(ones, xt, IEEE)
+                else:
+                    x_acc += xt.to(tl.float32)
             g = (b * BLOCK_K + gi * FPG * 32) // GROUP
             s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            acc += s[:, None] * acc_q + o[:, None] * acc_x
+            if XSUM_DOT:
+                acc += s[:, None] * acc_q + o[:, None] * acc_x
+            else:
+                acc += s[:, None] * acc_q + o[:, None] * tl.sum(x_acc, axis=0)[None, :]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0

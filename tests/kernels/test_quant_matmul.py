@@ -62,6 +62,7 @@ def test_split_k_and_tiles(bits: int, split: int) -> None:
     cfg = QuantMatmulConfig(block_n=16, block_m=16, split_k=split)
     check(19, 37, 768, bits, 64, torch.float16, True, cfg)
     check(3, 50, 512, bits, 32, torch.float32, False, cfg)
+    check(40, 24, 512, bits, 128, torch.float16, True, QuantMatmulConfig(block_n=32, block_m=32, split_k=split))
     row = QuantMatmulConfig(block_n=32, block_m=1, split_k=split)     # the one-row (elementwise) kernel
     check(1, 37, 768, bits, 128, torch.float16, True, row)
     check(3, 50, 640, bits, 32, torch.float32, False, row)
