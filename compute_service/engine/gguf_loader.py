@@ -53,12 +53,15 @@ class GGUFSource:
     """Tensors by HF name: `source(name)` dequantized to float32, `source.quantized(prefix)` kept quantized
     (Q4_0 / Q4_1 / Q8_0 projections; None for other types, which are dequantized)."""
 
-    format_name = "gguf"
-
     def __init__(self, spec: ModelSpec, by_hf: dict[str, Any]) -> None:
+        from compute_service.engine.quant_formats.gguf import KEPT_TYPES
+
         self._spec = spec
         self._by_hf = by_hf
         self._permute = spec.architecture == "llama"
+        kept = any(int(t.tensor_type) in KEPT_TYPES for name, t in by_hf.items() if name.startswith("model.layers."))
+        # "gguf" when some projection can stay quantized; None (a dense checkpoint) otherwise
+        self.format_name = "gguf" if kept else None
 
     def _heads(self, name: str) -> int | None:
         """Heads whose rows llama.cpp interleaved in this tensor, or None."""

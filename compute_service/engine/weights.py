@@ -28,11 +28,12 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
                   device: torch.device, *, keep_quantized: bool = False) -> tuple[ModelWeights, str]:
     """Reads every tensor through `get`, fuses q/k/v and gate/up, casts; returns (weights, fingerprint)."""
     hasher = _Fingerprint(spec)
-    quantized = getattr(get, "quantized", None) if keep_quantized else None
+    fmt = getattr(get, "format_name", None)       # set by sources of quantized checkpoints
+    quantized = getattr(get, "quantized", None) if keep_quantized and fmt else None
     summary = None
     if quantized is not None:
         from compute_service.engine.quant_formats.summary import QuantSummary
-        summary = QuantSummary(getattr(get, "format_name", "quantized"))
+        summary = QuantSummary(fmt)
 
     def need(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = get(name)

@@ -118,3 +118,12 @@ def test_gguf_q4_q8_projections_kept_quantized(tiny_models, tmp_path, caplog):
             assert torch.equal(layer.dequantize(), getattr(dense.model.weights.layers[i], name).weight)
     assert kept.fingerprint == dense.fingerprint
     assert rel_err(prefill_logits(kept, TOKENS), prefill_logits(dense, TOKENS)) < 1e-5
+
+
+def test_a_dense_gguf_is_not_reported_as_quantized(tiny_models, tmp_path, caplog):
+    model, _ = tiny_models["llama_tied"]
+    path = write_tiny_gguf(model, tmp_path / "f32.gguf", {})
+    with caplog.at_level("INFO"):
+        loaded = load_model(path, quantization="keep")
+    assert all(isinstance(layer, Linear) for _, _, layer in layers_of(loaded))
+    assert "quantized" not in caplog.text

@@ -190,3 +190,13 @@ def test_quantization_modes():
     assert keeps_quantized("keep", cpu) and not keeps_quantized("none", cuda)
     with pytest.raises(ValueError, match="quantization"):
         keeps_quantized("int4", cpu)
+
+
+def test_gptq_per_channel_group_minus_one():
+    q, z = random_codes(4, (N, K), 17), random_codes(4, (N, 1), 18)
+    s = random_scales((N, 1), 19)
+    raw = {"p.qweight": torch.from_numpy(hand_pack(q.numpy(), 4)).t().contiguous(),
+           "p.qzeros": torch.from_numpy(hand_pack(z.t().numpy(), 4)),
+           "p.scales": s.t().contiguous()}
+    qw = gptq.reader({"bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"}, raw.get)("p")
+    assert qw.group_size == K and torch.equal(qw.dequantize(), want_weight(q, s, z))
