@@ -127,3 +127,38 @@ def test_a_dense_gguf_is_not_reported_as_quantized(tiny_models, tmp_path, caplog
         loaded = load_model(path, quantization="keep")
     assert all(isinstance(layer, Linear) for _, _, layer in layers_of(loaded))
     assert "quantized" not in caplog.text
+
+
+@pytest.mark.parametrize("name", ["ct4-sym", "ct8-asym"])
+def test_compressed_tensors_own_reader_reads_our_folders(folders, name):
+    """compressed-tensors' decompressor (and, for the symmetric folder, transformers' loader through it)
+    reads what `loraplex quantize` wrote as the weights we load."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+
+    model, folder, kw = folders[name]
+    cfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+    args = QuantizationArgs(**cfg["config_groups"]["group_0"]["weights"])
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    stored = load_file(str(folder / "model.safetensors"))
+    kept = load_model(folder, quantization="keep")
+    for prefix in projection_weights(model):
+        part = {k.removeprefix(prefix + "."): v for k, v in stored.items() if k.startswith(prefix + ".weight_")}
+        theirs = PackedQuantizationCompressor.decompress(part, scheme)["weight"].float()
+        i, proj = int(prefix.split(".")[2]), prefix.split(".")[-1]
+        layer = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+                 "up_proj": "gate_up", "down_proj": "down"}[proj]
+        ours = getattr(kept.model.weights.layers[i], layer).dequantize()
+        start = {"k_proj": kept.spec.q_size, "v_proj": kept.spec.q_size + kept.spec.kv_size,
+                 "up_proj": kept.spec.intermediate_size}.get(proj, 0)
+        ours = ours[start: start + theirs.shape[0]]
+        assert torch.allclose(ours, theirs, rtol=0, atol=float(theirs.abs().max()) * 2 ** -9), prefix
+    if kw["symmetric"]:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        with torch.no_grad():
+            ref = hf(torch.tensor([TOKENS])).logits[0]
+        assert rel_err(prefill_logits(kept, TOKENS), ref) < 1e-4
