@@ -20,7 +20,6 @@ from compute_service.adapter_cache.backends import lora_backend_for
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
-from compute_service.engine.errors import UnsupportedModelError
 from compute_service.engine.llm_engine import LLMEngine
 from compute_service.engine.loader import LoadedModel, load_model
 from compute_service.runner import EngineRunner
@@ -101,9 +100,6 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
     device = resolve_device(config.device)
     ecfg = engine_config(config, device)
     if config.tensor_parallel_size > 1:
-        if config.quantization == "keep":
-            raise UnsupportedModelError("--quantization keep is not supported with tensor parallelism yet: use "
-                                        "auto or none, which dequantize a quantized checkpoint's shards")
         return _tensor_parallel_runtime(config, fetch, ecfg, device)
     if loaded is None:
         loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device, quantization=ecfg.quantization)

@@ -12,11 +12,11 @@ from compute_service.adapter_cache.backends import lora_backend_for
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
-from compute_service.engine.errors import UnsupportedModelError
 from compute_service.engine.kv_cache import cuda_kv_budget
 from compute_service.engine.llm_engine import LLMEngine, _default_lora
 from compute_service.engine.loader import LoadedModel, default_model_path, read_model_source
 from compute_service.engine.model import LlamaModel
+from compute_service.engine.quant_formats import keeps_quantized
 from compute_service.engine.spec import ModelSpec
 from compute_service.engine.weights import build_weights
 from compute_service.parallel.group import TensorParallelGroup
@@ -26,19 +26,18 @@ from compute_service.parallel.shard import Shard, local_spec, shard_for, sharded
 log = logging.getLogger(__name__)
 
 
-def load_sharded(path: str | None, group: TensorParallelGroup,
-                 dtype: torch.dtype) -> tuple[LoadedModel, ModelSpec, Shard]:
+def load_sharded(path: str | None, group: TensorParallelGroup, dtype: torch.dtype,
+                 quantization: str = "auto") -> tuple[LoadedModel, ModelSpec, Shard]:
     """The rank's slices of a HF safetensors folder or a GGUF file (each rank keeps only its slices;
-    it reads one whole tensor at a time, then drops the rest)."""
+    it reads one whole tensor at a time, then drops the rest). A quantized checkpoint's shards stay
+    quantized as `quantization` says (see `quant_formats`)."""
     p = default_model_path() if path is None else Path(path)
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)
-    if getattr(get, "format_name", None) and group.rank == 0:
-        log.info("%s checkpoint dequantized to %s: tensor-parallel shards are dense", get.format_name,
-                 str(dtype).removeprefix("torch."))
     shard = shard_for(spec, group.world_size, group.rank)
     local = local_spec(spec, shard)
-    weights, _ = build_weights(local, sharded_source(spec, shard, get), dtype, group.device)
+    keep = keeps_quantized(quantization, group.device)
+    weights, _ = build_weights(local, sharded_source(spec, shard, get), dtype, group.device, keep_quantized=keep)
     model = LlamaModel(local, weights, spec.max_position_embeddings)
     if group.world_size > 1:
         model.all_reduce = group.all_reduce
@@ -59,10 +58,7 @@ def build_rank_engine(config: EngineConfig, group: TensorParallelGroup,
     if config.torch_device.type != group.device.type:
         raise ValueError(f"engine device {config.device} and the group's {group.device} differ")
     config = dataclasses.replace(config, device=str(group.device))
-    if config.quantization == "keep" and group.world_size > 1:
-        raise UnsupportedModelError("--quantization keep is not supported with tensor parallelism yet: use auto "
-                                    "or none, which dequantize a quantized checkpoint's shards to the model dtype")
-    loaded, whole_spec, shard = load_sharded(config.model, group, config.torch_dtype)
+    loaded, whole_spec, shard = load_sharded(config.model, group, config.torch_dtype, config.quantization)
     if service is None:
         inner, backend = _default_lora(config, loaded.spec, group.device, loaded.model.dtype)
     else:

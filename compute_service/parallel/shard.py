@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from compute_service.engine.errors import ModelLoadError
+from compute_service.engine.quantized import QuantizedWeight
 from compute_service.engine.spec import ModelSpec
 from compute_service.engine.weights import TensorSource, _Fingerprint
 
@@ -60,6 +61,9 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
     Row-parallel biases (o, down) are added once, after the all-reduce: rank 0 keeps them, the
     others read zeros. A source with `rows(name, a, b)` / `columns(name, a, b)` (safetensors) is
     read a slice at a time; others (GGUF, dequantized at load) are read whole, then sliced.
+    A source of a quantized checkpoint (`quantized(prefix)`, see `quant_formats/source.py`) keeps
+    that view too, sliced the same way: whole rows of codes, or whole groups of in features (a
+    column range that cuts a group gives None, and the projection is read dense).
     """
     rows = {"q_proj": shard.q, "k_proj": shard.kv, "v_proj": shard.kv, "gate_proj": shard.inter,
             "up_proj": shard.inter}
@@ -87,6 +91,25 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
         t = get(name)
         return None if t is None else t[:, a:b]
 
+    quantized = getattr(get, "quantized", None)
+
+    def local_quantized(prefix: str) -> QuantizedWeight | None:
+        qw = quantized(prefix) if quantized is not None else None
+        proj = prefix.split(".")[-1]
+        if qw is None or not prefix.startswith("model.layers."):
+            return qw
+        if proj in rows:
+            return qw.rows(*rows[proj])
+        a, b = cols[proj]
+        g = qw.group_size
+        if a % g or b % g:
+            return None
+        return QuantizedWeight(qw.q[:, a:b].contiguous(), qw.scales[:, a // g: b // g].contiguous(),
+                               qw.offsets[:, a // g: b // g].contiguous(), qw.bits, g)
+
+    if quantized is not None:
+        local.quantized = local_quantized                       # type: ignore[attr-defined]
+        local.format_name = getattr(get, "format_name", None)   # type: ignore[attr-defined]
     return local
 
 
