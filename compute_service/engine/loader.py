@@ -85,7 +85,8 @@ def _log_quantization_choice(get: Any, mode: str, keep: bool, device: torch.devi
         log.info("%s checkpoint kept quantized on the CPU (--quantization keep): every projection is dequantized "
                  "on each call, a slow reference path", fmt)
     elif not keep:
-        why = "--quantization none" if mode == "none" else "--quantization auto on the CPU; keep holds it quantized"
+        why = ("--quantization none" if mode == "none" else
+               "--quantization auto on the CPU; keep holds it quantized there, a slow reference path")
         log.info("%s checkpoint: quantized projections dequantized to %s (%s)", fmt,
                  str(dtype).removeprefix("torch."), why)
 

@@ -73,9 +73,13 @@ def test_loads_kept_quantized_with_the_written_codes(folders, name):
     assert rel_err(a, original) < (0.02 if kw["bits"] == 8 else 0.5)
 
 
-def test_auto_dequantizes_on_the_cpu(folders):
+def test_auto_dequantizes_on_the_cpu(folders, caplog):
     _, folder, _ = folders["awq"]
-    assert all(isinstance(layer, Linear) for _, _, layer in layers_of(load_model(folder)))
+    with caplog.at_level("INFO"):
+        loaded = load_model(folder)
+    assert all(isinstance(layer, Linear) for _, _, layer in layers_of(loaded))
+    assert "awq checkpoint: quantized projections dequantized to float32 (--quantization auto on the CPU" \
+        in caplog.text
 
 
 def test_a_group_size_that_does_not_divide_stays_dense(tiny_models, tmp_path, caplog):
