@@ -23,6 +23,7 @@ For large T, `dequantize_packed` writes the dense weight once so a library GEMM 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,8 @@ def _dequant_field(words, s_ptr, o_ptr, g, N, offs_n, n_mask, i: tl.constexpr, B
 def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                          T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                         FENCE: tl.constexpr):
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = 32 * FIELDS
     FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
@@ -111,20 +113,33 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     _write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, T * N, n_mask[:, None] & m_mask[None, :],
-               lock_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT)
+               lock_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT, FENCE)
+
+
+@triton.jit
+def _fence(t):
+    """Every thread holding part of `t` runs a GPU-scope fence (a no-op in Triton's interpreter, which runs
+    programs one after another): its partial stores are visible GPU-wide before the tile's count moves,
+    and the last program's loads of the partials happen after it saw the count."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r", [t.to(tl.int32, bitcast=True)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, pid_k, split_k,
-               SPLIT: tl.constexpr):
+               SPLIT: tl.constexpr, FENCE: tl.constexpr):
     """out = acc + bias; under split-K via the partials (part_stride apart) and the tile's counter `lock`."""
     if not SPLIT:
         tl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)   # split-K runs only for small T: int32 offsets
+        if FENCE:
+            _fence(acc)
         tl.debug_barrier()                         # every thread's partial is stored before the count
         done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if done == split_k - 1:                    # the last program of this tile reduces it, in split order
+            if FENCE:
+                _fence(acc)
             total = tl.zeros_like(acc)
             for s in range(split_k):
                 total += tl.load(part_ptrs + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
@@ -136,7 +151,7 @@ def _write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock,
 def _quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                        T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                        GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr):
     """One token row per program (grid axis 1), no tensor cores: a [BLOCK_N, 32] fp32 accumulator takes
     codes * x elementwise (4 instructions per weight), reduced once at the end."""
     FIELDS: tl.constexpr = 32 // BITS
@@ -175,7 +190,7 @@ def _quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, 
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     _write_out(tl.sum(acc, axis=1), bias, out_ptr, out_ptr + m.to(tl.int64) * stride_out + offs_n,
                part_ptr + m.to(tl.int64) * N + offs_n, T * N, n_mask, lock_ptr + m * tl.num_programs(0) + pid_n,
-               pid_k, split_k, SPLIT)
+               pid_k, split_k, SPLIT, FENCE)
 
 
 def quant_matmul(
@@ -226,14 +241,15 @@ def quant_matmul(
             partials if split > 1 else out, locks if split > 1 else out,
             T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
     even_k = K % block_k(w.bits) == 0
+    fence = os.environ.get("TRITON_INTERPRET", "0") != "1"
     if cfg.block_m == 1:
         _quant_gemv_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
-                                 HAS_BIAS=bias is not None, EVEN_K=even_k,
+                                 HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=fence,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         _quant_matmul_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
                                    BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
-                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32,
+                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=fence,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
