@@ -7,8 +7,7 @@ code (small integers are exact in every float dtype). Scales and offsets are app
 never per weight: s * sum(q * x) + o * sum(x) is w @ x with no multiply or rounding of w.
 
 - Tensor-core kernel (2+ rows): a program owns BLOCK_N features by BLOCK_M tokens and a range of K blocks;
-  per group it accumulates `codes @ x.T` with dots in fp32 (and sum(x), by a dot with ones for decode
-  tiles, where the tensor cores are idle). The tile is out.T (features by tokens), so a decode batch of
+  per group it accumulates `codes @ x.T` and sum(x) (a dot with ones) with dots in fp32. The tile is out.T (features by tokens), so a decode batch of
   2-16 tokens is the dot's small side.
 - One-row kernel (batch-1 decode): no tensor cores; a [BLOCK_N, 32] fp32 accumulator takes codes * x
   elementwise (about 4 instructions per weight), reduced once at the end.
@@ -64,9 +63,8 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = 32 * FIELDS
     FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
-    # sum_k x per group: a dot with ones rides on idle tensor cores for decode tiles; for wider token tiles
-    # the tensor cores are busy, so x is summed in registers instead.
-    XSUM_DOT: tl.constexpr = BLOCK_M <= 16
+    # sum_k x per group by a dot with ones: summing x in registers instead measured slower on an H100 even
+    # at 64-token tiles (the layout change of the sums costs more than the extra tensor-core work).
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -82,10 +80,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
         for gi in tl.static_range(FIELDS // FPG):                                     # groups in the block
             acc_q = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                    # sum_k q * x
-            if XSUM_DOT:
-                acc_x = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                # sum_k x (every row)
-            else:
-                x_acc = tl.zeros((32, BLOCK_M), dtype=tl.float32)                     # x summed over fields
+            acc_x = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                    # sum_k x (every row)
             for f in tl.static_range(FPG):
                 i = gi * FPG + f
                 k0 = b * BLOCK_K + i * 32
@@ -96,17 +91,11 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
                 codes = (((words >> (BITS * i)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
                 codes = (codes - 8388608.0).to(xt.dtype)                               # exact small integers
                 acc_q += dot(codes, xt, IEEE)
-                if XSUM_DOT:
-                    acc_x += dot(ones, xt, IEEE)
-                else:
-                    x_acc += xt.to(tl.float32)
+                acc_x += dot(ones, xt, IEEE)
             g = (b * BLOCK_K + gi * FPG * 32) // GROUP
             s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            if XSUM_DOT:
-                acc += s[:, None] * acc_q + o[:, None] * acc_x
-            else:
-                acc += s[:, None] * acc_q + o[:, None] * tl.sum(x_acc, axis=0)[None, :]
+            acc += s[:, None] * acc_q + o[:, None] * acc_x
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0
