@@ -7,8 +7,8 @@ code (small integers are exact in every float dtype). Scales and offsets are app
 never per weight: s * sum(q * x) + o * sum(x) is w @ x with no multiply or rounding of w.
 
 - Tensor-core kernel (2+ rows): a program owns BLOCK_N features by BLOCK_M tokens and a range of K blocks;
-  per group it accumulates `codes @ x.T` and sum(x) (a dot with ones) with dots in fp32. The tile is out.T (features by tokens), so a decode batch of
-  2-16 tokens is the dot's small side.
+  per group it accumulates `codes @ x.T` and sum(x) (a dot with ones) with dots in fp32. The tile is
+  out.T (features by tokens), so a decode batch of 2-16 tokens is the dot's small side.
 - One-row kernel (batch-1 decode): no tensor cores; a [BLOCK_N, 32] fp32 accumulator takes codes * x
   elementwise (about 4 instructions per weight), reduced once at the end.
 
