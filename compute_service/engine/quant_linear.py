@@ -11,8 +11,8 @@ tokens and more, dequantizes the weight once into a temporary and runs a library
 which is faster there. Nothing in a call syncs with the host, so decode steps capture
 into CUDA graphs. `qweight` and `dequantize()` rebuild the canonical form from the packed one.
 
-CPU: dequantize-then-matmul on every call (the reference path; slow, meant for tests
-and small models). `use_kernel=True` runs the packed path on CPU too (Triton's
+CPU (and CUDA for a group size the packed layout cannot hold, e.g. 16 or 96):
+dequantize-then-matmul on every call (the reference path; slow, meant for tests and small models). `use_kernel=True` runs the packed path on CPU too (Triton's
 interpreter, for tests).
 """
 from __future__ import annotations
@@ -35,6 +35,8 @@ class QuantLinear:
         self.device = torch.device(device)
         self.bias = None if bias is None else bias.to(self.device).contiguous()
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
+        if self.use_kernel and use_kernel is None and not _packable(qweight):
+            self.use_kernel = False     # a group size the packed layout cannot hold: dequantize per call
         self.dense_min_tokens = dense_min_tokens
         self._bits, self._group_size = qweight.bits, qweight.group_size
         self._shape = qweight.shape
@@ -116,3 +118,15 @@ class QuantLinear:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)
         quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks)
         return out.view(*lead, n)
+
+
+def _packable(qw: QuantizedWeight) -> bool:
+    """Whether the kernel's packed layout holds this weight (group size a multiple of 32 that divides, or is
+    a multiple of, the 256/128-wide packed block)."""
+    from kernels.quant_pack import check_packable
+
+    try:
+        check_packable(*qw.shape, qw.bits, qw.group_size)
+    except ValueError:
+        return False
+    return True

@@ -68,6 +68,24 @@ def test_nbytes_counts_packed_bytes(use_kernel: bool) -> None:
     assert lin.nbytes < torch.empty(n, k, dtype=torch.bfloat16).nbytes / 3
 
 
+def test_group_sizes_the_packed_layout_cannot_hold() -> None:
+    qw = quantize_rtn(torch.randn(8, 192), 4, 96)
+    with pytest.raises(ValueError, match="group size"):
+        QuantLinear(qw, None, torch.device("cpu"), use_kernel=True)
+    lin = QuantLinear(qw, None, torch.device("cpu"))
+    assert not lin.use_kernel and torch.equal(lin.dequantize(), qw.dequantize())
+
+
+@pytest.mark.gpu
+def test_gpu_unpackable_group_size_dequantizes_per_call() -> None:
+    dev = torch.device("cuda")
+    qw = quantize_rtn(torch.randn(32, 192, device=dev), 4, 96)
+    lin = QuantLinear(qw, None, dev)
+    assert not lin.use_kernel
+    x = torch.randn(3, 192, device=dev)
+    assert torch.equal(lin(x), F.linear(x, qw.dequantize(torch.float32)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("bits", [4, 8])
