@@ -91,9 +91,9 @@ def unpack_quantized(p: PackedQuantWeight) -> tuple[torch.Tensor, torch.Tensor, 
     """(q uint8 [N, K], scales float16 [N, K // G], offsets float16 [N, K // G]): `pack_quantized`'s inverse."""
     n, k, bits = p.out_features, p.in_features, p.bits
     fields = 32 // bits
-    words = p.words.to(torch.int64).view(n, -1, 1, SUB_K) & 0xFFFFFFFF    # [n, block, 1, 32]
-    shifts = (torch.arange(fields, device=words.device, dtype=torch.int64) * bits).view(1, 1, fields, 1)
-    codes = ((words >> shifts) & (2**bits - 1)).view(n, -1)[:, :k]        # [n, K]
+    words = p.words.view(n, -1, 1, SUB_K)                                 # [n, block, 1, 32] int32
+    shifts = (torch.arange(fields, device=words.device, dtype=torch.int32) * bits).view(1, 1, fields, 1)
+    codes = ((words >> shifts) & (2**bits - 1)).view(n, -1)[:, :k]        # [n, K]; the mask drops sign bits
     ng = k // p.group_size
     return (codes.to(torch.uint8).contiguous(), p.scales[:ng].t().contiguous(),
             p.offsets[:ng].t().contiguous())
