@@ -70,12 +70,16 @@ def pack_quantized(q: torch.Tensor,         # uint8 [N, K], codes in [0, 2**bits
     check_packable(n, k, bits, group_size)
     fields, blk = 32 // bits, block_k(bits)
     kp = -(-k // blk) * blk
-    codes = torch.zeros(n, kp, dtype=torch.int64, device=q.device)
-    codes[:, :k] = q
-    codes = codes.view(n, kp // blk, fields, SUB_K)                        # [n, block, field i, word j]
     shifts = (torch.arange(fields, device=q.device, dtype=torch.int64) * bits).view(1, 1, fields, 1)
-    words = (codes << shifts).sum(dim=2)                                   # [n, block, 32], in [0, 2**32)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = torch.empty(n, kp * bits // 32, dtype=torch.int32, device=q.device)
+    rows = max(1, 2**26 // kp)                  # int64 temporaries of at most 512 MiB per chunk of rows
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        codes = torch.zeros(r1 - r0, kp, dtype=torch.int64, device=q.device)
+        codes[:, :k] = q[r0:r1]
+        codes = codes.view(r1 - r0, kp // blk, fields, SUB_K)              # [rows, block, field i, word j]
+        w = (codes << shifts).sum(dim=2)                                   # [rows, block, 32], in [0, 2**32)
+        words[r0:r1] = torch.where(w >= 2**31, w - 2**32, w).view(r1 - r0, -1).to(torch.int32)
     num_groups = -(-kp // group_size)
 
     def transpose_padded(t: torch.Tensor) -> torch.Tensor:
@@ -83,8 +87,7 @@ def pack_quantized(q: torch.Tensor,         # uint8 [N, K], codes in [0, 2**bits
         out[: t.shape[1]] = t.t()
         return out
 
-    return PackedQuantWeight(words.view(n, -1).contiguous(), transpose_padded(scales), transpose_padded(offsets),
-                             bits, group_size, k)
+    return PackedQuantWeight(words, transpose_padded(scales), transpose_padded(offsets), bits, group_size, k)
 
 
 def unpack_quantized(p: PackedQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
