@@ -38,7 +38,7 @@ def check(T: int, N: int, K: int, bits: int, group: int, dtype: torch.dtype, has
     cfg = config or pick_config(T, N, K, bits, num_sms=4 if DEVICE == "cpu" else 132)
     out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
     partials = torch.full((cfg.split_k * T * N,), float("nan"), device=DEVICE)
-    locks = torch.zeros(256, dtype=torch.int32, device=DEVICE)
+    locks = torch.zeros(4 * -(-N // 16), dtype=torch.int32, device=DEVICE)    # one per tile, as QuantLinear
     quant_matmul(x, w, bias, out, cfg, partials, locks)
     err = rel_err(out, quant_matmul_ref(x, q, s, o, bias))
     assert err < TOL[dtype], f"rel err {err} (T={T} N={N} K={K} bits={bits} G={group} {dtype} {cfg})"
