@@ -176,6 +176,11 @@ class PagedAdapterSlots:
         self._make_replaceable(key)
         return self._load_now(key, self.stage_adapter(key, adapter))
 
+    def load_staged(self, key: str, staged: Uploaded) -> int:
+        """`load` of an adapter staged earlier by `stage_adapter` (on another thread)."""
+        self._make_replaceable(key)
+        return self._load_now(key, staged)
+
     def load_rows(self, key: str, rows: list[Row]) -> int:
         """Synchronous load of (module_id, layer, rank, A [r, in], B [out, r]) rows, on the pool's device
         or the host (benchmarks build adapters on the GPU); checked like `load`."""

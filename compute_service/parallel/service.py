@@ -73,6 +73,7 @@ def build_rank0_engine(config: ComputeConfig, ecfg: EngineConfig):  # type: igno
     def stop() -> None:
         try:
             engine.runner.stop()             # type: ignore[attr-defined]
+            engine.runner.close()            # type: ignore[attr-defined]
             release_graphs(engine.runner.inner)  # type: ignore[attr-defined]
             group.close()
         except RuntimeError as e:

@@ -2,6 +2,8 @@
 an adapter request stream the same tokens as the single-process engine; stopping ends every rank."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tp_served import serve_tp2_and_generate
@@ -19,6 +21,10 @@ def test_served_tp2_streams_the_single_process_tokens(tmp_path):
     # the pool is the service's (its byte budget and slot limit), not the engine's max_loras sizing
     assert 3.5 * 2**20 < stats.adapter_pool_bytes_total <= 4 << 20, stats
     assert "rank 1: adapter pool of" in output and "up to 3 resident adapters" in output
+    # the follower staged every adapter (the warm-up's and the request's) when rank 0 did, none on the
+    # step that first used it
+    ahead = re.search(r"rank 1: stop after \d+ steps \(adapters: (\d+) staged ahead, 0 sent whole", output)
+    assert ahead is not None and int(ahead.group(1)) >= 1, output
 
 
 def test_serve_passes_tensor_parallel_size_to_compute():
