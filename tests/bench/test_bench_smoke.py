@@ -1,0 +1,38 @@
+"""The GPU benchmarks' own CPU modes run end to end and write their results (the scripts keep working)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+
+
+def test_quant_decode_smoke(tmp_path):
+    out = tmp_path / "q.json"
+    proc = _run(["bench/quant_decode.py", "--smoke", "--commit", "test", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == [] and res["commit"] == "test"
+    assert set(res["goals"]) >= {"b1_speedup", "b64_speedup", "multi_lora_over_floor"}
+
+
+def test_tp_decode_tiny_over_gloo(tmp_path):
+    out = tmp_path / "tp.json"
+    proc = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "bench/tp_decode.py", "--tiny",
+                 "--skip-70b", "--batches", "1,4", "--commit", "test", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == [] and res["all_reduce"] == "gloo"
+    assert set(res["configs"]) == {"8b_tp1", "8b_tp2"}
+    assert res["tp2_over_tp1_8b"]["base"]["1"]["tpot"] > 0
