@@ -179,20 +179,39 @@ class AccessControl:
 
     def __init__(self, entries: Sequence[KeyEntry], limits: Limits = Limits(),
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._by_hash: dict[str, _Key] = {}
-        self._by_name: dict[str, _Key] = {}
         self._clock = clock
+        self._limits = limits
         self._lock = threading.Lock()
+        self._by_hash, self._by_name = self._build(entries, {})
+
+    def _build(self, entries: Sequence[KeyEntry], old: dict[str, _Key]) -> tuple[dict[str, _Key], dict[str, _Key]]:
+        """Keys by hash and by name; a key already in `old` (same hash) keeps its bucket and open streams."""
+        by_hash: dict[str, _Key] = {}
+        by_name: dict[str, _Key] = {}
+        limits = self._limits
         for e in entries:
-            if e.name in self._by_name or e.key_hash in self._by_hash:
+            if e.name in by_name or e.key_hash in by_hash:
                 raise SettingsError(f"api key {e.name!r}: its name or its key appears twice")
             rate = limits.rate if e.rate is None else e.rate
             burst = limits.burst if e.burst is None else e.burst
             burst = burst or max(1, math.ceil(rate))
             key = _Key(Principal(e.name, e.adapters, e.manage), rate, burst,
                        limits.max_streams if e.max_streams is None else e.max_streams)
-            key.usage = _Usage(float(burst), clock())
-            self._by_hash[e.key_hash] = self._by_name[e.name] = key
+            kept = old.get(e.key_hash)
+            key.usage = kept.usage if kept is not None else _Usage(float(burst), self._clock())
+            by_hash[e.key_hash] = by_name[e.name] = key
+        return by_hash, by_name
+
+    def replace(self, entries: Sequence[KeyEntry]) -> None:
+        """Swaps in a new set of keys (a reload): calls that come after see only these; streams already
+        open finish under the key they started with; a key that stays keeps its rate bucket. Refuses
+        (SettingsError) an empty set while keys are in force: that would open the gateway to anyone."""
+        if self.enabled and not entries:
+            raise SettingsError("the reloaded key set is empty: refusing to open the gateway to anyone "
+                                "(restart without keys to run it open)")
+        by_hash, by_name = self._build(entries, self._by_hash)
+        with self._lock:
+            self._by_hash, self._by_name = by_hash, by_name
 
     @property
     def enabled(self) -> bool:
@@ -357,6 +376,20 @@ def access_from_config(config: Any) -> AccessControl:
     """The gateway's AccessControl: `api_keys_file` entries and `api_keys` (env) keys, with its limits."""
     entries = load_keys(config.api_keys_file, config.api_keys)
     return AccessControl(entries, Limits(config.api_key_rate, config.api_key_burst, config.api_key_max_streams))
+
+
+def reload_keys(access: AccessControl, config: Any) -> bool:
+    """Reads the key file (and LORAPLEX_API_KEYS as started) again into `access` (on SIGHUP). A file that
+    does not load, or an empty set while keys are in force, leaves the keys as they were; logged either way."""
+    try:
+        entries = load_keys(config.api_keys_file, config.api_keys)
+        access.replace(entries)
+    except (SettingsError, OSError, ValueError) as e:
+        log.error("API keys not reloaded, the previous %d stay in force: %s", len(access.key_names()), e)
+        return False
+    log.info("API keys reloaded from %s: %d key(s) (%s)", config.api_keys_file or "the environment",
+             len(access.key_names()), ", ".join(access.key_names()))
+    return True
 
 
 def is_loopback(address: str) -> bool:

@@ -7,7 +7,9 @@ Connections to the cache and compute services are lazy: the gateway starts
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 from typing import Any
 
 import grpc
@@ -19,7 +21,7 @@ from loraplex.serving import run_server
 from loraplex.v1 import gateway_pb2_grpc
 from gateway import metrics
 from gateway.adapters import AdapterResolver, AdapterStore
-from gateway.auth import AuthInterceptor, access_from_config, http_guard, warn_if_exposed
+from gateway.auth import AuthInterceptor, access_from_config, http_guard, reload_keys, warn_if_exposed
 from gateway.config import GatewayConfig
 from gateway.http.app import HttpServer, http_server_for
 from gateway.requests import PromptCodec
@@ -64,6 +66,8 @@ async def serve(config: GatewayConfig) -> None:
         print(f"gateway http listening on {http.bind()}", flush=True)
 
     async def started(port: int) -> None:
+        # `kill -HUP`: the key file is read again (revoked keys stop working, new ones start; no restart)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, access, config)
         if http is not None:
             await http.start()
 
