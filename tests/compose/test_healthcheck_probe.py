@@ -4,10 +4,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from loraplex.procs import start_service
+from loraplex.procs import spawn_service, start_service, wait_listening
 
 from compose_files import ROOT
 
@@ -41,3 +42,46 @@ def test_probe_follows_the_service_state(free_port):
 def test_probe_without_an_address_says_what_to_set():
     out = probe()
     assert out.returncode != 0 and "LORAPLEX_LISTEN" in out.stderr
+
+
+@pytest.mark.slow
+def test_probe_speaks_tls_and_mutual_tls_as_the_gateway_does(tmp_path):
+    from tls_pki import make_pki
+
+    pki = make_pki(tmp_path)
+    cache = start_service("cache", ["cache", "--listen", "127.0.0.1:0"], timeout_s=120)
+    gateways = []
+
+    def tls_gateway(flags: list[str]):
+        # ready at its listening line: start_service's own readiness poll speaks plaintext
+        svc = wait_listening(spawn_service("gateway", ["gateway", "--listen", "127.0.0.1:0", "--cache-address",
+                                                       cache.address, "--compute-addresses", "127.0.0.1:9", *flags]),
+                             120)
+        gateways.append(svc)
+        return svc
+
+    try:
+        tls = tls_gateway(["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)])
+        env = {"LORAPLEX_TLS_CERT": str(pki.server_cert), "LORAPLEX_HEALTHCHECK_CA": str(pki.ca)}
+        ok = probe(tls.address, env=env)
+        deadline = time.monotonic() + 60
+        while ok.returncode != 0 and time.monotonic() < deadline:       # listening, maybe not serving yet
+            time.sleep(0.5)
+            ok = probe(tls.address, env=env)
+        assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+        own = probe(tls.address, env={"LORAPLEX_TLS_CERT": str(pki.server_cert)})   # its own certificate as trust
+        assert own.returncode == 0, own.stderr
+        untrusted = probe(tls.address, env={**env, "LORAPLEX_HEALTHCHECK_CA": str(pki.client_ca)})   # another CA
+        assert untrusted.returncode == 1 and "UNAVAILABLE" in untrusted.stderr
+        assert probe(tls.address).returncode == 1                                         # plaintext refused
+        mtls = tls_gateway(["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                            "--tls-client-ca", str(pki.client_ca)])
+        env_m = {**env, "LORAPLEX_TLS_CLIENT_CA": str(pki.client_ca)}
+        missing = probe(mtls.address, env=env_m)
+        assert missing.returncode != 0 and "LORAPLEX_HEALTHCHECK_CLIENT_CERT" in missing.stderr
+        ok = probe(mtls.address, env={**env_m, "LORAPLEX_HEALTHCHECK_CLIENT_CERT": str(pki.client_cert),
+                                      "LORAPLEX_HEALTHCHECK_CLIENT_KEY": str(pki.client_key)})
+        assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    finally:
+        for svc in (*gateways, cache):
+            svc.stop()
