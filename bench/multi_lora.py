@@ -259,6 +259,8 @@ def gemm_ms(engine, batch: int) -> float:
     """GPU ms of a decode step's base matmuls alone (4 per layer + LM head) at `batch` rows, as one graph."""
     import torch.nn.functional as F
 
+    from compute_service.engine.cuda_graphs import median_replay_ms
+
     w = engine.runner.model.weights
     x = torch.randn(batch, w.embed.shape[1], dtype=w.embed.dtype, device=w.embed.device)
     xi = torch.randn(batch, w.layers[0].down.in_features, dtype=x.dtype, device=x.device)
@@ -276,15 +278,7 @@ def gemm_ms(engine, batch: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[5]
+    return median_replay_ms(graph, 10)
 
 
 def floor(base_bytes: int, lora_bytes: int, batch: int, dims: dict, in_len: int, out_len: int, bw: float,

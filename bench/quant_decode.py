@@ -40,6 +40,7 @@ from multi_lora import (  # noqa: E402  (bench helpers: the 8B shape, engine bui
     ALL, LLAMA3_8B, QKV, SMOKE, adapter_bytes, adapter_rows, build_engine, build_hf, case_keys,
     copy_bandwidth, floor, run_engine)
 
+from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from compute_service.engine.quant_linear import DENSE_MIN_TOKENS, QuantLinear  # noqa: E402
 from compute_service.engine.quantized import QuantizedWeight, quantize_rtn  # noqa: E402
 
@@ -66,16 +67,7 @@ def graph_time_us(fns: list, dev: torch.device, iters: int = 20) -> float:
     with torch.cuda.graph(graph):
         for f in fns:
             f()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[iters // 2] * 1e3 / len(fns)
+    return median_replay_ms(graph, iters) * 1e3 / len(fns)
 
 
 def random_qweight(n: int, k: int, dev: torch.device, gen: torch.Generator) -> QuantizedWeight:

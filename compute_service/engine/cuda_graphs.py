@@ -128,17 +128,7 @@ class DecodeGraphs:
         entry = self._graphs.get((bucket, with_lora)) if bucket is not None else None
         if entry is None:
             return None
-        graph = entry[0]
-        graph.replay()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+        return median_replay_ms(entry[0], iters)
 
     def _forward(self, bucket: int, lora: LoraBackend | None) -> torch.Tensor:
         meta = DecodeMetadata(self.meta.slot_mapping[:bucket], self.meta.block_tables[:bucket],
@@ -160,6 +150,20 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(bucket, lora)
         return graph, logits
+
+
+def median_replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 20) -> float:
+    """Median GPU milliseconds of one replay of `graph` (one untimed replay first), CUDA events around each."""
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def host_tables_width(max_model_len: int, block_size: int) -> int:

@@ -155,8 +155,6 @@ class DriverRunner:
     def _announce(self, key: str, adapter: Adapter) -> bool:
         """Rank 0's loader thread: the whole adapter to every follower now, to stage while steps run.
         False (the first step using it ships it instead) when it cannot be written."""
-        if self._group.world_size < 2:
-            return False
         try:
             base = self._mailer.write(adapter)
         except (OSError, pickle.PicklingError) as e:
