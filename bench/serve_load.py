@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from serve_load_client import ClientPool, Request  # noqa: E402
 from serve_load_proc import ServeProcess  # noqa: E402
 from serve_load_setup import SHAPES, make_prompts, make_random_model, write_adapters  # noqa: E402
-from serve_load_stats import plot, ratios, summarize  # noqa: E402
+from serve_load_stats import plot, ratios, step_figures, summarize  # noqa: E402
 
 WORKLOADS = ("base", "shared", "distinct")
 ARRIVALS = ("burst", "poisson")
@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host-cache-bytes", type=int, help="host adapter cache budget (default 8 GiB; cpu 2 GiB)")
     ap.add_argument("--lora-gpu-cache-bytes", type=int,
                     help="served adapter pool (default 8 GiB; cpu 1 GiB; 0: the service's default fraction)")
+    ap.add_argument("--quantization", default="auto", choices=("auto", "keep", "none"),
+                    help="the base model's quantization, served and engine alike")
     ap.add_argument("--serve-flags", default="", help="more `loraplex serve` flags")
     ap.add_argument("--compute-flags", default="", help="more compute-service flags (appended to --compute-flags)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
@@ -133,6 +135,7 @@ def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 def serve_argv(args: argparse.Namespace, model: str, lora_root: Path) -> list[str]:
     compute = (f"--max-num-seqs {max(args.concurrency)} --max-num-batched-tokens {args.max_num_batched_tokens} "
+               f"--quantization {args.quantization} --step-trace {shlex.quote(str(args.step_trace))} "
                + (f"--lora-gpu-cache-bytes {args.lora_gpu_cache_bytes} " if args.lora_gpu_cache_bytes else "")
                + args.compute_flags)
     return (["--lora-root", str(lora_root), "--device", args.device,
@@ -187,6 +190,20 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
         res["served_exit_code"] = svc.stop(60)
         if res["served_exit_code"] != 0:
             print(svc.tail(), file=sys.stderr)
+        add_step_figures(res, args.step_trace)
+
+
+def add_step_figures(res: dict, trace_path: Path) -> None:
+    """The compute service's engine-step host times (its --step-trace, written at shutdown) per served case."""
+    if not trace_path.is_file():
+        res["errors"].append(f"no step trace at {trace_path}")
+        return
+    trace = json.loads(trace_path.read_text())
+    for by_arrival in res["served"].values():
+        for by_conc in by_arrival.values():
+            for r in by_conc.values():
+                if "window" in r:
+                    r.update(step_figures(trace["start"], trace["end"], *r["window"]))
 
 
 def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc: int, arrival: str,
@@ -194,7 +211,8 @@ def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc:
     if arrival == "burst":
         reqs = case_requests(workload, prompts, adapters, [0.0] * conc)
         pool.run(reqs, conc, dict(sampling, max_tokens=3))      # warm-up: same batch shapes, few tokens
-        return summarize(pool.run(reqs, conc, sampling))
+        t = time.monotonic()
+        return dict(summarize(pool.run(reqs, conc, sampling)), window=(t, time.monotonic()))
     rate = args.rate
     if not rate:
         burst = res["served"].get(workload, {}).get("burst", {}).get(str(conc), {})
@@ -203,7 +221,9 @@ def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc:
         rate = 0.8 * burst["requests_per_s"]
     n = conc * max(1, args.poisson_factor)
     reqs = case_requests(workload, prompts, adapters, poisson_offsets(n, rate, seed=conc))
-    return dict(summarize(pool.run(reqs, conc, sampling)), rate_per_s=rate, max_in_flight=conc)
+    t = time.monotonic()
+    return dict(summarize(pool.run(reqs, conc, sampling)), rate_per_s=rate, max_in_flight=conc,
+                window=(t, time.monotonic()))
 
 
 def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: list[str],
@@ -217,7 +237,7 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
     t = time.perf_counter()
     engine = build_engine(model, device, max_num_seqs=max(args.concurrency),
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          max_loras=len(adapters), max_lora_rank=max(args.ranks))
+                          max_loras=len(adapters), max_lora_rank=max(args.ranks), quantization=args.quantization)
     res["engine_build_s"] = time.perf_counter() - t
     if adapters and {"shared", "distinct"} & set(args.workloads):
         res["engine_adapters_load_s"] = load_adapters(engine, lora_root, adapters)
@@ -285,6 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
                               device="cuda" if not args.cpu and _has_cuda() else "cpu")
         model = str(args.make_random_model)
     lora_root = args.lora_root or tmp / "adapters"
+    args.step_trace = tmp / "steps.json"
     ranks = write_adapters(lora_root, model, args.num_adapters, args.ranks) if args.num_adapters else {}
     if args.prepare_only:
         print(f"model {model or 'default'}, {len(ranks)} adapters under {lora_root}: {time.perf_counter() - t_start:.0f}s")

@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from serve_load_client import Request, Timeline
-from serve_load_stats import percentiles, summarize
+from serve_load_stats import step_figures, summarize
 
 
 def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_loras: int, max_lora_rank: int) -> Any:
+                 max_loras: int, max_lora_rank: int, quantization: str = "auto") -> Any:
     """An LLMEngine over `model` ("" = the default model), sized like the served compute service."""
     from compute_service.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(model=model or None, device=device, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          max_loras=max(1, max_loras), max_lora_rank=max_lora_rank)
+                          max_loras=max(1, max_loras), max_lora_rank=max_lora_rank, quantization=quantization)
     return LLMEngine(config)
 
 
@@ -39,8 +39,9 @@ def load_adapters(engine: Any, root: Path, names: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str) -> tuple[list[Timeline], list[float]]:
-    """All requests added at once, stepped to the end; the timelines and every step's seconds."""
+def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str
+             ) -> tuple[list[Timeline], list[tuple[float, float]]]:
+    """All requests added at once, stepped to the end; the timelines and every step's (start, end)."""
     from compute_service.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -50,12 +51,12 @@ def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str) ->
         rid = f"{tag}-{r.index}"
         engine.add_request(rid, r.prompt, params, r.lora)
         by_id[rid] = Timeline(r.index, t0, t0)
-    steps: list[float] = []
+    steps: list[tuple[float, float]] = []
     while engine.has_unfinished():
         ts = time.monotonic()
         outs = engine.step()
         te = time.monotonic()
-        steps.append(te - ts)
+        steps.append((ts, te))
         for o in outs:
             tl = by_id.get(o.request_id)
             if tl is None:
@@ -72,6 +73,5 @@ def measure(engine: Any, requests: list[Request], max_tokens: int, tag: str) -> 
     run_case(engine, requests, 3, f"{tag}w")
     timelines, steps = run_case(engine, requests, max_tokens, tag)
     res = summarize(timelines)
-    res["step_ms"] = percentiles(steps)
-    res["num_steps"] = len(steps)
+    res.update(step_figures([s for s, _ in steps], [e for _, e in steps], steps[0][0], steps[-1][0]))
     return res

@@ -36,6 +36,15 @@ def percentiles(values: Sequence[float], scale: float = 1e3) -> dict[str, float 
     return out
 
 
+def step_figures(starts: Sequence[float], ends: Sequence[float], t_from: float, t_to: float) -> dict[str, Any]:
+    """Host times of the engine steps that started in [t_from, t_to] (seconds, one clock): each step's
+    duration (`step_ms`) and the time from its end to the next step's start (`gap_ms`)."""
+    idx = [i for i, t in enumerate(starts) if t_from <= t <= t_to]
+    steps = [ends[i] - starts[i] for i in idx]
+    gaps = [starts[i + 1] - ends[i] for i in idx if i + 1 < len(starts) and starts[i + 1] <= t_to]
+    return dict(step_ms=percentiles(steps), gap_ms=percentiles(gaps), num_steps=len(steps))
+
+
 def summarize(timelines: Sequence[Any]) -> dict[str, Any]:
     """The case's figures from timelines (objects with sent, messages, finish_reason, error)."""
     ok = [t for t in timelines if t.messages and t.finish_reason != "error"]

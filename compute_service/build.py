@@ -120,7 +120,12 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
         t0 = time.perf_counter()
         graphs.capture_all(backend)
         log.info("captured %d decode CUDA graphs in %.1f s", len(graphs.buckets) * 2, time.perf_counter() - t0)
-    return Runtime(engine, slots, EngineRunner(engine, slots, fetch), loaded, device)
+    return Runtime(engine, slots, runner_for(config, engine, slots, fetch), loaded, device)
+
+
+def runner_for(config: ComputeConfig, engine: LLMEngine, slots: PagedAdapterSlots, fetch: Fetch) -> EngineRunner:
+    return EngineRunner(engine, slots, fetch, handoff_at_launch=config.step_handoff == "launch",
+                        trace_path=config.step_trace)
 
 
 def _tensor_parallel_runtime(config: ComputeConfig, fetch: Fetch, ecfg: EngineConfig,
@@ -130,4 +135,4 @@ def _tensor_parallel_runtime(config: ComputeConfig, fetch: Fetch, ecfg: EngineCo
 
     engine, slots = build_rank0_engine(config, ecfg)
     slots.fingerprint = adapter_fingerprint(dataclasses.replace(engine.loaded, spec=slots.spec))
-    return Runtime(engine, slots, EngineRunner(engine, slots, fetch), engine.loaded, device)
+    return Runtime(engine, slots, runner_for(config, engine, slots, fetch), engine.loaded, device)

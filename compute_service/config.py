@@ -30,6 +30,11 @@ class ComputeConfig:
     gil_switch_interval_us: int = field(
         default=500, metadata={"help": "Python thread switch interval while serving, in microseconds (0 = Python's "
                                        "5000): short, so adapter loads in side threads do not hold up engine steps"})
+    step_handoff: str = field(default="launch", metadata={
+        "help": "when the engine thread hands a step's tokens to the event loop: launch (once the next step's GPU "
+                "work is queued, so the two threads' Python does not interleave) or step_end (at once)"})
+    step_trace: str = field(default="", metadata={
+        "help": "file to write every engine step's host start and end times to at shutdown (benchmarks)"})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "processes (GPUs, or CPU processes) the model is split over (tensor parallelism; "
                 "see docs/tensor_parallel.md)"})
@@ -70,6 +75,8 @@ class ComputeConfig:
         if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0:
             raise SettingsError(f"warmup: expected auto, full, light or off, got {self.warmup!r}; "
                                 "warmup_threads must be >= 0")
+        if self.step_handoff not in ("launch", "step_end"):
+            raise SettingsError(f"step_handoff: expected launch or step_end, got {self.step_handoff!r}")
         if self.quantization not in ("auto", "keep", "none"):
             raise SettingsError(f"quantization: expected auto, keep or none, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

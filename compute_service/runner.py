@@ -18,11 +18,13 @@ KV blocks and the adapter pin are released there.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from compute_service.adapter_cache.loader import Fetch, adapter_key, task_of
@@ -92,14 +94,17 @@ class EngineRunner:
     """Owns the engine thread; every method is called on the event loop."""
 
     def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots, fetch: Fetch,
-                 on_step: Callable[[int, float], None] | None = None) -> None:
+                 on_step: Callable[[int, float], None] | None = None, *, handoff_at_launch: bool = True,
+                 trace_path: str = "") -> None:
         self.engine = engine
         self.slots = slots
         self.fetch = fetch              # reads adapters from the host cache
         self.on_step = on_step          # (num tokens emitted, step seconds), for metrics and benchmarks
         self.latency: SequenceObserver | None = None   # per-sequence timings (compute_service.metrics)
         self.on_adapter_load: Callable[[int, float, bool], None] | None = None   # (bytes, seconds, ok)
-        self.steps = StepLoop(engine, slots, self._drain)
+        self.steps = StepLoop(engine, slots, self._drain, trace=bool(trace_path),
+                              handoff_at_launch=handoff_at_launch)
+        self.trace_path = trace_path    # where `stop` writes the step trace (monotonic start, end, tokens)
         self._requests: dict[str, _Request] = {}
         self._fetches: dict[str, asyncio.Task[Uploaded]] = {}
         self._staging = ThreadPoolExecutor(STAGING_WORKERS, thread_name_prefix="adapter-staging")
@@ -124,6 +129,8 @@ class EngineRunner:
     async def stop(self) -> None:
         await asyncio.to_thread(self.steps.stop)
         self._drain()
+        if self.trace_path and self.steps.trace is not None:
+            write_trace(self.trace_path, self.steps.trace)
 
     # -- requests ------------------------------------------------------------------------
     def start_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
@@ -313,6 +320,11 @@ class EngineRunner:
         if self.on_adapter_load is not None:
             self.on_adapter_load(num_bytes, time.perf_counter() - started, True)
         return staged
+
+
+def write_trace(path: str, trace: list[float]) -> None:
+    """Writes a step trace as JSON: `start`, `end` (time.monotonic of each engine.step) and `tokens`."""
+    Path(path).write_text(json.dumps({"start": trace[0::3], "end": trace[1::3], "tokens": trace[2::3]}))
 
 
 def _settle(fut: asyncio.Future[Any], result: Any) -> None:

@@ -7,6 +7,13 @@ receives each step's outputs through `StepLoop.ready`, handed over with one
 still unread). So the loop turns step after step without an asyncio hop, and
 the event loop builds the step's messages while the next step runs.
 
+The hand-off of step N's outputs waits until step N+1 has queued its GPU work
+(`LLMEngine.on_launched`): both threads share one GIL, and an event loop woken
+at the end of step N would run its Python (drain, messages, gRPC writes)
+interleaved with step N+1's scheduling and launches, which then take that much
+longer; woken after the launch, it runs while this thread waits for the GPU.
+When no step follows (nothing running), the hand-off is immediate.
+
 Commands travel in a `collections.deque` (append and popleft are atomic), the
 wake-up is a `threading.Event`: nothing on the hot path takes a lock.
 """
@@ -59,7 +66,7 @@ class StepLoop:
     """Runs `engine.step()` back to back on its own thread; `submit` is the only way in."""
 
     def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots,
-                 on_ready: Callable[[], None]) -> None:
+                 on_ready: Callable[[], None], trace: bool = False, handoff_at_launch: bool = True) -> None:
         self.engine = engine
         self.slots = slots
         self._on_ready = on_ready          # called on the event loop when `ready` has batches
@@ -73,11 +80,15 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
+        self.handoff_at_launch = handoff_at_launch
+        # Per step: monotonic start and end of engine.step() and the tokens it emitted (benchmarks).
+        self.trace: list[float] | None = [] if trace else None
 
     # -- from the event loop ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._stopping = False
+        self.engine.on_launched = self._hand_off if self.handoff_at_launch else None
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self._thread.start()
 
@@ -93,6 +104,7 @@ class StepLoop:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.engine.on_launched = None
 
     @property
     def running(self) -> bool:
@@ -131,12 +143,16 @@ class StepLoop:
             self._fail_loads()
             if self.engine.has_unfinished():
                 self._step()
-                if self.engine.scheduler.running or self._commands:
+                if self.engine.scheduler.running:
+                    continue          # the next step's launch hands this one's outputs over
+                self._hand_off()
+                if self._commands:
                     continue
                 # Every request waits for an adapter copy: poll the copies, do not spin.
                 self._wake.wait(IDLE_POLL_S)
             else:
                 self._post(StepBatch())
+                self._hand_off()
                 self._wake.wait(IDLE_POLL_S if self.slots.loading else None)
         self.slots.wait_loads()
 
@@ -148,13 +164,16 @@ class StepLoop:
                 log.exception("engine command failed")
 
     def _step(self) -> None:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the service
             log.exception("engine step failed; failing the requests in the engine")
             self._fail_all(exc)
+            self._hand_off()
             return
+        t1 = time.monotonic()
+        self._hand_off()          # a step that launched nothing did not hand the previous outputs over
         self.num_steps += 1
         emitted = 0
         for out in outputs:
@@ -163,7 +182,9 @@ class StepLoop:
                 key = self._keys.pop(out.request_id, None)
                 if key is not None:
                     self.slots.unwant(key)
-        self._post(StepBatch(outputs, [], emitted, time.perf_counter() - t0))
+        if self.trace is not None:
+            self.trace += (t0, t1, float(emitted))
+        self._post(StepBatch(outputs, [], emitted, t1 - t0))
 
     def _fail_loads(self) -> None:
         for key, exc in list(self.slots.failed.items()):
@@ -183,12 +204,17 @@ class StepLoop:
         self._keys.clear()   # the aborted requests' final deltas come with the next step, for no one
 
     def _post(self, batch: StepBatch) -> None:
-        """Hands a batch to the event loop: one wake-up per drain, not per step."""
+        """Queues a batch for the event loop (`_hand_off` wakes it)."""
         batch.failed, self._failed = self._failed, []
         if not (batch.outputs or batch.failed or batch.num_tokens):
             return
         self.ready.append(batch)
-        if not self._posted and self._loop is not None:
+        if not self.handoff_at_launch:
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Wakes the event loop for the queued batches: one wake-up per drain, not per step."""
+        if self.ready and not self._posted and self._loop is not None:
             self._posted = True
             self._loop.call_soon_threadsafe(self._drained)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Sequence as Seq
 
 import torch
@@ -73,6 +74,10 @@ class LLMEngine:
         self._arrivals = 0
         self._aborted: list[Sequence] = []
         self._num_preemptions = 0
+        # Called once per step right after its GPU work is queued, before the host waits for it: a caller
+        # with host work of its own (a server handing out the previous step's tokens) does it then, while
+        # the GPU runs, instead of between two steps where it would hold up the next step's launch.
+        self.on_launched: Callable[[], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, with_tokenizer: bool = True) -> "LLMEngine":
@@ -144,6 +149,8 @@ class LLMEngine:
         if sched.is_empty:
             return outputs, {}
         logits = self.runner.run(sched)
+        if self.on_launched is not None:
+            self.on_launched()
         sampling = [s.seq for s in sched.scheduled if s.sample]
         tokens = sample(logits, [s.params for s in sampling], [self._generators[s.request_id] for s in sampling])
         sampled = {s.request_id: t for s, t in zip(sampling, tokens)}

@@ -1,0 +1,107 @@
+"""The engine thread hands step N's tokens over once step N+1's GPU work is queued, and at once when
+nothing follows; the step trace records every step; served tokens are the engine's either way."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from compute_service.build import build_runtime
+from compute_service.config import ComputeConfig
+from compute_service.engine.sampling_params import SamplingParams
+from compute_service.step_loop import Admission
+
+
+def runtime(loaded, tiny_model_dir, **flags):
+    async def fetch(task_id, version):
+        raise AssertionError("no adapter is fetched here")
+
+    cfg = ComputeConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", max_lora_rank=8,
+                        lora_gpu_cache_bytes=1 << 20, max_model_len=96, max_num_batched_tokens=128,
+                        max_num_seqs=8, kv_cache_bytes=1 << 20, **flags)
+    return build_runtime(cfg, fetch, loaded=loaded)
+
+
+class RecordingLoop:
+    """Stands in for the event loop: notes what the engine thread was doing at each hand-off, then drains."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+        self.in_step = False
+        self.handoffs: list[tuple[bool, int]] = []     # (inside engine.step, batches queued)
+        self.tokens: list[int] = []
+        self.finished = threading.Event()
+
+    def call_soon_threadsafe(self, fn) -> None:
+        self.handoffs.append((self.in_step, len(self.rt.runner.steps.ready)))
+        fn()
+
+    def drain(self) -> None:
+        ready = self.rt.runner.steps.ready
+        while ready:
+            for out in ready.popleft().outputs:
+                self.tokens += out.new_token_ids
+                if out.finished:
+                    self.finished.set()
+
+
+def test_a_step_is_handed_over_during_the_next_steps_launch_and_the_last_at_once(loaded, tiny_model_dir):
+    rt = runtime(loaded, tiny_model_dir)
+    loop = RecordingLoop(rt)
+    steps = rt.runner.steps
+    steps._on_ready = loop.drain
+    step = rt.engine.step
+
+    def traced_step():
+        loop.in_step = True
+        try:
+            return step()
+        finally:
+            loop.in_step = False
+    rt.engine.step = traced_step
+    steps.start(loop)
+    try:
+        steps.submit(lambda: steps.add(Admission("r", [1, 2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True))))
+        assert loop.finished.wait(30)
+    finally:
+        steps.stop()
+    assert len(loop.tokens) == 6
+    running = loop.handoffs[:-1]
+    assert len(running) >= 5 and all(in_step and queued == 1 for in_step, queued in running)
+    assert loop.handoffs[-1] == (False, 1)      # the last step's tokens: nothing follows, handed over at once
+    assert rt.engine.on_launched is None        # a stopped loop leaves the engine as it found it
+
+
+@pytest.mark.parametrize("handoff", ["launch", "step_end"])
+def test_served_tokens_equal_the_engines_and_the_trace_has_every_step(loaded, tiny_model_dir, tmp_path, handoff):
+    trace = tmp_path / "steps.json"
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    prompts = [[1 + i, 5, 9, 2 + i] for i in range(3)]
+
+    async def serve() -> list[list[int]]:
+        rt = runtime(loaded, tiny_model_dir, step_handoff=handoff, step_trace=str(trace))
+        rt.runner.start()
+
+        async def one(i: int) -> list[int]:
+            return [t for out in [o async for o in rt.runner.generate(f"r{i}", prompts[i], params)]
+                    for t in out.new_token_ids]
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(3))))
+        finally:
+            await rt.runner.stop()
+    got = asyncio.run(serve())
+
+    ref = runtime(loaded, tiny_model_dir).engine
+    for i, p in enumerate(prompts):
+        ref.add_request(f"r{i}", p, params)
+    want: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    while ref.has_unfinished():
+        for out in ref.step():
+            want[out.request_id] += out.new_token_ids
+    assert got == [want[f"r{i}"] for i in range(3)]
+    steps = json.loads(trace.read_text())
+    assert len(steps["start"]) == len(steps["end"]) == len(steps["tokens"]) >= 7
+    assert sum(steps["tokens"]) == 21
+    assert all(s <= e for s, e in zip(steps["start"], steps["end"]))
