@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="served adapter pool (default 8 GiB; cpu 1 GiB; 0: the service's default fraction)")
     ap.add_argument("--quantization", default="auto", choices=("auto", "keep", "none"),
                     help="the base model's quantization, served and engine alike")
+    ap.add_argument("--step-trace", type=Path, help="where the compute service writes its step trace "
+                    "(default: a temp file)")
     ap.add_argument("--serve-flags", default="", help="more `loraplex serve` flags")
     ap.add_argument("--compute-flags", default="", help="more compute-service flags (appended to --compute-flags)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
@@ -203,7 +205,7 @@ def add_step_figures(res: dict, trace_path: Path) -> None:
         for by_conc in by_arrival.values():
             for r in by_conc.values():
                 if "window" in r:
-                    r.update(step_figures(trace["start"], trace["end"], *r["window"]))
+                    r.update(step_figures(trace, *r["window"]))
 
 
 def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc: int, arrival: str,
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
                               device="cuda" if not args.cpu and _has_cuda() else "cpu")
         model = str(args.make_random_model)
     lora_root = args.lora_root or tmp / "adapters"
-    args.step_trace = tmp / "steps.json"
+    args.step_trace = args.step_trace or tmp / "steps.json"
     ranks = write_adapters(lora_root, model, args.num_adapters, args.ranks) if args.num_adapters else {}
     if args.prepare_only:
         print(f"model {model or 'default'}, {len(ranks)} adapters under {lora_root}: {time.perf_counter() - t_start:.0f}s")

@@ -40,8 +40,9 @@ def load_adapters(engine: Any, root: Path, names: list[str]) -> float:
 
 
 def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str
-             ) -> tuple[list[Timeline], list[tuple[float, float]]]:
-    """All requests added at once, stepped to the end; the timelines and every step's (start, end)."""
+             ) -> tuple[list[Timeline], list[tuple[float, float, float]]]:
+    """All requests added at once, stepped to the end; the timelines and every step's (start, GPU work
+    queued, end)."""
     from compute_service.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -51,12 +52,15 @@ def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str
         rid = f"{tag}-{r.index}"
         engine.add_request(rid, r.prompt, params, r.lora)
         by_id[rid] = Timeline(r.index, t0, t0)
-    steps: list[tuple[float, float]] = []
+    steps: list[tuple[float, float, float]] = []
+    launched = [0.0]
+    engine.on_launched = lambda: launched.__setitem__(0, time.monotonic())
     while engine.has_unfinished():
         ts = time.monotonic()
+        launched[0] = ts
         outs = engine.step()
         te = time.monotonic()
-        steps.append((ts, te))
+        steps.append((ts, launched[0], te))
         for o in outs:
             tl = by_id.get(o.request_id)
             if tl is None:
@@ -73,5 +77,6 @@ def measure(engine: Any, requests: list[Request], max_tokens: int, tag: str) -> 
     run_case(engine, requests, 3, f"{tag}w")
     timelines, steps = run_case(engine, requests, max_tokens, tag)
     res = summarize(timelines)
-    res.update(step_figures([s for s, _ in steps], [e for _, e in steps], steps[0][0], steps[-1][0]))
+    trace = dict(start=[s[0] for s in steps], launched=[s[1] for s in steps], end=[s[2] for s in steps])
+    res.update(step_figures(trace, steps[0][0], steps[-1][0]))
     return res

@@ -36,13 +36,18 @@ def percentiles(values: Sequence[float], scale: float = 1e3) -> dict[str, float 
     return out
 
 
-def step_figures(starts: Sequence[float], ends: Sequence[float], t_from: float, t_to: float) -> dict[str, Any]:
-    """Host times of the engine steps that started in [t_from, t_to] (seconds, one clock): each step's
-    duration (`step_ms`) and the time from its end to the next step's start (`gap_ms`)."""
+def step_figures(trace: dict[str, Sequence[float]], t_from: float, t_to: float) -> dict[str, Any]:
+    """Host times of the engine steps that started in [t_from, t_to] (seconds, one clock) from a step trace
+    (`start`, `launched`, `end` per step): each step's duration (`step_ms`), from its start to its GPU work
+    being queued (`launch_ms`: scheduling, inputs, launches), from then to its end (`finish_ms`: waiting
+    for the GPU, sampling, bookkeeping), and from its end to the next step's start (`gap_ms`)."""
+    starts, launched, ends = trace["start"], trace["launched"], trace["end"]
     idx = [i for i, t in enumerate(starts) if t_from <= t <= t_to]
-    steps = [ends[i] - starts[i] for i in idx]
     gaps = [starts[i + 1] - ends[i] for i in idx if i + 1 < len(starts) and starts[i + 1] <= t_to]
-    return dict(step_ms=percentiles(steps), gap_ms=percentiles(gaps), num_steps=len(steps))
+    return dict(step_ms=percentiles([ends[i] - starts[i] for i in idx]),
+                launch_ms=percentiles([launched[i] - starts[i] for i in idx]),
+                finish_ms=percentiles([ends[i] - launched[i] for i in idx]),
+                gap_ms=percentiles(gaps), num_steps=len(idx))
 
 
 def summarize(timelines: Sequence[Any]) -> dict[str, Any]:

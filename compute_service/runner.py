@@ -323,8 +323,10 @@ class EngineRunner:
 
 
 def write_trace(path: str, trace: list[float]) -> None:
-    """Writes a step trace as JSON: `start`, `end` (time.monotonic of each engine.step) and `tokens`."""
-    Path(path).write_text(json.dumps({"start": trace[0::3], "end": trace[1::3], "tokens": trace[2::3]}))
+    """Writes a step trace as JSON: `start`, `launched` (its GPU work queued), `end` (time.monotonic of each
+    engine.step) and `tokens` (emitted)."""
+    Path(path).write_text(json.dumps({"start": trace[0::4], "launched": trace[1::4], "end": trace[2::4],
+                                      "tokens": trace[3::4]}))
 
 
 def _settle(fut: asyncio.Future[Any], result: Any) -> None:

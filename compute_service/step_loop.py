@@ -81,14 +81,16 @@ class StepLoop:
         self._stopping = False
         self.num_steps = 0
         self.handoff_at_launch = handoff_at_launch
-        # Per step: monotonic start and end of engine.step() and the tokens it emitted (benchmarks).
+        # Per step: monotonic start of engine.step(), when its GPU work was queued, its end, and the
+        # tokens it emitted (benchmarks).
         self.trace: list[float] | None = [] if trace else None
+        self._launched_at = 0.0
 
     # -- from the event loop ------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._stopping = False
-        self.engine.on_launched = self._hand_off if self.handoff_at_launch else None
+        self.engine.on_launched = self._on_launched
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self._thread.start()
 
@@ -183,7 +185,8 @@ class StepLoop:
                 if key is not None:
                     self.slots.unwant(key)
         if self.trace is not None:
-            self.trace += (t0, t1, float(emitted))
+            self.trace += (t0, self._launched_at or t0, t1, float(emitted))
+            self._launched_at = 0.0
         self._post(StepBatch(outputs, [], emitted, t1 - t0))
 
     def _fail_loads(self) -> None:
@@ -210,6 +213,12 @@ class StepLoop:
             return
         self.ready.append(batch)
         if not self.handoff_at_launch:
+            self._hand_off()
+
+    def _on_launched(self) -> None:
+        if self.trace is not None:
+            self._launched_at = time.monotonic()
+        if self.handoff_at_launch:
             self._hand_off()
 
     def _hand_off(self) -> None:

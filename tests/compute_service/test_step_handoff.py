@@ -104,4 +104,4 @@ def test_served_tokens_equal_the_engines_and_the_trace_has_every_step(loaded, ti
     steps = json.loads(trace.read_text())
     assert len(steps["start"]) == len(steps["end"]) == len(steps["tokens"]) >= 7
     assert sum(steps["tokens"]) == 21
-    assert all(s <= e for s, e in zip(steps["start"], steps["end"]))
+    assert all(s <= q <= e for s, q, e in zip(steps["start"], steps["launched"], steps["end"]))
