@@ -18,7 +18,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_launch,
+from kernels.shrink import (cdiv, DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_launch,
                             check_slices)
 from kernels.tiles import dot, segment_tile
 
@@ -120,11 +120,11 @@ def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, 
         block_m, block_n, num_warps = 16, 128, 4
     else:
         block_m, block_n, num_warps = 64, 128, 4
-    tiles = triton.cdiv(T, block_m) + min(max_slots, T)
-    blocks = tiles * sum(triton.cdiv(w, block_n) for w in widths)
+    tiles = cdiv(T, block_m) + min(max_slots, T)
+    blocks = tiles * sum(cdiv(w, block_n) for w in widths)
     per_group = max(1, blocks // (4 * _num_sms(device)))
     per_group = 1 << (per_group.bit_length() - 1)                     # a power of two, rounded down
-    group_n = block_n * min(per_group, triton.cdiv(max(widths), block_n))
+    group_n = block_n * min(per_group, cdiv(max(widths), block_n))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, GROUP_N=group_n,
                 num_warps=num_warps, num_stages=2)
 
@@ -167,8 +167,8 @@ def lora_expand_triton(
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
     if cfg["GROUP_N"] % cfg["BLOCK_N"]:
         raise ValueError(f"GROUP_N {cfg['GROUP_N']} must be a multiple of BLOCK_N {cfg['BLOCK_N']}")
-    n_groups = triton.cdiv(max(widths), cfg["GROUP_N"])
-    tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
+    n_groups = cdiv(max(widths), cfg["GROUP_N"])
+    tiles = cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
     grid = (num_slices * n_groups, tiles)
     _expand_kernel[grid](
         s, s.stride(0), s.stride(1), pool, tables.b_offsets, tables.ranks, y, y.stride(0),

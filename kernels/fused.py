@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels.expand import _alignment
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_input,
+from kernels.shrink import (cdiv, DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_input,
                             check_launch, check_slices)
 from kernels.tiles import dot, pick4, segment_tile, shrink_tile, table_entry
 
@@ -120,11 +120,11 @@ def _fused_kernel(
 
 def max_tiles(T: int, block_m: int, max_slots: int) -> int:
     """Upper bound of token tiles: segments of n_i tokens take sum(cdiv(n_i, block_m)) tiles."""
-    return triton.cdiv(T, block_m) + min(max_slots, T) - 1
+    return cdiv(T, block_m) + min(max_slots, T) - 1
 
 
 def _groups(widths: Sequence[int], group_n: int) -> int:
-    return sum(triton.cdiv(w, group_n) for w in widths)
+    return sum(cdiv(w, group_n) for w in widths)
 
 
 def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots: int, device: torch.device,
@@ -149,12 +149,12 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
     split = 1
     while tiles * len(widths) * split < 2 * sms and K // (2 * split) >= MIN_K_PER_SPLIT:
         split *= 2
-    k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    k_per_split = cdiv(cdiv(K, split), block_k) * block_k
     group_n = block_n
     while tiles * _groups(widths, group_n) > 4 * sms and group_n < max(widths):
         group_n *= 2
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
-                SPLIT_K=triton.cdiv(K, k_per_split), K_PER_SPLIT=k_per_split, GROUP_N=group_n,
+                SPLIT_K=cdiv(K, k_per_split), K_PER_SPLIT=k_per_split, GROUP_N=group_n,
                 num_warps=num_warps, num_stages=3)
 
 
@@ -203,11 +203,11 @@ def lora_fused_triton(
     cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device)
     if config:
         cfg.update(config)
-        cfg["K_PER_SPLIT"] = triton.cdiv(triton.cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-        cfg["SPLIT_K"] = triton.cdiv(K, cfg["K_PER_SPLIT"])
+        cfg["K_PER_SPLIT"] = cdiv(cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+        cfg["SPLIT_K"] = cdiv(K, cfg["K_PER_SPLIT"])
     if cfg["GROUP_N"] % cfg["BLOCK_N"] or cfg["BLOCK_R"] < tables.max_rank:
         raise ValueError(f"GROUP_N must be a multiple of BLOCK_N and BLOCK_R >= max rank, got {cfg}")
-    group_counts = [triton.cdiv(w, cfg["GROUP_N"]) for w in widths] + [0] * (MAX_SLICES - num_slices)
+    group_counts = [cdiv(w, cfg["GROUP_N"]) for w in widths] + [0] * (MAX_SLICES - num_slices)
     firsts = [sum(group_counts[:i]) for i in range(1, MAX_SLICES)]
     num_groups = sum(group_counts)
     tiles = max_tiles(T, cfg["BLOCK_M"], meta.max_slots)

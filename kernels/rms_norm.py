@@ -54,4 +54,4 @@ def add_rms_norm(
         return
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
                                residual_out if residual_out is not None else out, H, eps,
-                               HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(H), num_warps=8)
+                               HAS_RES=residual is not None, BLOCK=1 << (H - 1).bit_length(), num_warps=8)

@@ -80,7 +80,7 @@ def build_segments(
     if not 0 <= T <= min(slot_ids.numel(), token_indices.numel()):
         raise ValueError(f"{T} tokens do not fit slot_ids ({slot_ids.numel()}) / token_indices "
                          f"({token_indices.numel()})")
-    bins = max(16, triton.next_power_of_2(max_slots + 1))
+    bins = max(16, 1 << max_slots.bit_length())     # next power of 2 above max_slots
     block_t = max(16, min(1024, 8192 // bins))
     _segments_kernel[(1,)](slot_ids, T, token_indices, seg_starts, seg_slots, num_segments, max_slots,
                            BLOCK_T=block_t, BINS=bins, num_warps=8)

@@ -11,6 +11,7 @@ program and stores.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -88,10 +89,20 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host ints (triton.cdiv costs microseconds per call on the launch path)."""
+    return -(-a // b)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4  # interpreter: keep the grid small
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int, device: torch.device
@@ -103,18 +114,18 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int
     reductions (down_proj) still spread over the whole GPU.
     """
     block_r = min(max(16, _next_pow2(max_rank)), 64)
-    r_blocks = triton.cdiv(max_rank, block_r)
+    r_blocks = cdiv(max_rank, block_r)
     if T <= DECODE_MAX_TOKENS:
         block_m, block_k, num_warps, min_k_split = 16, (256 if block_r <= 32 else 128), 4, 256
     elif T <= 1024:
         block_m, block_k, num_warps, min_k_split = 32, (256 if block_r <= 32 else 128), 4, 512
     else:
         block_m, block_k, num_warps, min_k_split = 128, 64, 8, 512
-    tiles = triton.cdiv(T, block_m) + min(max_slots, T)
+    tiles = cdiv(T, block_m) + min(max_slots, T)
     programs = tiles * num_slices * r_blocks
-    split_k = max(1, min(triton.cdiv(4 * _num_sms(device), programs), K // min_k_split))
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)
+    split_k = max(1, min(cdiv(4 * _num_sms(device), programs), K // min_k_split))
+    k_per_split = cdiv(cdiv(K, split_k), block_k) * block_k
+    split_k = cdiv(K, k_per_split)
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
                 K_PER_SPLIT=k_per_split, R_BLOCKS=r_blocks, num_warps=num_warps, num_stages=3)
 
@@ -193,13 +204,13 @@ def lora_shrink_triton(
     cfg = shrink_config(T, K, tables.max_rank, num_slices, meta.max_slots, x.device)
     if config:
         cfg.update(config)
-        cfg["R_BLOCKS"] = triton.cdiv(tables.max_rank, cfg["BLOCK_R"])
-        cfg["K_PER_SPLIT"] = triton.cdiv(triton.cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-        cfg["SPLIT_K"] = triton.cdiv(K, cfg["K_PER_SPLIT"])
+        cfg["R_BLOCKS"] = cdiv(tables.max_rank, cfg["BLOCK_R"])
+        cfg["K_PER_SPLIT"] = cdiv(cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+        cfg["SPLIT_K"] = cdiv(K, cfg["K_PER_SPLIT"])
     if cfg["SPLIT_K"] > 1:
         out.zero_()
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
-    tiles = triton.cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
+    tiles = cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
     grid = (num_slices * cfg["R_BLOCKS"] * cfg["SPLIT_K"], tiles)
     _shrink_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.ranks, out, out.stride(0), out.stride(1),

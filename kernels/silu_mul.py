@@ -30,4 +30,4 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
     if T == 0:
         return
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(T, -(-inter // block))](gate_up, out, inter, BLOCK=block, num_warps=4)

@@ -18,7 +18,10 @@ class EngineConfig:
       `gpu_memory_fraction` of the GPU memory free after the weights on CUDA.
     max_model_len: None = the model's max positions, capped at 8192.
     enforce_eager: on CUDA, decode steps of up to `max_num_seqs` sequences
-      replay CUDA graphs unless this is True.
+      replay CUDA graphs unless this is True (prefill graphs are off then too).
+    prefill_graph_tokens: on CUDA, prefill and mixed steps of up to this many
+      tokens (capped at `max_num_batched_tokens`) replay CUDA graphs between
+      their attentions (`prefill_graphs.py`); 0 = always eager.
     quantization: a quantized checkpoint's projections: "auto" = kept quantized on
       CUDA, dequantized on CPU; "keep" = kept quantized everywhere (on CPU a slow
       reference path); "none" = dequantized to `dtype` everywhere.
@@ -39,6 +42,7 @@ class EngineConfig:
     seed: int = 0                   # seeds the generators of requests without their own seed
     enforce_eager: bool = False     # True = no CUDA graphs for decode steps (debugging, profiling)
     quantization: str = "auto"      # "auto" | "keep" | "none"
+    prefill_graph_tokens: int = 512  # largest prefill/mixed step replayed from graph pieces; 0 = none
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -52,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if self.quantization not in ("auto", "keep", "none"):
             raise ValueError(f"quantization must be auto, keep or none, got {self.quantization!r}")
         if self.lora_backend not in ("auto", "torch", "kernels"):

@@ -17,7 +17,9 @@ import torch
 
 from compute_service.engine.attention import DecodeMetadata
 from compute_service.engine.lora_backend import NO_ADAPTER, LoraBackend
+from compute_service.engine.graph_capture import capture
 from compute_service.engine.model import LlamaModel
+from compute_service.engine.prefill_graphs import PrefillGraphs
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -30,7 +32,7 @@ class DecodeGraphs:
     """Captures decode graphs lazily (first use of a bucket) and replays them."""
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_batch: int, max_blocks_per_seq: int, scratch_block: int) -> None:
+                 max_batch: int, max_blocks_per_seq: int, scratch_block: int, prefill_tokens: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -52,6 +54,8 @@ class DecodeGraphs:
         self._ctx = self._host_ctx.numpy()
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        # Prefill and mixed steps of up to `prefill_tokens` tokens: graph pieces between eager attentions.
+        self.prefill = PrefillGraphs(model, kv_caches, prefill_tokens, scratch_block * block_size)
 
     def bucket_for(self, batch: int) -> int | None:
         for b in self.buckets:
@@ -78,7 +82,8 @@ class DecodeGraphs:
         return logits[:n].clone()
 
     def capture_all(self, lora: LoraBackend | None) -> None:
-        """Captures every bucket now (base, and with `lora` when given) on all-padding inputs.
+        """Captures every bucket now (base, and with `lora` when given) on all-padding inputs, and the
+        prefill graphs' pieces (`prefill_graphs.PrefillGraphs.capture_all`).
 
         For callers with other threads issuing CUDA work (the compute service's
         adapter uploads and packs): capturing before those threads start means
@@ -95,6 +100,7 @@ class DecodeGraphs:
                 if backend is not None:
                     backend.prepare(torch.zeros(bucket, dtype=torch.int32))
                 self._graphs[key] = self._capture(bucket, backend)
+        self.prefill.capture_all(lora)
         torch.cuda.synchronize(self.model.device)
 
     def _fill(self, input_ids: list[int], positions: list[int], tables: list[list[int]], bucket: int) -> None:
@@ -137,19 +143,8 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _capture(self, bucket: int, lora: LoraBackend | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # One eager run first: compiles the Triton kernels and settles lazy allocations outside the capture.
-        # It computes exactly what the replay will, so writing this step's K/V twice is harmless.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(bucket, lora)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # Thread-local: another thread's CUDA calls (an adapter upload's allocation or event wait) neither
-        # break this capture nor get refused while it runs, as they would in the default global mode.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(bucket, lora)
-        return graph, logits
+        # The warm run computes exactly what the replay will, so writing this step's K/V twice is harmless.
+        return capture(lambda: self._forward(bucket, lora), self._pool)
 
 
 def median_replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 20) -> float:

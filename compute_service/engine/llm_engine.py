@@ -67,7 +67,8 @@ class LLMEngine:
         graphs = None
         if graphs_on:
             graphs = DecodeGraphs(loaded.model, kv, config.block_size, config.max_num_seqs,
-                                  host_tables_width(self.max_model_len, config.block_size), scratch_block=num_blocks)
+                                  host_tables_width(self.max_model_len, config.block_size), scratch_block=num_blocks,
+                                  prefill_tokens=min(config.prefill_graph_tokens, config.max_num_batched_tokens))
         self.runner = ModelRunner(loaded.model, kv, config.block_size, slots, lora_backend, graphs)
         self._rng = random.Random(config.seed)
         self._generators: dict[str, torch.Generator] = {}

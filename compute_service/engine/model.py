@@ -106,48 +106,76 @@ class LlamaModel:
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata | DecodeMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        lora: LoraBackend | None) -> torch.Tensor:
-        """Same math as `forward`, ~9 launches per layer: the residual add rides in the next norm."""
-        from kernels.rms_norm import add_rms_norm       # Triton: imported on first use (interpreter flag)
-        from kernels.rope_cache import rope_and_cache
-        from kernels.silu_mul import silu_mul
+        """Same math as `forward`, ~9 launches per layer: the residual add rides in the next norm.
 
-        spec, eps = self.spec, self.spec.rms_norm_eps
+        Built from the pieces that `prefill_graphs.PrefillGraphs` captures one by one (everything
+        between two attentions is one piece)."""
+        spec = self.spec
         h = self.weights.embed[input_ids]                                     # [T, H] residual stream
         t = h.shape[0]
         x = torch.empty_like(h)
         pending: torch.Tensor | None = None                                   # delta not yet added to h
-        for i, lw in enumerate(self.weights.layers):
-            add_rms_norm(pending if pending is not None else h, h if pending is not None else None,
-                         lw.input_norm, eps, x, h if pending is not None else None)
-            qkv = lw.qkv(x)                                                 # [T, q + 2kv]
-            if lora is not None:
-                lora.apply(i, "qkv", x, list(qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)))
+        for i in range(len(self.weights.layers)):
             q = torch.empty(t, spec.num_heads, spec.head_dim, dtype=h.dtype, device=h.device)
-            k_cache, v_cache = kv_caches[i]
-            rope_and_cache(qkv, positions, meta.slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache)
-            attn = paged_attention(q, None, None, k_cache, v_cache, meta, self.scale).reshape(t, spec.q_size)
-            o = lw.o(attn)
-            if lora is not None:
-                lora.apply(i, "o", attn, [o])
-            if self.all_reduce is not None:
-                self.all_reduce(o)
-            add_rms_norm(o, h, lw.post_norm, eps, x, h)                       # h += o; x = norm(h)
-            gate_up = lw.gate_up(x)                                         # [T, 2I]
-            if lora is not None:
-                lora.apply(i, "gate_up", x, list(gate_up.split([spec.intermediate_size] * 2, dim=-1)))
-            act = torch.empty(t, spec.intermediate_size, dtype=h.dtype, device=h.device)
-            silu_mul(gate_up, act)
-            pending = lw.down(act)
-            if lora is not None:
-                lora.apply(i, "down", act, [pending])
-            if self.all_reduce is not None:
-                self.all_reduce(pending)
+            self.attention_in(i, pending, h, x, positions, meta.slot_mapping, kv_caches, q, lora)
+            attn = paged_attention(q, None, None, *kv_caches[i], meta, self.scale).reshape(t, spec.q_size)
+            pending = self.attention_out_mlp(i, attn, h, x, lora)
         out = torch.empty_like(h)
-        if pending is None:                                                   # a model with no layers
-            add_rms_norm(h, None, self.weights.norm, eps, out)
-        else:
-            add_rms_norm(pending, h, self.weights.norm, eps, out, h)
+        self.final_norm(pending, h, out)
         return out
+
+    def attention_in(self, i: int, pending: torch.Tensor | None, h: torch.Tensor, x: torch.Tensor,
+                     positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
+                     lora: LoraBackend | None) -> None:
+        """Layer i up to its attention: h += pending (the previous layer's delta, if any), x = norm(h),
+        q/k/v with LoRA, RoPE into q [T, heads, D] and k/v into the cache at `slot_mapping` (CUDA)."""
+        from kernels.rms_norm import add_rms_norm       # Triton: imported on first use (interpreter flag)
+        from kernels.rope_cache import rope_and_cache
+
+        spec, lw = self.spec, self.weights.layers[i]
+        add_rms_norm(pending if pending is not None else h, h if pending is not None else None,
+                     lw.input_norm, spec.rms_norm_eps, x, h if pending is not None else None)
+        qkv = lw.qkv(x)                                                     # [T, q + 2kv]
+        if lora is not None:
+            lora.apply(i, "qkv", x, list(qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)))
+        k_cache, v_cache = kv_caches[i]
+        rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache)
+
+    def attention_out_mlp(self, i: int, attn: torch.Tensor, h: torch.Tensor, x: torch.Tensor,
+                          lora: LoraBackend | None) -> torch.Tensor:
+        """Layer i after its attention (attn [T, q]): h += o; x = norm(h); returns the MLP's delta
+        (added to h by the next layer's `attention_in` or by `final_norm`)."""
+        from kernels.rms_norm import add_rms_norm
+        from kernels.silu_mul import silu_mul
+
+        spec, lw = self.spec, self.weights.layers[i]
+        o = lw.o(attn)
+        if lora is not None:
+            lora.apply(i, "o", attn, [o])
+        if self.all_reduce is not None:
+            self.all_reduce(o)
+        add_rms_norm(o, h, lw.post_norm, spec.rms_norm_eps, x, h)            # h += o; x = norm(h)
+        gate_up = lw.gate_up(x)                                             # [T, 2I]
+        if lora is not None:
+            lora.apply(i, "gate_up", x, list(gate_up.split([spec.intermediate_size] * 2, dim=-1)))
+        act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
+        silu_mul(gate_up, act)
+        down = lw.down(act)
+        if lora is not None:
+            lora.apply(i, "down", act, [down])
+        if self.all_reduce is not None:
+            self.all_reduce(down)
+        return down
+
+    def final_norm(self, pending: torch.Tensor | None, h: torch.Tensor, out: torch.Tensor) -> None:
+        """out = norm(h + pending) (h updated in place), or norm(h) for a model with no layers."""
+        from kernels.rms_norm import add_rms_norm
+
+        if pending is None:
+            add_rms_norm(h, None, self.weights.norm, self.spec.rms_norm_eps, out)
+        else:
+            add_rms_norm(pending, h, self.weights.norm, self.spec.rms_norm_eps, out, h)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Turns a scheduled step into model inputs, runs the model, returns logits of the rows that sample.
 
-Three paths: mixed or prefill steps build padded-tile metadata and run SDPA;
-decode-only steps on CUDA use the paged-attention decode kernel, replayed from
-a CUDA graph of the batch's size bucket when graphs are on (and eagerly
-otherwise, or when the LoRA backend is not graph-safe).
+Three paths: mixed or prefill steps build padded-tile metadata and run SDPA
+(on CUDA with graphs on, the rest of each layer is replayed from graph pieces
+of the step's token-count bucket, `prefill_graphs.py`); decode-only steps on
+CUDA use the paged-attention decode kernel, replayed from a CUDA graph of the
+batch's size bucket when graphs are on (and eagerly otherwise, or when the
+LoRA backend is not graph-safe).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class ModelRunner:
         self.graphs = graphs
         self.num_graph_steps = 0       # decode steps replayed from a graph (for tests and stats)
         self.num_lora_graph_steps = 0  # of which with adapters
+        self.num_prefill_graph_steps = 0   # prefill / mixed steps replayed from graph pieces
         # Paged-attention decode kernel for decode-only steps: Triton, so CUDA (or the interpreter in tests).
         self.decode_kernel = model.device.type == "cuda"
 
@@ -88,6 +91,13 @@ class ModelRunner:
             meta = DecodeMetadata.build(context_lens, tables, self.block_size, dev)
         else:
             meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, dev)
+        graph_ok = not has_lora or getattr(self.lora, "graph_safe", False)
+        if not decode and dev.type == "cuda" and self.graphs is not None and graph_ok \
+                and self.graphs.prefill.bucket_for(len(input_ids)) is not None:
+            self.num_prefill_graph_steps += 1
+            hidden = self.graphs.prefill.run(input_ids, positions, meta, token_slots,  # type: ignore[arg-type]
+                                             self.lora if has_lora else None)
+            return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev, dtype=torch.int64)])
         lora = None
         if has_lora:
             self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))  # type: ignore[union-attr]

@@ -35,16 +35,8 @@ def _check(case, x, y, y0, ids, frac_none, tol):
 
 def _capture(step):
     """`step` run once on a side stream (compiles outside the capture), then captured in a graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
+    from compute_service.engine.graph_capture import capture
+    return capture(step, None)[0]
 
 def _replays(graph, fracs_none, T, meta, x, y, gen, ids_to_cuda):
     """Per fraction of adapter-less tokens: new slot ids, inputs and y, one replay; yields (frac, ids, y before)."""
