@@ -230,10 +230,10 @@ def served_case(pool: ClientPool, args: argparse.Namespace, workload: str, conc:
 
 def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: list[str],
                prompts: list[list[int]], res: dict, save) -> None:
-    """The same model, adapters, prompts and concurrencies on the in-process engine (burst only)."""
+    """The same model, adapters, prompts, concurrencies and arrivals on the in-process engine."""
     import torch
 
-    from serve_load_engine import build_engine, load_adapters, measure
+    from serve_load_engine import build_engine, load_adapters
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu"
     t = time.perf_counter()
@@ -245,18 +245,37 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
         res["engine_adapters_load_s"] = load_adapters(engine, lora_root, adapters)
     for workload in args.workloads:
         for conc in args.concurrency:
-            try:
-                reqs = case_requests(workload, prompts, adapters, [0.0] * conc)
-                r = measure(engine, reqs, args.output_len, f"{workload}-{conc}")
-                res["engine"].setdefault(workload, {})[str(conc)] = r
-                print_case("engine", workload, "burst", conc, r)
-                served = res["served"].get(workload, {}).get("burst", {}).get(str(conc))
-                if served:
-                    res["ratios"].setdefault(workload, {})[str(conc)] = ratios(served, r)
-            except Exception as exc:
-                res["errors"].append(f"engine {workload} C={conc}: {exc!r}")
-                traceback.print_exc()
-            save()
+            for arrival in args.arrivals:
+                try:
+                    engine_case(engine, args, workload, conc, arrival, prompts, adapters, res)
+                except Exception as exc:
+                    res["errors"].append(f"engine {workload} {arrival} C={conc}: {exc!r}")
+                    traceback.print_exc()
+                save()
+
+
+def engine_case(engine, args: argparse.Namespace, workload: str, conc: int, arrival: str,
+                prompts: list[list[int]], adapters: list[str], res: dict) -> None:
+    """One case on the engine: a burst (into res["engine"], with the served/engine ratios), or the served
+    Poisson case's very arrivals and cap (into res["engine_poisson"])."""
+    from serve_load_engine import measure
+
+    if arrival == "burst":
+        r = measure(engine, case_requests(workload, prompts, adapters, [0.0] * conc), args.output_len,
+                    f"{workload}-{conc}")
+        res["engine"].setdefault(workload, {})[str(conc)] = r
+        served = res["served"].get(workload, {}).get("burst", {}).get(str(conc))
+        if served:
+            res["ratios"].setdefault(workload, {})[str(conc)] = ratios(served, r)
+    else:
+        rate = res["served"].get(workload, {}).get("poisson", {}).get(str(conc), {}).get("rate_per_s")
+        if not rate:
+            raise RuntimeError("the engine's Poisson case takes the served case's rate; it has none")
+        offsets = poisson_offsets(conc * max(1, args.poisson_factor), rate, seed=conc)
+        r = dict(measure(engine, case_requests(workload, prompts, adapters, offsets), args.output_len,
+                         f"{workload}-{conc}p", max_in_flight=conc), rate_per_s=rate, max_in_flight=conc)
+        res.setdefault("engine_poisson", {}).setdefault(workload, {})[str(conc)] = r
+    print_case("engine", workload, arrival, conc, r)
 
 
 def print_case(side: str, workload: str, arrival: str, conc: int, r: dict) -> None:

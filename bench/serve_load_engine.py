@@ -10,12 +10,15 @@ and tok/s mean the same on both sides; step times are recorded as well.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 from serve_load_client import Request, Timeline
 from serve_load_stats import step_figures, summarize
+
+LONG_STEP_S = 0.005   # steps longer than this are listed one by one
 
 
 def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -39,28 +42,43 @@ def load_adapters(engine: Any, root: Path, names: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str
-             ) -> tuple[list[Timeline], list[tuple[float, float, float]]]:
-    """All requests added at once, stepped to the end; the timelines and every step's (start, GPU work
-    queued, end)."""
+def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str, max_in_flight: int = 0
+             ) -> tuple[list[Timeline], list[tuple[float, float, float, int]]]:
+    """Requests added at their arrival offsets (all at once for a burst), at most `max_in_flight` (0: all)
+    in the engine at a time, stepped to the end; the timelines and every step's (start, GPU work queued,
+    end, requests added just before it).
+
+    A request is sent when it is added: at its arrival, or when an earlier one finished if the cap held it
+    back, as the load generator's semaphore does."""
     from compute_service.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    cap = max_in_flight or len(pending)
     t0 = time.monotonic()
     by_id: dict[str, Timeline] = {}
-    for r in requests:
-        rid = f"{tag}-{r.index}"
-        engine.add_request(rid, r.prompt, params, r.lora)
-        by_id[rid] = Timeline(r.index, t0, t0)
-    steps: list[tuple[float, float, float]] = []
+    steps: list[tuple[float, float, float, int]] = []
     launched = [0.0]
     engine.on_launched = lambda: launched.__setitem__(0, time.monotonic())
-    while engine.has_unfinished():
+    in_flight = added = 0
+    while pending or engine.has_unfinished():
+        now = time.monotonic()
+        while pending and in_flight < cap and t0 + pending[0].arrival_s <= now:
+            r = pending.pop(0)
+            rid = f"{tag}-{r.index}"
+            engine.add_request(rid, r.prompt, params, r.lora)
+            by_id[rid] = Timeline(r.index, t0 + r.arrival_s, now)
+            in_flight += 1
+            added += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, t0 + pending[0].arrival_s - time.monotonic()))
+            continue
         ts = time.monotonic()
         launched[0] = ts
         outs = engine.step()
         te = time.monotonic()
-        steps.append((ts, launched[0], te))
+        steps.append((ts, launched[0], te, added))
+        added = 0
         for o in outs:
             tl = by_id.get(o.request_id)
             if tl is None:
@@ -69,14 +87,19 @@ def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str
                 tl.messages.append((te, len(o.new_token_ids)))
             if o.finished:
                 tl.finish_reason = o.finish_reason
+                in_flight -= 1
+    engine.on_launched = None
     return sorted(by_id.values(), key=lambda t: t.index), steps
 
 
-def measure(engine: Any, requests: list[Request], max_tokens: int, tag: str) -> dict:
-    """Warm-up (3 tokens) then the timed run; the case's figures plus step-time percentiles."""
-    run_case(engine, requests, 3, f"{tag}w")
-    timelines, steps = run_case(engine, requests, max_tokens, tag)
+def measure(engine: Any, requests: list[Request], max_tokens: int, tag: str, max_in_flight: int = 0) -> dict:
+    """Warm-up (3 tokens, all at once) then the timed run; the case's figures plus step times, and the
+    steps over LONG_STEP_S as (ms, requests added just before: a prefill) to see where long steps come from."""
+    run_case(engine, [dataclasses.replace(r, arrival_s=0.0) for r in requests[:max_in_flight or None]], 3,
+             f"{tag}w")
+    timelines, steps = run_case(engine, requests, max_tokens, tag, max_in_flight)
     res = summarize(timelines)
     trace = dict(start=[s[0] for s in steps], launched=[s[1] for s in steps], end=[s[2] for s in steps])
     res.update(step_figures(trace, steps[0][0], steps[-1][0]))
+    res["long_steps"] = [(round((e - st) * 1e3, 2), n) for st, _, e, n in steps if e - st > LONG_STEP_S][:40]
     return res

@@ -88,5 +88,10 @@ def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path):
             assert served["num_failed"] == 0 and served["output_tokens"] == int(conc) * 8
             assert res["served"][workload]["poisson"][conc]["output_tokens"] == 2 * int(conc) * 8
             assert res["engine"][workload][conc]["output_tokens"] == int(conc) * 8
+            poisson = res["engine_poisson"][workload][conc]        # the served case's arrivals, on the engine
+            assert poisson["output_tokens"] == 2 * int(conc) * 8 and poisson["max_in_flight"] == int(conc)
+            assert poisson["rate_per_s"] == res["served"][workload]["poisson"][conc]["rate_per_s"]
+            for side in (served, res["engine"][workload][conc]):   # step host times, served from its trace
+                assert side["num_steps"] >= 8 and side["step_ms"]["p50"] >= side["launch_ms"]["p50"] > 0
             assert res["ratios"][workload][conc]["output_tok_per_s"] > 0
             assert served["itl_ms"]["p99"] >= served["itl_ms"]["p50"] > 0
