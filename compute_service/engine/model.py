@@ -7,6 +7,7 @@ LoRA deltas are added to the fused outputs' slices by a `LoraBackend`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +19,9 @@ from compute_service.engine.linear import Linear
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
+
+# Steps of at most this many tokens run their LoRA beside the base projection inside CUDA graphs.
+LORA_OVERLAP_TOKENS = 16
 
 
 @dataclass
@@ -60,6 +64,9 @@ class LlamaModel:
         # Tensor parallelism: sums a row-parallel layer's partial output over the ranks in place
         # (o and down, LoRA delta included); None on one GPU.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        # Side stream for LoRA overlapped with the base projections in captured graphs (`_project`).
+        overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
+        self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | DecodeMetadata,
@@ -136,9 +143,7 @@ class LlamaModel:
         spec, lw = self.spec, self.weights.layers[i]
         add_rms_norm(pending if pending is not None else h, h if pending is not None else None,
                      lw.input_norm, spec.rms_norm_eps, x, h if pending is not None else None)
-        qkv = lw.qkv(x)                                                     # [T, q + 2kv]
-        if lora is not None:
-            lora.apply(i, "qkv", x, list(qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)))
+        qkv = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size])
         k_cache, v_cache = kv_caches[i]
         rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache)
 
@@ -150,23 +155,42 @@ class LlamaModel:
         from kernels.silu_mul import silu_mul
 
         spec, lw = self.spec, self.weights.layers[i]
-        o = lw.o(attn)
-        if lora is not None:
-            lora.apply(i, "o", attn, [o])
+        o = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size])
         if self.all_reduce is not None:
             self.all_reduce(o)
         add_rms_norm(o, h, lw.post_norm, spec.rms_norm_eps, x, h)            # h += o; x = norm(h)
-        gate_up = lw.gate_up(x)                                             # [T, 2I]
-        if lora is not None:
-            lora.apply(i, "gate_up", x, list(gate_up.split([spec.intermediate_size] * 2, dim=-1)))
+        gate_up = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         silu_mul(gate_up, act)
-        down = lw.down(act)
-        if lora is not None:
-            lora.apply(i, "down", act, [down])
+        down = self._project(i, "down", lw.down, act, lora, [spec.hidden_size])
         if self.all_reduce is not None:
             self.all_reduce(down)
         return down
+
+    def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
+                 widths: list[int]) -> torch.Tensor:
+        """linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices' columns).
+
+        While a CUDA graph of a small step (<= LORA_OVERLAP_TOKENS tokens) is captured, the LoRA runs on a
+        side stream into a zeroed buffer concurrently with the base projection and is added after both:
+        there the LoRA kernels are bound by latency, not bytes, and the base matmul hides them."""
+        side = self._lora_stream
+        if lora is None or side is None or x.shape[0] > LORA_OVERLAP_TOKENS \
+                or not torch.cuda.is_current_stream_capturing():
+            y = linear(x)
+            if lora is not None:
+                lora.apply(i, group, x, list(y.split(widths, dim=-1)))
+            return y
+        main = torch.cuda.current_stream()
+        delta = torch.empty(x.shape[0], sum(widths), dtype=x.dtype, device=x.device)   # main stream's memory
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            delta.zero_()
+            lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
+        y = linear(x)
+        main.wait_stream(side)
+        y.add_(delta)
+        return y
 
     def final_norm(self, pending: torch.Tensor | None, h: torch.Tensor, out: torch.Tensor) -> None:
         """out = norm(h + pending) (h updated in place), or norm(h) for a model with no layers."""
