@@ -100,7 +100,8 @@ class QuantLinear:
         if not self.use_kernel:
             assert self._qweight is not None
             return F.linear(x, self._qweight.dequantize(x.dtype), bias)                    # [T, N]
-        from kernels.quant_matmul import dequantize_packed, pick_config, quant_matmul
+        from kernels.quant_dequant import dequantize_packed
+        from kernels.quant_matmul import pick_config, quant_matmul
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])

@@ -7,7 +7,8 @@ codes, scales, offsets and inputs, and poisons the output before the call.
 import pytest
 import torch
 
-from kernels.quant_matmul import QuantMatmulConfig, dequantize_packed, pick_config, quant_matmul
+from kernels.quant_dequant import dequantize_packed
+from kernels.quant_matmul import QuantMatmulConfig, pick_config, quant_matmul
 from kernels.quant_pack import block_k, pack_quantized, unpack_quantized
 from kernels.reference import quant_matmul_ref
 
@@ -63,6 +64,9 @@ def test_split_k_and_tiles(bits: int, split: int) -> None:
     check(19, 37, 768, bits, 64, torch.float16, True, cfg)
     check(3, 50, 512, bits, 32, torch.float32, False, cfg)
     check(40, 24, 512, bits, 128, torch.float16, True, QuantMatmulConfig(block_n=32, block_m=32, split_k=split))
+    block = QuantMatmulConfig(block_n=16, block_m=16, split_k=split, field_dots=False)   # one dot per block
+    check(19, 37, 768, bits, 64, torch.float16, True, block)
+    check(3, 50, 640, bits, 32, torch.float32, False, block)
     row = QuantMatmulConfig(block_n=32, block_m=1, split_k=split)     # the one-row (elementwise) kernel
     check(1, 37, 768, bits, 128, torch.float16, True, row)
     check(3, 50, 640, bits, 32, torch.float32, False, row)

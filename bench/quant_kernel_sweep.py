@@ -1,0 +1,153 @@
+"""Tile / split / path sweep of the quantized matmul kernels against bf16 `F.linear`, per layer shape and row
+count, for choosing `pick_config` (the 8B layer shapes at group 128, the default SmolLM2's at group 32).
+
+Each time is a CUDA graph of calls over enough weight copies to exceed the L2 cache (median of replays).
+Every config's output is checked against dequantize-then-matmul in fp32 (rel err < 1e-2).
+
+    python3 bench/quant_kernel_sweep.py --out sweep.json [--only smol]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
+from kernels.quant_dequant import dequantize_packed  # noqa: E402
+from kernels.quant_matmul import QuantMatmulConfig, pick_config, quant_matmul  # noqa: E402
+from kernels.quant_pack import pack_quantized  # noqa: E402
+
+SHAPES = {"8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 128,
+                 (1, 8, 32, 64, 512)),
+          "smol": ({"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}, 32,
+                   (1, 8, 64))}
+SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
+
+
+def graph_us(fns: list, iters: int = 10) -> float:
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    return median_replay_ms(g, iters) * 1e3 / len(fns)
+
+
+def configs(model: str, t: int) -> list[QuantMatmulConfig]:
+    C = QuantMatmulConfig
+    small = model == "smol"
+    if t == 1:
+        return ([C(bn, 1, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in ((1, 2) if small else (1, 4, 8, 16))]
+                + [C(bn, 16, 1) for bn in ((16, 32) if small else (64,))])
+    if t <= 16:
+        return [C(bn, 16, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in (1, 2, 4) + (() if small else (8,))]
+    if t <= 32:
+        return [C(bn, 32, s) for bn in (32, 64) for s in (1, 2, 4)]
+    if t <= 64:
+        return ([C(bn, bm, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for bm in (32, 64) for s in (1, 2)]
+                + [C(64, 64, 1, field_dots=False), C(128, 64, 1, num_warps=8, field_dots=False)])
+    return [C(bn, bm, 1, num_warps=w, field_dots=fd) for bn, bm, w, fd in
+            ((64, 64, 4, True), (128, 64, 8, True), (128, 128, 8, True), (128, 64, 8, False), (128, 128, 8, False))]
+
+
+def compare_configs(model: str, t: int, n: int, k: int) -> list[QuantMatmulConfig]:
+    """`pick_config`'s choice first, then near alternatives."""
+    C = QuantMatmulConfig
+    picked = pick_config(t, n, k, 4, 132)
+    if t == 1:
+        alts = [C(32, 1, s) for s in (1, 2, 4, 8)]
+    else:
+        bm = picked.block_m
+        alts = [C(32, bm, 1, field_dots=False), C(64, bm, 1, field_dots=False), C(32, bm, 1), C(64, bm, 1),
+                C(64, bm, 4), C(64, bm, 8)]
+    return [picked] + [c for c in alts if c != picked]
+
+
+def old_kernel(path: Path):
+    """The kernel module of an earlier commit (a copy of its kernels/quant_matmul.py), for before/after."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("old_quant_matmul", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", default="smol,8b")
+    ap.add_argument("--compare", type=Path, help="an earlier kernels/quant_matmul.py: time it (its own config "
+                    "choice) and only pick_config's choice and its neighbours here")
+    ap.add_argument("--rows", default="")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    res: dict = {"device": torch.cuda.get_device_name(dev), "cases": {}}
+    old = old_kernel(args.compare) if args.compare else None
+    for model in args.only.split(","):
+        shapes, group, rows = SHAPES[model]
+        for name, (n, k) in shapes.items():
+            ws = []
+            while sum(w.nbytes for w in ws) < SPAN:
+                q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)
+                s = (torch.rand(n, k // group, device=dev, generator=gen) * 0.002 + 1e-4).half()
+                ws.append(pack_quantized(q, s, (-8 * s.float()).half(), 4, group))
+            w0 = torch.empty(n, k, device=dev)
+            dequantize_packed(ws[0], w0)
+            dense: list = []
+            while sum(d.nbytes for d in dense) < SPAN:
+                dense.append(torch.randn(n, k, device=dev, generator=gen).mul_(0.02).to(torch.bfloat16))
+            for t in ([int(r) for r in args.rows.split(",")] if args.rows else rows):
+                x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
+                want = x.float() @ w0.t()
+                r: dict = {"bf16_us": graph_us([lambda d=d: F.linear(x, d) for d in dense])}
+                wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+                r["dense_path_us"] = graph_us([lambda w=w, i=i: (dequantize_packed(w, wd[i % 2]), F.linear(x, wd[i % 2]))
+                                               for i, w in enumerate(ws)])
+                if old is not None:
+                    ocfg = old.pick_config(t, n, k, 4, 132)
+                    part = torch.empty(ocfg.split_k * t * n, device=dev)
+                    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+                    outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+                    r["old_us"] = graph_us([lambda w=w, i=i: old.quant_matmul(x, w, None, outs[i % 2], ocfg, part, locks)
+                                            for i, w in enumerate(ws)])
+                found = []
+                for cfg in (compare_configs(model, t, n, k) if old is not None else configs(model, t)):
+                    outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+                    part = torch.empty(cfg.split_k * t * n, device=dev)
+                    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+                    try:
+                        quant_matmul(x, ws[0], None, outs[0], cfg, part, locks)
+                        err = ((outs[0].float() - want).norm() / want.norm()).item()
+                        us = graph_us([lambda w=w, i=i: quant_matmul(x, w, None, outs[i % 2], cfg, part, locks)
+                                       for i, w in enumerate(ws)])
+                    except Exception as e:  # noqa: BLE001  a config the compiler refuses: recorded, skipped
+                        print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
+                        continue
+                    found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots)], us=us, err=err))
+                r["picked"] = found[0] if old is not None and found else None
+                found.sort(key=lambda c: c["us"])
+                r["configs"] = found
+                res["cases"][f"{model}/{name}/{t}"] = r
+                best = found[0] if found else {}
+                bad = [c["cfg"] for c in found if not c["err"] < 1e-2]
+                print(f"{model:4s} {name:7s} T={t:4d} bf16 {r['bf16_us']:7.1f} dense {r['dense_path_us']:7.1f} "
+                      + (f"old {r['old_us']:7.1f} picked {r['picked']['us']:7.1f} " if r.get("picked") else "")
+                      + f"best {best.get('us', 0):7.1f} {best.get('cfg')} next "
+                      + " ".join(f"{c['us']:.1f}{c['cfg']}" for c in found[1:4]) + (f" BAD {bad}" if bad else ""),
+                      flush=True)
+                args.out.write_text(json.dumps(res, indent=1))
+            del ws, dense
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
