@@ -76,6 +76,7 @@ def old_kernel(path: Path):
     import importlib.util
     spec = importlib.util.spec_from_file_location("old_quant_matmul", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 

@@ -159,32 +159,33 @@ def quant_matmul(
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulConfig:
-    """Tiles, kernel and split-K for a shape (from sweeps of the 8B layer shapes at group 128 and the
-    default SmolLM2's at group 32 on an H100, bench/quant_kernel_sweep.py).
+    """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
+    group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
-    One row: the elementwise kernel, 32 features per program, split until ~8 programs per SM.
-    2-64 rows: one dot per field with 64-feature tiles where the weight has many rows (N >= 16384) or a
-    long K (>= 8192), split until ~4 programs per SM; else one dot per block with 32-feature tiles and
-    no split. Token tiles of 16 / 32 / 64 rows (32 where few feature tiles would leave SMs idle).
-    Prefill rows (> 64): 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
+    One row: the elementwise kernel, 32 features per program, split until ~8 programs per SM where K has
+    6 blocks or more. 2-64 rows on a small weight (N * K < 4M, latency-bound): one dot per 256-wide
+    block, 32-feature tiles, no split. On a large weight: one dot per field, 64-feature tiles, split 4
+    (8 for a long K), none above 32 rows when the feature tiles alone fill the SMs. Token tiles of
+    16 / 32 / 64 rows (32 where a long K or few feature tiles leave SMs idle). Prefill rows (> 64):
+    128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
     num_blocks = -(-K // block_k(bits))
 
-    def split_for(tiles: int, per_sm: int, cap: int) -> int:
-        want = max(1, min(per_sm * num_sms // tiles, cap, num_blocks // 3))     # >= 3 blocks per program
-        return 1 << (want.bit_length() - 1)
+    def pow2_floor(v: int) -> int:
+        return 1 << (max(1, v).bit_length() - 1)
 
     if T == 1:
-        return QuantMatmulConfig(32, 1, split_for(triton.cdiv(N, 32), 8, 16))
-    if T <= 64:
-        block_m = 16 if T <= 16 else 32 if T <= 32 else 64
-        if N >= 16384 or K >= 8192:
-            block_m = 32 if K >= 8192 and T > 32 else block_m
-            tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
-            return QuantMatmulConfig(64, block_m, split_for(tiles, 4, 8))
-        if triton.cdiv(N, 32) < 64:
-            block_m = min(block_m, 32)
+        split = 1 if num_blocks < 6 else min(pow2_floor(min(8 * num_sms // triton.cdiv(N, 32), 16)), num_blocks)
+        return QuantMatmulConfig(32, 1, split)
+    if T > 64:
+        return QuantMatmulConfig(128, 64, 1, num_warps=8)
+    block_m = 16 if T <= 16 else 32 if T <= 32 else 64
+    if N * K < 4 * 2**20:
+        block_m = min(block_m, 32) if triton.cdiv(N, 32) < 64 else block_m
         return QuantMatmulConfig(32, block_m, 1, field_dots=False)
-    return QuantMatmulConfig(128, 64, 1)
+    block_m = min(block_m, 32) if K >= 8192 else block_m
+    tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
+    split = 1 if T > 32 and tiles >= num_sms else 8 if K >= 8192 else 4
+    return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
 
 
 __all__ = ["QuantMatmulConfig", "pick_config", "quant_matmul"]
