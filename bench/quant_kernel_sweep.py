@@ -58,6 +58,15 @@ def configs(model: str, t: int) -> list[QuantMatmulConfig]:
             ((64, 64, 4, True), (128, 64, 8, True), (128, 128, 8, True), (128, 64, 8, False), (128, 128, 8, False))]
 
 
+def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
+    """Warps per program and narrower tiles (latency-bound small weights)."""
+    C = QuantMatmulConfig
+    if t == 1:
+        return [C(bn, 1, s, num_warps=w) for bn in (16, 32, 64) for w in (2, 4, 8) for s in (1, 8)]
+    bm = 16 if t <= 16 else 32
+    return [C(bn, bm, s, num_warps=w, field_dots=False) for bn in (16, 32) for w in (2, 4, 8) for s in (1, 4)]
+
+
 def compare_configs(model: str, t: int, n: int, k: int) -> list[QuantMatmulConfig]:
     """`pick_config`'s choice first, then near alternatives."""
     C = QuantMatmulConfig
@@ -88,6 +97,7 @@ def main() -> None:
     ap.add_argument("--compare", type=Path, help="an earlier kernels/quant_matmul.py: time it (its own config "
                     "choice) and only pick_config's choice and its neighbours here")
     ap.add_argument("--rows", default="")
+    ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -121,7 +131,9 @@ def main() -> None:
                     r["old_us"] = graph_us([lambda w=w, i=i: old.quant_matmul(x, w, None, outs[i % 2], ocfg, part, locks)
                                             for i, w in enumerate(ws)])
                 found = []
-                for cfg in (compare_configs(model, t, n, k) if old is not None else configs(model, t)):
+                cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k) if old is not None
+                        else configs(model, t))
+                for cfg in cfgs:
                     outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                     part = torch.empty(cfg.split_k * t * n, device=dev)
                     locks = torch.zeros(4096, dtype=torch.int32, device=dev)
