@@ -163,9 +163,11 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulC
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
     One row: the elementwise kernel, 32 features per program, split until ~8 programs per SM where K has
-    6 blocks or more (else 16 features and 2 warps per program on a small weight).
-    2-64 rows on a small weight (N * K < 4M, latency-bound): one dot per 256-wide block; below 6 blocks of
-    K no split (16-feature tiles of 2 warps up to 16 rows, else 32), from 6 blocks split 4.
+    6 blocks or more.
+    2-64 rows on a small weight (N * K < 4M, latency-bound): one dot per 256-wide block, 32-feature tiles;
+    below 6 blocks of K no split, from 6 blocks split 4. (16-feature programs of 2 warps were 10% faster
+    per launch in the sweep at 1-16 rows, but the default model's engine decode measured 13-24% slower
+    with them, so they are not picked.)
     On a large weight: one dot per field, 64-feature tiles, split 4 (8 for a long K), none above 32 rows
     when the feature tiles alone fill the SMs.
     Token tiles of 16 / 32 / 64 rows (32 where a long K or few feature tiles leave SMs idle).
@@ -176,8 +178,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulC
         return 1 << (max(1, v).bit_length() - 1)
 
     if T == 1:
-        if num_blocks < 6:      # short K: no split; 16-feature programs of 2 warps where the weight is small
-            return QuantMatmulConfig(16, 1, 1, num_warps=2) if N * K < 4 * 2**20 else QuantMatmulConfig(32, 1, 1)
+        if num_blocks < 6:      # short K: no split
+            return QuantMatmulConfig(32, 1, 1)
         return QuantMatmulConfig(32, 1, min(pow2_floor(min(8 * num_sms // triton.cdiv(N, 32), 16)), num_blocks))
     if T > 64:
         return QuantMatmulConfig(128, 64, 1, num_warps=8)
@@ -185,8 +187,6 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulC
     if N * K < 4 * 2**20:
         if num_blocks >= 6:     # longer K: split 4
             return QuantMatmulConfig(32, min(block_m, 32), 4, field_dots=False)
-        if T <= 16:
-            return QuantMatmulConfig(16, 16, 1, num_warps=2, field_dots=False)
         block_m = min(block_m, 32) if triton.cdiv(N, 32) < 64 else block_m
         return QuantMatmulConfig(32, block_m, 1, field_dots=False)
     block_m = min(block_m, 32) if K >= 8192 else block_m
