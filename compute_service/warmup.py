@@ -112,6 +112,7 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0) -> WarmupRepo
         unload_synthetic(rt.slots, keys)
         zero_kv_cache(engine)
         engine.runner.num_graph_steps = engine.runner.num_lora_graph_steps = 0
+        engine.runner.num_prefill_graph_steps = 0
     stats, pool = engine.stats(), rt.slots.stats()
     if stats.num_kv_blocks_used or stats.num_running or stats.num_waiting or pool.pages_used:
         raise RuntimeError(f"warm-up left state behind: {stats.num_kv_blocks_used} KV blocks, "
@@ -135,7 +136,9 @@ def _capture(rt: Runtime, report: WarmupReport) -> None:
         graphs.capture_all(runner.lora)
     report.graphs_s = time.perf_counter() - t
     report.num_graphs = 2 * len(graphs.buckets)
-    log.info("warm-up: captured %d decode CUDA graphs in %.1f s", report.num_graphs, report.graphs_s)
+    pieces = graphs.prefill.num_captured
+    log.info("warm-up: captured %d decode CUDA graphs and %d prefill graph pieces in %.1f s", report.num_graphs,
+             pieces, report.graphs_s)
 
 
 def _spare_backend(rt: Runtime) -> Any:
@@ -153,7 +156,9 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     mnbt = engine.config.max_num_batched_tokens
     t = time.perf_counter()
     classify = lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, engine.runner.model.dtype, rt.device)
-    plan = make_plan(mnbt, graphs.buckets if graphs is not None else [], classify)
+    prefill_bucket = graphs.prefill.bucket_for if graphs is not None else (lambda t: None)
+    plan = make_plan(mnbt, graphs.buckets if graphs is not None else [], classify,
+                     lambda t: prefill_bucket(t) or t)
     report.plan = plan
     width = graphs.meta.block_tables.shape[1] if graphs is not None else 1
     pass_ = _ForwardPass(rt, slot_ids, width)

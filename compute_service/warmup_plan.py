@@ -117,12 +117,16 @@ class WarmupPlan:
 
 
 def make_plan(max_num_batched_tokens: int, decode_buckets: Iterable[int],
-              lora_class: Callable[[int], LaunchClass]) -> WarmupPlan:
-    """One representative token count per class over every T a step can have (1..max_num_batched_tokens)."""
+              lora_class: Callable[[int], LaunchClass],
+              launched_tokens: Callable[[int], int] = lambda t: t) -> WarmupPlan:
+    """One representative token count per class over every T a step can have (1..max_num_batched_tokens).
+
+    `launched_tokens(T)`: the token count a prefill/mixed step of T tokens launches its kernels with (its
+    prefill graph bucket where graph pieces run it, else T), so only counts that can occur are planned."""
     buckets = sorted(set(decode_buckets))
     seen = {(t % 16 == 0, lora_class(t)) for t in buckets}
     prefill, base, base_seen = [], [], set()
-    for t in range(1, max_num_batched_tokens + 1):
+    for t in sorted({launched_tokens(t) for t in range(1, max_num_batched_tokens + 1)}):
         c = (t % 16 == 0, lora_class(t))
         if c not in seen:
             seen.add(c)

@@ -79,6 +79,11 @@ class PrefillGraphs:
     def enabled(self) -> bool:
         return bool(self.buckets) and self.model.all_reduce is None
 
+    @property
+    def num_captured(self) -> int:
+        """Graph pieces captured so far (every bucket, base and LoRA)."""
+        return sum(len(g) for g in self._graphs.values())
+
     def bucket_for(self, num_tokens: int) -> int | None:
         if not self.enabled:
             return None

@@ -39,6 +39,18 @@ def test_plan_runs_one_step_per_class_and_covers_every_token_count():
     assert plan.base_prefill_tokens == [1, 16]               # prefill attention: both divisibility classes
 
 
+
+def test_plan_covers_only_the_token_counts_steps_launch_with():
+    """Steps of up to 128 tokens run as graph pieces padded to buckets: only the buckets and counts above
+    128 are planned, and a class seen only between buckets is not."""
+    from compute_service.engine.prefill_graphs import prefill_buckets
+    buckets = prefill_buckets(128)
+    pad = lambda t: next((b for b in buckets if b >= t), t)   # noqa: E731
+    classes = {t: ("odd" if t == 37 else "big" if t > 100 else "small", t > 250) for t in range(1, 401)}
+    plan = make_plan(400, [1, 2, 4, 8, 16], classes.__getitem__, pad)
+    assert 37 not in plan.prefill_tokens and plan.prefill_tokens == [128, 129, 251, 256]
+    assert all(t in buckets or t > 128 for t in plan.prefill_tokens + plan.base_prefill_tokens)
+
 def test_warm_up_runs_real_steps_and_leaves_nothing_behind(tiny_model_dir):
     _, rt = _runtime(tiny_model_dir)
     arrivals = rt.engine._arrivals
