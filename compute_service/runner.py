@@ -104,7 +104,7 @@ class EngineRunner:
         self.on_adapter_load: Callable[[int, float, bool], None] | None = None   # (bytes, seconds, ok)
         self.steps = StepLoop(engine, slots, self._drain, trace=bool(trace_path),
                               handoff_at_launch=handoff_at_launch)
-        self.trace_path = trace_path    # where `stop` writes the step trace (monotonic start, end, tokens)
+        self.trace_path = trace_path    # where `stop` writes the step trace (`write_trace`)
         self._requests: dict[str, _Request] = {}
         self._fetches: dict[str, asyncio.Task[Uploaded]] = {}
         self._staging = ThreadPoolExecutor(STAGING_WORKERS, thread_name_prefix="adapter-staging")
@@ -137,6 +137,8 @@ class EngineRunner:
                       task_id: int | None, version: str, consumer: StepConsumer, handle: int,
                       timeout_s: float | None = None) -> None:
         """Starts a request whose deltas go to `consumer.deliver(handle, ...)`; raises on a duplicate id."""
+        if self.steps.failure is not None:
+            raise self.steps.failure
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
         key = None if task_id is None else adapter_key(task_id, version)
@@ -154,7 +156,8 @@ class EngineRunner:
             return
         if req.timer is not None:
             req.timer.cancel()
-        self.steps.submit(lambda: self.steps.abort(request_id))
+        if self.steps.failure is None:
+            self.steps.submit(lambda: self.steps.abort(request_id))
 
     async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                        task_id: int | None = None, version: str = "") -> AsyncIterator[RequestOutput]:
@@ -263,6 +266,13 @@ class EngineRunner:
                 touched[id(req.consumer)] = req.consumer
             if self.on_step is not None and batch.seconds:
                 self.on_step(batch.num_tokens, batch.seconds)
+        if self.steps.failure is not None:     # the engine thread stopped: nothing more comes for anyone
+            for rid, req in list(requests.items()):
+                del requests[rid]
+                if req.timer is not None:
+                    req.timer.cancel()
+                req.consumer.fail(req.handle, self.steps.failure)
+                touched[id(req.consumer)] = req.consumer
         for consumer in touched.values():
             consumer.end_batch()
 
@@ -322,11 +332,11 @@ class EngineRunner:
         return staged
 
 
-def write_trace(path: str, trace: list[float]) -> None:
+def write_trace(path: str, trace: Sequence[float]) -> None:
     """Writes a step trace as JSON: `start`, `launched` (its GPU work queued), `end` (time.monotonic of each
     engine.step) and `tokens` (emitted)."""
-    Path(path).write_text(json.dumps({"start": trace[0::4], "launched": trace[1::4], "end": trace[2::4],
-                                      "tokens": trace[3::4]}))
+    Path(path).write_text(json.dumps({name: list(trace[i::4])
+                                      for i, name in enumerate(("start", "launched", "end", "tokens"))}))
 
 
 def _settle(fut: asyncio.Future[Any], result: Any) -> None:

@@ -1,5 +1,6 @@
-"""The engine thread hands step N's tokens over once step N+1's GPU work is queued, and at once when
-nothing follows; the step trace records every step; served tokens are the engine's either way."""
+"""The engine thread: it hands step N's tokens over once step N+1's GPU work is queued, and at once when
+nothing follows; the step trace records every step; served tokens are the engine's either way; if the
+thread stops on an error, every request fails with UNAVAILABLE and new ones are refused."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,8 @@ import json
 import threading
 
 import pytest
+
+from loraplex.errors import UnavailableError
 
 from compute_service.build import build_runtime
 from compute_service.config import ComputeConfig
@@ -105,3 +108,31 @@ def test_served_tokens_equal_the_engines_and_the_trace_has_every_step(loaded, ti
     assert len(steps["start"]) == len(steps["end"]) == len(steps["tokens"]) >= 7
     assert sum(steps["tokens"]) == 21
     assert all(s <= q <= e for s, q, e in zip(steps["start"], steps["launched"], steps["end"]))
+
+
+def test_an_engine_thread_that_dies_fails_its_requests_as_unavailable_and_refuses_new_ones(
+        loaded, tiny_model_dir, caplog):
+    async def serve() -> None:
+        rt = runtime(loaded, tiny_model_dir)
+        pump, calls = rt.slots.pump, [0]
+
+        def failing_pump() -> None:       # something a step does not catch, a few steps into a request
+            calls[0] += 1
+            if calls[0] > 4:
+                raise RuntimeError("device lost")
+            pump()
+        rt.slots.pump = failing_pump
+        rt.runner.start()
+        try:
+            with pytest.raises(UnavailableError, match="device lost.*restart"):
+                async for _ in rt.runner.generate("r", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)):
+                    pass
+            with pytest.raises(UnavailableError):
+                async for _ in rt.runner.generate("r2", [1, 2, 3], SamplingParams(max_tokens=2)):
+                    pass
+            with pytest.raises(UnavailableError):
+                await rt.runner.snapshot()
+        finally:
+            await asyncio.wait_for(rt.runner.stop(), 10)
+    asyncio.run(asyncio.wait_for(serve(), 30))
+    assert any("the engine thread stopped: device lost" in r.getMessage() for r in caplog.records)
