@@ -45,10 +45,12 @@ def configs(model: str, t: int) -> list[QuantMatmulConfig]:
     C = QuantMatmulConfig
     small = model == "smol"
     if t == 1:
-        return ([C(bn, 1, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in ((1, 2) if small else (1, 4, 8, 16))]
+        splits = (1, 2) if small else (1, 4, 8, 16)
+        return ([C(bn, 1, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in splits]
                 + [C(bn, 16, 1) for bn in ((16, 32) if small else (64,))])
     if t <= 16:
-        return [C(bn, 16, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in (1, 2, 4) + (() if small else (8,))]
+        splits = (1, 2, 4) if small else (1, 2, 4, 8)
+        return [C(bn, 16, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in splits]
     if t <= 32:
         return [C(bn, 32, s) for bn in (32, 64) for s in (1, 2, 4)]
     if t <= 64:
@@ -121,15 +123,16 @@ def main() -> None:
                 want = x.float() @ w0.t()
                 r: dict = {"bf16_us": graph_us([lambda d=d: F.linear(x, d) for d in dense])}
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-                r["dense_path_us"] = graph_us([lambda w=w, i=i: (dequantize_packed(w, wd[i % 2]), F.linear(x, wd[i % 2]))
+                r["dense_path_us"] = graph_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
                                                for i, w in enumerate(ws)])
                 if old is not None:
                     ocfg = old.pick_config(t, n, k, 4, 132)
                     part = torch.empty(ocfg.split_k * t * n, device=dev)
                     locks = torch.zeros(4096, dtype=torch.int32, device=dev)
                     outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-                    r["old_us"] = graph_us([lambda w=w, i=i: old.quant_matmul(x, w, None, outs[i % 2], ocfg, part, locks)
-                                            for i, w in enumerate(ws)])
+                    calls = [lambda w=w, o=outs[i % 2]: old.quant_matmul(x, w, None, o, ocfg, part, locks)
+                             for i, w in enumerate(ws)]
+                    r["old_us"] = graph_us(calls)
                 found = []
                 cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k) if old is not None
                         else configs(model, t))
@@ -145,7 +148,8 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001  a config the compiler refuses: recorded, skipped
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
                         continue
-                    found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots)], us=us, err=err))
+                    found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots)],
+                                      us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
                 found.sort(key=lambda c: c["us"])
                 r["configs"] = found

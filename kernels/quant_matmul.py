@@ -148,12 +148,14 @@ def quant_matmul(
     fence = os.environ.get("TRITON_INTERPRET", "0") != "1"
     if cfg.block_m == 1:
         quant_gemv_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
-                                 HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=fence, NUM_THREADS=32 * cfg.num_warps,
-                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=fence,
+                                NUM_THREADS=32 * cfg.num_warps,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         _quant_matmul_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
                                    BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
-                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=fence, NUM_THREADS=32 * cfg.num_warps,
+                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=fence,
+                                   NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -166,8 +168,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulC
     6 blocks or more.
     2-64 rows on a small weight (N * K < 4M, latency-bound): one dot per 256-wide block, 32-feature tiles;
     below 6 blocks of K no split, from 6 blocks split 4. (16-feature programs of 2 warps were 10% faster
-    per launch in the sweep at 1-16 rows, but the default model's engine decode measured 13-24% slower
-    with them, so they are not picked.)
+    per launch in the sweep at 1-16 rows; one run of the default model's engine decode with them was
+    13-24% slower at batch 1/8, inside that benchmark's run-to-run spread: not picked until measured.)
     On a large weight: one dot per field, 64-feature tiles, split 4 (8 for a long K), none above 32 rows
     when the feature tiles alone fill the SMs.
     Token tiles of 16 / 32 / 64 rows (32 where a long K or few feature tiles leave SMs idle).

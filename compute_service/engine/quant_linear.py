@@ -12,8 +12,8 @@ which is faster there. Nothing in a call syncs with the host, so decode steps ca
 into CUDA graphs. `qweight` and `dequantize()` rebuild the canonical form from the packed one.
 
 CPU (and CUDA for a group size the packed layout cannot hold, e.g. 16 or 96):
-dequantize-then-matmul on every call (the reference path; slow, meant for tests and small models). `use_kernel=True` runs the packed path on CPU too (Triton's
-interpreter, for tests).
+dequantize-then-matmul on every call (the reference path; slow, meant for tests and small models).
+`use_kernel=True` runs the packed path on CPU too (Triton's interpreter, for tests).
 """
 from __future__ import annotations
 
