@@ -79,24 +79,44 @@ def test_decode_kernel_matches_peft(peft_llama, block_size, fused, monkeypatch):
             assert rel_err(row.cpu(), ref[i]) < TOL, (rid, key, i)
 
 
+def _engine(folder, dtype: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype=dtype, block_size=4,
+                                  lora_backend="kernels", max_loras=4, max_num_seqs=12, **kw))
+
+
+def _check_against_fp32(ref, eager, graphs, slack: float = 2.0, margin: float = 1e-2) -> None:
+    """bf16 graphs vs bf16 eager, both held against the fp32 eager run: while all three chose the same
+    tokens, the graphs' logits are no further from fp32 than eager's (x slack, + margin). The two
+    bf16 paths round in different places (padding buckets, the LoRA delta rounded before it is added in
+    graphs), so they are not compared with each other directly."""
+    (_, tok_r, log_r), (_, tok_e, log_e), (_, tok_g, log_g) = ref, eager, graphs
+    for rid in log_r:
+        for r, e, g, tr, te, tg in zip(log_r[rid], log_e[rid], log_g[rid], tok_r[rid], tok_e[rid], tok_g[rid]):
+            err_e, err_g = rel_err(e, r), rel_err(g, r)
+            assert err_g <= slack * err_e + margin, (rid, err_g, err_e)
+            if not tr == te == tg:
+                break
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graphs_match_eager_gpu(peft_llama, dtype):
     _, folder, adapters_dir = peft_llama
     results = []
     for eager in (True, False):
-        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype=dtype, block_size=4,
-                                        max_num_batched_tokens=16, lora_backend="kernels", max_loras=4,
-                                        max_num_seqs=12, enforce_eager=eager))
+        engine = _engine(folder, dtype, max_num_batched_tokens=16, enforce_eager=eager)
         results.append(_run(engine, adapters_dir, seed=7, max_tokens=10))
         assert (engine.runner.num_graph_steps > 0) != eager
-    (_, tok_e, log_e), (_, tok_g, log_g) = results
-    assert tok_e == tok_g
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    for rid in log_e:
-        for a, b in zip(log_e[rid], log_g[rid]):
-            assert rel_err(b, a) < tol, rid
-
+    if dtype == "float32":
+        (_, tok_e, log_e), (_, tok_g, log_g) = results
+        assert tok_e == tok_g
+        for rid in log_e:
+            for a, b in zip(log_e[rid], log_g[rid]):
+                assert rel_err(b, a) < 1e-4, rid
+        return
+    ref = _run(_engine(folder, "float32", max_num_batched_tokens=16, enforce_eager=True), adapters_dir, seed=7,
+               max_tokens=10)
+    _check_against_fp32(ref, *results)
 
 def test_prefill_buckets():
     from compute_service.engine.prefill_graphs import prefill_buckets
@@ -112,21 +132,21 @@ def test_prefill_buckets():
 def test_prefill_graphs_match_eager_gpu(peft_llama, dtype):
     """Prefill and mixed steps replayed from graph pieces (token counts padded to buckets 16/32/64,
     requests with and without adapters joining mid-run) vs the same steps run eagerly (decode graphs on
-    in both, so only the prefill path differs)."""
+    in both, so only the prefill path differs); bf16 held against the fp32 run."""
     _, folder, adapters_dir = peft_llama
     results = []
     for prefill_tokens in (0, 64):
-        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype=dtype, block_size=4,
-                                        max_num_batched_tokens=64, lora_backend="kernels", max_loras=4,
-                                        max_num_seqs=12, prefill_graph_tokens=prefill_tokens))
+        engine = _engine(folder, dtype, max_num_batched_tokens=64, prefill_graph_tokens=prefill_tokens)
         results.append(_run(engine, adapters_dir, seed=11, max_tokens=8))
         assert (engine.runner.num_prefill_graph_steps > 0) == (prefill_tokens > 0)
-    (_, tok_e, log_e), (_, tok_g, log_g) = results
-    tol = 1e-4 if dtype == "float32" else 2e-2
-    for rid in log_e:
-        # Compare while the two runs chose the same tokens (a bf16 near-tie may flip one; after it the
-        # sequences differ and so do their logits).
-        for a, b, ta, tb in zip(log_e[rid], log_g[rid], tok_e[rid], tok_g[rid]):
-            assert rel_err(b, a) < tol, rid
-            if ta != tb:
-                break
+    if dtype == "float32":
+        (_, tok_e, log_e), (_, tok_g, log_g) = results
+        for rid in log_e:
+            for a, b, ta, tb in zip(log_e[rid], log_g[rid], tok_e[rid], tok_g[rid]):
+                assert rel_err(b, a) < 1e-4, rid
+                if ta != tb:
+                    break
+        return
+    ref = _run(_engine(folder, "float32", max_num_batched_tokens=64, enforce_eager=True), adapters_dir, seed=11,
+               max_tokens=8)
+    _check_against_fp32(ref, *results)
