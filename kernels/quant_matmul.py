@@ -4,10 +4,11 @@ Two kernels of one family, both reading `kernels.quant_pack`'s layout (per K blo
 row; field i of the words holds 32 consecutive codes of one group):
 
 - Tensor-core kernel (2+ rows, `_quant_matmul_kernel` here): a program owns BLOCK_N features by BLOCK_M
-  tokens and a range of K blocks. Per block it dequantizes the [BLOCK_N, BLOCK_K] weight tile in
-  registers (`kernels.quant_tile.dequant_block`: q * scale + offset in fp32, rounded once to x's dtype)
-  and runs one dot of it with the [BLOCK_K, BLOCK_M] slice of x.T, accumulating in fp32. The tile is
-  out.T (features by tokens), so a decode batch of 2-16 tokens is the dot's small side.
+  tokens and a range of K blocks, and accumulates one fp32 out.T tile (features by tokens, so a decode
+  batch of 2-16 tokens is the dot's small side). The weight is dequantized in registers (q * scale +
+  offset in fp32, rounded once to x's dtype, `kernels.quant_tile`) either per 32-wide field, each fed
+  to a K=32 dot from the registers its words were loaded into (FIELD_DOTS), or per 256-wide block,
+  staged in shared memory for one dot (better for small, latency-bound weights; `pick_config`).
 - One-row kernel (batch-1 decode, `kernels.quant_gemv`): no tensor cores, codes * x elementwise in fp32.
 
 Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336) is
@@ -108,8 +109,9 @@ def quant_matmul(
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
-        out[:] = (x.float() @ W.T + (bias.float() if bias is not None else 0)).to(x.dtype)
-    W is never rounded to x's dtype: per group, scales[n, g] * sum(q * x) + offsets[n, g] * sum(x).
+        out[:] = (x.float() @ W.to(x.dtype).float().T + (bias.float() if bias is not None else 0)).to(x.dtype)
+    The tensor-core kernel (block_m >= 16) rounds W to x's dtype once before its dot (bf16: relative
+    2**-9 per weight); the one-row kernel (block_m == 1) keeps W in fp32.
     `locks` must hold zeros before the call and holds zeros after it.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
