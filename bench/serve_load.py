@@ -237,9 +237,10 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu"
     t = time.perf_counter()
-    engine = build_engine(model, device, max_num_seqs=max(args.concurrency),
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                          max_loras=len(adapters), max_lora_rank=max(args.ranks), quantization=args.quantization)
+    engine, res["engine_warmup_s"] = build_engine(
+        model, device, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, max_lora_rank=max(args.ranks), pool_bytes=args.lora_gpu_cache_bytes,
+        quantization=args.quantization)
     res["engine_build_s"] = time.perf_counter() - t
     if adapters and {"shared", "distinct"} & set(args.workloads):
         res["engine_adapters_load_s"] = load_adapters(engine, lora_root, adapters)

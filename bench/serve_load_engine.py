@@ -22,14 +22,22 @@ LONG_STEP_S = 0.005   # steps longer than this are listed one by one
 
 
 def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_loras: int, max_lora_rank: int, quantization: str = "auto") -> Any:
-    """An LLMEngine over `model` ("" = the default model), sized like the served compute service."""
-    from compute_service.engine import EngineConfig, LLMEngine
+                 max_lora_rank: int, pool_bytes: int, quantization: str = "auto") -> tuple[Any, float]:
+    """The engine `loraplex compute` runs over `model` ("" = the default model), built and warmed up as the
+    service builds and warms it (same adapter pool and LoRA backend, every kernel compiled and every graph
+    captured before the first case); returns it and the warm-up's seconds."""
+    from compute_service.build import build_runtime
+    from compute_service.config import ComputeConfig
+    from compute_service.warmup import warm_up
 
-    config = EngineConfig(model=model or None, device=device, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          max_loras=max(1, max_loras), max_lora_rank=max_lora_rank, quantization=quantization)
-    return LLMEngine(config)
+    async def no_fetch(task_id: int, version: str | None) -> Any:
+        raise RuntimeError("the benchmark's engine is given its adapters; it fetches none")
+
+    config = ComputeConfig(model=model, device=device, quantization=quantization, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                           max_lora_rank=max_lora_rank, lora_gpu_cache_bytes=pool_bytes)
+    rt = build_runtime(config, no_fetch, capture_graphs=False)
+    return rt.engine, warm_up(rt, "auto").total_s
 
 
 def load_adapters(engine: Any, root: Path, names: list[str]) -> float:
