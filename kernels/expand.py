@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.shrink import (cdiv, DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_launch,
+from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_launch,
                             check_slices)
 from kernels.tiles import dot, segment_tile
 
@@ -115,7 +116,7 @@ def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, 
     s is read once per group instead of once per block; groups are as wide as
     possible while the launch keeps about four programs per SM.
     """
-    block_r = min(max(16, _next_pow2(max_rank)), 64)
+    block_r = min(max(16, next_pow2(max_rank)), 64)
     if T <= DECODE_MAX_TOKENS:
         block_m, block_n, num_warps = 16, 128, 4
     else:
@@ -176,7 +177,7 @@ def lora_expand_triton(
         layer, tables.num_layers, tables.num_modules, tables.max_rank,
         *mods, *offs,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"], GROUP_N=cfg["GROUP_N"],
-        N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=_next_pow2(meta.max_slots),
+        N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=next_pow2(meta.max_slots),
         ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         EVEN_N=all(w % cfg["BLOCK_N"] == 0 for w in widths), IEEE=pool.dtype == torch.float32,
         USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 
 from kernels.expand import _alignment
+from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.shrink import (cdiv, DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _next_pow2, _num_sms, check_input,
+from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_input,
                             check_launch, check_slices)
 from kernels.tiles import dot, pick4, segment_tile, shrink_tile, table_entry
 
@@ -137,7 +138,7 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
     expand programs stay within about four per SM (counting the upper bound of
     token tiles). Every byte of A and B is read once per token tile either way.
     """
-    block_r = max(16, _next_pow2(max_rank))
+    block_r = max(16, next_pow2(max_rank))
     block_k = min(256, max(32, 8192 // block_r))
     block_n = min(128, max(32, 8192 // block_r))
     if T <= DECODE_MAX_TOKENS:
@@ -163,7 +164,7 @@ def fused_workspace(max_tokens: int, max_rank: int, device: torch.device | str) 
 
     The kernel leaves both at zero after every launch, so one workspace serves every launch on a stream.
     """
-    cols = MAX_SLICES * max(16, _next_pow2(max_rank))
+    cols = MAX_SLICES * max(16, next_pow2(max_rank))
     return (torch.zeros(max_tokens, cols, dtype=torch.float32, device=device),
             torch.zeros(COUNTERS, dtype=torch.int32, device=device))
 
@@ -227,7 +228,7 @@ def lora_fused_triton(
         layer, tables.num_layers, tables.num_modules, tables.max_rank, K, cfg["K_PER_SPLIT"], cfg["GROUP_N"],
         *mods, *offs, *firsts, num_groups,
         NUM_SLICES=num_slices, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
-        BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=_next_pow2(meta.max_slots),
+        BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         IEEE=pool.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_ints import next_pow2
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -63,10 +65,6 @@ def _paged_decode_kernel(
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def paged_attention_decode(
@@ -120,6 +118,6 @@ def paged_attention_decode(
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0), context_lens, out, out.stride(0), out.stride(1),
         block_size, group, D, scale,
-        BLOCK_G=max(16, _next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, _next_pow2(D)),
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
     )

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_ints import next_pow2
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
@@ -54,4 +56,4 @@ def add_rms_norm(
         return
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
                                residual_out if residual_out is not None else out, H, eps,
-                               HAS_RES=residual is not None, BLOCK=1 << (H - 1).bit_length(), num_warps=8)
+                               HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_ints import next_pow2
+
 
 @triton.jit
 def _rotate(x1, x2, c1, c2, s1, s2):
@@ -102,8 +104,6 @@ def rope_and_cache(
         raise ValueError(f"positions and slot_mapping must be int64 [>= {T}]")
     if T == 0:
         return
-    def p2(n: int) -> int:      # host ints: triton.next_power_of_2 costs microseconds per call
-        return 1 << max(0, n - 1).bit_length()
     _rope_cache_kernel[(T,)](
         qkv, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
-        BLOCK_H=p2(H), BLOCK_KVH=p2(KVH), BLOCK_HALF=p2(D // 2), BLOCK_D=p2(D), num_warps=4)
+        BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), num_warps=4)

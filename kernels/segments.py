@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_ints import next_pow2
+
 
 @triton.jit
 def _segments_kernel(ids_ptr, T, tok_ptr, seg_starts_ptr, seg_slots_ptr, num_seg_ptr, max_slots,
@@ -80,7 +82,7 @@ def build_segments(
     if not 0 <= T <= min(slot_ids.numel(), token_indices.numel()):
         raise ValueError(f"{T} tokens do not fit slot_ids ({slot_ids.numel()}) / token_indices "
                          f"({token_indices.numel()})")
-    bins = max(16, 1 << max_slots.bit_length())     # next power of 2 above max_slots
+    bins = max(16, next_pow2(max_slots + 1))
     block_t = max(16, min(1024, 8192 // bins))
     _segments_kernel[(1,)](slot_ids, T, token_indices, seg_starts, seg_slots, num_segments, max_slots,
                            BLOCK_T=block_t, BINS=bins, num_warps=8)

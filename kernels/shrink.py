@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
 from kernels.tiles import segment_tile, shrink_tile
@@ -80,18 +81,9 @@ def _shrink_kernel(
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured (then host-side shortcuts must not drop launches)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of host ints (triton.cdiv costs microseconds per call on the launch path)."""
-    return -(-a // b)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -113,7 +105,7 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int
     SM (counting the upper bound of token tiles), so few-token batches and long
     reductions (down_proj) still spread over the whole GPU.
     """
-    block_r = min(max(16, _next_pow2(max_rank)), 64)
+    block_r = min(max(16, next_pow2(max_rank)), 64)
     r_blocks = cdiv(max_rank, block_r)
     if T <= DECODE_MAX_TOKENS:
         block_m, block_k, num_warps, min_k_split = 16, (256 if block_r <= 32 else 128), 4, 256
@@ -218,7 +210,7 @@ def lora_shrink_triton(
         layer, tables.num_layers, tables.num_modules, tables.max_rank, K, cfg["K_PER_SPLIT"],
         *mods,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
-        MAX_SEGS=_next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
+        MAX_SEGS=next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
         ROW_ALIGN=tables.row_alignment(), IEEE=pool.dtype == torch.float32,
         USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"launch_pdl": True} if cfg.get("PDL") else {}),

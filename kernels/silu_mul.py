@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_ints import cdiv, next_pow2
+
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -29,5 +31,5 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
         raise ValueError(f"out must be contiguous [{T}, {inter}] of dtype {gate_up.dtype}")
     if T == 0:
         return
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(T, -(-inter // block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    block = min(1024, next_pow2(inter))
+    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)

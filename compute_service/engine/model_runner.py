@@ -81,29 +81,28 @@ class ModelRunner:
         dev = self.model.device
         has_lora = self.lora is not None and any(t != NO_ADAPTER for t in token_slots)
         decode = self.decode_kernel and len(sample_rows) == len(input_ids) == len(query_lens)
-        if decode and dev.type == "cuda" and self.graphs is not None and self.graphs.bucket_for(len(input_ids)) is not None \
-                and (not has_lora or getattr(self.lora, "graph_safe", False)):
+        graph_safe = not has_lora or getattr(self.lora, "graph_safe", False)
+        graphs = self.graphs if dev.type == "cuda" and graph_safe else None     # decode and prefill graphs
+        if decode and graphs is not None and graphs.bucket_for(len(input_ids)) is not None:
             self.num_graph_steps += 1
             self.num_lora_graph_steps += int(has_lora)
-            return self.graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None)
+            return graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None)
         meta: AttentionMetadata | DecodeMetadata
         if decode:
             meta = DecodeMetadata.build(context_lens, tables, self.block_size, dev)
         else:
             meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, dev)
-        graph_ok = not has_lora or getattr(self.lora, "graph_safe", False)
-        if not decode and dev.type == "cuda" and self.graphs is not None and graph_ok \
-                and self.graphs.prefill.bucket_for(len(input_ids)) is not None:
+        if not decode and graphs is not None and graphs.prefill.bucket_for(len(input_ids)) is not None:
             self.num_prefill_graph_steps += 1
-            hidden = self.graphs.prefill.run(input_ids, positions, meta, token_slots,  # type: ignore[arg-type]
-                                             self.lora if has_lora else None)
-            return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev, dtype=torch.int64)])
-        lora = None
-        if has_lora:
-            self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))  # type: ignore[union-attr]
-            lora = self.lora
-        hidden = self.model.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                                    meta, self.kv_caches, lora)
+            hidden = graphs.prefill.run(input_ids, positions, meta, token_slots,  # type: ignore[arg-type]
+                                        self.lora if has_lora else None)
+        else:
+            lora = None
+            if has_lora:
+                self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))  # type: ignore[union-attr]
+                lora = self.lora
+            hidden = self.model.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                                        meta, self.kv_caches, lora)
         if decode:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev, dtype=torch.int64)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from compute_service.adapter_cache.layout import module_features
 from compute_service.engine.spec import ModelSpec
 
 QUANTIZATION_MODES = ("auto", "keep", "none")
@@ -26,8 +27,7 @@ AUTO_KEEP_MIN_BYTES = 1 << 30     # dequantized projection bytes from which `aut
 
 def dense_projection_bytes(spec: ModelSpec, elem_bytes: int = 2) -> int:
     """Bytes of every layer's q/k/v, o, gate/up and down weights in a 16-bit dtype."""
-    h = spec.hidden_size
-    per_layer = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h + 3 * h * spec.intermediate_size
+    per_layer = sum(fin * fout for fin, fout in module_features(spec).values())
     return per_layer * spec.num_layers * elem_bytes
 
 
