@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from compute_service.build import Runtime, zero_kv_cache
-from compute_service.engine.attention import AttentionMetadata, DecodeMetadata
+from compute_service.engine.attention import DecodeMetadata, step_metadata
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
 from compute_service.warmup_plan import GroupShape, WarmupPlan, group_shapes, lora_class_fn, make_plan
@@ -277,7 +277,7 @@ class _ForwardPass:
         per_seq = min(num_tokens, self.max_len - 1)
         lens = [per_seq] * (num_tokens // per_seq) + ([num_tokens % per_seq] if num_tokens % per_seq else [])
         table = list(range(-(-per_seq // self.block_size)))
-        meta = AttentionMetadata.build(lens, lens, [table] * len(lens), self.block_size, dev)
+        meta = step_metadata(lens, lens, [table] * len(lens), self.block_size, dev)
         ids = torch.randint(0, self.model.spec.vocab_size, (num_tokens,), device=dev)
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
         hidden = self.model.forward(ids, positions, meta, self.kv, self._lora(num_tokens, with_lora))

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_ints import next_pow2
+from kernels.paged_common import attend_keys, check_paged_inputs
 
 
 @triton.jit
@@ -41,27 +42,9 @@ def _paged_decode_kernel(
     for start in range(0, ctx, BLOCK_N):
         pos = start + offs_n
         n_mask = pos < ctx
-        page = tl.load(tables_ptr + b * tables_stride + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-        slot = page * block_size + pos % block_size                                    # [N] flat KV slot
-        row = slot * cache_stride_slot + kvh * cache_stride_h
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale, float("-inf"))                       # [G, N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_keys(q, m_i, l_i, acc, tables_ptr + b * tables_stride, pos, n_mask, n_mask[None, :],
+                                    k_ptr, v_ptr, block_size, cache_stride_slot, kvh * cache_stride_h, offs_d, d_mask,
+                                    scale, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -85,31 +68,13 @@ def paged_attention_decode(
             keys = k_cache.view(-1, KVH, D)[slots, g]; vals = v_cache.view(-1, KVH, D)[slots, g]
             out[b, h] = softmax(q[b, h] @ keys.T * scale) @ vals      (fp32 math)
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"want q [B, H, D] and equal caches [blocks, block_size, KVH, D], got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    check_paged_inputs(q, k_cache, v_cache, out, block_tables, block_n)
     B, H, D = q.shape
-    _, block_size, KVH, Dc = k_cache.shape
-    if Dc != D or H % KVH:
-        raise ValueError(f"head dims {D}/{Dc} differ or {H} query heads are not a multiple of {KVH} KV heads")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype \
-            or v_cache.dtype != q.dtype or out.dtype != q.dtype:
-        raise ValueError(f"q, caches and out must share one of fp16/bf16/fp32, got {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}, {out.dtype}")
-    if out.shape != q.shape:
-        raise ValueError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
-    if q.stride(2) != 1 or out.stride(2) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
-        raise ValueError("q and out need contiguous head rows; caches must be contiguous")
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.dim() != 2 \
-            or block_tables.shape[0] < B or context_lens.shape[0] < B or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be int32 [>= {B}, max_blocks] with contiguous rows and "
-                         f"context_lens int32 [>= {B}]")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-                    ("context_lens", context_lens), ("out", out)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    _, block_size, KVH, _ = k_cache.shape
+    if context_lens.dtype != torch.int32 or block_tables.shape[0] < B or context_lens.shape[0] < B:
+        raise ValueError(f"block_tables must have >= {B} rows and context_lens be int32 [>= {B}]")
+    if context_lens.device != q.device:
+        raise ValueError(f"context_lens is on {context_lens.device}, q on {q.device}")
     if B == 0:
         return
     group = H // KVH

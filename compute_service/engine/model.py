@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from compute_service.engine.attention import AttentionMetadata, DecodeMetadata, paged_attention
+from compute_service.engine.attention import StepMetadata, paged_attention
 from compute_service.engine.linear import Linear
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
@@ -75,7 +75,7 @@ class LlamaModel:
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | DecodeMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoraBackend | None = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, H] (after the last norm)."""
         if self.fused:
@@ -117,7 +117,7 @@ class LlamaModel:
         return rms_norm(h, self.weights.norm, spec.rms_norm_eps)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata | DecodeMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       meta: StepMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        lora: LoraBackend | None) -> torch.Tensor:
         """Same math as `forward`, ~9 launches per layer: the residual add rides in the next norm.
 

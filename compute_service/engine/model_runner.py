@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compute_service.engine.attention import AttentionMetadata, DecodeMetadata
+from compute_service.engine.attention import DecodeMetadata, StepMetadata, step_metadata
 from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.lora_backend import NO_ADAPTER, AdapterSlots, LoraBackend
 from compute_service.engine.model import LlamaModel
@@ -87,11 +87,11 @@ class ModelRunner:
             self.num_graph_steps += 1
             self.num_lora_graph_steps += int(has_lora)
             return graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None)
-        meta: AttentionMetadata | DecodeMetadata
+        meta: StepMetadata
         if decode:
             meta = DecodeMetadata.build(context_lens, tables, self.block_size, dev)
         else:
-            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, dev)
+            meta = step_metadata(query_lens, context_lens, tables, self.block_size, dev)
         if not decode and graphs is not None and graphs.prefill.bucket_for(len(input_ids)) is not None:
             self.num_prefill_graph_steps += 1
             hidden = graphs.prefill.run(input_ids, positions, meta, token_slots,  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from compute_service.engine.attention import AttentionMetadata, paged_attention
+from compute_service.engine.attention import AttentionMetadata, PrefillMetadata, paged_attention
 from compute_service.engine.graph_capture import capture
 from compute_service.engine.lora_backend import NO_ADAPTER, LoraBackend
 from compute_service.engine.model import LlamaModel
@@ -92,7 +92,8 @@ class PrefillGraphs:
                 return b
         return None
 
-    def run(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata, token_slots: list[int],
+    def run(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata | PrefillMetadata,
+            token_slots: list[int],
             lora: LoraBackend | None) -> torch.Tensor:
         """Final hidden states [T, H] of the step (a view of a static buffer: read it before the next run)."""
         n = len(input_ids)
@@ -109,8 +110,8 @@ class PrefillGraphs:
         model, spec = self.model, self.model.spec
         pieces[0].replay()
         for i, (k_cache, v_cache) in enumerate(self.kv_caches):
-            attn = paged_attention(self.q[:n], None, None, k_cache, v_cache, meta, model.scale)
-            self.attn[:n].copy_(attn.reshape(n, spec.q_size))
+            paged_attention(self.q[:n], None, None, k_cache, v_cache, meta, model.scale,
+                            out=self.attn[:n].view(n, spec.num_heads, spec.head_dim))
             pieces[i + 1].replay()
         return self.out[:n]
 
