@@ -61,12 +61,6 @@ class LlamaModel:
         self.scale = spec.head_dim ** -0.5
         # Fused Triton ops (add + RMSNorm, RoPE + KV write, SwiGLU) on CUDA: decode is launch-bound there.
         self.fused = self.device.type == "cuda"
-        if self.fused:
-            # Prefill and mixed steps attend over padded tiles whose shape (sequences, longest chunk, longest
-            # context) changes from step to step. SDPA's cuDNN backend builds an execution plan for every new
-            # shape: 39 ms median per new shape on an H100 (up to 0.5 s), which made a step that admits new
-            # requests take 50-150 ms. The memory-efficient backend has no per-shape setup (0.2-0.4 ms a call).
-            torch.backends.cuda.enable_cudnn_sdp(False)
         # Tensor parallelism: sums a row-parallel layer's partial output over the ranks in place
         # (o and down, LoRA delta included); None on one GPU.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
