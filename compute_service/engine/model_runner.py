@@ -105,4 +105,7 @@ class ModelRunner:
                                         meta, self.kv_caches, lora)
         if decode:
             return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev, dtype=torch.int64)])
+        # From pinned memory, without waiting: a pageable copy would hold the host until the step's whole GPU
+        # work is done, delaying the hand-off that `on_launched` makes once the step is queued.
+        rows = torch.tensor(sample_rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        return self.model.compute_logits(hidden[rows.to(dev, non_blocking=True)])
