@@ -19,7 +19,7 @@ from compute_service.config import ComputeConfig
 from compute_service.engine.loader import LoadedModel
 from compute_service.metrics import ComputeMetrics
 from compute_service.servicer import ComputeServicer
-from compute_service.warmup import warm_up
+from compute_service.warmup import describe_compiled, warm_up
 from loraplex.cache_client import CacheClient
 from loraplex.serving import run_server
 from loraplex.v1 import compute_pb2_grpc
@@ -78,8 +78,9 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
         metrics.on_startup(load_s, report.total_s)
         rt.runner.start(config.gil_switch_interval_us / 1e6)
         gate.open()
-        log.info("start-up: SERVING %.1f s after start (model %.1f s, warm-up %.1f s: %s, %s Triton programs)",
-                 time.perf_counter() - t0, load_s, report.total_s, report.mode, report.compiled_kernels)
+        log.info("start-up: SERVING %.1f s after start (model %.1f s, warm-up %.1f s: %s, %s)",
+                 time.perf_counter() - t0, load_s, report.total_s, report.mode,
+                 describe_compiled(report.compiled_kernels))
 
     def register(server: grpc.aio.Server) -> list[str]:
         compute_pb2_grpc.add_ComputeServicer_to_server(ComputeServicer(rt, config.max_model_len), server)

@@ -85,6 +85,12 @@ def compiled_kernels() -> int | None:
     return total if seen else None
 
 
+def describe_compiled(count: int | None) -> str:
+    """`compiled_kernels()` for a log line."""
+    return "no compiled Triton programs (kernels interpreted or unused)" if count is None \
+        else f"{count} Triton programs"
+
+
 def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0) -> WarmupReport:
     """Runs the passes `mode` asks for; call before the runner starts and before health says SERVING."""
     mode = resolve_mode(mode, rt.device)
@@ -186,12 +192,12 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
         for phase, tasks in enumerate((first, second), start=1):
             for fut in [pool.submit(fn, n, lora) for fn, n, lora in tasks]:
                 fut.result()
-            log.info("warm-up: phase %d/2 (%d steps) done at %.1f s, %s Triton programs", phase, len(tasks),
-                     time.perf_counter() - t, compiled_kernels())
+            log.info("warm-up: phase %d/2 (%d steps) done at %.1f s, %s", phase, len(tasks),
+                     time.perf_counter() - t, describe_compiled(compiled_kernels()))
     if rt.device.type == "cuda":
         torch.cuda.synchronize(rt.device)
     report.compile_s = time.perf_counter() - t
-    log.info("warm-up: kernels compiled in %.1f s (%s Triton programs)", report.compile_s, compiled_kernels())
+    log.info("warm-up: kernels compiled in %.1f s (%s)", report.compile_s, describe_compiled(compiled_kernels()))
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from compute_service.config import ComputeConfig
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.server import WarmupGate
 from compute_service.servicer import ComputeServicer
-from compute_service.warmup import compiled_kernels, warm_up
+from compute_service.warmup import compiled_kernels, describe_compiled, warm_up
 from compute_service.warmup_plan import make_plan
 from compute_helpers import random_adapter
 from loraplex.serving import run_server
@@ -145,3 +145,8 @@ def test_no_request_compiles_a_kernel_after_warm_up(tiny_model_dir):
     torch.cuda.synchronize()
     assert compiled_kernels() == before
 
+
+
+def test_start_up_line_names_the_compiled_programs_or_says_there_are_none():
+    assert describe_compiled(12) == "12 Triton programs"
+    assert "None" not in describe_compiled(None) and "no compiled Triton programs" in describe_compiled(None)
