@@ -53,6 +53,9 @@ class GatewayConfig:
                                                              "(0: the rate rounded up)"})
     api_key_max_streams: int = field(default=0, metadata={"help": "concurrent Generate streams per key, for "
                                                                    "entries that set none (0: no limit)"})
+    gil_switch_interval_us: int = field(default=500, metadata={
+        "help": "Python thread switch interval while serving, in microseconds (0 = Python's 5000): the link to "
+                "compute hands every message between threads, each hand-off waiting up to this long for the GIL"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
                                                               "request ids"})
@@ -68,6 +71,8 @@ class GatewayConfig:
             raise SettingsError("replica_spill_threshold must be >= 1 and replica_health_interval_s positive")
         if self.max_message_bytes < 4 << 20:
             raise SettingsError("max_message_bytes: must be at least 4 MiB")
+        if self.gil_switch_interval_us < 0:
+            raise SettingsError("gil_switch_interval_us must be >= 0")
         if self.default_max_tokens < 1:
             raise SettingsError("default_max_tokens: must be at least 1")
         if self.downstream_timeout_s <= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from typing import Any
 
 import grpc
@@ -49,6 +50,8 @@ async def serve(config: GatewayConfig) -> None:
     """Serves loraplex.v1.Gateway on `config.listen` until SIGTERM."""
     from gateway.cache_store import CacheStore
 
+    if config.gil_switch_interval_us > 0:
+        sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
     model_path = resolve_model_path(config.model)
     tokenizer = load_tokenizer(model_path)
     model_spec = ModelSpec.from_path(model_path)
