@@ -142,9 +142,8 @@ def _capture(rt: Runtime, report: WarmupReport) -> None:
         graphs.capture_all(runner.lora)
     report.graphs_s = time.perf_counter() - t
     report.num_graphs = 2 * len(graphs.buckets)
-    pieces = graphs.prefill.num_captured
-    log.info("warm-up: captured %d decode CUDA graphs and %d prefill graph pieces in %.1f s", report.num_graphs,
-             pieces, report.graphs_s)
+    log.info("warm-up: captured %d decode CUDA graphs and %d prefill CUDA graphs in %.1f s", report.num_graphs,
+             graphs.prefill.num_captured, report.graphs_s)
 
 
 def _spare_backend(rt: Runtime) -> Any:

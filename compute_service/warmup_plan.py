@@ -122,7 +122,7 @@ def make_plan(max_num_batched_tokens: int, decode_buckets: Iterable[int],
     """One representative token count per class over every T a step can have (1..max_num_batched_tokens).
 
     `launched_tokens(T)`: the token count a prefill/mixed step of T tokens launches its kernels with (its
-    prefill graph bucket where graph pieces run it, else T), so only counts that can occur are planned."""
+    prefill graph bucket where a prefill graph runs it, else T), so only counts that can occur are planned."""
     buckets = sorted(set(decode_buckets))
     seen = {(t % 16 == 0, lora_class(t)) for t in buckets}
     prefill, base, base_seen = [], [], set()

@@ -74,14 +74,22 @@ class PrefillMetadata:
 
         width = max(len(t) for t in block_tables)
         flat: list[int] = []
-        slots: list[int] = []
-        for t, n, ctx in zip(block_tables, query_lens, context_lens):
+        for t in block_tables:
             flat += t
             flat += [0] * (width - len(t))
-            slots += [t[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)]
+        slots = new_token_slots(query_lens, context_lens, block_tables, block_size)
         tables = torch.tensor(flat, dtype=torch.int32).view(len(block_tables), width)
         tiles = torch.tensor(prefill_tiles(query_lens, context_lens), dtype=torch.int32).view(-1, 4)
         return cls(torch.tensor(slots, dtype=torch.int64).to(device), tables.to(device), tiles.to(device))
+
+
+def new_token_slots(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                    block_size: int) -> list[int]:
+    """The flat KV slot of each new token, sequence after sequence."""
+    slots: list[int] = []
+    for t, n, ctx in zip(block_tables, query_lens, context_lens):
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx)]
+    return slots
 
 
 def step_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],

@@ -42,7 +42,7 @@ class EngineConfig:
     seed: int = 0                   # seeds the generators of requests without their own seed
     enforce_eager: bool = False     # True = no CUDA graphs for decode steps (debugging, profiling)
     quantization: str = "auto"      # "auto" | "keep" | "none"
-    prefill_graph_tokens: int = 512  # largest prefill/mixed step replayed from graph pieces; 0 = none
+    prefill_graph_tokens: int = 512  # largest prefill/mixed step replayed from a CUDA graph; 0 = none
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

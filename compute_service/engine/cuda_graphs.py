@@ -54,8 +54,9 @@ class DecodeGraphs:
         self._ctx = self._host_ctx.numpy()
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        # Prefill and mixed steps of up to `prefill_tokens` tokens: graph pieces between eager attentions.
-        self.prefill = PrefillGraphs(model, kv_caches, prefill_tokens, scratch_block * block_size)
+        # Prefill and mixed steps of up to `prefill_tokens` tokens: one graph per token-count bucket.
+        self.prefill = PrefillGraphs(model, kv_caches, prefill_tokens, scratch_block * block_size, block_size,
+                                     n, m)
 
     def bucket_for(self, batch: int) -> int | None:
         for b in self.buckets:
@@ -83,7 +84,7 @@ class DecodeGraphs:
 
     def capture_all(self, lora: LoraBackend | None) -> None:
         """Captures every bucket now (base, and with `lora` when given) on all-padding inputs, and the
-        prefill graphs' pieces (`prefill_graphs.PrefillGraphs.capture_all`).
+        prefill graphs (`prefill_graphs.PrefillGraphs.capture_all`).
 
         For callers with other threads issuing CUDA work (the compute service's
         adapter uploads and packs): capturing before those threads start means

@@ -115,8 +115,7 @@ class LlamaModel:
                        lora: LoraBackend | None) -> torch.Tensor:
         """Same math as `forward`, ~9 launches per layer: the residual add rides in the next norm.
 
-        Built from the pieces that `prefill_graphs.PrefillGraphs` captures one by one (everything
-        between two attentions is one piece)."""
+        Built from the same parts as the forward that `prefill_graphs.PrefillGraphs` captures."""
         spec = self.spec
         h = self.weights.embed[input_ids]                                     # [T, H] residual stream
         t = h.shape[0]

@@ -1,11 +1,11 @@
 """Turns a scheduled step into model inputs, runs the model, returns logits of the rows that sample.
 
-Three paths: mixed or prefill steps build padded-tile metadata and run SDPA
-(on CUDA with graphs on, the rest of each layer is replayed from graph pieces
-of the step's token-count bucket, `prefill_graphs.py`); decode-only steps on
-CUDA use the paged-attention decode kernel, replayed from a CUDA graph of the
-batch's size bucket when graphs are on (and eagerly otherwise, or when the
-LoRA backend is not graph-safe).
+Three paths: mixed or prefill steps attend with the paged prefill kernel on
+CUDA (padded tiles and SDPA on CPU), replayed on CUDA with graphs on from one
+graph of the step's token-count bucket (`prefill_graphs.py`); decode-only
+steps on CUDA use the paged-attention decode kernel, replayed from a CUDA
+graph of the batch's size bucket when graphs are on (and eagerly otherwise,
+or when the LoRA backend is not graph-safe).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class ModelRunner:
         self.graphs = graphs
         self.num_graph_steps = 0       # decode steps replayed from a graph (for tests and stats)
         self.num_lora_graph_steps = 0  # of which with adapters
-        self.num_prefill_graph_steps = 0   # prefill / mixed steps replayed from graph pieces
+        self.num_prefill_graph_steps = 0   # prefill / mixed steps replayed from a prefill graph
         # Paged-attention decode kernel for decode-only steps: Triton, so CUDA (or the interpreter in tests).
         self.decode_kernel = model.device.type == "cuda"
 
@@ -87,16 +87,17 @@ class ModelRunner:
             self.num_graph_steps += 1
             self.num_lora_graph_steps += int(has_lora)
             return graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None)
-        meta: StepMetadata
-        if decode:
-            meta = DecodeMetadata.build(context_lens, tables, self.block_size, dev)
-        else:
-            meta = step_metadata(query_lens, context_lens, tables, self.block_size, dev)
-        if not decode and graphs is not None and graphs.prefill.bucket_for(len(input_ids)) is not None:
+        if not decode and graphs is not None \
+                and graphs.prefill.fits(len(input_ids), len(tables), max(len(t) for t in tables)):
             self.num_prefill_graph_steps += 1
-            hidden = graphs.prefill.run(input_ids, positions, meta, token_slots,  # type: ignore[arg-type]
+            hidden = graphs.prefill.run(input_ids, positions, query_lens, context_lens, tables, token_slots,
                                         self.lora if has_lora else None)
         else:
+            meta: StepMetadata
+            if decode:
+                meta = DecodeMetadata.build(context_lens, tables, self.block_size, dev)
+            else:
+                meta = step_metadata(query_lens, context_lens, tables, self.block_size, dev)
             lora = None
             if has_lora:
                 self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))  # type: ignore[union-attr]

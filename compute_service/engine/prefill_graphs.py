@@ -1,41 +1,42 @@
-"""Prefill and mixed steps as CUDA graphs in pieces: everything between two attentions is replayed.
+"""Prefill and mixed steps as one CUDA graph per token-count bucket, attention included.
 
 A prefill or mixed step's attention depends on how its tokens split into
-sequences (padded tiles, masks), so it stays eager; everything else in a layer
-(norms, q/k/v, o, gate/up, down, their LoRA, RoPE and the K/V cache write)
-depends only on the token count. Each step's token count is padded up to a
-bucket (16, 32, 64, ... up to `max_tokens`) and the forward runs as L + 1
-captured pieces with an eager attention between two pieces:
+sequences; the paged prefill kernel (`kernels/paged_prefill.py`) reads that
+split from two small device tables (query tiles and block tables), so the whole
+forward can be captured once per bucket and replayed with new tables. Each
+step's token count is padded up to a bucket (16, 32, 64, ... up to
+`max_tokens`); the graph runs
 
-    piece 0:  embed -> norm -> q/k/v (+LoRA) -> RoPE + K/V write         (layer 0)
-    piece i:  o (+LoRA) -> norm -> gate/up (+LoRA) -> SwiGLU -> down (+LoRA)   (layer i-1)
-              -> norm -> q/k/v (+LoRA) -> RoPE + K/V write              (layer i)
-    piece L:  o ... down of the last layer -> final norm
+    embed -> per layer: norm -> q/k/v (+LoRA) -> RoPE + K/V write -> paged attention
+             -> o (+LoRA) -> norm -> gate/up (+LoRA) -> SwiGLU -> down (+LoRA) -> final norm
 
-For a short prompt that is L + 1 graph launches and L attentions instead of
-~10 launches per layer, each with its own host overhead (the step was bound by
-the host: ~17 ms for 34 tokens of a 135M model on an H100 without adapters,
-~60 ms with, for ~2 ms of GPU work). Pieces read and write static buffers
-(token ids, positions, KV slots, the residual stream h, the normed x, q, the
-attention output, the final hidden states); their intermediates live in one
-graph pool that the pieces share, which is safe because pieces are replayed
-one after another on one stream. Padding rows use token 0, position 0, no
-adapter, and write their K/V into the scratch slot no sequence owns; every op
-in a piece is row-wise, so padding never changes a real row.
+over static buffers (token ids, positions, KV slots, tiles, block tables, the
+residual stream h, the normed x, q, the attention output, the final hidden
+states). The attention kernel runs one program per possible tile of the bucket
+(a step has at most as many tiles as tokens); tiles past the step's own are
+all zero and do nothing. Padding rows use token 0, position 0, no adapter,
+write their K/V into the scratch slot no sequence owns and get no attention
+(their attention rows keep whatever was there, always finite); every other op
+is row-wise, so padding never changes a real row.
 
-Graphs are captured per (bucket, with LoRA) on all-padding inputs, never
-during a real step (a piece updates h in place, so an eager run followed by a
-capture would not be idempotent). Off under tensor parallelism (the eager path
-is used there).
+Before the attention kernel existed this was L + 1 graph pieces with an eager
+attention between two: the step was bound by the host (~17 ms for 34 tokens of
+a 135M model on an H100 without adapters, ~60 ms with, for ~2 ms of GPU work,
+when everything ran eagerly). Graphs are captured per (bucket, with LoRA) on
+all-padding inputs, never during a real step (the forward updates h in place,
+so an eager run followed by a capture would not be idempotent). Off under
+tensor parallelism (the eager path is used there).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from compute_service.engine.attention import AttentionMetadata, PrefillMetadata, paged_attention
+from compute_service.engine.attention import new_token_slots
 from compute_service.engine.graph_capture import capture
 from compute_service.engine.lora_backend import NO_ADAPTER, LoraBackend
 from compute_service.engine.model import LlamaModel
+from kernels.paged_prefill import paged_attention_prefill, prefill_tiles
 
 MIN_BUCKET = 16
 
@@ -52,15 +53,16 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    """Captures the pieces of a bucket's forward once, replays them with eager attention in between."""
+    """Captures a bucket's whole forward once, replays it with the step's tokens, tiles and block tables."""
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_tokens: int,
-                 scratch_slot: int) -> None:
+                 scratch_slot: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.buckets = prefill_buckets(max_tokens)
         self.max_tokens = self.buckets[-1] if self.buckets else 0
         self.scratch_slot = scratch_slot
+        self.block_size = block_size
         spec, dev, dtype, n = model.spec, model.device, model.dtype, self.max_tokens
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -70,9 +72,15 @@ class PrefillGraphs:
         self.q = torch.zeros(n, spec.num_heads, spec.head_dim, dtype=dtype, device=dev)
         self.attn = torch.zeros(n, spec.q_size, dtype=dtype, device=dev)
         self.out = torch.zeros(n, spec.hidden_size, dtype=dtype, device=dev)
+        self.tiles = torch.zeros(n, 4, dtype=torch.int32, device=dev)            # all zero: no tile
+        self.tables = torch.zeros(max_seqs if n else 0, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self._host = torch.zeros(3, n, dtype=torch.int64, pin_memory=True)       # ids, positions, slots
         self._host_np = self._host.numpy()
-        self._graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
+        self._host_tiles = torch.zeros(n, 4, dtype=torch.int32, pin_memory=True)
+        self._host_tiles_np = self._host_tiles.numpy()
+        self._host_tables = torch.zeros(self.tables.shape, dtype=torch.int32, pin_memory=True)
+        self._host_tables_np = self._host_tables.numpy()
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if n else None
 
     @property
@@ -81,8 +89,8 @@ class PrefillGraphs:
 
     @property
     def num_captured(self) -> int:
-        """Graph pieces captured so far (every bucket, base and LoRA)."""
-        return sum(len(g) for g in self._graphs.values())
+        """Graphs captured so far (every bucket, base and LoRA)."""
+        return len(self._graphs)
 
     def bucket_for(self, num_tokens: int) -> int | None:
         if not self.enabled:
@@ -92,9 +100,14 @@ class PrefillGraphs:
                 return b
         return None
 
-    def run(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata | PrefillMetadata,
-            token_slots: list[int],
-            lora: LoraBackend | None) -> torch.Tensor:
+    def fits(self, num_tokens: int, num_seqs: int, widest_table: int) -> bool:
+        """Whether a step of this many tokens and sequences, with this many pages in its longest block table,
+        can replay a graph."""
+        return self.bucket_for(num_tokens) is not None and num_seqs <= self.tables.shape[0] \
+            and widest_table <= self.tables.shape[1]
+
+    def run(self, input_ids: list[int], positions: list[int], query_lens: list[int], context_lens: list[int],
+            tables: list[list[int]], token_slots: list[int], lora: LoraBackend | None) -> torch.Tensor:
         """Final hidden states [T, H] of the step (a view of a static buffer: read it before the next run)."""
         n = len(input_ids)
         bucket = self.bucket_for(n)
@@ -103,16 +116,11 @@ class PrefillGraphs:
         key = (bucket, lora is not None)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, lora)
-        self._fill(input_ids, positions, meta.slot_mapping, bucket)
+        self._fill(input_ids, positions, new_token_slots(query_lens, context_lens, tables, self.block_size), bucket)
+        self._fill_attention(query_lens, context_lens, tables, bucket)
         if lora is not None:
             lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32))
-        pieces = self._graphs[key]
-        model, spec = self.model, self.model.spec
-        pieces[0].replay()
-        for i, (k_cache, v_cache) in enumerate(self.kv_caches):
-            paged_attention(self.q[:n], None, None, k_cache, v_cache, meta, model.scale,
-                            out=self.attn[:n].view(n, spec.num_heads, spec.head_dim))
-            pieces[i + 1].replay()
+        self._graphs[key].replay()
         return self.out[:n]
 
     def capture_all(self, lora: LoraBackend | None) -> None:
@@ -126,44 +134,55 @@ class PrefillGraphs:
                     self._graphs[key] = self._capture(bucket, backend)
         torch.cuda.synchronize(self.model.device)
 
-    def _fill(self, input_ids: list[int], positions: list[int], slot_mapping: torch.Tensor, bucket: int) -> None:
-        """The step's ids and positions (padding: 0) and KV slots (padding: the scratch slot)."""
+    def _fill(self, input_ids: list[int], positions: list[int], slots: list[int], bucket: int) -> None:
+        """The step's ids, positions and KV slots; padding: token 0, position 0, the scratch slot."""
         n = len(input_ids)
         self._host_np[0, :n] = input_ids
         self._host_np[1, :n] = positions
+        self._host_np[2, :n] = slots
         self._host_np[0:2, n:bucket] = 0
         self._host_np[2, n:bucket] = self.scratch_slot
         self.input_ids[:bucket].copy_(self._host[0, :bucket], non_blocking=True)
         self.positions[:bucket].copy_(self._host[1, :bucket], non_blocking=True)
-        self.slot_mapping[n:bucket].copy_(self._host[2, n:bucket], non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping)                     # already on the device
+        self.slot_mapping[:bucket].copy_(self._host[2, :bucket], non_blocking=True)
 
-    def _pieces(self, bucket: int, lora: LoraBackend | None) -> list:
-        """The bucket's pieces as closures over the static buffers, in replay order."""
+    def _fill_attention(self, query_lens: list[int], context_lens: list[int], tables: list[list[int]],
+                        bucket: int) -> None:
+        """The step's query tiles (the rest of the bucket's: zero, no work) and its sequences' block tables."""
+        tiles = np.asarray(prefill_tiles(query_lens, context_lens), dtype=np.int32).reshape(-1, 4)
+        k = len(tiles)
+        self._host_tiles_np[:k] = tiles
+        self._host_tiles_np[k:bucket] = 0
+        self.tiles[:bucket].copy_(self._host_tiles[:bucket], non_blocking=True)
+        for b, t in enumerate(tables):
+            self._host_tables_np[b, :len(t)] = t
+        self.tables[:len(tables)].copy_(self._host_tables[:len(tables)], non_blocking=True)
+
+    def _forward(self, bucket: int, lora: LoraBackend | None):
+        """The bucket's whole forward as a closure over the static buffers."""
         model, kv, b = self.model, self.kv_caches, bucket
+        spec = model.spec
         ids, pos, slots = self.input_ids[:b], self.positions[:b], self.slot_mapping[:b]
         h, x, q, attn, out = self.h[:b], self.x[:b], self.q[:b], self.attn[:b], self.out[:b]
+        attn_heads = attn.view(b, spec.num_heads, spec.head_dim)
+        tiles, tables = self.tiles[:b], self.tables
         num_layers = len(model.weights.layers)
 
-        def first() -> None:
+        def forward() -> None:
             torch.index_select(model.weights.embed, 0, ids, out=h)
-            model.attention_in(0, None, h, x, pos, slots, kv, q, lora)
+            pending = None
+            for i in range(num_layers):
+                model.attention_in(i, pending, h, x, pos, slots, kv, q, lora)
+                paged_attention_prefill(q, *kv[i], tables, tiles, attn_heads, model.scale)
+                pending = model.attention_out_mlp(i, attn, h, x, lora)
+            model.final_norm(pending, h, out)
+        return forward
 
-        def middle(i: int):
-            def piece() -> None:
-                pending = model.attention_out_mlp(i - 1, attn, h, x, lora)
-                if i < num_layers:
-                    model.attention_in(i, pending, h, x, pos, slots, kv, q, lora)
-                else:
-                    model.final_norm(pending, h, out)
-            return piece
-
-        return [first] + [middle(i) for i in range(1, num_layers + 1)]
-
-    def _capture(self, bucket: int, lora: LoraBackend | None) -> list[torch.cuda.CUDAGraph]:
-        """One graph per piece, captured on all-padding inputs after one eager run of each (which compiles
-        the Triton kernels and settles lazy allocations outside the capture)."""
-        self._fill([], [], self.slot_mapping[:0], bucket)
+    def _capture(self, bucket: int, lora: LoraBackend | None) -> torch.cuda.CUDAGraph:
+        """The bucket's graph, captured on all-padding inputs after one eager run (which compiles the Triton
+        kernels and settles lazy allocations outside the capture)."""
+        self._fill([], [], [], bucket)
+        self.tiles[:bucket].zero_()
         if lora is not None:
             lora.prepare(torch.zeros(bucket, dtype=torch.int32))      # slot 0: the kernels' real code paths
-        return [capture(piece, self._pool)[0] for piece in self._pieces(bucket, lora)]
+        return capture(self._forward(bucket, lora), self._pool)[0]

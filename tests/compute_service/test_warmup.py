@@ -41,7 +41,7 @@ def test_plan_runs_one_step_per_class_and_covers_every_token_count():
 
 
 def test_plan_covers_only_the_token_counts_steps_launch_with():
-    """Steps of up to 128 tokens run as graph pieces padded to buckets: only the buckets and counts above
+    """Steps of up to 128 tokens run as prefill graphs padded to buckets: only the buckets and counts above
     128 are planned, and a class seen only between buckets is not."""
     from compute_service.engine.prefill_graphs import prefill_buckets
     buckets = prefill_buckets(128)

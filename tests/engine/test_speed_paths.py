@@ -130,7 +130,7 @@ def test_prefill_buckets():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_graphs_match_eager_gpu(peft_llama, dtype):
-    """Prefill and mixed steps replayed from graph pieces (token counts padded to buckets 16/32/64,
+    """Prefill and mixed steps replayed from prefill graphs (token counts padded to buckets 16/32/64,
     requests with and without adapters joining mid-run) vs the same steps run eagerly (decode graphs on
     in both, so only the prefill path differs); bf16 held against the fp32 run."""
     _, folder, adapters_dir = peft_llama
