@@ -59,6 +59,10 @@ MODES = {"gpu": ("1,8,32,64,128,256", "base,shared,distinct", "burst,poisson", 6
          "smoke": ("1,4", "base,shared,distinct", "burst,poisson", 4, 8, 256 << 20, 64 << 20)}
 
 
+IDLE_TTFT_REQUESTS = 16    # the idle-TTFT figure: this many short requests, one at a time,
+IDLE_TTFT_GAP_S = 0.05      # this far apart
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="results JSON")
@@ -185,6 +189,12 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
                         res["errors"].append(f"served {workload} {arrival} C={conc}: {exc!r}")
                         traceback.print_exc()
                     save()
+        for workload in idle_workloads(args):
+            r = summarize(pool.run(case_requests(workload, prompts, adapters, idle_offsets()), 1,
+                                   dict(sampling, max_tokens=2)))
+            res.setdefault("idle_ttft", {})[workload] = r
+            print_idle("served", workload, r)
+            save()
         return prompts
     finally:
         if pool is not None:
@@ -233,7 +243,7 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
     """The same model, adapters, prompts, concurrencies and arrivals on the in-process engine."""
     import torch
 
-    from serve_load_engine import build_engine, load_adapters
+    from serve_load_engine import build_engine, load_adapters, measure
 
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu"
     t = time.perf_counter()
@@ -253,6 +263,29 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
                     res["errors"].append(f"engine {workload} {arrival} C={conc}: {exc!r}")
                     traceback.print_exc()
                 save()
+    for workload in idle_workloads(args):
+        r = measure(engine, case_requests(workload, prompts, adapters, idle_offsets()), 2, f"{workload}-idle",
+                    max_in_flight=1)
+        res.setdefault("engine_idle_ttft", {})[workload] = r
+        print_idle("engine", workload, r)
+        save()
+
+
+def idle_workloads(args: argparse.Namespace) -> list[str]:
+    """The workloads of the idle-TTFT figure: base, and distinct adapters when there are any."""
+    return [w for w in ("base", "distinct") if w in args.workloads]
+
+
+def idle_offsets() -> list[float]:
+    """IDLE_TTFT_REQUESTS arrivals IDLE_TTFT_GAP_S apart, one in flight at a time: time to first token of a
+    short request on an idle server, with enough samples for a p50/p90 (a C=1 case has one or two)."""
+    return [i * IDLE_TTFT_GAP_S for i in range(IDLE_TTFT_REQUESTS)]
+
+
+def print_idle(side: str, workload: str, r: dict) -> None:
+    t = r["ttft_ms"]
+    print(f"{side:6s} {workload:8s} idle TTFT p50/p90 {t['p50'] or 0:7.2f}/{t['p90'] or 0:7.2f} ms over "
+          f"{r['num_requests']} requests" + (f"  failed {r['num_failed']}" if r["num_failed"] else ""), flush=True)
 
 
 def engine_case(engine, args: argparse.Namespace, workload: str, conc: int, arrival: str,

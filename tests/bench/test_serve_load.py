@@ -95,3 +95,7 @@ def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path):
                 assert side["num_steps"] >= 8 and side["step_ms"]["p50"] >= side["launch_ms"]["p50"] > 0
             assert res["ratios"][workload][conc]["output_tok_per_s"] > 0
             assert served["itl_ms"]["p99"] >= served["itl_ms"]["p50"] > 0
+    for workload in ("base", "distinct"):                         # idle TTFT: 16 short requests, one at a time
+        for side in (res["idle_ttft"][workload], res["engine_idle_ttft"][workload]):
+            assert side["num_requests"] == 16 and side["num_failed"] == 0 and side["output_tokens"] == 32
+            assert side["ttft_ms"]["p90"] >= side["ttft_ms"]["p50"] > 0
