@@ -182,7 +182,13 @@ async def isolated_loads(rt, adapters_by_rank: dict[int, int], mode: str) -> lis
 
 def summary(gaps: list[float]) -> dict:
     ms = [g * 1e3 for g in gaps]
-    return dict(num_gaps=len(ms), p50_ms=pct(ms, 50), p99_ms=pct(ms, 99), mean_ms=statistics.fmean(ms) if ms else 0)
+    return dict(num_gaps=len(ms), p50_ms=pct(ms, 50), p90_ms=pct(ms, 90), p99_ms=pct(ms, 99),
+                mean_ms=statistics.fmean(ms) if ms else 0)
+
+
+def storm_vs_quiet(quiet: dict, storm: dict) -> dict:
+    """Storm over quiet for each latency figure of `summary`."""
+    return {f"{k[:-3]}_ratio": storm[k] / quiet[k] for k in ("p50_ms", "p90_ms", "p99_ms") if quiet[k]}
 
 
 def main() -> None:
@@ -193,6 +199,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--num-adapters", type=int, default=16)
     ap.add_argument("--gap-ms", type=float, default=40.0, help="time between cold loads")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="quiet + storm pairs (figures pooled over them, and per repeat)")
     ap.add_argument("--pool-gib", type=float, default=4.0)
     ap.add_argument("--commit", default="")
     ap.add_argument("--both-intervals", action="store_true",
@@ -242,15 +250,22 @@ def main() -> None:
             for label, interval in [("service", cfg.gil_switch_interval_us / 1e6)] + \
                     ([("py_default", 0.005)] if args.both_intervals else []):
                 sys.setswitchinterval(interval)
-                for t in range(1000, 1000 + args.num_adapters):
-                    await rt.runner.drop(t)
-                quiet = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, None, 0)
-                storm_list = [(1000 + i, (16, 64)[i % 2]) for i in range(args.num_adapters)]
-                storm = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, storm_list,
-                                           args.gap_ms / 1e3)
+                quiet_gaps, storm_gaps, loads, repeats = [], [], [], []
+                for _ in range(args.repeats):
+                    for t in range(1000, 1000 + args.num_adapters):
+                        await rt.runner.drop(t)
+                    quiet = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, None, 0)
+                    storm_list = [(1000 + i, (16, 64)[i % 2]) for i in range(args.num_adapters)]
+                    storm = await decode_phase(rt, args.batch, args.steps, spec.vocab_size, 1, storm_list,
+                                               args.gap_ms / 1e3)
+                    q, st = summary(quiet["gaps"]), summary(storm["gaps"])
+                    repeats.append(dict(quiet=q, storm=st, **storm_vs_quiet(q, st)))
+                    quiet_gaps += quiet["gaps"]
+                    storm_gaps += storm["gaps"]
+                    loads += storm["loads"]
                 result[f"switch_interval_{label}"] = dict(
-                    interval_s=interval, quiet=summary(quiet["gaps"]), storm=summary(storm["gaps"]),
-                    loads=storm["loads"])
+                    interval_s=interval, quiet=summary(quiet_gaps), storm=summary(storm_gaps), loads=loads,
+                    repeats=repeats)
         finally:
             await rt.runner.stop()
 
@@ -273,15 +288,20 @@ def main() -> None:
                 upload_device_ms_p50=pct([s["upload_device_ms"] for s in sel], 50),
                 pack_device_ms_p50=pct([s["pack_device_ms"] for s in sel], 50),
                 fetch_and_upload_ms_p50=pct([s["fetch_and_upload_ms"] for s in sel], 50))
-    q, s = result["quiet"], result["storm"]
-    result["p99_ratio_storm_vs_quiet"] = s["p99_ms"] / q["p99_ms"]
-    result["p50_ratio_storm_vs_quiet"] = s["p50_ms"] / q["p50_ms"]
     for label in ("py_default", "service"):
         run_ = result.get(f"switch_interval_{label}")
         if run_ is None:
             continue
-        run_["p99_ratio_storm_vs_quiet"] = run_["storm"]["p99_ms"] / run_["quiet"]["p99_ms"]
-        run_["p50_ratio_storm_vs_quiet"] = run_["storm"]["p50_ms"] / run_["quiet"]["p50_ms"]
+        pooled = storm_vs_quiet(run_["quiet"], run_["storm"])
+        run_["p99_ratio_storm_vs_quiet"] = pooled.get("p99_ratio")
+        run_["p90_ratio_storm_vs_quiet"] = pooled.get("p90_ratio")
+        run_["p50_ratio_storm_vs_quiet"] = pooled.get("p50_ratio")
+        # One repeat's p99 rests on ~1% of its gaps (a dozen steps): its spread across repeats says how
+        # much a single figure can be trusted.
+        run_["p99_ratio_per_repeat"] = [r.get("p99_ratio") for r in run_["repeats"]]
+    for key in ("p99_ratio_storm_vs_quiet", "p90_ratio_storm_vs_quiet", "p50_ratio_storm_vs_quiet",
+                "p99_ratio_per_repeat"):
+        result[key] = main_run[key]
     brief = {k: v for k, v in result.items() if k != "loads" and not k.startswith(("switch_", "isolated_"))}
     print(json.dumps(brief, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

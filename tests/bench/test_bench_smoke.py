@@ -36,3 +36,16 @@ def test_tp_decode_tiny_over_gloo(tmp_path):
     assert res["errors"] == [] and res["all_reduce"] == "gloo"
     assert set(res["configs"]) == {"8b_tp1", "8b_tp2"}
     assert res["tp2_over_tp1_8b"]["base"]["1"]["tpot"] > 0
+
+
+def test_adapter_swap_tiny_reports_every_repeat(tmp_path):
+    out = tmp_path / "swap.json"
+    proc = _run(["bench/adapter_swap.py", "--tiny", "--repeats", "2", "--steps", "30", "--num-adapters", "4",
+                 "--gap-ms", "5", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    run = res["switch_interval_service"]
+    assert len(run["repeats"]) == 2 and len(res["p99_ratio_per_repeat"]) == 2
+    assert len(res["loads"]) == 2 * 4                            # every repeat's storm loads every adapter
+    assert run["quiet"]["num_gaps"] == sum(r["quiet"]["num_gaps"] for r in run["repeats"])   # pooled
+    assert res["storm"]["p99_ms"] >= res["storm"]["p90_ms"] >= res["storm"]["p50_ms"] > 0
