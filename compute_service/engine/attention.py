@@ -72,15 +72,20 @@ class PrefillMetadata:
         """query_lens[b] new tokens of sequence b end at position context_lens[b] - 1."""
         from kernels.paged_prefill import prefill_tiles
 
-        width = max(len(t) for t in block_tables)
-        flat: list[int] = []
-        for t in block_tables:
-            flat += t
-            flat += [0] * (width - len(t))
         slots = new_token_slots(query_lens, context_lens, block_tables, block_size)
-        tables = torch.tensor(flat, dtype=torch.int32).view(len(block_tables), width)
         tiles = torch.tensor(prefill_tiles(query_lens, context_lens), dtype=torch.int32).view(-1, 4)
-        return cls(torch.tensor(slots, dtype=torch.int64).to(device), tables.to(device), tiles.to(device))
+        return cls(torch.tensor(slots, dtype=torch.int64).to(device), padded_tables(block_tables).to(device),
+                   tiles.to(device))
+
+
+def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """The block tables as one int32 [B, longest] host tensor, each row padded with page 0."""
+    width = max(len(t) for t in block_tables)
+    flat: list[int] = []
+    for t in block_tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return torch.tensor(flat, dtype=torch.int32).view(len(block_tables), width)
 
 
 def new_token_slots(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -110,13 +115,8 @@ class DecodeMetadata:
     @classmethod
     def build(cls, context_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device) -> "DecodeMetadata":
-        width = max(len(t) for t in block_tables)
-        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for b, t in enumerate(block_tables):
-            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
-                 for t, n in zip(block_tables, context_lens)]
-        return cls(torch.tensor(slots, dtype=torch.int64).to(device), tables.to(device),
+        slots = new_token_slots([1] * len(context_lens), context_lens, block_tables, block_size)
+        return cls(torch.tensor(slots, dtype=torch.int64).to(device), padded_tables(block_tables).to(device),
                    torch.tensor(context_lens, dtype=torch.int32).to(device))
 
 
@@ -125,11 +125,10 @@ StepMetadata = AttentionMetadata | PrefillMetadata | DecodeMetadata
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: StepMetadata, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
     """Writes k/v into the cache (None: already written there), then attends.
 
-    q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D] (into `out` if given).
+    q [T, H, D], k/v [T, KVH, D], caches [num_blocks, block_size, KVH, D] -> [T, H, D].
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
@@ -140,19 +139,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     if isinstance(meta, DecodeMetadata):
         from kernels.paged_attention import paged_attention_decode  # Triton: imported on first CUDA decode
 
-        out = torch.empty_like(q) if out is None else out
+        out = torch.empty_like(q)
         paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, out, scale)
         return out
     if isinstance(meta, PrefillMetadata):
         from kernels.paged_prefill import paged_attention_prefill  # Triton: imported on first CUDA prefill
 
-        out = torch.empty_like(q) if out is None else out
+        out = torch.empty_like(q)
         paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.tiles, out, scale)
         return out
     qg = q[meta.q_gather].transpose(1, 2)            # [B, H, Qmax, D]
     kg = k_flat[meta.kv_gather].transpose(1, 2)      # [B, KVH, Kmax, D]
     vg = v_flat[meta.kv_gather].transpose(1, 2)
-    res = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.mask, scale=scale,
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.mask, scale=scale,
                                          enable_gqa=num_kv_heads != q.shape[1])
-    res = res.transpose(1, 2)[meta.token_seq, meta.token_pos_in_chunk]
-    return res if out is None else out.copy_(res)
+    return out.transpose(1, 2)[meta.token_seq, meta.token_pos_in_chunk]
