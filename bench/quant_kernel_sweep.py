@@ -69,14 +69,6 @@ def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
     return [C(bn, bm, s, num_warps=w, field_dots=False) for bn in (16, 32) for w in (2, 4, 8) for s in (1, 4)]
 
 
-def prefetch_configs(model: str, t: int) -> list[QuantMatmulConfig]:
-    """One row: the words of the next K block requested before this block's arithmetic, or not."""
-    C = QuantMatmulConfig
-    splits = (1, 2) if model == "smol" else (1, 2, 4, 8, 16)
-    return [C(bn, 1, s, num_warps=w, prefetch=p) for p in (True, False) for bn in (32, 64) for w in (4, 8)
-            for s in splits]
-
-
 def compare_configs(model: str, t: int, n: int, k: int) -> list[QuantMatmulConfig]:
     """`pick_config`'s choice first, then near alternatives."""
     C = QuantMatmulConfig
@@ -108,8 +100,6 @@ def main() -> None:
                     "choice) and only pick_config's choice and its neighbours here")
     ap.add_argument("--rows", default="")
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
-    ap.add_argument("--prefetch", action="store_true", help="one row only: sweep tiles, warps and splits with "
-                    "and without the next block's words requested ahead")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -144,8 +134,8 @@ def main() -> None:
                              for i, w in enumerate(ws)]
                     r["old_us"] = graph_us(calls)
                 found = []
-                cfgs = (prefetch_configs(model, t) if args.prefetch else warps_configs(model, t) if args.warps
-                        else compare_configs(model, t, n, k) if old is not None else configs(model, t))
+                cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k) if old is not None
+                        else configs(model, t))
                 for cfg in cfgs:
                     outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                     part = torch.empty(cfg.split_k * t * n, device=dev)
@@ -158,8 +148,7 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001  a config the compiler refuses: recorded, skipped
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
                         continue
-                    found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots),
-                                           int(cfg.prefetch)],
+                    found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots)],
                                       us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
                 found.sort(key=lambda c: c["us"])

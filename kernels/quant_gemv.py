@@ -5,9 +5,6 @@ Per code: one shift and one and-or (`biased_field`: BIAS + q as a float) and one
 64 codes and more, the products BIAS+q times x accumulate per group and the group's scale and offset
 apply to the sums: s * sum((B + q) x) + (o - B s) * sum(x). With groups of 32 (one field), the weight
 q * s + o is formed per code instead (one FMA, cheaper than a per-field epilogue).
-
-With PREFETCH, the words of block b + 1 are requested before block b's arithmetic, so each program keeps
-two blocks' loads in flight instead of waiting a full memory latency per block.
 """
 import triton
 import triton.language as tl
@@ -17,43 +14,16 @@ from kernels.quant_tile import biased_field, field_bias
 
 
 @triton.jit
-def _row_block(acc, words, b, x_row, s_ptr, o_ptr, N, K, offs_n, offs_j, n_mask,
-               GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc [BLOCK_N, 32] += block b's codes (words [BLOCK_N, 32]) times x, scaled per group."""
-    FIELDS: tl.constexpr = 32 // BITS
-    BLOCK_K: tl.constexpr = 32 * FIELDS
-    FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
-    BIAS = field_bias(BITS)
-    for gi in tl.static_range(FIELDS // FPG):
-        g = (b * BLOCK_K + gi * FPG * 32) // GROUP
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s
-        acc_q = tl.zeros(acc.shape, dtype=tl.float32)                             # (B + q) * x per column
-        x_g = tl.zeros((32,), dtype=tl.float32)                                   # x per column
-        for f in tl.static_range(FPG):
-            i = gi * FPG + f
-            k0 = b * BLOCK_K + i * 32
-            if EVEN_K:
-                xv = tl.load(x_row + k0).to(tl.float32)
-            else:
-                xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
-            if FPG == 1:
-                acc += (biased_field(words, i, BITS) * s[:, None] + o[:, None]) * xv[None, :]
-            else:
-                acc_q += biased_field(words, i, BITS) * xv[None, :]
-                x_g += xv
-        if FPG > 1:
-            acc += s[:, None] * acc_q + o[:, None] * x_g[None, :]
-    return acc
-
-
-@triton.jit
 def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
-                      NUM_THREADS: tl.constexpr, PREFETCH: tl.constexpr):
+                      NUM_THREADS: tl.constexpr):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2)."""
+    FIELDS: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = 32 * FIELDS
+    FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
+    BIAS = field_bias(BITS)
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -63,17 +33,28 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
-    if PREFETCH:
-        words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)           # every split has a block
-        for b in range(b_lo, b_hi):
-            nxt = tl.minimum(b + 1, b_hi - 1)                                          # the last re-reads its own
-            ahead = tl.load(w_rows + nxt * 32, mask=n_mask[:, None], other=0)
-            acc = _row_block(acc, words, b, x_row, s_ptr, o_ptr, N, K, offs_n, offs_j, n_mask, GROUP, BITS, EVEN_K)
-            words = ahead
-    else:
-        for b in range(b_lo, b_hi):
-            words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)            # [BN, 32] int32
-            acc = _row_block(acc, words, b, x_row, s_ptr, o_ptr, N, K, offs_n, offs_j, n_mask, GROUP, BITS, EVEN_K)
+    for b in range(b_lo, b_hi):
+        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
+        for gi in tl.static_range(FIELDS // FPG):
+            g = (b * BLOCK_K + gi * FPG * 32) // GROUP
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s
+            acc_q = tl.zeros((BLOCK_N, 32), dtype=tl.float32)                         # (B + q) * x per column
+            x_g = tl.zeros((32,), dtype=tl.float32)                                   # x per column
+            for f in tl.static_range(FPG):
+                i = gi * FPG + f
+                k0 = b * BLOCK_K + i * 32
+                if EVEN_K:
+                    xv = tl.load(x_row + k0).to(tl.float32)
+                else:
+                    xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
+                if FPG == 1:
+                    acc += (biased_field(words, i, BITS) * s[:, None] + o[:, None]) * xv[None, :]
+                else:
+                    acc_q += biased_field(words, i, BITS) * xv[None, :]
+                    x_g += xv
+            if FPG > 1:
+                acc += s[:, None] * acc_q + o[:, None] * x_g[None, :]
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)

@@ -38,7 +38,6 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     field_dots: bool = True     # tensor cores: one K=32 dot per field (else one dot per 256-wide block)
-    prefetch: bool = True       # one row: request block b + 1's words before block b's arithmetic
 
 
 @triton.jit
@@ -152,7 +151,7 @@ def quant_matmul(
     if cfg.block_m == 1:
         quant_gemv_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
                                 HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=fence,
-                                NUM_THREADS=32 * cfg.num_warps, PREFETCH=cfg.prefetch,
+                                NUM_THREADS=32 * cfg.num_warps,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         _quant_matmul_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
