@@ -53,6 +53,13 @@ class GatewayConfig:
                                                              "(0: the rate rounded up)"})
     api_key_max_streams: int = field(default=0, metadata={"help": "concurrent Generate streams per key, for "
                                                                    "entries that set none (0: no limit)"})
+    adapter_resolve_ttl_s: float = field(default=1.0, metadata={
+        "help": "seconds this gateway reuses the host cache's answer for an adapter name or task id without "
+                "asking again (0: ask on every request); a load or unload through this gateway takes effect at "
+                "once, one through another gateway within this time"})
+    reuse_port: bool = field(default=False, metadata={
+        "help": "share the listen addresses with other gateway processes on this host (SO_REUSEPORT; the kernel "
+                "spreads connections over them); `loraplex serve --gateway-workers N` starts N such gateways"})
     gil_switch_interval_us: int = field(default=500, metadata={
         "help": "Python thread switch interval while serving, in microseconds (0 = Python's 5000): the link to "
                 "compute hands every message between threads, each hand-off waiting up to this long for the GIL"})
@@ -71,6 +78,8 @@ class GatewayConfig:
             raise SettingsError("replica_spill_threshold must be >= 1 and replica_health_interval_s positive")
         if self.max_message_bytes < 4 << 20:
             raise SettingsError("max_message_bytes: must be at least 4 MiB")
+        if self.adapter_resolve_ttl_s < 0:
+            raise SettingsError("adapter_resolve_ttl_s must be >= 0")
         if self.gil_switch_interval_us < 0:
             raise SettingsError("gil_switch_interval_us must be >= 0")
         if self.default_max_tokens < 1:

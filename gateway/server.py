@@ -86,6 +86,9 @@ async def serve(config: GatewayConfig) -> None:
         warn_if_exposed(config.http_listen, access, credentials is not None, "the HTTP API")
     log.info("gateway: %s, %s", f"{len(access.key_names())} API key(s)" if access.enabled else "no API keys (open)",
              "TLS" + (" with client certificates" if config.tls_client_ca else "") if credentials else "plaintext")
+    if config.reuse_port:
+        log.info("gateway: sharing %s%s with other gateway processes (SO_REUSEPORT): API key limits and /metrics "
+                 "count this process only", config.listen, f" and {config.http_listen}" if config.http_listen else "")
     if config.metrics_port:
         serve_metrics(metrics.REGISTRY, config.metrics_port)
         log.info("metrics on :%d/metrics", config.metrics_port)
@@ -95,7 +98,7 @@ async def serve(config: GatewayConfig) -> None:
         await run_server("gateway", config.listen, register,
                          max_message_bytes=transport_limit(config.max_message_bytes), on_started=started,
                          interceptors=[metrics.RequestMetrics(), AuthInterceptor(access)], credentials=credentials,
-                         on_stopping=(lambda: _begin_stop(http)))
+                         on_stopping=(lambda: _begin_stop(http)), reuse_port=config.reuse_port)
     finally:
         if http is not None:
             await http.stop()

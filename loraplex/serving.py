@@ -33,11 +33,13 @@ MAX_PENDING_CALLS = 1 << 16
 MAX_PENDING_CALL_S = 24 * 3600
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tuple[str, int]]:
+    """`reuse_port`: several processes may listen on the same port (the kernel spreads connections over
+    them); off, a port already in use fails the start."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
         ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
         ("grpc.server_max_unrequested_time_in_server", MAX_PENDING_CALL_S),
@@ -67,14 +69,18 @@ async def run_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     ready: Callable[[], Awaitable[None]] | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serves until SIGTERM/SIGINT. `register` adds servicers and returns their full names.
     With `credentials`, the port speaks TLS only.
 
+    With `reuse_port`, other processes may serve the same address (`server_options`).
+
     With `ready`, health says NOT_SERVING from the listening line until `ready()` returns (a service
     that warms up while reachable); an exception from it stops the server and propagates.
     """
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=list(interceptors))
+    server = grpc.aio.server(options=server_options(max_message_bytes, reuse_port),
+                             interceptors=list(interceptors))
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -119,13 +119,14 @@ class HttpServer:
     """Serves an ASGI app on `address` (port 0 picks one) inside the running event loop."""
 
     def __init__(self, app: Starlette, address: str, grace_s: float = 5.0,
-                 tls: dict[str, Any] | None = None) -> None:
+                 tls: dict[str, Any] | None = None, reuse_port: bool = False) -> None:
         # `tls`: uvicorn's ssl_* options (gateway.tls.http_tls_options), None for plaintext
         self._config = uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
                                       timeout_graceful_shutdown=grace_s, server_header=False, **(tls or {}))
         self._server = _Embedded(self._config)
         self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._reuse_port = reuse_port      # other gateway processes listen on the same port
         self.address = address
 
     def bind(self) -> str:
@@ -134,6 +135,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self._reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
@@ -186,4 +189,4 @@ def http_server_for(config: GatewayConfig, servicer: GatewayServicer, model_path
     app = build_app(servicer, served_model_name(config, model_path),
                     guard=http_guard(config) if guard is None else guard,
                     metrics_registry=metrics.REGISTRY, request_counter=metrics.REQUESTS)
-    return HttpServer(app, config.http_listen, grace_s, http_tls_options(config))
+    return HttpServer(app, config.http_listen, grace_s, http_tls_options(config), reuse_port=config.reuse_port)

@@ -14,6 +14,7 @@ gateway also serves the OpenAI-compatible HTTP API (--http-listen, default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -22,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from loraplex.cli.serve_procs import RedisServer, forward_logs, free_port, stop_all
+from loraplex.cli.serve_procs import RedisServer, forward_logs, free_port, reserve_shared_port, stop_all
 from loraplex.procs import ServiceProcess, spawn_service, wait_listening, wait_serving
 
 
@@ -53,6 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-flags", default="", help='more flags for the cache service, e.g. "--metrics-port 9101"')
     p.add_argument("--compute-flags", default="", help='more flags for the compute service, e.g. "--max-num-seqs 8"')
     p.add_argument("--gateway-flags", default="", help="more flags for the gateway")
+    p.add_argument("--gateway-workers", type=int, default=int(os.environ.get("LORAPLEX_GATEWAY_WORKERS", "1")),
+                   help="gateway processes sharing --listen and --http-listen (the kernel spreads connections "
+                        "over them; API key limits and /metrics are per process) [env LORAPLEX_GATEWAY_WORKERS, "
+                        "default 1]")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
     p.add_argument("--quiet", action="store_true", help="do not forward the services' logs")
     p.set_defaults(func=run)
@@ -91,29 +96,50 @@ def gateway_speaks_tls(args: argparse.Namespace) -> bool:
         os.environ.get("LORAPLEX_TLS_CERT"))
 
 
+def gateway_specs(args: argparse.Namespace, cache_addr: str, compute_addr: str) -> list[tuple[str, list[str]]]:
+    """One (name, argv) per gateway worker: "gateway", then "gateway-2", ...; with several, each shares the
+    listen addresses (`--reuse-port`), which must then name a port (`reserve_shared_port` picks one for 0)."""
+    argv = (["gateway", "--listen", args.listen, "--cache-address", cache_addr, "--compute-addresses", compute_addr,
+             "--http-listen", args.http_listen] + _opt("--model", args.model) + shlex.split(args.gateway_flags))
+    if args.gateway_workers == 1:
+        return [("gateway", argv)]
+    return [("gateway" if i == 0 else f"gateway-{i + 1}", argv + ["--reuse-port"]) for i in range(args.gateway_workers)]
+
+
+def check_gateway_workers(args: argparse.Namespace) -> None:
+    if args.gateway_workers < 1:
+        raise ValueError(f"--gateway-workers must be at least 1, got {args.gateway_workers}")
+    flags = shlex.split(args.gateway_flags)
+    if args.gateway_workers > 1 and any(f == "--metrics-port" or f.startswith("--metrics-port=") for f in flags):
+        raise ValueError("--gateway-workers > 1 cannot share one --metrics-port: read each worker's counters on "
+                         "the HTTP API's /metrics, or run one gateway")
+
+
 def start_all(args: argparse.Namespace, cache_args: list[str], compute_args: list[str], env: dict[str, str],
               t0: float, started: list[ServiceProcess]) -> list[ServiceProcess]:
-    """Starts the three services at once (their ports picked here, so none waits for another's address),
+    """Starts the services at once (their ports picked here, so none waits for another's address),
     forwards their logs while they start (unless --quiet), then waits until each answers SERVING: the
-    gateway and the cache within seconds, the compute service once it has warmed up."""
+    gateways and the cache within seconds, the compute service once it has warmed up. Returns the cache,
+    the compute service, then the gateways."""
     cache_addr, compute_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     cache_args = [a if a != "127.0.0.1:0" else cache_addr for a in cache_args]
     compute_args = [a if a != "127.0.0.1:0" else compute_addr for a in compute_args]
-    specs = [("cache", cache_args),
-             ("compute", compute_args + ["--cache-address", cache_addr]),
-             ("gateway", ["gateway", "--listen", args.listen, "--cache-address", cache_addr,
-                          "--compute-addresses", compute_addr, "--http-listen", args.http_listen]
-              + _opt("--model", args.model)
-              + shlex.split(args.gateway_flags))]
-    services = [spawn_service(name, argv, env=env) for name, argv in specs]
-    started.extend(services)    # as soon as they exist: a failure or Ctrl-C part-way stops them all
-    if not args.quiet:
-        forward_logs(services)
-    deadline = time.monotonic() + args.startup_timeout
-    for svc in services:
-        wait_listening(svc, max(1.0, deadline - time.monotonic()))
+    with contextlib.ExitStack() as held:       # ports of several gateways, held until they listen
+        if args.gateway_workers > 1:
+            args.listen = held.enter_context(reserve_shared_port(args.listen))
+            if args.http_listen:
+                args.http_listen = held.enter_context(reserve_shared_port(args.http_listen))
+        specs = ([("cache", cache_args), ("compute", compute_args + ["--cache-address", cache_addr])]
+                 + gateway_specs(args, cache_addr, compute_addr))
+        services = [spawn_service(name, argv, env=env) for name, argv in specs]
+        started.extend(services)    # as soon as they exist: a failure or Ctrl-C part-way stops them all
+        if not args.quiet:
+            forward_logs(services)
+        deadline = time.monotonic() + args.startup_timeout
+        for svc in services:
+            wait_listening(svc, max(1.0, deadline - time.monotonic()))
     for svc in sorted(services, key=lambda s: s.name == "compute"):   # the compute service is the slow one
-        if svc.name == "gateway" and gateway_speaks_tls(args):
+        if svc.name.startswith("gateway") and gateway_speaks_tls(args):
             continue    # the probe speaks plaintext; the gateway serves from its listening line on
         wait_serving(svc, deadline)
         print(f"serve: {svc.name} healthy after {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
@@ -155,10 +181,14 @@ def run(args: argparse.Namespace) -> int:
             redis = RedisServer.start()
             redis_url = redis.url
             print(f"serve: redis-server at {redis_url}", file=sys.stderr, flush=True)
+        check_gateway_workers(args)
         cache_args, compute_args = service_args(args, redis_url)
         env = child_env()
         t0 = time.monotonic()
-        cache, compute, gateway = start_all(args, cache_args, compute_args, env, t0, started)
+        cache, compute, gateway, *more_gateways = start_all(args, cache_args, compute_args, env, t0, started)
+        if more_gateways:
+            print(f"serve: {1 + len(more_gateways)} gateway processes share {gateway.address}", file=sys.stderr,
+                  flush=True)
         print(f"serve: cache at {cache.address} ({args.backend}), compute at {compute.address}, "
               f"ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
         if args.http_listen and not args.http_listen.endswith(":0"):   # port 0: the gateway's own line says
@@ -176,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("serve: interrupted while starting; stopping", file=sys.stderr, flush=True)
         return 130
-    except (RuntimeError, TimeoutError, OSError) as exc:
+    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
         print(f"serve: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -1,12 +1,14 @@
 """Processes `loraplex serve` manages besides the services: redis-server, log forwarding, shutdown."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loraplex.procs import ServiceProcess
@@ -16,6 +18,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def reserve_shared_port(address: str) -> Iterator[str]:
+    """HOST:PORT for processes that will share it (SO_REUSEPORT): port 0 becomes a free port, held by a
+    bound socket that never listens (so it takes no connections) until the block ends, when the sharers
+    listen on it; a named port is checked to be free for sharing. Yields the address with its port."""
+    host, _, port = address.rpartition(":")
+    bare = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind((bare, int(port)))
+        except OSError as exc:
+            raise OSError(f"cannot share {address} between gateway processes: {exc.strerror or exc}") from exc
+        yield f"{host}:{s.getsockname()[1]}"
 
 
 @dataclass
