@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,7 +37,9 @@ from compute_service.build import Runtime, zero_kv_cache
 from compute_service.engine.attention import DecodeMetadata, step_metadata
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
-from compute_service.warmup_plan import GroupShape, WarmupPlan, group_shapes, lora_class_fn, make_plan
+from compute_service.warmup_plan import GroupShape, WarmupPlan, group_shapes, lora_class_fn
+from compute_service.warmup_plan_cache import (PlanCache, PlanKey, PlanLookup, cached_plan, local_parts,
+                                               plan_cache_applies, plan_cache_dir)
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "full", "light", "off")
@@ -158,13 +160,8 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     engine, slots = rt.engine, rt.slots
     graphs = engine.runner.graphs
     slot_ids = [slots.slot_of(k) for k in keys]
-    mnbt = engine.config.max_num_batched_tokens
-    t = time.perf_counter()
-    classify = lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, engine.runner.model.dtype, rt.device)
-    prefill_bucket = graphs.prefill.bucket_for if graphs is not None else (lambda t: None)
-    plan = make_plan(mnbt, graphs.buckets if graphs is not None else [], classify,
-                     lambda t: prefill_bucket(t) or t)
-    report.plan = plan
+    lookup = _plan(rt, slot_ids, report.adapter_ranks)
+    plan = report.plan = lookup.plan
     width = graphs.meta.block_tables.shape[1] if graphs is not None else 1
     pass_ = _ForwardPass(rt, slot_ids, width)
     # Phase 1: every LoRA group alone at every class's token count, at layers 0, 1 and 2 (Triton may
@@ -181,9 +178,9 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     second = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)][1:]
     second += [(pass_.prefill, n, True) for n in plan.prefill_tokens]
     threads = num_threads or min(16, os.cpu_count() or 1)
-    log.info("warm-up: %d launch classes in %.1f s: %d decode buckets, %d prefill/mixed token counts %s, "
-             "%d base prefill; %d + %d steps on %d threads, adapters of rank %s", plan.num_classes,
-             time.perf_counter() - t, len(plan.decode_buckets), len(plan.prefill_tokens), plan.prefill_tokens,
+    log.info("warm-up: %s: %d decode buckets, %d prefill/mixed token counts %s, "
+             "%d base prefill; %d + %d steps on %d threads, adapters of rank %s", lookup.describe(),
+             len(plan.decode_buckets), len(plan.prefill_tokens), plan.prefill_tokens,
              len(plan.base_prefill_tokens), len(first), len(second), threads, report.adapter_ranks)
     t = time.perf_counter()
     _touch_triton_driver(rt.device)
@@ -197,6 +194,47 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
         torch.cuda.synchronize(rt.device)
     report.compile_s = time.perf_counter() - t
     log.info("warm-up: kernels compiled in %.1f s (%s)", report.compile_s, describe_compiled(compiled_kernels()))
+
+
+def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int]) -> PlanLookup:
+    """The compile pass's plan: read from the on-disk cache where it applies, else dry runs of a spare backend."""
+    engine = rt.engine
+    graphs = engine.runner.graphs
+    mnbt = engine.config.max_num_batched_tokens
+    dtype = engine.runner.model.dtype
+    decode_buckets = graphs.buckets if graphs is not None else []
+    prefill_bucket = graphs.prefill.bucket_for if graphs is not None else (lambda t: None)
+
+    def launched(t: int) -> int:
+        return prefill_bucket(t) or t
+
+    cache = _plan_cache(rt, slot_ids, adapter_ranks, decode_buckets, launched)
+    return cached_plan(mnbt, decode_buckets, launched,
+                       lambda: lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, dtype, rt.device), cache)
+
+
+def _plan_cache(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int], decode_buckets: list[int],
+                launched: Callable[[int], int]) -> PlanCache | None:
+    """Where this start's plan is kept, under a key of everything it depends on; None where no plan is kept
+    (not CUDA, no launch keys, turned off) or the key cannot be built (a warning: the plan is computed)."""
+    if not plan_cache_applies(rt.device):
+        return None
+    engine, tables, layout = rt.engine, rt.slots.tables, rt.slots.layout
+    if tables is None or layout is None:
+        raise RuntimeError("the adapter pool is not allocated yet: the warm-up plan needs its geometry")
+    mnbt = engine.config.max_num_batched_tokens
+    try:
+        local = local_parts(rt.device)
+    except OSError as exc:
+        log.warning("warm-up: no plan cache, the sources could not be read for its key (%s)", exc)
+        return None
+    key = PlanKey(**local, spec=repr(engine.spec), max_num_batched_tokens=mnbt,
+                  decode_buckets=tuple(decode_buckets), launched_tokens=tuple(map(launched, range(1, mnbt + 1))),
+                  adapters=tuple(zip(slot_ids, adapter_ranks)), dtype=str(engine.runner.model.dtype),
+                  backend=f"{type(engine.runner.lora).__module__}.{type(engine.runner.lora).__qualname__}",
+                  pool=(tables.max_slots, tables.num_layers, tables.num_modules, tables.max_rank, tables.row_align,
+                        layout.page_elems))
+    return PlanCache(plan_cache_dir(), key.digest())
 
 
 @contextmanager

@@ -11,7 +11,9 @@ produce. One step per group then compiles everything a step of any size can
 launch. The other kernels (norm, RoPE + KV write, SwiGLU, decode attention) do
 not depend on T beyond Triton's divisibility-by-16 specialisation of integer
 arguments, which the class includes. Where nothing compiles (CPU, the Triton
-interpreter) every T falls in one class.
+interpreter) every T falls in one class. The plan is kept on disk between starts
+(`warmup_plan_cache.py`), so a restart of the same code on the same GPU with the
+same settings skips the dry runs.
 """
 from __future__ import annotations
 
