@@ -9,7 +9,9 @@ are released at once. `merge_entries` runs several entries concurrently (they la
 in the same batches on the compute service) and interleaves their messages;
 an entry that fails ends with finish_reason ERROR and never disturbs the others.
 `run_entries` is what every front end calls (the gRPC Generate and the
-HTTP API): one entry streams alone, several are merged.
+HTTP API): one entry streams alone, several are merged. An entry whose adapter
+version compute no longer finds (NOT_FOUND before any token: the gateway's
+resolution was stale) is resolved again by the host cache and started once more.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from loraplex.errors import UnavailableError
 from loraplex.logging_setup import REQUEST_ID
 from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2
 from gateway.adapters import AdapterResolver, ResolvedLora
-from gateway.downstream import from_rpc_error
+from gateway.downstream import DownstreamError, from_rpc_error
 from gateway.metrics import EntryClock
 from gateway.requests import PromptCodec
 from gateway.router import ComputeRouter
@@ -100,6 +102,26 @@ async def entry_stream(job: EntryJob, lora: ResolvedLora, router: ComputeRouter,
                            "without a finish reason")
 
 
+async def adapter_entry_stream(entry: Entry, lora: ResolvedLora, resolver: AdapterResolver, router: ComputeRouter,
+                               codec: PromptCodec) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """`entry_stream`, started once more at the version the host cache names now when compute answers
+    NOT_FOUND for `lora` before any message was sent (the version was replaced or evicted meanwhile)."""
+    sent = False
+    try:
+        async for msg in entry_stream(entry.job, lora, router, codec):
+            sent = True
+            yield msg
+        return
+    except DownstreamError as exc:
+        if sent or lora.is_base or exc.grpc_code != grpc.StatusCode.NOT_FOUND:
+            raise
+        log.info("compute has no task id %d at version %s (%s): resolving %s again", lora.task_id,
+                 lora.version, exc, entry.what)
+    lora = await resolver.resolve_again(entry.spec, lora, entry.what)
+    async for msg in entry_stream(entry.job, lora, router, codec):
+        yield msg
+
+
 EntryFactory = Callable[[], Awaitable[AsyncIterator[gateway_pb2.GenerateResponse]]]
 
 
@@ -172,8 +194,9 @@ async def run_entries(entries: Sequence[Entry], resolver: AdapterResolver, route
     ERROR; with `resolve_first`, every distinct adapter is resolved before any entry starts, so an
     unknown one fails the whole call instead (the HTTP API answers one status per request)."""
     if len(entries) == 1:
-        lora = await resolver.resolve(entries[0].spec, entries[0].what)
-        async for msg in entry_stream(entries[0].job, lora, router, codec):
+        only = entries[0]
+        lora = await resolver.resolve(only.spec, only.what)
+        async for msg in adapter_entry_stream(only, lora, resolver, router, codec):
             yield msg
         return
     resolved: dict[bytes, ResolvedLora] = {}
@@ -188,7 +211,7 @@ async def run_entries(entries: Sequence[Entry], resolver: AdapterResolver, route
             lora = resolved.get(entry.spec.SerializeToString(deterministic=True)) if resolved else None
             if lora is None:
                 lora = await resolver.resolve(entry.spec, entry.what)
-            return entry_stream(entry.job, lora, router, codec)
+            return adapter_entry_stream(entry, lora, resolver, router, codec)
         return start
 
     known = [(e.job.index, factory(e), e.spec.task_id if e.spec.HasField("task_id") else None) for e in entries]

@@ -43,7 +43,8 @@ def build_servicer(config: GatewayConfig, tokenizer: Any, model_spec: ModelSpec,
                    router: ComputeRouter) -> GatewayServicer:
     """Wires the gateway's parts (tests pass their own store and router)."""
     codec = PromptCodec(tokenizer)
-    return GatewayServicer(config, codec, store, AdapterResolver(store, model_spec), router)
+    return GatewayServicer(config, codec, store, AdapterResolver(store, model_spec, ttl_s=config.adapter_resolve_ttl_s),
+                           router)
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -150,6 +150,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         else:
             raise InvalidArgumentError("nothing to load: give a path, inline weights + config, or a name "
                                        "under the adapter root")
+        self._resolver.forget(info.task_id, info.name or request.name)   # its next request sees this version
         return info
 
     async def _find(self, task_id: int) -> common_pb2.AdapterInfo:
