@@ -39,12 +39,15 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_tokenizer(model: str | Path):
-    """A transformers tokenizer for a GGUF file or HF folder (chat template included)."""
+    """A transformers tokenizer for a GGUF file or HF folder (chat template included); a GGUF file's is
+    converted once and kept on disk (`loraplex.tokenizer_cache`)."""
     from transformers import AutoTokenizer
+
+    from loraplex.tokenizer_cache import gguf_tokenizer
 
     path = resolve_model_path(str(model))
     if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return gguf_tokenizer(path)
     if path.is_file():
         path = path.parent
     return AutoTokenizer.from_pretrained(str(path))

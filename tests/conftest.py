@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One gateway per `loraplex serve`, whatever the machine's cores, so tests that read the gateway's log lines
+# find every request under `[gateway]` (tests/gateway/test_gateway_workers.py starts several on purpose).
+os.environ.setdefault("LORAPLEX_GATEWAY_WORKERS", "1")
+
 import socket  # noqa: E402
 
 import pytest  # noqa: E402

@@ -156,10 +156,8 @@ class SafetensorsSource:
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None) -> Any:
-    """A transformers tokenizer from the same folder or GGUF file (chat template included)."""
-    from transformers import AutoTokenizer
+    """A transformers tokenizer from the same folder or GGUF file (chat template included; None: the
+    default model's), as the gateway loads it (`loraplex.model_files.load_tokenizer`)."""
+    from loraplex.model_files import load_tokenizer as load
 
-    p = default_model_path() if path is None else Path(path)
-    if p.is_file() and p.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return AutoTokenizer.from_pretrained(str(p))
+    return load(str(default_model_path() if path is None else path))

@@ -54,13 +54,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-flags", default="", help='more flags for the cache service, e.g. "--metrics-port 9101"')
     p.add_argument("--compute-flags", default="", help='more flags for the compute service, e.g. "--max-num-seqs 8"')
     p.add_argument("--gateway-flags", default="", help="more flags for the gateway")
-    p.add_argument("--gateway-workers", type=int, default=int(os.environ.get("LORAPLEX_GATEWAY_WORKERS", "1")),
+    p.add_argument("--gateway-workers", type=int, default=default_gateway_workers(),
                    help="gateway processes sharing --listen and --http-listen (the kernel spreads connections "
-                        "over them; API key limits and /metrics are per process) [env LORAPLEX_GATEWAY_WORKERS, "
-                        "default 1]")
+                        "over them; API key limits and /metrics are per process) [env LORAPLEX_GATEWAY_WORKERS; "
+                        "default: a quarter of the CPU cores, 1 to 4]")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service may take to start")
     p.add_argument("--quiet", action="store_true", help="do not forward the services' logs")
     p.set_defaults(func=run)
+
+
+def default_gateway_workers(cpus: int | None = None) -> int:
+    """LORAPLEX_GATEWAY_WORKERS, else one gateway per 4 CPU cores, 1 to 4 (on an H100 host of 16 cores, 4 took
+    Poisson time to first token at 64-256 streams from 26-206 ms to 10-102 ms; docs/performance.md)."""
+    env = os.environ.get("LORAPLEX_GATEWAY_WORKERS", "").strip()
+    if env:
+        return int(env)
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    return max(1, min(4, cpus // 4))
 
 
 def child_env() -> dict[str, str]:

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from loraplex.cli.serve import check_gateway_workers, gateway_specs
+from loraplex.cli.serve import check_gateway_workers, default_gateway_workers, gateway_specs
 from loraplex.cli.serve_procs import reserve_shared_port
 from loraplex.client import Client
 from http_stack import make_tiny_model, start_http_stack, write_adapters
@@ -56,6 +56,13 @@ def test_reserving_a_port_taken_without_sharing_fails_clearly():
         with pytest.raises(OSError, match=f"cannot share 127.0.0.1:{port} between gateway processes"):
             with reserve_shared_port(f"127.0.0.1:{port}"):
                 pass
+
+
+def test_default_workers(monkeypatch):
+    monkeypatch.delenv("LORAPLEX_GATEWAY_WORKERS", raising=False)
+    assert [default_gateway_workers(c) for c in (1, 2, 4, 7, 8, 15, 16, 64)] == [1, 1, 1, 1, 2, 3, 4, 4]
+    monkeypatch.setenv("LORAPLEX_GATEWAY_WORKERS", "3")
+    assert default_gateway_workers(64) == 3
 
 
 def test_worker_flags():
