@@ -100,7 +100,7 @@ class GGUFSource:
 
 def read_gguf(path: Path) -> tuple[ModelSpec, GGUFSource, str | None]:
     """Returns (spec, get-by-HF-name, chat template)."""
-    from compute_service.engine.gguf_header import read_header
+    from loraplex.formats.gguf_header import read_header
 
     try:
         header = read_header(path)

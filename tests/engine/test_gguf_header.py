@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compute_service.engine.gguf_header import read_header
+from loraplex.formats.gguf_header import read_header
 
 
 def _default_gguf():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from loraplex.cli import main as cli
-from loraplex.formats import ModelSpec, load_adapter, read_peft
+from loraplex.formats import AdapterFormatError, ModelSpec, load_adapter, read_peft
 
 
 def _tiny_gguf(path: Path, spec: ModelSpec) -> Path:
@@ -85,6 +85,23 @@ def test_spec_from_smollm2_gguf():
     spec = ModelSpec.from_gguf(origin / "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads,
             spec.head_dim, spec.intermediate_size, spec.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
+
+
+@pytest.mark.parametrize("damage", ["magic", "truncated", "no_shapes"])
+def test_spec_from_a_bad_gguf_says_so(tmp_path, damage):
+    """Shapes come from the metadata alone (the vocabulary's strings are stepped over); a file that is not
+    GGUF, is cut short or lacks the shapes is refused with the path in the message."""
+    import struct
+
+    def kv_string(key: str, value: str) -> bytes:
+        k, v = key.encode(), value.encode()
+        return struct.pack("<Q", len(k)) + k + struct.pack("<IQ", 8, len(v)) + v
+
+    body = struct.pack("<IIQQ", 0x46554747, 3, 0, 1) + kv_string("general.architecture", "llama")
+    path = tmp_path / "m.gguf"
+    path.write_bytes({"magic": b"NOPE" + body[4:], "truncated": body[:-3], "no_shapes": body}[damage])
+    with pytest.raises(AdapterFormatError, match="m.gguf"):
+        ModelSpec.from_gguf(path)
 
 
 def _edit_peft(folder: Path, edit) -> None:

@@ -1,6 +1,7 @@
 """A GGUF file's metadata and tensor table, read without building the tokenizer's arrays.
 
-The compute service needs the model's shapes and its tensors, not the
+Every service needs the model's shapes (`ModelSpec.from_gguf`: the gateway and
+the cache at start-up) and the compute service its tensors, none the
 vocabulary: a general-purpose reader that turns every one of SmolLM2's 98k
 token and merge strings into array views spends about 3 s of start-up on it.
 Here string arrays are stepped over (only their lengths are kept), other
