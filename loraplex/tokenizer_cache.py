@@ -9,16 +9,21 @@ the special tokens) under `~/.cache/loraplex/tokenizers/<key>/` (or
 and loaded from there in well under a second. The key covers the GGUF file
 (resolved path, size, modification time) and the transformers and tokenizers
 versions. A missing or unreadable entry is converted again; a failed save is a
-warning. `LORAPLEX_TOKENIZER_CACHE=0` turns it off.
+warning. Processes that start together (several gateways) take turns on a lock
+file beside the entry, so one converts and the others read its result.
+`LORAPLEX_TOKENIZER_CACHE=0` turns it off.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +91,24 @@ def _save(tokenizer: Any, folder: Path, gguf: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _converting(folder: Path) -> Iterator[None]:
+    """Held while one process converts into `folder`: processes that start together (several gateways)
+    wait for the first one's conversion and read it instead of each converting. No lock where the folder
+    cannot be made (the conversion then runs unshared and its save warns)."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(folder) + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)           # closing releases the lock
+
+
 def gguf_tokenizer(gguf: Path) -> Any:
     """The tokenizer of a GGUF file: from the cache when it holds it, else converted (and kept)."""
     if not enabled():
@@ -93,10 +116,14 @@ def gguf_tokenizer(gguf: Path) -> Any:
     folder = cache_root() / entry_key(gguf)
     t = time.perf_counter()
     tok = _load(folder)
-    if tok is not None:
-        log.info("tokenizer of %s from %s in %.2f s", gguf.name, folder, time.perf_counter() - t)
-        return tok
-    tok = _convert(gguf)
-    log.info("tokenizer of %s converted in %.1f s; kept in %s", gguf.name, time.perf_counter() - t, folder)
-    _save(tok, folder, gguf)
+    if tok is None:
+        with _converting(folder):
+            tok = _load(folder)          # another process may have converted it while we waited
+            if tok is None:
+                tok = _convert(gguf)
+                log.info("tokenizer of %s converted in %.1f s; kept in %s", gguf.name, time.perf_counter() - t,
+                         folder)
+                _save(tok, folder, gguf)
+                return tok
+    log.info("tokenizer of %s from %s in %.2f s", gguf.name, folder, time.perf_counter() - t)
     return tok

@@ -58,7 +58,7 @@ def test_the_kept_tokenizer_equals_the_converted_one(cache_dir, converted, monke
     caplog.set_level(logging.INFO, "loraplex.tokenizer_cache")
     first = load_tokenizer("")                        # converts (the real conversion) and keeps it
     assert "converted in" in caplog.text
-    entries = list(cache_dir.iterdir())
+    entries = [p for p in cache_dir.iterdir() if p.is_dir()]      # beside each: its lock file
     assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
     monkeypatch.setattr(tokenizer_cache, "_convert", lambda gguf: pytest.fail("converted although kept"))
     kept = load_tokenizer("")
@@ -77,7 +77,7 @@ def test_another_file_or_a_touched_one_is_converted_again(cache_dir, conversions
     st = gguf.stat()
     os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))      # a new file under the same name
     tokenizer_cache.gguf_tokenizer(gguf)
-    assert len(conversions) == 2 and len(list(cache_dir.iterdir())) == 2
+    assert len(conversions) == 2 and len([p for p in cache_dir.iterdir() if p.is_dir()]) == 2
 
 
 @pytest.mark.parametrize("damage", ["no_mark", "corrupt"])
@@ -119,3 +119,21 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert tokenizer_cache.cache_root() == tmp_path / "xdg" / "loraplex" / "tokenizers"
     monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "mine"))
     assert tokenizer_cache.cache_root() == tmp_path / "mine" / "tokenizers"
+
+
+def test_processes_starting_together_convert_once(cache_dir, tmp_path):
+    """Four processes (as `serve --gateway-workers 4` starts) load the same new GGUF's tokenizer at once:
+    one converts, the others wait on the lock and read what it kept."""
+    import subprocess
+    import sys
+
+    script = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s');"
+              "from loraplex.model_files import load_tokenizer; print(load_tokenizer('').encode('hi'))")
+    env = dict(os.environ, LORAPLEX_CACHE_DIR=str(cache_dir.parent))
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum("converted in" in o for o in outs) == 1, outs
+    assert sum(" from " in o for o in outs) == 3, outs
+    assert len({o.strip().splitlines()[-1] for o in outs}) == 1
