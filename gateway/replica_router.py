@@ -227,6 +227,7 @@ class ReplicaRouter:
         if serving:
             if self._set.mark_up(replica.address):
                 log.info("compute replica %s is back", replica.address)
+            replica.tokens().open()      # the token stream is up before the first request needs it
         else:
             self.take_out(replica.address, reason)
 

@@ -162,7 +162,8 @@ class _CallReader:
 
 
 class ReplicaSession:
-    """The long-lived StreamTokens call to one replica (opened on first use, reopened after a break)."""
+    """The long-lived StreamTokens call to one replica (opened when a health check first finds the replica
+    serving, or on first use; reopened after a break)."""
 
     def __init__(self, address: str, max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
                  channel_options: Sequence[tuple[str, int]] = ()) -> None:
@@ -182,6 +183,10 @@ class ReplicaSession:
     @property
     def num_open(self) -> int:
         return len(self._streams)
+
+    def open(self) -> None:
+        """Opens the call now (idempotent), so the first request does not wait for its connection."""
+        self._ensure_open()
 
     def start(self, request: compute_pb2.GenerateTokensRequest, timeout_s: float | None) -> RequestStream:
         """Starts `request` on the replica; compute aborts it once `timeout_s` passed."""

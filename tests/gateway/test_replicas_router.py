@@ -286,3 +286,26 @@ def test_resolve_all_and_bad_addresses():
     assert "127.0.0.1:7" in resolve_all("localhost", 7)
     with pytest.raises(ValueError, match="HOST:PORT"):
         ReplicaRouter(["compute"], 1 << 20)
+
+
+def test_token_stream_opens_when_the_replica_is_first_found_serving():
+    """The first request does not pay for the StreamTokens call's connection: the health check that finds a
+    replica serving opens it, and requests then run on that same call; a replica not serving gets none."""
+    async def main():
+        a, b = await replicas(2)
+        await b.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        router = ReplicaRouter([a.address, b.address], 1 << 20, health_interval_s=3600)
+        try:
+            await router.refresh()
+            by_address = {r.address: r for r in router.replicas()}
+            opened = by_address[a.address].session
+            assert opened is not None and opened._reader is not None, "not opened by the health check"
+            reader = opened._reader
+            assert by_address[b.address].session is None
+            assert await served_by(router, "first") == a.port
+            assert by_address[a.address].session._reader is reader       # the same call served it
+        finally:
+            await router.close()
+            await a.stop()
+            await b.stop()
+    run(main())
