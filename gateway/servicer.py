@@ -19,11 +19,11 @@ from loraplex.v1 import common_pb2, compute_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.adapters import AdapterResolver, AdapterStore
 from gateway.auth import current_principal
 from gateway.config import GatewayConfig
-from gateway.downstream import from_rpc_error
+from gateway.downstream import DownstreamError, from_rpc_error
 from gateway.generation import Entry, EntryJob, run_entries
 from gateway.requests import (REQUEST_ID_KEY, PromptCodec, check_loras, check_prompt_length, check_sampling,
                               take_request_id)
-from gateway.router import ComputeRouter
+from gateway.router import ComputeRouter, until_connected_timeout
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 # replicas serve the same model: the first one that answers will do
                 failure: Exception = UnavailableError("no compute replica is known (see --compute-addresses)")
                 for replica in self._router.replicas():
+                    timeout_s, wait = until_connected_timeout(replica, self._config.downstream_timeout_s)
                     try:
                         resp = await replica.stub.GetModelInfo(compute_pb2.ComputeModelInfoRequest(),
-                                                               timeout=self._config.downstream_timeout_s)
+                                                               timeout=timeout_s, wait_for_ready=wait)
                     except grpc.aio.AioRpcError as exc:
                         failure = from_rpc_error(exc, "compute", replica.address)
+                        if wait and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                            failure = DownstreamError(grpc.StatusCode.UNAVAILABLE, (
+                                f"the compute service at {replica.address} is unavailable (no connection in "
+                                f"{timeout_s:.0f} s); start it or point the gateway at a running one"))
                         continue
                     self._model_info = resp.model
                     break

@@ -222,11 +222,11 @@ class MemoryStore:
 
 
 @contextlib.asynccontextmanager
-async def grpc_server(register):
-    """A real aio server on a free port; yields its address."""
+async def grpc_server(register, port: int = 0):
+    """A real aio server on `port` (0: a free one); yields its address."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     register(server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     try:
         yield f"127.0.0.1:{port}"

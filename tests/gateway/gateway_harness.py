@@ -12,7 +12,7 @@ from loraplex.formats import ModelSpec
 from loraplex.model_files import resolve_model_path
 from loraplex.v1 import compute_pb2_grpc, gateway_pb2_grpc
 from gateway.config import GatewayConfig
-from gateway.router import SingleReplicaRouter
+from gateway.router import SingleReplicaRouter, build_router
 from gateway.server import build_servicer, transport_limit
 from gateway_fakes import MemoryStore, ScriptedCompute, grpc_server
 
@@ -54,8 +54,10 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def gateway_stack(tokenizer, *, compute_address: str | None = None, max_model_len: int = 256,
-                        delay_s: float = 0.0, max_message_bytes: int = 64 << 20, **config):
-    """Starts scripted compute (unless `compute_address` points elsewhere) and a gateway."""
+                        delay_s: float = 0.0, max_message_bytes: int = 64 << 20, health_checked: bool = False,
+                        **config):
+    """Starts scripted compute (unless `compute_address` points elsewhere) and a gateway (routing as the
+    served gateway does, with replica health checks, when `health_checked`)."""
     compute = ScriptedCompute(tokenizer, max_model_len=max_model_len, delay_s=delay_s)
     store = MemoryStore(smollm2_spec())
     async with contextlib.AsyncExitStack() as stack:
@@ -63,7 +65,8 @@ async def gateway_stack(tokenizer, *, compute_address: str | None = None, max_mo
             compute_address = await stack.enter_async_context(
                 grpc_server(lambda s: compute_pb2_grpc.add_ComputeServicer_to_server(compute, s)))
         cfg = GatewayConfig(compute_addresses=(compute_address,), max_message_bytes=max_message_bytes, **config)
-        router = SingleReplicaRouter(compute_address, cfg.max_message_bytes)
+        router = (build_router(cfg.compute_addresses, cfg.max_message_bytes) if health_checked
+                  else SingleReplicaRouter(compute_address, cfg.max_message_bytes))
         servicer = build_servicer(cfg, tokenizer, smollm2_spec(), store, router)
 
         def register(server):

@@ -95,6 +95,15 @@ def stack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def scrapes(stack):
     """Requests of every kind, then a scrape of every service (and one of compute mid-stream)."""
+    try:
+        return run_requests(stack)
+    except Exception as exc:      # say what each service printed and whether it still runs
+        report = "\n".join(f"--- {name} (exit code {svc.proc.poll()}):\n{svc.output()[-4000:]}"
+                            for name, svc in stack.items() if name != "ports")
+        raise AssertionError(f"{exc}\n{report}") from exc
+
+
+def run_requests(stack: dict) -> dict:
     with Client(stack["gateway"].address, timeout=300) as client:
         client.generate(PROMPT_EN, max_tokens=6, ignore_eos=True)
         client.generate(PROMPT_EN, lora="fr", max_tokens=6, ignore_eos=True)
