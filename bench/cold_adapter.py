@@ -13,9 +13,13 @@ pages). Per never-seen adapter it times:
 - fetch: `GetAdapter` and the mapping of the segment;
 - load: until the adapter is resident in the pool (upload + pack);
 and the same adapter again (warm: the name resolves from the cache, the pool
-already holds it). The floor is one read of the file plus one pinned copy.
+already holds it). Each new adapter comes after `--gap-s` of idle time (0.5
+s: one new adapter at a time, the case the goal names; 0 sends them back to
+back, when the cache has no idle time to make spare segments in). The floor
+is one read of the file plus one pinned copy.
 
     python bench/cold_adapter.py --out bench/results/cold_adapter.json [--shapes smollm2,llama3-8b]
+        [--gap-s 0.5] [--shm-spare-bytes 0]
 """
 from __future__ import annotations
 
@@ -97,13 +101,18 @@ async def ring_sweep(client: CacheClient, slots: PagedAdapterSlots, name: str) -
     return out
 
 
-async def measure(address: str, slots: PagedAdapterSlots, names: list[str], sweep: bool) -> tuple[list, list]:
+async def measure(address: str, slots: PagedAdapterSlots, names: list[str], sweep: bool,
+                  gap_s: float) -> tuple[list, list]:
     async with CacheClient(address) as client:
-        loads = [await one_load(client, slots, n) for n in names]
+        loads = []
+        for n in names:
+            await asyncio.sleep(gap_s)      # each new adapter comes to a service idle this long
+            loads.append(await one_load(client, slots, n))
         return loads, (await ring_sweep(client, slots, names[1]) if sweep else [])
 
 
-def run_shape(shape: str, rank: int, num_cold: int, device: torch.device, pool_bytes: int) -> dict:
+def run_shape(shape: str, rank: int, num_cold: int, device: torch.device, pool_bytes: int, gap_s: float,
+              cache_flags: list[str]) -> dict:
     cfg = SHAPES[shape]
     spec = ModelSpec.from_hf_config(cfg)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,12 +123,13 @@ def run_shape(shape: str, rank: int, num_cold: int, device: torch.device, pool_b
         file_bytes = [write_peft(root / n, spec, rank, torch.bfloat16, seed=i) for i, n in enumerate(names)]
         # Started outside any event loop: the start helper waits for health with its own loop.
         cache = start_service("cache", ["cache", "--listen", "127.0.0.1:0", "--lora-root", str(root),
-                                        "--model", str(model_dir), "--host-cache-bytes", str(8 << 30)],
+                                        "--model", str(model_dir), "--host-cache-bytes", str(8 << 30),
+                                        *cache_flags],
                               timeout_s=120)
         try:
             slots = PagedAdapterSlots(engine_spec(cfg), rank, device, torch.bfloat16)
             slots.allocate(pool_bytes)
-            loads, sweep = asyncio.run(measure(cache.address, slots, names, device.type == "cuda"))
+            loads, sweep = asyncio.run(measure(cache.address, slots, names, device.type == "cuda", gap_s))
         finally:
             cache.stop()
     cold = loads[1:]
@@ -138,17 +148,22 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--num-cold", type=int, default=4)
     ap.add_argument("--pool-gib", type=float, default=2.0)
+    ap.add_argument("--gap-s", type=float, default=0.5,
+                    help="idle time before each adapter's first request (the cache makes spare segments when idle)")
+    ap.add_argument("--shm-spare-bytes", default="", help="the cache's --shm-spare-bytes (default: its own)")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
+    cache_flags = ["--shm-spare-bytes", args.shm_spare_bytes] if args.shm_spare_bytes else []
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     result: dict = dict(bench="cold_adapter", device=torch.cuda.get_device_name() if cuda else "cpu",
                         commit=args.commit, torch=torch.__version__,
-                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        gap_s=args.gap_s, cache_flags=cache_flags)
     if cuda:
         result["h2d_pinned_gbps"] = h2d_gbps(256 << 20, True, device)
-    result["shapes"] = [run_shape(s, args.rank, args.num_cold, device, int(args.pool_gib * 2**30))
-                        for s in args.shapes.split(",")]
+    result["shapes"] = [run_shape(s, args.rank, args.num_cold, device, int(args.pool_gib * 2**30), args.gap_s,
+                                  cache_flags) for s in args.shapes.split(",")]
     for s in result["shapes"]:
         line = {k: round(v, 2) for k, v in s.items() if k.endswith("_median")}
         print(s["shape"], f"file {s['file_bytes'] / 1e6:.0f} MB", json.dumps(line), flush=True)

@@ -73,6 +73,9 @@ class CacheBackend(abc.ABC):
     @abc.abstractmethod
     def open_writer(self, num_bytes: int) -> Writer: ...
 
+    def expect_put_bytes(self, num_bytes: int) -> None:
+        """A hint of the size puts will have (a backend may prepare memory for them); none by default."""
+
     @abc.abstractmethod
     def commit(self, writer: Writer, record: AdapterRecord, replace: bool) -> CommitResult:
         """Publishes the writer's bytes under `record`.

@@ -16,6 +16,9 @@ class CacheConfig:
     redis_prefix: str = field(default="loraplex", metadata={"help": "key prefix in Redis (keys are <prefix>:<fingerprint>:...)"})
     host_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "byte budget of the LRU (lora_cache_host_memory_bytes)"})
+    shm_spare_bytes: int = field(
+        default=256 << 20, metadata={"help": "shm: blank segments kept ready, pages allocated, so a cold adapter's "
+                                             "conversion does not wait on page faults (beyond the budget; 0 = off)"})
     lora_root: str = field(default="", metadata={"help": "folder of named adapters (<root>/<name>/ or <root>/<name>.safetensors)"})
     lora_prefetch_dir: str = field(default="", metadata={"help": "folder of <task_id>/model.lora_{config,weights}.npy loaded at start"})
     model: str = field(default="", metadata={"help": "base model (GGUF, HF folder or config.json) adapters are validated against; default SmolLM2"})
@@ -36,6 +39,8 @@ class CacheConfig:
             raise SettingsError(f"backend: expected shm or redis, got {self.backend!r}")
         if self.host_cache_bytes <= 0:
             raise SettingsError("host_cache_bytes: must be positive")
+        if self.shm_spare_bytes < 0:
+            raise SettingsError("shm_spare_bytes: must be >= 0")
         if not 1 <= self.max_lora_rank <= 1024:
             raise SettingsError("max_lora_rank: must be in 1..1024")
         if self.max_message_bytes < (1 << 20):

@@ -1,6 +1,7 @@
 """The embedded `shm` backend: adapters in POSIX shared memory, index in this process.
 
-One segment per adapter version (see shm_segments). The LRU index, records
+One segment per adapter version (see shm_segments), taken from the spares
+made ahead of time when one fits (see shm_spares). The LRU index, records
 and source registry live in this process under one lock; a co-located compute
 service maps segments by name instead of copying bytes over gRPC.
 """
@@ -8,20 +9,28 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from loraplex.errors import AlreadyExistsError
 from cache_service.backend import CacheBackend, CommitResult, Reader, Writer
 from cache_service.lru import LruEntry, LruIndex
 from cache_service.records import AdapterRecord, CacheStats, ListedAdapter, SourceEntry
 from cache_service.shm_segments import HEADER_BYTES, OwnedSegment, new_instance_tag
+from cache_service.shm_spares import SpareSegments
 
 
 class ShmWriter(Writer):
-    def __init__(self, segment: OwnedSegment) -> None:
+    def __init__(self, segment: OwnedSegment, on_finish: Callable[[], None]) -> None:
         self.segment = segment
         self.num_bytes = segment.num_bytes
         self.committed = False
+        self._on_finish: Callable[[], None] | None = on_finish
+
+    def finished(self) -> None:
+        """Committed or aborted (the first call counts)."""
+        on_finish, self._on_finish = self._on_finish, None
+        if on_finish is not None:
+            on_finish()
 
     @property
     def buffer(self) -> memoryview:
@@ -30,6 +39,7 @@ class ShmWriter(Writer):
     def abort(self) -> None:
         if not self.committed:
             self.segment.retire()
+        self.finished()
 
 
 class ShmReader(Reader):
@@ -64,9 +74,10 @@ class ShmBackend(CacheBackend):
 
     kind = "shm"
 
-    def __init__(self, budget_bytes: int, instance: str | None = None) -> None:
+    def __init__(self, budget_bytes: int, instance: str | None = None, spare_bytes: int = 0) -> None:
         self.budget_bytes = budget_bytes
         self.instance = instance or new_instance_tag()
+        self.spares = SpareSegments(self.instance, spare_bytes)
         self._lock = threading.Lock()
         self._lru = LruIndex(budget_bytes)
         self._records: dict[int, AdapterRecord] = {}
@@ -78,10 +89,25 @@ class ShmBackend(CacheBackend):
 
     def open_writer(self, num_bytes: int) -> ShmWriter:
         self._lru.check_fits(num_bytes)
-        return ShmWriter(OwnedSegment(self.instance, num_bytes))
+        spare = self.spares.take(num_bytes)
+        try:
+            segment = spare or OwnedSegment(self.instance, num_bytes)
+        except BaseException:
+            self.spares.put_finished()
+            raise
+        return ShmWriter(segment, self.spares.put_finished)
+
+    def expect_put_bytes(self, num_bytes: int) -> None:
+        self.spares.expect(num_bytes)
 
     def commit(self, writer: Writer, record: AdapterRecord, replace: bool) -> CommitResult:
         assert isinstance(writer, ShmWriter)
+        try:
+            return self._commit(writer, record, replace)
+        finally:
+            writer.finished()
+
+    def _commit(self, writer: ShmWriter, record: AdapterRecord, replace: bool) -> CommitResult:
         with self._lock:
             current = self._records.get(record.task_id)
             if current is not None and current.version == record.version:
@@ -177,6 +203,7 @@ class ShmBackend(CacheBackend):
             return list(self._sources.values())
 
     def close(self) -> None:
+        self.spares.close()
         with self._lock:
             for task_id in list(self._segments):
                 self._lru.remove(task_id)

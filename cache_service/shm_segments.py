@@ -66,6 +66,18 @@ class OwnedSegment:
         assert buf is not None, "segment already closed"
         return buf[HEADER_BYTES:HEADER_BYTES + self.num_bytes]
 
+    def madvise(self, option: int, start: int, length: int) -> None:
+        """madvise(2) over bytes [start, start + length) of the mapping (header included; start page-aligned)."""
+        self._shm._mmap.madvise(option, start, length)  # type: ignore[attr-defined]
+
+    def use_first(self, num_bytes: int) -> None:
+        """Holds `num_bytes` weight bytes from now on, before anyone reads it (a spare made larger): the
+        file keeps its size (cutting it while other segments fill stalls them), the header says how much
+        is the adapter's, and readers map what the header says."""
+        if not 0 < num_bytes <= self.num_bytes:
+            raise ValueError(f"a {self.num_bytes}-byte segment cannot hold {num_bytes} bytes")
+        self.num_bytes = num_bytes
+
     def seal(self, version: str, task_id: int) -> None:
         """Writes the header once the bytes are final."""
         buf = self._shm.buf

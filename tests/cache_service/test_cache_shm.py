@@ -57,7 +57,7 @@ def test_sweep_removes_segments_of_dead_owners():
 
 
 def test_segments_gone_after_shutdown_and_mapped_copy_survives(tmp_path, tiny_model):
-    svc = start_cache(tmp_path, tiny_model, "shm")
+    svc = start_cache(tmp_path, tiny_model, "shm", extra=("--shm-spare-bytes", "0"))   # count adapters only
     pid = svc.proc.proc.pid
     adapter = valid_adapter(svc.spec, rank=3)
 
@@ -77,7 +77,7 @@ def test_segments_gone_after_shutdown_and_mapped_copy_survives(tmp_path, tiny_mo
 
 
 def test_crashing_client_does_not_destroy_segments(tmp_path, tiny_model):
-    svc = start_cache(tmp_path, tiny_model, "shm")
+    svc = start_cache(tmp_path, tiny_model, "shm", extra=("--shm-spare-bytes", "0"))   # count adapters only
     pid = svc.proc.proc.pid
     adapter = valid_adapter(svc.spec, rank=2)
     script = textwrap.dedent(f"""
