@@ -161,3 +161,15 @@ def test_a_service_stopped_leaves_no_spare_behind(tmp_path, tiny_model):
     finally:
         assert svc.proc.stop() == 0
     assert list(SHM.glob(f"loraplex-{pid}-*")) == []
+
+
+def test_the_spare_allowance_defaults_to_a_quarter_of_the_budget():
+    from cache_service.config import CacheConfig
+    from loraplex.settings import SettingsError
+
+    assert CacheConfig().spare_bytes == (1 << 30) // 4
+    assert CacheConfig(host_cache_bytes=8 << 30).spare_bytes == 2 << 30
+    assert CacheConfig(shm_spare_bytes=0).spare_bytes == 0
+    assert CacheConfig(shm_spare_bytes=5 << 20).spare_bytes == 5 << 20
+    with pytest.raises(SettingsError):
+        CacheConfig(shm_spare_bytes=-2)
