@@ -17,9 +17,9 @@ class CacheConfig:
     host_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "byte budget of the LRU (lora_cache_host_memory_bytes)"})
     shm_spare_bytes: int = field(
-        default=-1, metadata={"help": "shm: blank segments kept ready, pages allocated, so a cold adapter's "
-                                      "conversion does not wait on page faults (beyond the budget; -1 = a quarter "
-                                      "of --host-cache-bytes, 0 = off)"})
+        default=256 << 20, metadata={"help": "shm: blank segments kept ready, pages allocated, so a cold adapter's "
+                                             "conversion does not wait on page faults (beyond the budget; adapters "
+                                             "larger than this get none; 0 = off)"})
     lora_root: str = field(default="", metadata={"help": "folder of named adapters (<root>/<name>/ or <root>/<name>.safetensors)"})
     lora_prefetch_dir: str = field(default="", metadata={"help": "folder of <task_id>/model.lora_{config,weights}.npy loaded at start"})
     model: str = field(default="", metadata={"help": "base model (GGUF, HF folder or config.json) adapters are validated against; default SmolLM2"})
@@ -33,11 +33,6 @@ class CacheConfig:
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
                                                               "request ids"})
 
-    @property
-    def spare_bytes(self) -> int:
-        """--shm-spare-bytes with -1 resolved."""
-        return self.host_cache_bytes // 4 if self.shm_spare_bytes == -1 else self.shm_spare_bytes
-
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise SettingsError(f"log_format: expected text or json, got {self.log_format!r}")
@@ -45,8 +40,8 @@ class CacheConfig:
             raise SettingsError(f"backend: expected shm or redis, got {self.backend!r}")
         if self.host_cache_bytes <= 0:
             raise SettingsError("host_cache_bytes: must be positive")
-        if self.shm_spare_bytes < -1:
-            raise SettingsError("shm_spare_bytes: must be >= 0, or -1 for a quarter of host_cache_bytes")
+        if self.shm_spare_bytes < 0:
+            raise SettingsError("shm_spare_bytes: must be >= 0")
         if not 1 <= self.max_lora_rank <= 1024:
             raise SettingsError("max_lora_rank: must be in 1..1024")
         if self.max_message_bytes < (1 << 20):

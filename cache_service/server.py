@@ -33,7 +33,7 @@ def make_backend(config: CacheConfig, fingerprint: str) -> CacheBackend:
     if removed:
         log.warning("removed %d shared-memory segments left by a cache service that died: %s",
                     len(removed), ", ".join(removed[:5]))
-    return ShmBackend(config.host_cache_bytes, spare_bytes=config.spare_bytes)
+    return ShmBackend(config.host_cache_bytes, spare_bytes=config.shm_spare_bytes)
 
 
 def build_cache(config: CacheConfig) -> HostCache:

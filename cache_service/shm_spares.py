@@ -15,8 +15,11 @@ ms (2-core machine), so a spare is made in idle time or not at all.
 A put takes the smallest spare at most 1/8 larger than itself and uses its
 first bytes (the header says how many; cutting the file stalled concurrent
 fills for 100+ ms); a put that no spare fits gets a fresh segment, as
-before. Spares are sized for the largest recent put, or, before the first,
-for what the cache expects (HostCache: an all-module adapter of rank 64).
+before. Spares are sized for the largest recent put that the allowance
+holds, or, before the first, for what the cache expects (HostCache: an
+all-module adapter of rank 64). The default allowance, 256 MiB, leaves
+adapters of the 8B shape (528 MB) without spares: on an H100 host their
+spares slowed the resolve instead (docs/host_cache.md).
 
 Spares carry the owner's instance tag, so `sweep_dead_owners` removes those
 of a crashed service like any other segment; `close()` unlinks them.
@@ -140,8 +143,11 @@ class SpareSegments:
 
     # -- the refill thread ----------------------------------------------------
     def _target_locked(self) -> int:
-        size = max(self._recent) if self._recent else self._expected
-        return size if 0 < size <= self.allowance_bytes else 0
+        """The largest recent put that the allowance holds (before any put: the expected size); 0 = none."""
+        fits = [n for n in self._recent if n <= self.allowance_bytes]
+        if not self._recent:
+            fits = [self._expected] if 0 < self._expected <= self.allowance_bytes else []
+        return max(fits, default=0)
 
     def _wanted_locked(self) -> int | None:
         """The size of the next spare to make, or None when none is missing (or none fits the allowance)."""

@@ -163,13 +163,20 @@ def test_a_service_stopped_leaves_no_spare_behind(tmp_path, tiny_model):
     assert list(SHM.glob(f"loraplex-{pid}-*")) == []
 
 
-def test_the_spare_allowance_defaults_to_a_quarter_of_the_budget():
+def test_the_spare_allowance_defaults_to_256_mib_and_refuses_negative_values():
     from cache_service.config import CacheConfig
     from loraplex.settings import SettingsError
 
-    assert CacheConfig().spare_bytes == (1 << 30) // 4
-    assert CacheConfig(host_cache_bytes=8 << 30).spare_bytes == 2 << 30
-    assert CacheConfig(shm_spare_bytes=0).spare_bytes == 0
-    assert CacheConfig(shm_spare_bytes=5 << 20).spare_bytes == 5 << 20
+    assert CacheConfig().shm_spare_bytes == 256 << 20
+    assert CacheConfig(shm_spare_bytes=0).shm_spare_bytes == 0
     with pytest.raises(SettingsError):
-        CacheConfig(shm_spare_bytes=-2)
+        CacheConfig(shm_spare_bytes=-1)
+
+
+def test_puts_larger_than_the_allowance_do_not_stop_spares_for_the_others(backend):
+    _ready(backend)
+    _put(backend, 1, 8 * N)                             # beyond the 4 MiB allowance: a fresh segment
+    assert backend.spares.missed == 1
+    assert _ready(backend) == [N, N]                     # spares still sized for the puts that fit
+    _put(backend, 2, N)
+    assert backend.spares.taken == 1
