@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import compute_pb2, compute_pb2_grpc
 from gateway.downstream import DownstreamError, from_rpc_error
 from gateway.replicas import NoReplicaError, ReplicaSet, format_address, is_dns_target, split_target
-from gateway.router import ComputeReplica, replica_channel_options
+from gateway.router import ComputeReplica
+from loraplex.channels import channel_options
 from gateway.token_stream import DEFAULT_MAX_BUFFERED_TOKENS, RequestStream, TokenBatch, rpc_error
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,7 @@ class ReplicaRouter:
 
     # --- helpers -----------------------------------------------------------
     def _open(self, address: str) -> ComputeReplica:
-        options = replica_channel_options(self._max_message_bytes)
+        options = channel_options(self._max_message_bytes)
         channel = grpc.aio.insecure_channel(address, options=options)
         return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel), 0,
                               self._max_buffered_tokens, channel_options=options)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 import grpc
 
-from loraplex.serving import server_options
+from loraplex.channels import MAX_RECONNECT_BACKOFF_MS, channel_options
 from gateway.downstream import from_rpc_error
 from gateway.token_stream import DEFAULT_MAX_BUFFERED_TOKENS, ReplicaSession
 from loraplex.v1 import compute_pb2, compute_pb2_grpc
@@ -50,19 +50,6 @@ class ComputeReplica:
         await self.channel.close()
 
 
-# The longest a replica's channel waits between connection attempts (gRPC's default is 2 minutes).
-MAX_RECONNECT_BACKOFF_MS = 2000
-
-
-def replica_channel_options(max_message_bytes: int) -> tuple[tuple[str, int], ...]:
-    """Options of every channel to a compute replica: message limits, and reconnect attempts 0.2-2 s apart,
-    so a replica that starts after the gateway, or restarts, is reached within a health interval or two."""
-    return (*server_options(max_message_bytes)[:2],
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS))
-
-
 def until_connected_timeout(replica: ComputeReplica, timeout_s: float) -> tuple[float, bool]:
     """(timeout, wait_for_ready) for a unary call to `replica`: on a channel that is not connected (the
     replica started after the gateway, or restarted, and the channel waits out a reconnect backoff) the
@@ -75,7 +62,7 @@ def until_connected_timeout(replica: ComputeReplica, timeout_s: float) -> tuple[
 def open_replica(address: str, max_message_bytes: int,
                  max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> ComputeReplica:
     """A replica with a lazily connecting channel (the service may start later)."""
-    options = replica_channel_options(max_message_bytes)
+    options = channel_options(max_message_bytes)
     channel = grpc.aio.insecure_channel(address, options=options)
     return ComputeReplica(address, channel, compute_pb2_grpc.ComputeStub(channel), 0, max_buffered_tokens,
                           channel_options=options)

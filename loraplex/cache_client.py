@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from loraplex import errors
+from loraplex.channels import channel_options
 from loraplex.formats.adapter import Adapter, AdapterMetadata
 from loraplex.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 
@@ -190,9 +191,7 @@ class CacheClient:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.target = target
         self.chunk_bytes = min(chunk_bytes, max_message_bytes - (64 << 10))
-        self._channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        self._channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
         self._stub = cache_pb2_grpc.AdapterCacheStub(self._channel)
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence, cast
 
 import grpc
 
+from loraplex.channels import channel_options
 from loraplex.client_types import (Chunk, Completion, Lora, LoraLike, build_generate_request, collect,
                                    error_from_rpc)
 from loraplex.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -28,11 +29,6 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 __all__ = ["Client", "AsyncClient", "Lora", "Chunk", "Completion", "DEFAULT_ADDRESS"]
-
-
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)]
 
 
 def _credentials(tls: bool, tls_ca: str | Path | None, tls_cert: str | Path | None,
@@ -94,8 +90,8 @@ class Client:
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
         creds = _credentials(tls, tls_ca, tls_cert, tls_key)
-        self._channel = (grpc.secure_channel(address, creds, options=_options(max_message_bytes)) if creds
-                         else grpc.insecure_channel(address, options=_options(max_message_bytes)))
+        self._channel = (grpc.secure_channel(address, creds, options=channel_options(max_message_bytes)) if creds
+                         else grpc.insecure_channel(address, options=channel_options(max_message_bytes)))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     def __enter__(self) -> "Client":
@@ -165,8 +161,8 @@ class AsyncClient:
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
         creds = _credentials(tls, tls_ca, tls_cert, tls_key)
-        self._channel = (grpc.aio.secure_channel(address, creds, options=_options(max_message_bytes)) if creds
-                         else grpc.aio.insecure_channel(address, options=_options(max_message_bytes)))
+        self._channel = (grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes)) if creds
+                         else grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes)))
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
     async def __aenter__(self) -> "AsyncClient":
