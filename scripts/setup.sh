@@ -52,6 +52,20 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$fingerprint" ]; then
   echo "$fingerprint" > "$stamp"
 fi
 
+# The compressed-tensors project's quantization tool, for one cross-check test
+# (tests/engine/test_quant_cross_check.py). Its pins differ from ours, so it lives apart
+# from .venv and runs in a subprocess; --no-deps keeps torch and transformers ours.
+side=.venv-side/quant-tool
+if [ "$want_test" = "--test" ] && [ "$(cat "$side/.installed" 2>/dev/null)" != "$fingerprint" ]; then
+  log "installing the quantization tool for the cross-check test into $side"
+  rm -rf "$side"
+  pip_install --no-deps --target "$side" llmcompressor==0.14.0.1 \
+    compressed-tensors==0.19.0 loguru==0.7.3 datasets==5.2.0 accelerate==1.15.0 pyarrow==26.0.1 \
+    dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 fsspec==2026.9.0 pandas==3.1.1 \
+    python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6
+  echo "$fingerprint" > "$side/.installed"
+fi
+
 # --- generated stubs -------------------------------------------------------
 bash scripts/gen_protos.sh
 log "ready: $root/.venv"

@@ -22,9 +22,34 @@ def from_zero_points(name: str, q: torch.Tensor, scales: torch.Tensor, zeros: to
         raise ModelLoadError(f"{name}: zero points of shape {tuple(zeros.shape)}, scales {tuple(scales.shape)}")
     s16 = scales.to(torch.float16)
     if scales.dtype != torch.float16 and not torch.equal(s16.to(scales.dtype), scales):
-        log.warning("%s: %s scales rounded to float16 (values outside float16's normal range)", name, scales.dtype)
+        _report_rounding(name, scales)
     offsets = (-zeros.float() * s16.float()).to(torch.float16)
     return QuantizedWeight(q.contiguous(), s16.contiguous(), offsets.contiguous(), bits, k // scales.shape[1])
+
+
+_FP16 = torch.finfo(torch.float16)
+_reported: set[tuple[str, torch.dtype]] = set()
+
+
+def _report_rounding(name: str, scales: torch.Tensor) -> None:
+    """Scales that float16 (the kernels' scale type) does not hold exactly: an error when they overflow it,
+    else one warning per kind of rounding and dtype (the other projections at DEBUG)."""
+    magnitude = scales.float().abs()
+    if bool((magnitude > _FP16.max).any()):
+        raise ModelLoadError(f"{name}: a scale of {float(magnitude.max()):.4g} is beyond float16's range "
+                             f"({_FP16.max:.0f}); this checkpoint cannot be kept quantized (--quantization none)")
+    tiny = magnitude[(magnitude > 0) & (magnitude < _FP16.tiny)]
+    if tiny.numel():
+        kind = "subnormal"
+        message = (f"%s: %s scales down to {float(tiny.min()):.3g} are below float16's normal range "
+                   f"({_FP16.tiny:.3g}) and lose precision there")
+    else:
+        kind = "mantissa"
+        message = "%s: %s scales rounded to float16's 11 significant bits (within 2^-11 relative)"
+    key = (kind, scales.dtype)
+    log.log(logging.DEBUG if key in _reported else logging.WARNING,
+            message + ("" if key in _reported else "; further projections are logged at DEBUG"), name, scales.dtype)
+    _reported.add(key)
 
 
 def check_g_idx(name: str, g_idx: torch.Tensor | None, k: int, group_size: int) -> None:
