@@ -36,6 +36,8 @@ import grpc  # noqa: E402
 from loraplex.cli.serve_procs import RedisServer, free_port  # noqa: E402
 from loraplex.procs import ServiceProcess, spawn_service, start_service, wait_listening, wait_serving  # noqa: E402
 from loraplex.v1 import compute_pb2, compute_pb2_grpc  # noqa: E402
+from cache_service.shm_segments import MAGIC  # noqa: E402
+from cache_service.shm_spares import MAX_SPARES  # noqa: E402
 
 MAX_POSITIONS = 16384   # the tiny model's positions: long enough for a stream that outgrows the gateway's buffer
 
@@ -200,8 +202,9 @@ class Stack:
                                ("stale_shm_maps", len(stale_shm_maps(svc.proc.pid)))):
                 out[f"{svc.name}.{key}"] = value
         if self.cache.proc.poll() is None and "shm" in self.cache_args:
-            segs = shm_segments(self.cache.proc.pid)
-            out["cache.shm_segments_beyond_adapters"] = max(0, len(segs) - self.cached_adapters())
+            sealed, blank = shm_segments(self.cache.proc.pid)
+            out["cache.shm_segments_beyond_adapters"] = max(0, len(sealed) - self.cached_adapters())
+            out["cache.blank_shm_segments_beyond_spares"] = max(0, len(blank) - MAX_SPARES)
         return out
 
     def wait_no_leaks(self, timeout_s: float = 10.0) -> dict[str, int]:
@@ -221,10 +224,20 @@ class Stack:
                 cache_pb2.ListAdaptersRequest(), timeout=30).adapters if a.in_host_cache])
 
 
-def shm_segments(pid: int, shm_dir: str = "/dev/shm") -> list[str]:
-    """The host cache's adapter segments of process `pid` present in /dev/shm."""
+def shm_segments(pid: int, shm_dir: str = "/dev/shm") -> tuple[list[str], list[str]]:
+    """The host cache's segments of process `pid` present in /dev/shm: (sealed ones, holding an adapter;
+    blank ones: spares made ahead of time, or a put still being written)."""
     root = Path(shm_dir)
-    return [p.name for p in root.iterdir() if p.name.startswith(f"loraplex-{pid}-")] if root.is_dir() else []
+    sealed, blank = [], []
+    for p in (root.iterdir() if root.is_dir() else ()):
+        if p.name.startswith(f"loraplex-{pid}-"):
+            try:
+                with p.open("rb") as f:
+                    head = f.read(len(MAGIC))
+            except OSError:     # retired meanwhile
+                continue
+            (sealed if head == MAGIC else blank).append(p.name)
+    return sealed, blank
 
 
 _DELETED_SEGMENT = re.compile(r"/dev/shm/loraplex-\S+ \(deleted\)$")

@@ -72,7 +72,8 @@ def populate(segment: OwnedSegment, may_go_on: Callable[[], bool] = lambda: True
 
 
 class SpareSegments:
-    """Up to MAX_SPARES pre-populated segments within `allowance_bytes`, made while no put is in flight."""
+    """At most MAX_SPARES pre-populated segments in all, within `allowance_bytes`, made while no put is in
+    flight."""
 
     def __init__(self, instance: str, allowance_bytes: int) -> None:
         self.instance = instance
@@ -158,14 +159,18 @@ class SpareSegments:
         if len(fitting) >= MAX_SPARES:
             return None
         held = sum(s.num_bytes for s in self._spares)
+
+        def room() -> bool:
+            return held + target <= self.allowance_bytes and len(self._spares) < MAX_SPARES
+
         # make room for a spare of the size puts have now: spares of other sizes go, the smallest first
         for other in sorted((s for s in self._spares if s not in fitting), key=lambda s: s.num_bytes):
-            if held + target <= self.allowance_bytes:
+            if room():
                 break
             self._spares.remove(other)
             other.retire()
             held -= other.num_bytes
-        return target if held + target <= self.allowance_bytes else None
+        return target if room() else None
 
     def _idle_remaining_locked(self) -> float:
         """Seconds until the cache counts as idle (0: idle now); inf while a put is in flight."""

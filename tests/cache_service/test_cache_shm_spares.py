@@ -82,8 +82,9 @@ def test_puts_that_no_spare_fits_get_fresh_segments(backend):
     _put(backend, 1, N // 2)                           # much smaller: a spare would waste half
     _put(backend, 2, 2 * N)                            # larger than every spare
     assert (backend.spares.taken, backend.spares.missed) == (0, 2)
-    # the largest recent put sizes the spares; the smaller ones make room for them within 4 N
+    # the largest recent put sizes the spares; the smaller ones make room for them (two spares at most)
     assert _ready(backend) == [2 * N, 2 * N]
+
 
 
 def test_no_spare_is_made_while_a_put_is_in_flight():
@@ -180,3 +181,15 @@ def test_puts_larger_than_the_allowance_do_not_stop_spares_for_the_others(backen
     assert _ready(backend) == [N, N]                     # spares still sized for the puts that fit
     _put(backend, 2, N)
     assert backend.spares.taken == 1
+
+
+def test_spares_of_sizes_no_longer_wanted_go_even_when_the_allowance_would_hold_them():
+    backend = ShmBackend(64 << 20, spare_bytes=16 * N)
+    try:
+        backend.expect_put_bytes(N)
+        assert _ready(backend) == [N, N]
+        _put(backend, 1, 2 * N)                        # puts now come at 2 N
+        assert _ready(backend) == [2 * N, 2 * N]        # two spares in all, not four
+        assert len(_instance_files(backend)) == 1 + 2
+    finally:
+        backend.close()
