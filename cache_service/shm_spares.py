@@ -150,27 +150,27 @@ class SpareSegments:
             fits = [self._expected] if 0 < self._expected <= self.allowance_bytes else []
         return max(fits, default=0)
 
-    def _wanted_locked(self) -> int | None:
-        """The size of the next spare to make, or None when none is missing (or none fits the allowance)."""
+    def _plan_locked(self) -> tuple[int | None, list[OwnedSegment]]:
+        """(size of the next spare to make, or None when none is missing or none fits; the spares of other
+        sizes that must go first to make room, the smallest first). Changes nothing."""
         target = self._target_locked()
         if self._closed or target == 0:
-            return None
+            return None, []
         fitting = [s for s in self._spares if target <= s.num_bytes <= target + target // SLACK]
         if len(fitting) >= MAX_SPARES:
-            return None
-        held = sum(s.num_bytes for s in self._spares)
-
-        def room() -> bool:
-            return held + target <= self.allowance_bytes and len(self._spares) < MAX_SPARES
-
-        # make room for a spare of the size puts have now: spares of other sizes go, the smallest first
+            return None, []
+        held, count, victims = sum(s.num_bytes for s in self._spares), len(self._spares), []
         for other in sorted((s for s in self._spares if s not in fitting), key=lambda s: s.num_bytes):
-            if room():
+            if held + target <= self.allowance_bytes and count < MAX_SPARES:
                 break
-            self._spares.remove(other)
-            other.retire()
-            held -= other.num_bytes
-        return target if room() else None
+            victims.append(other)
+            held, count = held - other.num_bytes, count - 1
+        if held + target <= self.allowance_bytes and count < MAX_SPARES:
+            return target, victims
+        return None, []
+
+    def _wanted_locked(self) -> int | None:
+        return self._plan_locked()[0]
 
     def _idle_remaining_locked(self) -> float:
         """Seconds until the cache counts as idle (0: idle now); inf while a put is in flight."""
@@ -206,10 +206,14 @@ class SpareSegments:
             with self._cond:
                 if not self._wait_idle_locked(lambda: self._wanted_locked() is not None):
                     return
-                size = self._wanted_locked()
+                size, victims = self._plan_locked()
                 if size is None:
                     continue
+                for victim in victims:
+                    self._spares.remove(victim)
                 self._making = True
+            for victim in victims:     # unmapping takes a while: not under the lock puts take spares with
+                victim.retire()
             segment = None
             try:
                 segment = OwnedSegment(self.instance, size)
