@@ -10,8 +10,9 @@ hash -> commit (the compute side's stages are in bench/cold_adapter.py).
 
 Each stage of the host cache's put is timed alone (best of `--repeat`):
 planning from the headers, the one-pass fill into a fresh shared-memory
-segment with 1..16 threads (and into memory already touched, which shows what
-page faults cost), the version hash reading or skipping the padding; then the
+segment with 1..16 threads (and into memory already touched, and into a
+segment whose pages were allocated first as a spare's are, which show what
+page faults cost; and that allocation alone), the version hash reading or skipping the padding; then the
 whole `HostCache` put through its public API, with the file's pages mapped
 lazily or populated up front. The floor is one read of the file's bytes.
 
@@ -35,6 +36,7 @@ from cache_service import sources as disk  # noqa: E402
 from cache_service.host_cache import HostCache  # noqa: E402
 from cache_service.shm_backend import ShmBackend  # noqa: E402
 from cache_service.shm_segments import OwnedSegment, new_instance_tag  # noqa: E402
+from cache_service.shm_spares import populate  # noqa: E402
 from loraplex.formats import ModelSpec, mapped  # noqa: E402
 from loraplex.formats.hashing import weights_version  # noqa: E402
 from loraplex.formats.peft_rows import FILL_WORKERS, plan_peft  # noqa: E402
@@ -84,10 +86,13 @@ def read_into(path: Path, buf: bytearray) -> int:
         return f.readinto(buf)
 
 
-def fresh_segment_fill(rows, workers: int) -> float:
-    """Fills a new shared-memory segment (fresh pages, as a put does); returns milliseconds."""
+def fresh_segment_fill(rows, workers: int, populated: bool = False) -> float:
+    """Fills a new shared-memory segment (fresh pages, as a put does; `populated`: its pages allocated
+    first, as a spare's are, outside the timing); returns milliseconds."""
     seg = OwnedSegment(new_instance_tag(), rows.num_bytes)
     try:
+        if populated:
+            populate(seg)
         out = torch.frombuffer(seg.data, dtype=rows.dtype).view(rows.shape)
         t = time.perf_counter()
         rows.fill(out, check_finite=True, workers=workers)
@@ -112,6 +117,11 @@ def new_path_stages(folder: Path, repeat: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     touched = torch.ones(rows.shape, dtype=rows.dtype)
     stages["fill_touched_memory"], _ = best_ms(lambda: rows.fill(touched, check_finite=True), repeat)
+    stages["fill_spare_segment"] = min(fresh_segment_fill(plan_peft(folder), FILL_WORKERS, populated=True)
+                                       for _ in range(repeat))
+    seg = OwnedSegment(new_instance_tag(), rows.num_bytes)
+    stages["populate_spare"], _ = best_ms(lambda: populate(seg), 1)
+    seg.retire()
     used = [int(r) * (fi + fo) * rows.dtype.itemsize for r, (fi, fo) in zip(rows.config[:, 2], rows.in_out)]
     seg = OwnedSegment(new_instance_tag(), rows.num_bytes)
     rows.fill(torch.frombuffer(seg.data, dtype=rows.dtype).view(rows.shape))
