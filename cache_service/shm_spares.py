@@ -71,6 +71,11 @@ def populate(segment: OwnedSegment, may_go_on: Callable[[], bool] = lambda: True
     return True
 
 
+def _fits(spare: OwnedSegment, num_bytes: int) -> bool:
+    """A put of `num_bytes` may take `spare`: large enough, and at most 1/SLACK larger."""
+    return num_bytes <= spare.num_bytes <= num_bytes + num_bytes // SLACK
+
+
 class SpareSegments:
     """At most MAX_SPARES pre-populated segments in all, within `allowance_bytes`, made while no put is in
     flight."""
@@ -103,7 +108,7 @@ class SpareSegments:
         with self._cond:
             self._puts += 1
             self._recent.append(num_bytes)
-            fits = [s for s in self._spares if num_bytes <= s.num_bytes <= num_bytes + num_bytes // SLACK]
+            fits = [s for s in self._spares if _fits(s, num_bytes)]
             spare = min(fits, key=lambda s: s.num_bytes) if fits else None
             if spare is not None:
                 self._spares.remove(spare)
@@ -156,7 +161,7 @@ class SpareSegments:
         target = self._target_locked()
         if self._closed or target == 0:
             return None, []
-        fitting = [s for s in self._spares if target <= s.num_bytes <= target + target // SLACK]
+        fitting = [s for s in self._spares if _fits(s, target)]
         if len(fitting) >= MAX_SPARES:
             return None, []
         held, count, victims = sum(s.num_bytes for s in self._spares), len(self._spares), []
