@@ -50,7 +50,10 @@ def engine_config(config: ComputeConfig, device: torch.device) -> EngineConfig:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, kv_cache_bytes=config.kv_cache_bytes or None,
         gpu_memory_fraction=config.gpu_memory_utilization, max_lora_rank=config.max_lora_rank,
-        lora_backend="kernels")
+        lora_backend="kernels",
+        # A pool of a fixed size comes out of the same share as the KV cache (a fractional one is sized
+        # from what the KV cache leaves): KV + pool stay within gpu_memory_utilization of the free memory.
+        kv_reserve_bytes=config.lora_gpu_cache_bytes if device.type == "cuda" else 0)
 
 
 def pool_bytes(config: ComputeConfig, device: torch.device) -> int:

@@ -42,7 +42,7 @@ class ComputeConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step (prefill is chunked)"})
     max_model_len: int = field(default=2048, metadata={"help": "longest prompt + output"})
     kv_cache_bytes: int = field(default=0, metadata={"help": "KV cache size in bytes (0 = from gpu_memory_utilization, or 256 MiB on CPU)"})
-    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "fraction of GPU memory for weights + KV + adapters"})
+    gpu_memory_utilization: float = field(default=0.85, metadata={"help": "fraction of the GPU memory free after the weights for the KV cache and a fixed-size adapter pool (--lora-gpu-cache-bytes)"})
     max_message_bytes: int = field(default=64 << 20, metadata={"help": "largest gRPC message"})
     warmup: str = field(default="auto", metadata={
         "help": "start-up warm-up before health says SERVING: full (compile every kernel a request can launch, "

@@ -15,7 +15,12 @@ class EngineConfig:
     model: a HF safetensors folder or a .gguf file; None = the default SmolLM2.
     dtype: "auto" = float32 on CPU, bfloat16 on CUDA.
     kv_cache_bytes: KV budget in bytes; None = 256 MiB on CPU, or
-      `gpu_memory_fraction` of the GPU memory free after the weights on CUDA.
+      `gpu_memory_fraction` of the GPU memory free after the weights on CUDA,
+      less `kv_reserve_bytes`.
+    kv_reserve_bytes: on CUDA, with kv_cache_bytes None: bytes of the
+      `gpu_memory_fraction` share kept for what is allocated after the KV cache
+      (the compute service's adapter pool when its size is fixed), so the two
+      together stay inside the share.
     max_model_len: None = the model's max positions, capped at 8192.
     enforce_eager: on CUDA, decode steps of up to `max_num_seqs` sequences
       replay CUDA graphs unless this is True (prefill graphs are off then too).
@@ -36,6 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
     gpu_memory_fraction: float = 0.85
+    kv_reserve_bytes: int = 0
     max_loras: int = 8
     max_lora_rank: int = 64
     lora_backend: str = "auto"      # "torch" | "kernels" | "auto" (kernels on CUDA when present)
@@ -54,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.kv_reserve_bytes < 0:
+            raise ValueError(f"kv_reserve_bytes must be >= 0, got {self.kv_reserve_bytes}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if self.prefill_graph_tokens < 0:

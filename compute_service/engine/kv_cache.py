@@ -27,10 +27,17 @@ def num_blocks_for_budget(spec: ModelSpec, block_size: int, dtype: torch.dtype, 
     return int(num_blocks)
 
 
-def cuda_kv_budget(device: torch.device, fraction: float) -> int:
-    """`fraction` of the GPU memory that is free now (after the weights are loaded)."""
+def cuda_kv_budget(device: torch.device, fraction: float, reserve_bytes: int = 0) -> int:
+    """`fraction` of the GPU memory that is free now (after the weights are loaded), less `reserve_bytes`
+    for what is allocated from the same share after the KV cache (an adapter pool of a fixed size)."""
     free, _total = torch.cuda.mem_get_info(device)
-    return int(free * fraction)
+    budget = int(free * fraction) - reserve_bytes
+    if budget <= 0:
+        raise CapacityError(
+            f"{fraction:.2f} of the {free / 2**30:.2f} GiB of GPU memory free after the weights is "
+            f"{free * fraction / 2**30:.2f} GiB, which the {reserve_bytes / 2**30:.2f} GiB adapter pool "
+            f"fills, leaving no KV cache: lower the adapter pool size or raise the memory fraction")
+    return budget
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,

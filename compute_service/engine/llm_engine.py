@@ -55,7 +55,8 @@ class LLMEngine:
         self.slots = slots
         budget = config.kv_cache_bytes
         if budget is None:
-            budget = cuda_kv_budget(dev, config.gpu_memory_fraction) if dev.type == "cuda" else CPU_KV_BYTES
+            budget = (cuda_kv_budget(dev, config.gpu_memory_fraction, config.kv_reserve_bytes)
+                      if dev.type == "cuda" else CPU_KV_BYTES)
         kv_dtype = loaded.model.dtype
         num_blocks = num_blocks_for_budget(self.spec, config.block_size, kv_dtype, budget, self.max_model_len)
         graphs_on = dev.type == "cuda" and not config.enforce_eager

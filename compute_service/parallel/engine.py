@@ -66,7 +66,7 @@ def build_rank_engine(config: EngineConfig, group: TensorParallelGroup,
         backend = lora_backend_for(inner, config.max_num_batched_tokens, config.lora_backend)
     slots = ShardedSlots(inner, whole_spec, shard)
     if config.kv_cache_bytes is None and group.device.type == "cuda":
-        budget = cuda_kv_budget(group.device, config.gpu_memory_fraction)
+        budget = cuda_kv_budget(group.device, config.gpu_memory_fraction, config.kv_reserve_bytes)
         config = dataclasses.replace(config, kv_cache_bytes=group.min_int(budget))
     engine = LLMEngine(config, loaded, slots=slots, lora_backend=backend)  # type: ignore[arg-type]
     if service is not None:
