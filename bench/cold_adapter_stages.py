@@ -39,7 +39,7 @@ from cache_service.shm_segments import OwnedSegment, new_instance_tag  # noqa: E
 from cache_service.shm_spares import populate  # noqa: E402
 from loraplex.formats import ModelSpec, mapped  # noqa: E402
 from loraplex.formats.hashing import weights_version  # noqa: E402
-from loraplex.formats.peft_rows import FILL_WORKERS, plan_peft  # noqa: E402
+from loraplex.formats.peft_rows import FILL_WORKERS, fill_workers, plan_peft  # noqa: E402
 from loraplex.formats.modules import module_shape  # noqa: E402
 
 SHAPES = {
@@ -109,6 +109,7 @@ def new_path_stages(folder: Path, repeat: int) -> dict[str, float]:
     stages["plan_map_headers"], rows = best_ms(lambda: plan_peft(folder), repeat)
     for w in sorted({2, 4, FILL_WORKERS, 16}):
         stages[f"fill_fresh_segment_w{w}"] = min(fresh_segment_fill(plan_peft(folder), w) for _ in range(repeat))
+    stages["fill_workers_default"] = fill_workers(rows.num_bytes)     # what a put uses
     threads = torch.get_num_threads()
     torch.set_num_threads(1)        # no intra-op threads inside each worker's row copies
     for w in sorted({1, 4, FILL_WORKERS}):
@@ -117,7 +118,8 @@ def new_path_stages(folder: Path, repeat: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     touched = torch.ones(rows.shape, dtype=rows.dtype)
     stages["fill_touched_memory"], _ = best_ms(lambda: rows.fill(touched, check_finite=True), repeat)
-    stages["fill_spare_segment"] = min(fresh_segment_fill(plan_peft(folder), FILL_WORKERS, populated=True)
+    default_workers = fill_workers(rows.num_bytes)
+    stages["fill_spare_segment"] = min(fresh_segment_fill(plan_peft(folder), default_workers, populated=True)
                                        for _ in range(repeat))
     seg = OwnedSegment(new_instance_tag(), rows.num_bytes)
     stages["populate_spare"], _ = best_ms(lambda: populate(seg), 1)

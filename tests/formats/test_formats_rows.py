@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 from loraplex.formats import NonFiniteError, read_peft
 from loraplex.formats.hashing import CHUNK_BYTES, weights_version
 from loraplex.formats.mapped import mapped_tensors
-from loraplex.formats.peft_rows import plan_peft
+from loraplex.formats import peft_rows
+from loraplex.formats.peft_rows import fill_workers, plan_peft
 
 PROJ = {"q_proj": ("self_attn", 16, 16), "k_proj": ("self_attn", 16, 8), "gate_up_proj": ("mlp", 16, 48)}
 
@@ -41,6 +42,22 @@ def test_fill_into_a_buffer_equals_read_peft(tmp_path, workers):
     ref = read_peft(folder)
     assert torch.equal(out.view(torch.int16), ref.weights.view(torch.int16))
     assert (rows.config == ref.config).all() and rows.in_out == ref.in_out
+
+
+def test_fill_threads_follow_the_adapters_bytes(monkeypatch):
+    monkeypatch.setattr(peft_rows, "FILL_WORKERS", 8)
+    mib = 1 << 20
+    assert [fill_workers(n * mib) for n in (1, 57, 300, 528, 900, 4096)] == [2, 2, 2, 4, 7, 8]
+    monkeypatch.setattr(peft_rows, "FILL_WORKERS", 1)      # a one-core machine
+    assert fill_workers(528 * mib) == 1
+
+
+def test_default_fill_equals_read_peft(tmp_path):
+    folder, _ = peft_folder(tmp_path)
+    rows = plan_peft(folder)
+    out = torch.zeros(rows.shape, dtype=rows.dtype)
+    rows.fill(out, check_finite=True)
+    assert torch.equal(out.view(torch.int16), read_peft(folder).weights.view(torch.int16))
 
 
 def test_mapped_tensors_are_the_files_tensors(tmp_path):
