@@ -8,14 +8,23 @@ line logged for that call, in any task it starts, carries the id). The
 gateway passes its id to compute in `GenerateTokensRequest.request_id`, so the
 compute service's lines about a request carry the same id (with a `/N` suffix
 for the N-th entry of a fan-out). Exceptions go in `exc_info` as text.
+
+Lines are formatted where they are logged (the request id is the caller's)
+and written to stderr by a thread of their own: a service's event loop logs a
+line per request, and the write (to a pipe that `loraplex serve` relays, which
+blocks while the pipe is full) no longer runs on it. Lines still queued at
+exit are written before the process ends.
 """
 from __future__ import annotations
 
+import atexit
 import contextvars
 import json
 import logging
+import queue
 import sys
 import time
+from logging.handlers import QueueHandler, QueueListener
 
 LOG_FORMATS = ("text", "json")
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("loraplex_request_id", default="")
@@ -60,6 +69,12 @@ def configure_logging(level: str = "INFO", log_format: str = "text", service: st
     """Logs to stderr at `level`, as text or JSON lines (a no-op when logging is configured already)."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log_format: expected text or json, got {log_format!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    if logging.getLogger().handlers:
+        return
+    lines: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    handler = QueueHandler(lines)       # formats in the logging thread; the writer only writes the text
     handler.setFormatter(JsonFormatter(service) if log_format == "json" else _TextRequestIds(TEXT_FORMAT))
+    writer = QueueListener(lines, logging.StreamHandler(sys.stderr))
+    writer.start()
+    atexit.register(writer.stop)
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
