@@ -26,6 +26,7 @@ from loraplex.v1 import compute_pb2_grpc
 
 log = logging.getLogger(__name__)
 COMPUTE_PREFIX = "/loraplex.v1.Compute/"
+CONNECT_AT_START_S = 30.0    # how long start-up tries to connect to the cache (calls connect anyway)
 
 
 class WarmupGate(grpc.aio.ServerInterceptor):
@@ -73,7 +74,11 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
         log.info("metrics on :%d/metrics", config.metrics_port)
     gate = WarmupGate()
 
+    connecting: list[asyncio.Task[bool]] = []
+
     async def warm() -> None:
+        # connects to the cache while the kernels compile: the first adapter fetch does not wait for it
+        connecting.append(asyncio.create_task(cache.connect(CONNECT_AT_START_S), name="cache-connect"))
         report = await asyncio.to_thread(warm_up, rt, config.warmup, config.warmup_threads)
         metrics.on_startup(load_s, report.total_s)
         rt.runner.start(config.gil_switch_interval_us / 1e6)
@@ -90,5 +95,7 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
         await run_server("compute_service", config.listen, register, max_message_bytes=config.max_message_bytes,
                          interceptors=[gate], ready=warm)
     finally:
+        for task in connecting:
+            task.cancel()
         await rt.runner.stop()
         await cache.close()

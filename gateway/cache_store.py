@@ -33,6 +33,10 @@ class CacheStore:
     async def close(self) -> None:
         await self._client.close()
 
+    async def connect(self, timeout_s: float) -> bool:
+        """Connects to the cache now, so the first request naming an adapter does not wait for it."""
+        return await self._client.connect(timeout_s)
+
     async def _call(self, what: str, coro: Awaitable[T], timeout_s: float | None = None) -> T:
         try:
             return await asyncio.wait_for(coro, timeout_s or self._timeout_s)

@@ -4,8 +4,9 @@ The tokenizer loads before the server listens, so a gateway that says
 `listening` can tokenize at once (a GGUF model's is converted on the first
 start, about 7 s for the default SmolLM2, and read from the tokenizer cache on
 later ones, 0.3 s: `loraplex.tokenizer_cache`).
-Connections to the cache and compute services are lazy: the gateway starts
-(and answers UNAVAILABLE for requests that need them) while they are down.
+The gateway starts (and answers UNAVAILABLE for requests that need them)
+while the cache and compute services are down; once it listens it connects
+to them in the background, so the first requests do not wait for that.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from gateway.servicer import GatewayServicer
 from gateway.tls import credentials_from_config
 
 log = logging.getLogger(__name__)
+CONNECT_AT_START_S = 10.0     # how long the start-up connection to the cache is tried (calls connect anyway)
 
 
 def transport_limit(max_message_bytes: int) -> int:
@@ -71,9 +73,15 @@ async def serve(config: GatewayConfig) -> None:
         # backlog until it serves, once the gRPC server does
         print(f"gateway http listening on {http.bind()}", flush=True)
 
+    connecting: list[asyncio.Task[bool]] = []
+
     async def started(port: int) -> None:
         # `kill -HUP`: the key file is read again (revoked keys stop working, new ones start; no restart)
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_keys, access, config)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, reload_keys, access, config)
+        # The cache channel connects now, in the background (the compute replicas' health checks open
+        # theirs): the first request naming an adapter does not pay for the connection.
+        connecting.append(loop.create_task(store.connect(CONNECT_AT_START_S), name="cache-connect"))
         if http is not None:
             await http.start()
 
@@ -103,6 +111,8 @@ async def serve(config: GatewayConfig) -> None:
                          interceptors=[metrics.RequestMetrics(), AuthInterceptor(access)], credentials=credentials,
                          on_stopping=(lambda: _begin_stop(http)), reuse_port=config.reuse_port)
     finally:
+        for task in connecting:
+            task.cancel()
         if http is not None:
             await http.stop()
 

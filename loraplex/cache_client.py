@@ -15,6 +15,7 @@ falls back to chunks.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import mmap
 import os
@@ -196,6 +197,15 @@ class CacheClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+    async def connect(self, timeout_s: float) -> bool:
+        """Opens the connection now (the channel is lazy), so the first call does not wait for it; False
+        when the cache did not answer within `timeout_s` (calls then connect as they come)."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def __aenter__(self) -> "CacheClient":
         return self

@@ -60,3 +60,29 @@ def test_a_cache_that_starts_late_is_reached_within_seconds_of_listening(tmp_pat
 
     reached_s = asyncio.run(body())
     assert reached_s < 3.5, f"the client reached the cache {reached_s:.1f} s after it listened"
+
+
+def test_connect_reports_whether_the_cache_answered(tmp_path, tiny_model):
+    """`connect` (called by the gateway and compute at start, so the first adapter call does not wait for
+    a connection) is True once a cache listens there, False within its timeout when none does."""
+    address = f"127.0.0.1:{_free_port()}"
+
+    async def body() -> tuple[bool, float, bool]:
+        client = CacheClient(address)
+        try:
+            t0 = time.monotonic()
+            down = await client.connect(0.5)
+            waited = time.monotonic() - t0
+            svc = await asyncio.to_thread(start_cache, tmp_path, tiny_model, "shm", extra=("--listen", address))
+            try:
+                up = await client.connect(10.0)
+                assert await client.has(1) is None     # and the connection serves calls
+            finally:
+                svc.proc.stop()
+            return down, waited, up
+        finally:
+            await client.close()
+
+    down, waited, up = asyncio.run(body())
+    assert down is False and waited < 2.0
+    assert up is True
