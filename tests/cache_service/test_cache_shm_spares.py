@@ -193,3 +193,39 @@ def test_spares_of_sizes_no_longer_wanted_go_even_when_the_allowance_would_hold_
         assert len(_instance_files(backend)) == 1 + 2
     finally:
         backend.close()
+
+
+def test_populating_a_segment_leaves_the_gil_to_other_threads():
+    """A spare's pages are allocated while puts, hashes and the event loop run: the madvise call must not
+    hold the GIL (`mmap.madvise` did, so each chunk froze every other thread of the cache)."""
+    import threading
+
+    from cache_service.shm_segments import OwnedSegment, new_instance_tag
+
+    seg = OwnedSegment(new_instance_tag(), 48 << 20)
+    ticks: list[float] = []
+    calling = threading.Event()
+    done = threading.Event()
+
+    def ticker() -> None:
+        while not done.is_set():
+            if calling.is_set():
+                ticks.append(time.perf_counter())
+            time.sleep(0.0002)
+
+    th = threading.Thread(target=ticker)
+    th.start()
+    try:
+        calling.set()
+        t0 = time.perf_counter()
+        try:
+            seg.madvise(shm_spares.MADV_POPULATE_WRITE, 0, HEADER_BYTES + seg.num_bytes)   # one call, ~20-50 ms
+        except OSError as exc:
+            pytest.skip(f"this kernel has no MADV_POPULATE_WRITE ({exc})")
+        t1 = time.perf_counter()
+    finally:
+        done.set()
+        th.join()
+        seg.retire()
+    during = [t for t in ticks if t0 < t < t1]
+    assert len(during) >= 5, f"{len(during)} ticks of another thread during a {1e3 * (t1 - t0):.0f} ms madvise"
