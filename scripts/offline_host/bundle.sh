@@ -3,6 +3,8 @@
 # benchmarks beside its own torch/triton/transformers, in pieces of at most 64 MiB:
 #   .offline/wheels/   Python 3.12 manylinux wheels of the other dependencies (no numpy/torch)
 #   .offline/model_a/, .offline/model_b/   the default SmolLM2 GGUF in two halves, with its sha256
+#   .offline/tools/    a sampling profiler for the services' Python threads (py-spy; carry it with model_b:
+#                      the tree, wheels and model_a together come close to 64 MiB)
 # Copy the repository with .offline/ and loraplex/v1/ (generated stubs) to the host, then
 # `source scripts/offline_host/activate.sh` there (docs/performance.md, "On a GPU host without network").
 set -euo pipefail
@@ -10,12 +12,14 @@ cd "$(dirname "$0")/../.."
 py=.venv/bin/python
 [ -x "$py" ] || { echo "run make setup first" >&2; exit 1; }
 out=.offline
-mkdir -p "$out/wheels" "$out/model_a" "$out/model_b"
+mkdir -p "$out/wheels" "$out/model_a" "$out/model_b" "$out/tools"
 $py -m pip download -q -d "$out/wheels" --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   grpcio==1.85.1 grpcio-reflection==1.85.1 grpcio-health-checking==1.85.1 "protobuf>=6.31" "redis>=5.0" \
   "prometheus-client>=0.20" "gguf>=0.10" "starlette==1.10.0" "uvicorn==0.54.0" h11 click anyio sniffio \
   "pytest>=8" pluggy iniconfig "pytest-timeout>=2.3" "hypothesis>=6.100" sortedcontainers
+$py -m pip download -q -d "$out/tools" --only-binary=:all: --no-deps --python-version 3.12 \
+  --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 "py-spy==0.4.3"
 gguf=$($py -c "from loraplex.model_files import default_model_path; print(default_model_path())")
 half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
 head -c "$half" "$gguf" > "$out/model_a/part"
@@ -23,4 +27,4 @@ tail -c +"$((half + 1))" "$gguf" > "$out/model_b/part"
 sha256sum "$gguf" | cut -d' ' -f1 > "$out/model_b/sha256"
 bash scripts/gen_protos.sh
 du -sh "$out"/* loraplex/v1 >&2
-echo "[offline] carry .offline/wheels, .offline/model_a, .offline/model_b (64 MiB limit each call) and loraplex/v1" >&2
+echo "[offline] carry .offline/wheels + .offline/model_a + loraplex/v1, then .offline/model_b + .offline/tools (64 MiB limit each call)" >&2
