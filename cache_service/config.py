@@ -29,6 +29,9 @@ class CacheConfig:
     retired_grace_s: float = field(
         default=60.0, metadata={"help": "redis: seconds an evicted or replaced version stays readable for streams already reading it"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)"})
+    gil_switch_interval_us: int = field(default=500, metadata={
+        "help": "Python thread switch interval while serving, in microseconds (0 = Python's 5000): conversions "
+                "of several new adapters at once, the spare maker and the event loop share the GIL"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
                                                               "request ids"})
@@ -40,6 +43,8 @@ class CacheConfig:
             raise SettingsError(f"backend: expected shm or redis, got {self.backend!r}")
         if self.host_cache_bytes <= 0:
             raise SettingsError("host_cache_bytes: must be positive")
+        if self.gil_switch_interval_us < 0:
+            raise SettingsError("gil_switch_interval_us must be >= 0")
         if self.shm_spare_bytes < 0:
             raise SettingsError("shm_spare_bytes: must be >= 0")
         if not 1 <= self.max_lora_rank <= 1024:

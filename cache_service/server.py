@@ -46,6 +46,8 @@ def build_cache(config: CacheConfig) -> HostCache:
 
 async def serve(config: CacheConfig) -> None:
     """Serves loraplex.v1.AdapterCache on `config.listen` until SIGTERM; shm segments are unlinked on the way out."""
+    if config.gil_switch_interval_us > 0:
+        sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
     try:
         cache = build_cache(config)
     except (LoraplexError, AdapterError) as exc:

@@ -229,3 +229,4 @@ def test_populating_a_segment_leaves_the_gil_to_other_threads():
         seg.retire()
     during = [t for t in ticks if t0 < t < t1]
     assert len(during) >= 5, f"{len(during)} ticks of another thread during a {1e3 * (t1 - t0):.0f} ms madvise"
+
