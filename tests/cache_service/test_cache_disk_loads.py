@@ -94,3 +94,32 @@ def test_concurrent_requests_for_a_bad_adapter_all_get_the_refusal(cache, tmp_pa
     results = run_together(6, lambda: cache.resolve_name("badburst"))
     assert all(isinstance(r, errors.InvalidArgumentError) and "row" in str(r) for r in results)
     assert cache.backend.segment_names() == []
+
+
+def test_row_fills_of_different_adapters_run_one_at_a_time():
+    """Concurrent conversions (a burst of new names) fill their rows one after another: the fill is
+    GIL-bound, and side by side the fills spent more on handing the GIL around than on the work."""
+    import time as _time
+
+    from cache_service import disk_loads
+
+    spans: list[tuple[float, float]] = []
+
+    class Rows:
+        def fill(self, out, *, check_finite):
+            start = _time.perf_counter()
+            _time.sleep(0.03)
+            spans.append((start, _time.perf_counter()))
+
+    class Upload:
+        def weights_view(self):
+            return None
+
+    threads = [threading.Thread(target=disk_loads._fill, args=(Rows(), Upload())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans.sort()
+    assert len(spans) == 3
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
