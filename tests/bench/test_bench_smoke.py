@@ -49,3 +49,12 @@ def test_adapter_swap_tiny_reports_every_repeat(tmp_path):
     assert len(res["loads"]) == 2 * 4                            # every repeat's storm loads every adapter
     assert run["quiet"]["num_gaps"] == sum(r["quiet"]["num_gaps"] for r in run["repeats"])   # pooled
     assert res["storm"]["p99_ms"] >= res["storm"]["p90_ms"] >= res["storm"]["p50_ms"] > 0
+
+
+def test_cold_adapter_burst_small(tmp_path):
+    out = tmp_path / "burst.json"
+    proc = _run(["bench/cold_adapter_burst.py", "--num", "2", "--rank", "4", "--repeats", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (r,) = res["rounds"]
+    assert r["one_after_another_s"] > 0 and r["at_once_s"] > 0
