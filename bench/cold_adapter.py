@@ -39,13 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from adapter_swap import h2d_gbps  # noqa: E402
-from cold_adapter_stages import SHAPES, write_peft  # noqa: E402
+from cold_adapter_stages import SHAPES, write_model_and_root  # noqa: E402
 from compute_service.adapter_cache.loader import adapter_key  # noqa: E402
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots  # noqa: E402
 from compute_service.adapter_cache.staging import PinnedRing  # noqa: E402
 from compute_service.engine.spec import ModelSpec as EngineSpec  # noqa: E402
 from loraplex.cache_client import CacheClient  # noqa: E402
-from loraplex.formats import ModelSpec  # noqa: E402
 from loraplex.procs import start_service  # noqa: E402
 
 
@@ -114,13 +113,9 @@ async def measure(address: str, slots: PagedAdapterSlots, names: list[str], swee
 def run_shape(shape: str, rank: int, num_cold: int, device: torch.device, pool_bytes: int, gap_s: float,
               cache_flags: list[str]) -> dict:
     cfg = SHAPES[shape]
-    spec = ModelSpec.from_hf_config(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, root = Path(tmp) / "model", Path(tmp) / "root"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
         names = ["warm"] + [f"cold{i}" for i in range(num_cold)]
-        file_bytes = [write_peft(root / n, spec, rank, torch.bfloat16, seed=i) for i, n in enumerate(names)]
+        model_dir, root, file_bytes = write_model_and_root(Path(tmp), shape, names, rank)
         # Started outside any event loop: the start helper waits for health with its own loop.
         cache = start_service("cache", ["cache", "--listen", "127.0.0.1:0", "--lora-root", str(root),
                                         "--model", str(model_dir), "--host-cache-bytes", str(8 << 30),

@@ -21,14 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cold_adapter_stages import SHAPES, write_peft  # noqa: E402
+from cold_adapter_stages import SHAPES, write_model_and_root  # noqa: E402
 from loraplex.cache_client import CacheClient  # noqa: E402
-from loraplex.formats import ModelSpec  # noqa: E402
 from loraplex.procs import start_service  # noqa: E402
 
 
@@ -48,15 +45,9 @@ async def one_round(address: str, first: str, serial: list[str], burst: list[str
 
 
 def run(shape: str, rank: int, num: int, cache_flags: list[str]) -> dict:
-    cfg = SHAPES[shape]
-    spec = ModelSpec.from_hf_config(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, root = Path(tmp) / "model", Path(tmp) / "root"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
         names = [f"a{i}" for i in range(2 * num + 1)]
-        for i, name in enumerate(names):
-            write_peft(root / name, spec, rank, torch.bfloat16, seed=i)
+        model_dir, root, _ = write_model_and_root(Path(tmp), shape, names, rank)
         cache = start_service("cache", ["cache", "--listen", "127.0.0.1:0", "--lora-root", str(root),
                                         "--model", str(model_dir), "--host-cache-bytes", str(8 << 30),
                                         *cache_flags], timeout_s=120)

@@ -72,6 +72,19 @@ def write_peft(folder: Path, spec: ModelSpec, rank: int, dtype: torch.dtype, see
     return (folder / "adapter_model.safetensors").stat().st_size
 
 
+def write_model_and_root(tmp: Path, shape: str, names: list[str], rank: int) -> tuple[Path, Path, list[int]]:
+    """A model folder holding only `shape`'s config.json (what the cache validates against) and an adapter
+    root with one PEFT folder per name (every module, `rank`, bf16, seed = its index); returns (model
+    folder, root, each adapter file's bytes)."""
+    cfg = SHAPES[shape]
+    spec = ModelSpec.from_hf_config(cfg)
+    model_dir, root = tmp / "model", tmp / "root"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    file_bytes = [write_peft(root / n, spec, rank, torch.bfloat16, seed=i) for i, n in enumerate(names)]
+    return model_dir, root, file_bytes
+
+
 def best_ms(fn, repeat: int) -> tuple[float, object]:
     best, out = float("inf"), None
     for _ in range(repeat):
