@@ -75,7 +75,7 @@ class OwnedSegment:
         (about 2 ms) then stopped every other thread of the cache (fills, hashes, the event loop)."""
         view = (ctypes.c_char * length).from_buffer(self._shm._mmap, start)  # type: ignore[attr-defined]
         try:
-            rc = _LIBC.madvise(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(length), option)
+            rc = _LIBC.madvise(ctypes.addressof(view), length, option)     # converted by argtypes
         finally:
             del view            # the mapping can close again
         if rc != 0:

@@ -41,7 +41,7 @@ BYTES_PER_FILL_WORKER = 128 << 20
 
 def fill_workers(num_bytes: int) -> int:
     """Threads for filling `num_bytes` of rows: one per BYTES_PER_FILL_WORKER, at least 2, at most FILL_WORKERS."""
-    return max(1, min(FILL_WORKERS, max(2, num_bytes // BYTES_PER_FILL_WORKER)))
+    return min(FILL_WORKERS, max(2, num_bytes // BYTES_PER_FILL_WORKER))
 
 
 @dataclass(frozen=True)
