@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 import socket
+import time
 import urllib.request
 import json
 
@@ -98,8 +99,20 @@ def _completion(base_url: str, lora: str | None) -> str:
         return json.loads(resp.read())["choices"][0]["text"]
 
 
+def _output_once(stack, *patterns: str, timeout_s: float = 10.0) -> str:
+    """serve's output once every pattern is in it (or at the deadline): serve relays each child's lines
+    from a thread of its own, and the children write their log lines from one, so a line can land a
+    moment after serve says ready or after the request it logs has been answered."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = stack.serve.output()
+        if all(re.search(p, out) for p in patterns) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
+
+
 def test_two_workers_share_both_ports_and_answer_alike(stack):
-    out = stack.serve.output()
+    out = _output_once(stack, r"\[gateway\] gateway listening on", r"\[gateway-2\] gateway listening on")
     grpc_port = stack.grpc_address.rsplit(":", 1)[1]
     listening = re.findall(r"\[(gateway(?:-2)?)\] gateway listening on \S+:(\d+)", out)
     assert sorted(listening) == [("gateway", grpc_port), ("gateway-2", grpc_port)], out[-3000:]
@@ -114,7 +127,8 @@ def test_two_workers_share_both_ports_and_answer_alike(stack):
     for i in range(16):
         texts.add(_completion(stack.base_url, "alpha" if i % 2 else None) + f"|{i % 2}")
     assert len(texts) == 2, texts               # one greedy text per model, whichever worker and API answered
-    out = stack.serve.output()
+    out = _output_once(stack, *(rf"\[{w}\] .*{what}" for w in ("gateway", "gateway-2")
+                                for what in (r"generate \S+: \d+ prompt tokens", "http completion")))
     for worker in ("gateway", "gateway-2"):
         assert re.search(rf"\[{worker}\] .*generate \S+: \d+ prompt tokens", out), f"{worker} took no gRPC call"
         assert re.search(rf"\[{worker}\] .*http completion", out), f"{worker} took no HTTP request"
