@@ -21,6 +21,7 @@ import grpc
 from loraplex.formats import ModelSpec
 from loraplex.model_files import load_tokenizer, resolve_model_path
 from loraplex.metrics import serve_metrics
+from loraplex.logging_setup import say
 from loraplex.serving import run_server
 from loraplex.v1 import gateway_pb2_grpc
 from gateway import metrics
@@ -71,7 +72,7 @@ async def serve(config: GatewayConfig) -> None:
     if http is not None:
         # bound before the gRPC server starts (a taken port fails the start); connections wait in the
         # backlog until it serves, once the gRPC server does
-        print(f"gateway http listening on {http.bind()}", flush=True)
+        say(f"gateway http listening on {http.bind()}")
 
     connecting: list[asyncio.Task[bool]] = []
 

@@ -78,3 +78,15 @@ def configure_logging(level: str = "INFO", log_format: str = "text", service: st
     writer.start()
     atexit.register(writer.stop)
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+
+
+def say(text: str, stream=None) -> None:
+    """Writes `text` and its newline in one write, then flushes (stdout unless `stream` is given).
+
+    A service's stdout and stderr share one pipe under `loraplex serve` and the tests; `print` writes the
+    text and the newline separately, and a log line written by the log thread between the two lands in the
+    middle of the line (`... listening on 127.0.0.1:354612026-11-25 19:59:55,749 INFO ...`), which then
+    names a port that does not exist."""
+    out = sys.stdout if stream is None else stream
+    out.write(text + "\n")
+    out.flush()

@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loraplex.logging_setup import say
+
 log = logging.getLogger(__name__)
 
 # Adapters can be hundreds of MB; services raise these from their settings.
@@ -96,7 +98,7 @@ async def run_server(
         await health_servicer.set(svc, first)
     await server.start()
     host = address.rsplit(":", 1)[0]
-    print(f"{name} listening on {host}:{port}", flush=True)
+    say(f"{name} listening on {host}:{port}")
     if ready is not None:
         try:
             await ready()
@@ -120,7 +122,7 @@ async def run_server(
     if on_stopping is not None:
         await on_stopping()
     await server.stop(grace_s)
-    print(f"{name} stopped", flush=True)
+    say(f"{name} stopped")
 
 
 def configure_logging(level: str = "INFO", log_format: str = "text", service: str = "") -> None:

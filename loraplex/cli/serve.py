@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from loraplex.cli.serve_procs import RedisServer, forward_logs, free_port, reserve_shared_port, stop_all
+from loraplex.logging_setup import say
 from loraplex.procs import ServiceProcess, spawn_service, wait_listening, wait_serving
 
 
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             scheme = "https" if gateway_speaks_tls(args) else "http"
             print(f"serve: OpenAI-compatible API at {scheme}://{args.http_listen}/v1", file=sys.stderr, flush=True)
         # The one line tools read (same form as every service's): where the public API is.
-        print(f"gateway listening on {gateway.address}", flush=True)
+        say(f"gateway listening on {gateway.address}")
         reason = _wait_stop_signal(started)
         print(f"serve: stopping ({reason})", file=sys.stderr, flush=True)
         failed = reason != "signal"
