@@ -19,7 +19,7 @@ back, when the cache has no idle time to make spare segments in). The floor
 is one read of the file plus one pinned copy.
 
     python bench/cold_adapter.py --out bench/results/cold_adapter.json [--shapes smollm2,llama3-8b]
-        [--gap-s 0.5] [--shm-spare-bytes 0]
+        [--gap-s 0.5] [--shm-spare-bytes 0] [--cache-flags "--convert-processes 4"]
 """
 from __future__ import annotations
 
@@ -146,9 +146,10 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=0.5,
                     help="idle time before each adapter's first request (the cache makes spare segments when idle)")
     ap.add_argument("--shm-spare-bytes", default="", help="the cache's --shm-spare-bytes (default: its own)")
+    ap.add_argument("--cache-flags", default="", help="more `loraplex cache` flags, e.g. \"--convert-processes 4\"")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
-    cache_flags = ["--shm-spare-bytes", args.shm_spare_bytes] if args.shm_spare_bytes else []
+    cache_flags = (["--shm-spare-bytes", args.shm_spare_bytes] if args.shm_spare_bytes else []) + args.cache_flags.split()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     result: dict = dict(bench="cold_adapter", device=torch.cuda.get_device_name() if cuda else "cpu",

@@ -31,6 +31,11 @@ class Writer(abc.ABC):
     def abort(self) -> None:
         """Drops the upload; safe to call twice or after commit."""
 
+    @property
+    def shm_location(self) -> tuple[str, int] | None:
+        """(segment name, byte offset of the buffer) when another process can write the buffer by name."""
+        return None
+
 
 class Reader(abc.ABC):
     """One adapter version, held readable until `close` (even if evicted meanwhile)."""

@@ -20,6 +20,9 @@ class CacheConfig:
         default=256 << 20, metadata={"help": "shm: blank segments kept ready, pages allocated, so a cold adapter's "
                                              "conversion does not wait on page faults (beyond the budget; adapters "
                                              "larger than this get none; 0 = off)"})
+    convert_processes: int = field(default=0, metadata={
+        "help": "shm: worker processes that convert never-seen PEFT adapters into shared memory, side by side "
+                "and outside the service's GIL (0 = convert in the service's process)"})
     lora_root: str = field(default="", metadata={"help": "folder of named adapters (<root>/<name>/ or <root>/<name>.safetensors)"})
     lora_prefetch_dir: str = field(default="", metadata={"help": "folder of <task_id>/model.lora_{config,weights}.npy loaded at start"})
     model: str = field(default="", metadata={"help": "base model (GGUF, HF folder or config.json) adapters are validated against; default SmolLM2"})
@@ -45,6 +48,8 @@ class CacheConfig:
             raise SettingsError("host_cache_bytes: must be positive")
         if self.gil_switch_interval_us < 0:
             raise SettingsError("gil_switch_interval_us must be >= 0")
+        if self.convert_processes < 0:
+            raise SettingsError("convert_processes: must be >= 0")
         if self.shm_spare_bytes < 0:
             raise SettingsError("shm_spare_bytes: must be >= 0")
         if not 1 <= self.max_lora_rank <= 1024:

@@ -5,8 +5,10 @@ written directly into the writer's buffer (for shm, the segment that will be
 published) and checked for NaN/Inf row by row as they are written: the file
 is read once, the segment written once, and no full-size intermediate tensor
 exists. The writer's buffer is zero-filled (a fresh segment, a fresh
-bytearray), so the rows' padding needs no writing. Other formats are read
-whole and copied in.
+bytearray), so the rows' padding needs no writing. With conversion workers
+(`convert_procs`) and a shared-memory buffer, a worker process writes and
+hashes the rows, outside this process's GIL. Other formats are read whole and
+copied in.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Callable
 
 from loraplex.formats import AdapterError, detect_format, load_adapter
 from loraplex.formats.peft_rows import PeftRows, plan_peft
+from cache_service.convert_procs import ConvertProcesses, WorkersLost
 from cache_service.uploads import Upload, UploadClaim, claim_for, map_adapter_error, weight_bytes
 
 
@@ -44,23 +47,47 @@ def _fill(rows: PeftRows, upload: Upload) -> AdapterError | None:
     return None
 
 
+def _fill_in_worker(rows: PeftRows, upload: Upload, path: Path, convert: ConvertProcesses) -> None:
+    """The rows written and hashed by a worker process into the upload's segment."""
+    location = upload.writer.shm_location
+    assert location is not None
+    segment, offset = location
+    version = convert.fill(path, rows.dtype, segment, offset, rows.shape)
+    upload.mark_filled(values_checked=True, version=version)
+    upload.converted_by = "worker"
+
+
+def _upload_rows(path: Path, rows: PeftRows, claim: UploadClaim, begin: Callable[[UploadClaim], Upload],
+                 convert: ConvertProcesses | None) -> Upload:
+    upload = begin(claim)
+    try:
+        if convert is not None and upload.writer.shm_location is not None:
+            try:
+                _fill_in_worker(rows, upload, path, convert)
+                return upload
+            except WorkersLost:
+                upload.abort()      # what the worker wrote is not trusted: a fresh segment, converted here
+                upload = begin(claim)
+        refused = _fill(rows, upload)
+    except BaseException:
+        upload.abort()
+        raise
+    if refused is not None:
+        upload.abort()
+        raise refused
+    upload.mark_filled(values_checked=True)
+    upload.converted_by = "service"
+    return upload
+
+
 def upload_from_disk(path: Path, task_id: int, *, name: str, source: str,
-                     begin: Callable[[UploadClaim], Upload]) -> Upload:
-    """An upload holding the adapter at `path`, ready to finish; `begin` opens it in the cache."""
+                     begin: Callable[[UploadClaim], Upload], convert: ConvertProcesses | None = None) -> Upload:
+    """An upload holding the adapter at `path`, ready to finish; `begin` opens it in the cache. A PEFT
+    folder is converted by a worker of `convert` when given and the upload's buffer is shared memory."""
     try:
         if detect_format(path) == "peft":
             rows = plan_peft(path)
-            upload = begin(_claim_for_rows(rows, task_id, name, source))
-            try:
-                refused = _fill(rows, upload)
-            except BaseException:
-                upload.abort()
-                raise
-            if refused is not None:
-                upload.abort()
-                raise refused
-            upload.mark_filled(values_checked=True)
-            return upload
+            return _upload_rows(path, rows, _claim_for_rows(rows, task_id, name, source), begin, convert)
         adapter = load_adapter(path).with_metadata(source=source)
     except AdapterError as exc:
         raise map_adapter_error(exc, str(path)) from exc

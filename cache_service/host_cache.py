@@ -11,6 +11,7 @@ new version.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from loraplex.errors import FailedPreconditionError, InvalidArgumentError, NotFo
 from loraplex.formats import ModelSpec, list_adapter_root, list_prefetch_dir
 from cache_service import sources as disk
 from cache_service.backend import CacheBackend, Reader
+from cache_service.convert_procs import ConvertProcesses
 from cache_service.metrics import CacheMetrics
 from cache_service.records import AdapterRecord, CacheStats, ListedAdapter, SourceEntry
 from cache_service.single_flight import SingleFlight
@@ -55,7 +57,8 @@ class HostCache:
     """Level-1 adapter cache over one backend, validated against one base model."""
 
     def __init__(self, backend: CacheBackend, spec: ModelSpec, *, max_lora_rank: int,
-                 lora_root: str = "", lora_prefetch_dir: str = "", metrics: CacheMetrics | None = None) -> None:
+                 lora_root: str = "", lora_prefetch_dir: str = "", metrics: CacheMetrics | None = None,
+                 convert: ConvertProcesses | None = None) -> None:
         self.backend = backend
         self.spec = spec
         self.fingerprint = spec.fingerprint
@@ -68,6 +71,8 @@ class HostCache:
         self._local_sources: dict[int, SourceEntry] = {}
         # Concurrent loads of one source share one conversion.
         self._loads = SingleFlight()
+        # Worker processes that convert PEFT folders into shared memory (None: this process converts).
+        self.convert = convert
 
     # -- puts ---------------------------------------------------------------
     def begin_upload(self, claim: UploadClaim) -> Upload:
@@ -95,15 +100,31 @@ class HostCache:
         started = time.perf_counter()
         try:
             sig = disk.signature(path)
-            upload = upload_from_disk(path, task_id, name=name, source=source_label, begin=self.begin_upload)
+            upload = upload_from_disk(path, task_id, name=name, source=source_label, begin=self.begin_upload,
+                                      convert=self.convert)
             outcome = self.finish_upload(upload, replace=replace,
                                          source=SourceEntry(task_id, str(path), name, kind, sig))
+            if upload.converted_by:
+                self.metrics.conversions.labels(upload.converted_by).inc()
         except BaseException:
             self.metrics.adapter_loads.observe(0, time.perf_counter() - started, False)
             raise
         seconds = time.perf_counter() - started
         self.metrics.adapter_loads.observe(outcome.record.num_bytes, seconds, True)
         return outcome
+
+    def _start_workers(self) -> None:
+        assert self.convert is not None
+        try:
+            self.convert.start()
+        except Exception as exc:  # noqa: BLE001 - the loads that need them report it again
+            log.error("conversion workers did not start: %s", exc)
+
+    def close(self) -> None:
+        """Stops the conversion workers, then releases the backend (shm: unlinks its segments)."""
+        if self.convert is not None:
+            self.convert.close()
+        self.backend.close()
 
     # -- gets ---------------------------------------------------------------
     def get(self, task_id: int, version: str | None = None) -> Reader:
@@ -215,7 +236,11 @@ class HostCache:
         return cached, sorted(named, key=lambda s: (s.name, s.task_id)), self.backend.stats()
 
     def start(self) -> None:
-        """Indexes the adapter root and loads the prefetch folder (errors are logged, not fatal)."""
+        """Indexes the adapter root and loads the prefetch folder (errors are logged, not fatal); the
+        conversion workers start meanwhile, on a thread of their own (a load before they are ready waits
+        for them)."""
+        if self.convert is not None:
+            threading.Thread(target=self._start_workers, name="convert-workers-start", daemon=True).start()
         self.backend.expect_put_bytes(typical_adapter_bytes(self.spec, min(EXPECTED_RANK, self.max_lora_rank)))
         for folder, flag in ((self.lora_root, "--lora-root"), (self.prefetch_dir, "--lora-prefetch-dir")):
             if folder is not None and not folder.is_dir():

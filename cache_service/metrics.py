@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -63,6 +63,10 @@ class CacheMetrics:
         self.get_seconds = Histogram(
             "loraplex_host_cache_get_seconds", "GetAdapter until the last message is sent",
             registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.conversions = Counter(
+            "loraplex_host_cache_conversions", "PEFT adapters converted into the cache, by where the rows were "
+            "written: a conversion worker process (--convert-processes) or the service's own process",
+            ["where"], registry=self.registry)
         # disk loads (read + validate + store): loraplex_adapter_load_seconds{tier="host"}
         self.adapter_loads = AdapterLoadMetrics(self.registry, "host")
 

@@ -14,6 +14,7 @@ from loraplex.serving import run_server
 from loraplex.v1 import cache_pb2_grpc
 from cache_service.backend import CacheBackend
 from cache_service.config import CacheConfig
+from cache_service.convert_procs import ConvertProcesses
 from cache_service.host_cache import HostCache
 from cache_service.servicer import AdapterCacheServicer
 
@@ -40,8 +41,14 @@ def build_cache(config: CacheConfig) -> HostCache:
     """The base model's spec, the backend and the cache (nothing served yet)."""
     spec = ModelSpec.from_path(resolve_model_path(config.model))
     backend = make_backend(config, spec.fingerprint)
+    convert = None
+    if config.convert_processes and backend.kind == "shm":
+        convert = ConvertProcesses(config.convert_processes)
+    elif config.convert_processes:
+        log.info("--convert-processes: the redis backend converts in the service's process (workers need "
+                 "shared memory)")
     return HostCache(backend, spec, max_lora_rank=config.max_lora_rank, lora_root=config.lora_root,
-                     lora_prefetch_dir=config.lora_prefetch_dir)
+                     lora_prefetch_dir=config.lora_prefetch_dir, convert=convert)
 
 
 async def serve(config: CacheConfig) -> None:
@@ -72,4 +79,4 @@ async def serve(config: CacheConfig) -> None:
 
         await run_server("cache_service", config.listen, register, max_message_bytes=config.max_message_bytes)
     finally:
-        cache.backend.close()
+        cache.close()

@@ -36,6 +36,10 @@ class ShmWriter(Writer):
     def buffer(self) -> memoryview:
         return self.segment.data
 
+    @property
+    def shm_location(self) -> tuple[str, int]:
+        return self.segment.name, HEADER_BYTES
+
     def abort(self) -> None:
         if not self.committed:
             self.segment.retire()

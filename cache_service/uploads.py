@@ -83,6 +83,8 @@ class Upload:
         self.writer: Writer = backend.open_writer(claim.num_bytes)
         self.received = 0
         self.values_checked = False     # set by a converter that wrote and checked every row itself
+        self.filled_version = ""        # set by a converter that hashed the bytes it wrote
+        self.converted_by = ""          # "worker" or "service": where a converter wrote the rows
         self.started = time.perf_counter()
 
     def weights_view(self) -> torch.Tensor:
@@ -90,10 +92,12 @@ class Upload:
         return torch.frombuffer(self.writer.buffer, dtype=self.dtype,
                                 count=math.prod(self.claim.shape)).view(*self.claim.shape)
 
-    def mark_filled(self, values_checked: bool) -> None:
-        """Every byte was written through `weights_view` (and, if `values_checked`, found finite)."""
+    def mark_filled(self, values_checked: bool, version: str = "") -> None:
+        """Every byte was written through `weights_view` or into the writer's shared memory (and, if
+        `values_checked`, found finite; `version`: their `rows_version`, computed by the writer)."""
         self.received = self.claim.num_bytes
         self.values_checked = values_checked
+        self.filled_version = version
 
     def write(self, chunk: bytes | memoryview) -> None:
         end = self.received + len(chunk)
@@ -119,10 +123,12 @@ class Upload:
             raise map_adapter_error(exc, f"task id {c.task_id}") from exc
         in_out = checked.in_out
         del checked, weights
-        # A converter's rows sit in zero-filled memory: their padding is hashed as zeros, never read.
-        used = ([int(r) * (fin + fout) * self.dtype.itemsize for r, (fin, fout) in zip(c.config[:, 2], in_out)]
-                if self.values_checked else None)
-        version = weights_version(self.dtype, c.config, c.shape, buffer, row_used_bytes=used)
+        if self.filled_version:
+            version = self.filled_version
+        elif self.values_checked:
+            version = rows_version(self.dtype, c.config, c.shape, buffer, in_out)
+        else:
+            version = weights_version(self.dtype, c.config, c.shape, buffer)
         try:
             buffer.release()
         except BufferError:
@@ -138,6 +144,13 @@ class Upload:
 
     def abort(self) -> None:
         self.writer.abort()
+
+
+def rows_version(dtype: torch.dtype, config: np.ndarray, shape: tuple[int, ...], data, in_out) -> str:
+    """The version of a converter's rows in zero-filled memory: each row's padding is hashed as zeros,
+    never read (its pages are never faulted in); the digest equals `weights_version` over all bytes."""
+    used = [int(r) * (fin + fout) * dtype.itemsize for r, (fin, fout) in zip(config[:, 2], in_out)]
+    return weights_version(dtype, config, shape, data, row_used_bytes=used)
 
 
 def claim_for(adapter: Adapter, task_id: int, *, name: str = "") -> UploadClaim:

@@ -33,7 +33,11 @@ def copy_into(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def scale_into(src: torch.Tensor, scale: float, dst: torch.Tensor) -> None:
-    """dst[...] = src * scale, as `torch.mul` computes it; same dtype and shape, both contiguous."""
+    """dst[...] = src * scale, as `torch.mul` computes it; same dtype and shape, both contiguous.
+    Scale 1 (lora_alpha = r) copies: the product is the value itself."""
+    if scale == 1.0:
+        copy_into(src, dst)
+        return
     s, d = src.reshape(-1), dst.view(-1)
     for i in range(0, s.numel(), SLICE_ELEMS):
         torch.mul(s[i: i + SLICE_ELEMS], scale, out=d[i: i + SLICE_ELEMS])

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from loraplex import errors
 from loraplex.formats import read_peft, validate
+from cache_service.convert_procs import ConvertProcesses
 from cache_service.host_cache import HostCache
 from cache_service.shm_backend import ShmBackend
 
@@ -32,19 +33,32 @@ def write_adapter(folder, seed, dtype=torch.bfloat16, rank=8):
     return tensors
 
 
-@pytest.fixture
-def cache(tmp_path, tiny_model):
+@pytest.fixture(scope="module")
+def workers():
+    convert = ConvertProcesses(1)
+    convert.start()
+    yield convert
+    convert.close()
+
+
+@pytest.fixture(params=["in-process", "workers"])
+def cache(request, tmp_path, tiny_model):
+    """Each test runs with the rows converted in this process and by a conversion worker process."""
+    convert = request.getfixturevalue("workers") if request.param == "workers" else None
     backend = ShmBackend(64 << 20)
-    yield HostCache(backend, tiny_model[1], max_lora_rank=64, lora_root=str(tmp_path))
+    yield HostCache(backend, tiny_model[1], max_lora_rank=64, lora_root=str(tmp_path), convert=convert)
     backend.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_named_peft_lands_as_read_peft_would_convert_it(cache, tmp_path, tiny_model, dtype):
     write_adapter(tmp_path / "good", seed=1, dtype=dtype)
+    converted = cache.convert.converted if cache.convert else 0
     task_id, version = cache.resolve_name("good")
     ref = validate(read_peft(tmp_path / "good"), tiny_model[1], 64)
     assert version == ref.content_hash
+    if cache.convert:
+        assert cache.convert.converted == converted + 1     # the worker wrote the rows
     with cache.get(task_id) as reader:
         got = torch.frombuffer(bytearray(b"".join(bytes(c) for c in reader.chunks(1 << 20))), dtype=dtype)
         assert torch.equal(got.view(ref.weights.shape), ref.weights)
@@ -123,3 +137,31 @@ def test_row_fills_of_different_adapters_run_one_at_a_time():
     spans.sort()
     assert len(spans) == 3
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_conversion_workers_convert_and_a_dead_worker_fails_no_load(tmp_path, tiny_model):
+    """The rows are written by the worker process; after the workers are killed, the next load is
+    converted in the service's process (same bytes, same version) and the pool is made again."""
+    import os
+    import signal
+
+    convert = ConvertProcesses(1)
+    convert.start()
+    backend = ShmBackend(64 << 20)
+    cache = HostCache(backend, tiny_model[1], max_lora_rank=64, lora_root=str(tmp_path), convert=convert)
+    try:
+        write_adapter(tmp_path / "first", seed=5)
+        write_adapter(tmp_path / "second", seed=6)
+        assert cache.resolve_name("first")[1] == validate(read_peft(tmp_path / "first"), tiny_model[1], 64).content_hash
+        assert convert.converted == 1
+        for pid in list(convert._pool._processes):      # noqa: SLF001 - the test kills the workers
+            os.kill(pid, signal.SIGKILL)
+        task_id, version = cache.resolve_name("second")
+        assert version == validate(read_peft(tmp_path / "second"), tiny_model[1], 64).content_hash
+        assert convert.converted == 1 and len(backend.segment_names()) == 2
+        write_adapter(tmp_path / "third", seed=7)
+        cache.resolve_name("third")                      # a new pool of workers
+        assert convert.converted == 2
+    finally:
+        convert.close()
+        backend.close()

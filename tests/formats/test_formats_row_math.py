@@ -20,7 +20,7 @@ def random_bits(dtype: torch.dtype, n: int, gen: torch.Generator) -> torch.Tenso
 @pytest.mark.parametrize("n", [7, 4099, 3 * row_math.SLICE_ELEMS + 5])
 def test_scale_into_matches_torch_mul(dtype, n):
     gen = torch.Generator().manual_seed(n)
-    for scale in (2.0, 0.1, 1 / 3, 3.7e4, 1e-30, float(torch.rand((), generator=gen)) * 64):
+    for scale in (1.0, 2.0, 0.1, 1 / 3, 3.7e4, 1e-30, float(torch.rand((), generator=gen)) * 64):
         src = random_bits(dtype, n, gen)
         dst = torch.empty(n, dtype=dtype)
         row_math.scale_into(src, scale, dst)
@@ -37,7 +37,9 @@ def test_copy_and_finite_check(dtype):
     row_math.copy_into(src, dst)
     assert torch.equal(dst, src) and row_math.all_finite(dst)
     for bad in (float("nan"), float("inf"), float("-inf")):
-        probe = src.clone()
-        probe[20, 3] = bad
-        assert not row_math.all_finite(probe)
+        for where in ((0, 0), (20, 3), (32, 4)):
+            probe = src.clone()
+            probe[where] = bad
+            assert not row_math.all_finite(probe), (bad, where)
+            assert not row_math.all_finite(probe[where[0]])
     assert row_math.all_finite(torch.full((4,), torch.finfo(dtype).max, dtype=dtype))
