@@ -33,20 +33,19 @@ class BlockManager:
         """Blocks needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks `seq` still needs so that its first `num_tokens` tokens have a place."""
-        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
-
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_missing_blocks(seq, num_tokens) <= len(self._free)
-
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Appends blocks to `seq.block_table` until `num_tokens` tokens fit."""
-        missing = self.num_missing_blocks(seq, num_tokens)
-        if missing > len(self._free):
-            raise RuntimeError(f"{seq.request_id}: needs {missing} KV blocks, {len(self._free)} free")
+    def try_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Appends blocks to `seq.block_table` until `num_tokens` tokens fit; False, with nothing changed,
+        when too few blocks are free (one call per sequence per step: the check and the growth together)."""
+        missing = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        free = self._free
+        if missing > len(free):
+            return False
+        table = seq.block_table
         for _ in range(missing):
-            seq.block_table.append(self._free.popleft())
+            table.append(free.popleft())
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Returns every block of `seq` to the free list."""

@@ -114,9 +114,11 @@ class DecodeGraphs:
         self._i64[2, n:bucket] = self.scratch_block * bs
         self._ctx[n:bucket] = 1
         self._tables[n:bucket, 0] = self.scratch_block
-        for b, (t, p) in enumerate(zip(tables, positions)):
-            self._i64[2, b] = t[p // bs] * bs + p % bs
-            self._ctx[b] = p + 1
+        # One numpy write per array, not one per sequence and array (a numpy scalar write costs ~0.3 us).
+        self._i64[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        self._ctx[:n] = positions
+        self._ctx[:n] += 1
+        for b, t in enumerate(tables):
             self._tables[b, : len(t)] = t
         self.input_ids[:bucket].copy_(self._host_i64[0, :bucket], non_blocking=True)
         self.positions[:bucket].copy_(self._host_i64[1, :bucket], non_blocking=True)

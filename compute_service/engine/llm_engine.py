@@ -172,9 +172,10 @@ class LLMEngine:
         return outputs, logits_by_id
 
     def _delta(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        """`new`: a list of its own (a slice), kept by the output as it is."""
         seq.num_emitted_tokens += len(new)
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        return RequestOutput(seq.request_id, list(new), seq.is_finished, reason,
+        return RequestOutput(seq.request_id, new, seq.is_finished, reason,
                              seq.num_prompt_tokens, seq.num_output_tokens)
 
     def stats(self) -> EngineStats:

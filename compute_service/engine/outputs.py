@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """New tokens of one request since the last step; `finished` on its last delta."""
+    """New tokens of one request since the last step; `finished` on its last delta. Read-only by
+    convention: one is made per request per step, and a frozen dataclass's constructor costs about 4x."""
 
     request_id: str
     new_token_ids: list[int]

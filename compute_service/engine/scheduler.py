@@ -40,17 +40,17 @@ class SchedulerConfig:
             raise ValueError(f"scheduler limits must be positive (max_model_len >= 2): {self}")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSeq:
-    """`seq` runs tokens [start, start + num_new_tokens); `sample` when that reaches its end."""
+    """`seq` runs tokens [start, start + num_new_tokens); `sample` when that reaches its end.
+
+    Not frozen: one is made per sequence per step, and a frozen dataclass's constructor costs about 4x
+    (each field set through object.__setattr__)."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
-
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    sample: bool
 
 
 @dataclass
@@ -120,20 +120,20 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        running, try_grow = self.running, self.blocks.try_grow
+        while i < len(running) and budget > 0:
+            seq = running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             end = seq.num_computed_tokens + n
-            while not self.blocks.can_grow(seq, end):
-                victim = self.running[-1]
+            while not try_grow(seq, end):
+                victim = running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self.blocks.grow(seq, end)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, n == seq.num_uncomputed_tokens))
             budget -= n
             i += 1
         if not out.preempted:
@@ -149,16 +149,15 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed_tokens, budget)
             end = seq.num_computed_tokens + n
-            if not self.blocks.can_grow(seq, end):
+            if not self.blocks.try_grow(seq, end):
                 break           # oldest first: do not let younger ones overtake on blocks
             self.waiting.pop(j)
-            self.blocks.grow(seq, end)
             if seq.adapter_key is not None:
                 self.adapters.pin(seq.adapter_key)  # type: ignore[union-attr]
                 seq.pinned = True
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, n == seq.num_uncomputed_tokens))
             budget -= n
 
     def _preempt(self, seq: Sequence) -> None:

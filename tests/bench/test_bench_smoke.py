@@ -58,3 +58,13 @@ def test_cold_adapter_burst_small(tmp_path):
     res = json.loads(out.read_text())
     (r,) = res["rounds"]
     assert r["one_after_another_s"] > 0 and r["at_once_s"] > 0
+
+
+def test_engine_host_step_small(tmp_path):
+    out = tmp_path / "host.json"
+    proc = _run(["bench/engine_host_step.py", "--num-seqs", "4", "--tokens", "8", "--repeats", "2",
+                 "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["rounds"]) == 2 and res["host_ms_per_step_best"] > 0
+    assert {"schedule", "model", "sample", "delta", "other", "step"} <= set(res["rounds"][0]["ms_per_step"])

@@ -1,0 +1,45 @@
+"""The decode graphs' host staging: token ids, positions, KV slots, context lengths and block tables of a
+step, padding rows pointing at the scratch block. Runs on the CPU (the buffers the graph reads are plain
+tensors here), so the arithmetic is checked where there is no GPU."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from compute_service.engine.attention import DecodeMetadata
+from compute_service.engine.cuda_graphs import DecodeGraphs
+
+
+def staging(max_batch: int, max_blocks: int, block_size: int, scratch: int) -> DecodeGraphs:
+    g = object.__new__(DecodeGraphs)       # the buffers only: no model, no CUDA graph pool
+    g.block_size, g.scratch_block = block_size, scratch
+    n, m = max_batch, max_blocks
+    g.input_ids, g.positions = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    g.meta = DecodeMetadata(torch.zeros(n, dtype=torch.int64), torch.zeros(n, m, dtype=torch.int32),
+                            torch.ones(n, dtype=torch.int32))
+    g._host_i64 = torch.zeros(3, n, dtype=torch.int64)
+    g._host_tables = torch.zeros(n, m, dtype=torch.int32)
+    g._host_ctx = torch.ones(n, dtype=torch.int32)
+    g._i64, g._tables, g._ctx = g._host_i64.numpy(), g._host_tables.numpy(), g._host_ctx.numpy()
+    return g
+
+
+def test_fill_writes_each_row_and_pads_the_bucket():
+    rng = random.Random(0)
+    bs, scratch = 16, 99
+    g = staging(32, 8, bs, scratch)
+    for n, bucket in ((5, 8), (16, 16), (1, 1), (0, 4)):
+        tables = [rng.sample(range(90), rng.randint(1, 8)) for _ in range(n)]
+        positions = [rng.randrange(len(t) * bs) for t in tables]
+        ids = [rng.randrange(1000) for _ in range(n)]
+        g._fill(ids, positions, tables, bucket)
+        assert g.input_ids[:n].tolist() == ids and g.positions[:n].tolist() == positions
+        assert g.meta.slot_mapping[:n].tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        assert g.meta.context_lens[:n].tolist() == [p + 1 for p in positions]
+        for b, t in enumerate(tables):
+            assert g.meta.block_tables[b, :len(t)].tolist() == t
+        pad = slice(n, bucket)
+        assert g.input_ids[pad].eq(0).all() and g.positions[pad].eq(0).all()
+        assert g.meta.slot_mapping[pad].eq(scratch * bs).all() and g.meta.context_lens[pad].eq(1).all()
+        assert g.meta.block_tables[pad, 0].eq(scratch).all()
