@@ -3,12 +3,14 @@
 Runs N requests of T greedy tokens through an in-process `LLMEngine` (a tiny random Llama by default, so
 on the CPU the model's own time stays small; `--model` for a real one, `--device cuda` on a GPU) and times,
 per step: the scheduler (`schedule`), the model (`model`: inputs, graph fill and launch, or the whole CPU
-forward), sampling (`sample`: on a GPU this includes waiting for the step), the scheduler's bookkeeping
-(`update`), stop checks (`check_stop`), the per-request outputs (`delta`) and the rest of the step
-(`other`). Without overlap of host and device work, every host millisecond here is a millisecond the GPU
-waits between two decode steps.
+forward), sampling (`sample`, queued on the device), the scheduler's bookkeeping (`advance` at launch,
+`land` when the tokens are read back), stop checks (`check_stop`), the per-request outputs (`delta`) and
+the rest of the step (`other`: on a GPU this includes waiting for the step's tokens). Without overlapped
+steps (`--async-scheduling`), every host millisecond here is a millisecond the GPU waits between two decode
+steps.
 
-    python bench/engine_host_step.py [--num-seqs 64] [--tokens 96] [--repeats 5] [--device cpu] [--out x.json]
+    python bench/engine_host_step.py [--num-seqs 64] [--tokens 96] [--repeats 5] [--device cpu]
+        [--async-scheduling] [--out x.json]
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds after one warm-up round")
     ap.add_argument("--model", default="", help="a model folder or GGUF (default: a tiny random Llama)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--async-scheduling", action="store_true", help="overlapped steps (EngineConfig.async_scheduling)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -67,13 +70,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(tiny_llama(Path(tmp) / "tiny", len(PROMPT) + args.tokens + 8))
         engine = LLMEngine(EngineConfig(model=model, device=args.device, max_num_seqs=args.num_seqs,
-                                        max_model_len=len(PROMPT) + args.tokens + 8))
+                                        max_model_len=len(PROMPT) + args.tokens + 8,
+                                        async_scheduling=args.async_scheduling))
     totals: collections.Counter = collections.Counter()
     engine.scheduler.schedule = timed(totals, "schedule", engine.scheduler.schedule)
-    engine.scheduler.update = timed(totals, "update", engine.scheduler.update)
+    engine.scheduler.schedule_decode = timed(totals, "schedule", engine.scheduler.schedule_decode)
+    engine.scheduler.advance = timed(totals, "advance", engine.scheduler.advance)
+    engine.scheduler.land = timed(totals, "land", engine.scheduler.land)
     engine.runner.run = timed(totals, "model", engine.runner.run)
     engine._delta = timed(totals, "delta", engine._delta)
-    llm_engine.sample = timed(totals, "sample", llm_engine.sample)
+    llm_engine.sample_tokens = timed(totals, "sample", llm_engine.sample_tokens)
     llm_engine.check_stop = timed(totals, "check_stop", llm_engine.check_stop)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
 
@@ -95,12 +101,13 @@ def main() -> None:
         per_step["other"] = wall / steps * 1e3 - sum(per_step.values())
         per_step["step"] = wall / steps * 1e3
         rounds.append({"steps": steps, "ms_per_step": per_step})
-    host_parts = ("schedule", "update", "check_stop", "delta", "other")
+    host_parts = ("schedule", "advance", "land", "check_stop", "delta", "other")
     best = min(rounds, key=lambda r: sum(r["ms_per_step"][k] for k in host_parts))
     host = sum(best["ms_per_step"][k] for k in host_parts)
     print(f"{args.num_seqs} sequences, best of {args.repeats}: "
           + ", ".join(f"{k} {v:.3f}" for k, v in best["ms_per_step"].items()) + f" ms/step; host parts {host:.3f} ms")
     out = {"bench": "engine_host_step", "device": args.device, "commit": args.commit, "num_seqs": args.num_seqs,
+           "async_scheduling": args.async_scheduling,
            "tokens": args.tokens, "model": args.model or "tiny random llama", "host_ms_per_step_best": host,
            "host_parts": list(host_parts), "rounds": rounds,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

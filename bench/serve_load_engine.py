@@ -22,7 +22,8 @@ LONG_STEP_S = 0.005   # steps longer than this are listed one by one
 
 
 def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_lora_rank: int, pool_bytes: int, quantization: str = "auto") -> tuple[Any, float]:
+                 max_lora_rank: int, pool_bytes: int, quantization: str = "auto", async_scheduling: bool = False
+                 ) -> tuple[Any, float]:
     """The engine `loraplex compute` runs over `model` ("" = the default model), built and warmed up as the
     service builds and warms it (same adapter pool and LoRA backend, every kernel compiled and every graph
     captured before the first case); returns it and the warm-up's seconds."""
@@ -35,7 +36,8 @@ def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_
 
     config = ComputeConfig(model=model, device=device, quantization=quantization, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                           max_lora_rank=max_lora_rank, lora_gpu_cache_bytes=pool_bytes)
+                           max_lora_rank=max_lora_rank, lora_gpu_cache_bytes=pool_bytes,
+                           async_scheduling=async_scheduling)
     rt = build_runtime(config, no_fetch, capture_graphs=False)
     return rt.engine, warm_up(rt, "auto").total_s
 

@@ -50,7 +50,7 @@ def engine_config(config: ComputeConfig, device: torch.device) -> EngineConfig:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, kv_cache_bytes=config.kv_cache_bytes or None,
         gpu_memory_fraction=config.gpu_memory_utilization, max_lora_rank=config.max_lora_rank,
-        lora_backend="kernels",
+        lora_backend="kernels", async_scheduling=config.async_scheduling,
         # A pool of a fixed size comes out of the same share as the KV cache (a fractional one is sized
         # from what the KV cache leaves): KV + pool stay within gpu_memory_utilization of the free memory.
         kv_reserve_bytes=config.lora_gpu_cache_bytes if device.type == "cuda" else 0)
@@ -110,6 +110,9 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
     slots.fingerprint = adapter_fingerprint(loaded)
     backend = lora_backend_for(slots, config.max_num_batched_tokens)   # Triton on CUDA, torch matmuls on CPU
     engine = LLMEngine(ecfg, loaded, None, slots, backend)
+    if ecfg.async_scheduling:
+        log.info("overlapped decode steps (--async-scheduling): each decode step is queued before the previous "
+                 "one's tokens are read back")
     zero_kv_cache(engine)
     layout = slots.allocate(pool_bytes(config, device), config.lora_cache_optimal_adapter_size,
                             config.max_resident_adapters)

@@ -33,6 +33,10 @@ class ComputeConfig:
     step_handoff: str = field(default="launch", metadata={
         "help": "when the engine thread hands a step's tokens to the event loop: launch (once the next step's GPU "
                 "work is queued, so the two threads' Python does not interleave) or step_end (at once)"})
+    async_scheduling: bool = field(default=False, metadata={
+        "help": "overlapped decode steps: queue step N+1 before reading step N's tokens back, so the engine's "
+                "host work runs while the GPU computes (not yet measured on a GPU: off by default; one process "
+                "only, not with --tensor-parallel-size)"})
     step_trace: str = field(default="", metadata={
         "help": "file to write every engine step's host start and end times to at shutdown (benchmarks)"})
     tensor_parallel_size: int = field(default=1, metadata={

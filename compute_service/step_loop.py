@@ -163,7 +163,7 @@ class StepLoop:
             self._fail_loads()
             if self.engine.has_unfinished():
                 self._step()
-                if self.engine.scheduler.running:
+                if self.engine.scheduler.running or self.engine.in_flight:
                     continue          # the next step's launch hands this one's outputs over
                 self._hand_off()
                 if self._commands:
@@ -205,6 +205,11 @@ class StepLoop:
             self.trace.extend((t0, self._launched_at or t0, t1, float(emitted)))
             self._launched_at = 0.0
         self._post(StepBatch(outputs, [], emitted, t1 - t0))
+        if self.engine.in_flight:
+            # Overlapped steps: these are the tokens of the step before the one now on the GPU, which
+            # runs while the event loop builds their messages; waiting for the next launch would hold
+            # them a step longer.
+            self._hand_off()
 
     def _fail_loads(self) -> None:
         for key, exc in list(self.slots.failed.items()):

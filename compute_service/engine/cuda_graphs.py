@@ -19,6 +19,7 @@ from compute_service.engine.attention import DecodeMetadata
 from compute_service.engine.lora_backend import NO_ADAPTER, LoraBackend
 from compute_service.engine.graph_capture import capture
 from compute_service.engine.model import LlamaModel
+from compute_service.engine.pending import PendingTokens, fill_pending
 from compute_service.engine.prefill_graphs import PrefillGraphs
 
 
@@ -52,6 +53,7 @@ class DecodeGraphs:
         self._i64 = self._host_i64.numpy()
         self._tables = self._host_tables.numpy()
         self._ctx = self._host_ctx.numpy()
+        self._staged = torch.cuda.Event() if dev.type == "cuda" else None   # the staging's last copies queued
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
         # Prefill and mixed steps of up to `prefill_tokens` tokens: one graph per token-count bucket.
@@ -65,13 +67,16 @@ class DecodeGraphs:
         return None
 
     def run(self, input_ids: list[int], positions: list[int], tables: list[list[int]], token_slots: list[int],
-            lora: LoraBackend | None) -> torch.Tensor:
-        """Logits [B, V] float32 (a fresh tensor) of one decode token per sequence; `lora` None = base only."""
+            lora: LoraBackend | None, pending: PendingTokens | None = None) -> torch.Tensor:
+        """Logits [B, V] float32 (a fresh tensor) of one decode token per sequence; `lora` None = base only;
+        `pending`: rows whose token comes from the step in flight, on the device."""
         n = len(input_ids)
         bucket = self.bucket_for(n)
         if bucket is None:
             raise ValueError(f"decode batch {n} exceeds the largest graph bucket {self.max_batch}")
         self._fill(input_ids, positions, tables, bucket)
+        if pending is not None:
+            fill_pending(self.input_ids, pending)
         if lora is not None:
             lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32))
         key = (bucket, lora is not None)
@@ -106,6 +111,10 @@ class DecodeGraphs:
 
     def _fill(self, input_ids: list[int], positions: list[int], tables: list[list[int]], bucket: int) -> None:
         """Writes the step's inputs (rows past the batch: padding) into the static device buffers."""
+        if self._staged is not None:
+            # The host staging is refilled only once the previous step's copies out of it ran: with
+            # overlapped steps the host gets here while that step may still be queued behind another.
+            self._staged.synchronize()
         n = len(input_ids)
         bs = self.block_size
         self._i64[0, :n] = input_ids
@@ -125,6 +134,8 @@ class DecodeGraphs:
         self.meta.slot_mapping[:bucket].copy_(self._host_i64[2, :bucket], non_blocking=True)
         self.meta.context_lens[:bucket].copy_(self._host_ctx[:bucket], non_blocking=True)
         self.meta.block_tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
 
     def time_replay(self, batch: int, with_lora: bool, iters: int = 20) -> float | None:
         """Median GPU milliseconds of one replay of `batch`'s bucket graph, None if not captured yet.

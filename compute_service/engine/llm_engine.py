@@ -19,7 +19,7 @@ from compute_service.engine.loader import LoadedModel, load_model, load_tokenize
 from compute_service.engine.lora_backend import AdapterSlots, LoraBackend
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.outputs import EngineStats, RequestOutput
-from compute_service.engine.sampler import sample
+from compute_service.engine.sampler import sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import Scheduler, SchedulerConfig
 from compute_service.engine.sequence import Sequence
@@ -75,6 +75,9 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self._arrivals = 0
         self._aborted: list[Sequence] = []
+        # Overlapped steps: a decode step whose sampled tokens are still on the device.
+        self.overlap = config.async_scheduling
+        self._in_flight: _Flight | None = None
         self._num_preemptions = 0
         # Called once per step right after its GPU work is queued, before the host waits for it: a caller
         # with host work of its own (a server handing out the previous step's tokens) does it then, while
@@ -136,7 +139,12 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._in_flight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """A decode step is queued on the device and its tokens not read yet (overlapped steps)."""
+        return self._in_flight is not None
 
     # -- the step ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -147,29 +155,57 @@ class LLMEngine:
         return self._step(True)
 
     def _step(self, want_logits: bool) -> tuple[list[RequestOutput], dict[str, torch.Tensor]]:
+        """Schedule, launch, sample, then read the tokens back. With `async_scheduling`, a decode-only
+        step's tokens stay on the device: the next step is scheduled and queued first (its rows take
+        those tokens on the device), and they are read back while it runs, so the host's work between
+        two steps overlaps the GPU's. A step that must admit, preempt or prefill reads the step in flight
+        back first; so do `step_with_logits` callers."""
         # The logits rows are views made one per sequence: a serving step skips them (at 64 sequences on
         # an H100 their making was an eighth of the engine thread's Python time).
         outputs = [self._delta(seq, []) for seq in self._aborted]
         self._aborted.clear()
-        sched = self.scheduler.schedule()
-        self._num_preemptions += len(sched.preempted)
-        if sched.is_empty:
-            return outputs, {}
-        logits = self.runner.run(sched)
+        prev, sched = self._in_flight, None
+        if prev is not None:
+            sched = None if want_logits else self.scheduler.schedule_decode()
+            if sched is None or sched.is_empty:
+                self._in_flight = None
+                outputs.extend(self._land(prev))
+                prev, sched = None, None
+        if sched is None:
+            sched = self.scheduler.schedule()
+            self._num_preemptions += len(sched.preempted)
+            if sched.is_empty:
+                return outputs, {}
+        logits = (self.runner.run(sched, (prev.tokens, prev.rows)) if prev is not None
+                  else self.runner.run(sched))
         if self.on_launched is not None:
             self.on_launched()
-        sampling = [s.seq for s in sched.scheduled if s.sample]
-        tokens = sample(logits, [s.params for s in sampling], [self._generators[s.request_id] for s in sampling])
-        sampled = {s.request_id: t for s, t in zip(sampling, tokens)}
+        sampling = self.scheduler.advance(sched)
+        tokens = sample_tokens(logits, [s.params for s in sampling],
+                               [self._generators[s.request_id] for s in sampling])
         logits_by_id = {s.request_id: logits[i] for i, s in enumerate(sampling)} if want_logits else {}
+        flight = _Flight(sampling, tokens)
+        if prev is not None:
+            outputs.extend(self._land(prev))        # read back while this step runs
+        if self.overlap and not want_logits and all(s.num_new_tokens == 1 and s.sample for s in sched.scheduled):
+            self._in_flight = flight
+        else:
+            self._in_flight = None
+            outputs.extend(self._land(flight))
+        return outputs, logits_by_id
+
+    def _land(self, flight: "_Flight") -> list[RequestOutput]:
+        """Reads a launched step's tokens back (waiting for it) and reports them, checking stops."""
+        tokens = flight.tokens.tolist()
         detok = self.tokenizer.decode if self.tokenizer is not None else None
-        for seq in self.scheduler.update(sched, sampled):
+        outputs = []
+        for seq in self.scheduler.land(flight.sampling, tokens):
             reason = check_stop(seq, self.spec.eos_token_ids, self.max_model_len, detok)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._generators.pop(seq.request_id, None)
             outputs.append(self._delta(seq, seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens:]))
-        return outputs, logits_by_id
+        return outputs
 
     def _delta(self, seq: Sequence, new: list[int]) -> RequestOutput:
         """`new`: a list of its own (a slice), kept by the output as it is."""
@@ -201,6 +237,24 @@ class LLMEngine:
                 if delta.request_id in out:
                     out[delta.request_id].extend(delta.new_token_ids)
         return [out[r] for r in ids]
+
+
+class _Flight:
+    """A launched step's sampling sequences and their tokens [N] on the device; `rows`: each sequence's
+    row there (the next step's pending inputs are read from it)."""
+
+    __slots__ = ("sampling", "tokens", "_rows")
+
+    def __init__(self, sampling: list[Sequence], tokens: torch.Tensor) -> None:
+        self.sampling = sampling
+        self.tokens = tokens
+        self._rows: dict[Sequence, int] | None = None
+
+    @property
+    def rows(self) -> dict[Sequence, int]:
+        if self._rows is None:
+            self._rows = {seq: i for i, seq in enumerate(self.sampling)}
+        return self._rows
 
 
 def _default_lora(config: EngineConfig, spec: ModelSpec, device: torch.device,

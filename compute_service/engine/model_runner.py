@@ -9,7 +9,7 @@ or when the LoRA backend is not graph-safe).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,13 +17,17 @@ from compute_service.engine.attention import DecodeMetadata, StepMetadata, step_
 from compute_service.engine.cuda_graphs import DecodeGraphs
 from compute_service.engine.lora_backend import NO_ADAPTER, AdapterSlots, LoraBackend
 from compute_service.engine.model import LlamaModel
+from compute_service.engine.pending import PendingTokens, fill_pending
 from compute_service.engine.scheduler import SchedulerOutput
+from compute_service.engine.sequence import Sequence
 
 
 @dataclass
 class StepInputs:
     """One step's inputs: flat tokens of all scheduled sequences, and per sequence its adapter,
-    query and context lengths and block table; `sample_rows` are the tokens whose logits are wanted."""
+    query and context lengths and block table; `sample_rows` are the tokens whose logits are wanted.
+    `pending_rows`: rows whose token the step in flight sampled and the host has not read yet (0 in
+    `input_ids`), filled on the device from that step's tokens; `pending_seqs` their sequences."""
 
     input_ids: list[int]
     positions: list[int]
@@ -32,6 +36,8 @@ class StepInputs:
     context_lens: list[int]
     tables: list[list[int]]
     sample_rows: list[int]
+    pending_rows: list[int] = field(default_factory=list)
+    pending_seqs: list[Sequence] = field(default_factory=list, repr=False)
 
 
 class ModelRunner:
@@ -51,16 +57,31 @@ class ModelRunner:
         # Paged-attention decode kernel for decode-only steps: Triton, so CUDA (or the interpreter in tests).
         self.decode_kernel = model.device.type == "cuda"
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [N, V] float32 for each scheduled sequence with `sample`, in schedule order."""
-        return self.run_inputs(self.inputs(out))
+    def run(self, out: SchedulerOutput, in_flight: tuple[torch.Tensor, dict[Sequence, int]] | None = None
+            ) -> torch.Tensor:
+        """Logits [N, V] float32 for each scheduled sequence with `sample`, in schedule order.
+        `in_flight`: the sampled tokens of the step still on the device, and each of its sequences' row
+        there, for sequences whose newest token is pending."""
+        step = self.inputs(out)
+        pending = None
+        if step.pending_rows:
+            if in_flight is None:
+                raise RuntimeError("a scheduled token is pending but no step is in flight")
+            tokens, rows = in_flight
+            pending = PendingTokens(step.pending_rows, [rows[seq] for seq in step.pending_seqs], tokens)
+        return self.run_inputs(step, pending)
 
     def inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step as plain host lists (what tensor-parallel followers receive)."""
         step = StepInputs([], [], [], [], [], [], [])
         for s in out.scheduled:
             end = s.start + s.num_new_tokens
-            step.input_ids.extend(s.seq.token_ids[s.start:end])
+            chunk = s.seq.token_ids[s.start:end]
+            if len(chunk) < s.num_new_tokens:      # its newest token is still on the device
+                step.pending_rows.append(len(step.input_ids) + len(chunk))
+                step.pending_seqs.append(s.seq)
+                chunk.append(0)
+            step.input_ids.extend(chunk)
             step.positions.extend(range(s.start, end))
             step.adapter_keys.append(s.seq.adapter_key)
             step.query_lens.append(s.num_new_tokens)
@@ -70,7 +91,7 @@ class ModelRunner:
                 step.sample_rows.append(len(step.input_ids) - 1)
         return step
 
-    def run_inputs(self, step: StepInputs) -> torch.Tensor:
+    def run_inputs(self, step: StepInputs, pending: PendingTokens | None = None) -> torch.Tensor:
         """Runs one step's inputs; adapter keys resolve to this process's slots."""
         input_ids, positions, query_lens = step.input_ids, step.positions, step.query_lens
         context_lens, tables, sample_rows = step.context_lens, step.tables, step.sample_rows
@@ -86,8 +107,8 @@ class ModelRunner:
         if decode and graphs is not None and graphs.bucket_for(len(input_ids)) is not None:
             self.num_graph_steps += 1
             self.num_lora_graph_steps += int(has_lora)
-            return graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None)
-        if not decode and graphs is not None \
+            return graphs.run(input_ids, positions, tables, token_slots, self.lora if has_lora else None, pending)
+        if pending is None and not decode and graphs is not None \
                 and graphs.prefill.fits(len(input_ids), len(tables), max(len(t) for t in tables)):
             self.num_prefill_graph_steps += 1
             hidden = graphs.prefill.run(input_ids, positions, query_lens, context_lens, tables, token_slots,
@@ -102,11 +123,14 @@ class ModelRunner:
             if has_lora:
                 self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))  # type: ignore[union-attr]
                 lora = self.lora
-            hidden = self.model.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                                        meta, self.kv_caches, lora)
+            ids = torch.tensor(input_ids, device=dev)
+            if pending is not None:
+                fill_pending(ids, pending)
+            hidden = self.model.forward(ids, torch.tensor(positions, device=dev), meta, self.kv_caches, lora)
         if decode:
             return self.model.compute_logits(hidden)
         # From pinned memory, without waiting: a pageable copy would hold the host until the step's whole GPU
         # work is done, delaying the hand-off that `on_launched` makes once the step is queued.
         rows = torch.tensor(sample_rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
         return self.model.compute_logits(hidden[rows.to(dev, non_blocking=True)])
+

@@ -25,20 +25,33 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def _on_device(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A small host list on `dev` without waiting for the device: through fresh pinned memory (torch
+    keeps it until the copy ran), where a pageable copy would wait for every queued kernel."""
+    pinned = dev.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(dev, non_blocking=pinned)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits [N, V] float32 -> one token id per row."""
+    return sample_tokens(logits, params, generators).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N] int64 on the logits' device, without waiting for it."""
     tokens = logits.argmax(dim=-1)                                  # greedy for every row first
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         dev = logits.device
-        idx = torch.tensor(rows, device=dev)
-        temps = torch.tensor([params[i].temperature for i in rows], device=dev, dtype=torch.float32)
-        top_k = torch.tensor([max(params[i].top_k, 0) for i in rows], device=dev, dtype=torch.int64)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=torch.float32)
+        idx = _on_device(rows, torch.int64, dev)
+        temps = _on_device([params[i].temperature for i in rows], torch.float32, dev)
+        top_k = _on_device([max(params[i].top_k, 0) for i in rows], torch.int64, dev)
+        top_p = _on_device([params[i].top_p for i in rows], torch.float32, dev)
         scaled = apply_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
         probs = scaled.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; E comes from the row's own generator.
         noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in rows])
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    return tokens.tolist()
+    return tokens

@@ -104,6 +104,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending = 0      # a token of a step in flight is dropped when that step lands
         self._by_id.pop(seq.request_id, None)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -175,13 +176,58 @@ class Scheduler:
             self.adapters.unpin(seq.adapter_key)  # type: ignore[union-attr, arg-type]
             seq.pinned = False
 
+    def schedule_decode(self) -> SchedulerOutput | None:
+        """The next decode step while the previous one is still on the device (overlapped steps): one row
+        per running sequence, each of whose newest token is pending. Sequences that reach their length
+        limit with the pending token are left out (they finish when it lands); a sequence that stops on
+        EOS or a stop string gets a row whose token is dropped. None when this step needs what only the
+        full `schedule` does (a request to admit, a preemption, a chunk of prefill): land first."""
+        cfg = self.config
+        running = self.running
+        if len(running) > cfg.max_num_batched_tokens:
+            return None
+        if len(running) < cfg.max_num_seqs and any(
+                seq.adapter_key is None or self.adapters.is_ready(seq.adapter_key)  # type: ignore[union-attr]
+                for seq in self.waiting):
+            return None
+        out = SchedulerOutput()
+        try_grow = self.blocks.try_grow
+        for seq in running:
+            total = len(seq.token_ids) + seq.num_pending
+            if seq.num_pending and (total - seq.num_prompt_tokens >= seq.params.max_tokens
+                                    or total >= cfg.max_model_len):
+                continue
+            if total - seq.num_computed_tokens != 1 or not try_grow(seq, total):
+                return None
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
+        return out
+
     # -- after the model ran ---------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advances computed counts and appends sampled tokens; returns sequences that grew."""
-        grown = []
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """The step is launched: computed counts move on, and each sampling sequence has one more token
+        pending. Returns the sampling sequences, in schedule order."""
+        sampling = []
         for s in out.scheduled:
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
             if s.sample:
-                s.seq.token_ids.append(sampled[s.seq.request_id])
-                grown.append(s.seq)
+                s.seq.num_pending += 1
+                sampling.append(s.seq)
+        return sampling
+
+    @staticmethod
+    def land(sampling: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """A launched step's tokens are read back: each appended to its sequence, unless the sequence
+        finished meanwhile (aborted, or stopped on its previous token). Returns the sequences that grew."""
+        grown = []
+        for seq, token in zip(sampling, tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.token_ids.append(token)
+            seq.num_pending -= 1
+            grown.append(seq)
         return grown
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advances computed counts and appends sampled tokens; returns sequences that grew."""
+        sampling = self.advance(out)
+        return self.land(sampling, [sampled[seq.request_id] for seq in sampling])

@@ -26,7 +26,8 @@ class Sequence:
     """Token ids (prompt then output) and how many of them are in the KV cache.
 
     Invariant between steps: `num_computed_tokens <= num_tokens`; a running
-    sequence in decode has exactly one token (the last sampled) not computed.
+    sequence in decode has exactly one token (the last sampled) not computed,
+    which with overlapped steps may still be on the device (`num_pending`).
     """
 
     request_id: str
@@ -42,10 +43,13 @@ class Sequence:
     num_emitted_tokens: int = 0                    # output tokens already reported to the caller
     num_preemptions: int = 0
     pinned: bool = False                           # holds a pin on its adapter
+    # Tokens sampled by a step still on the device (overlapped steps): counted in `num_tokens`, not yet in
+    # `token_ids`; the engine appends each once the step lands.
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
@@ -57,7 +61,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -21,6 +21,6 @@ def check_stop(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int
         text = detokenize(seq.output_token_ids[-window:])
         if any(s in text for s in p.stop):
             return FinishReason.STOP
-    if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+    if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= max_model_len:
         return FinishReason.LENGTH
     return None

@@ -57,7 +57,10 @@ def build_rank_engine(config: EngineConfig, group: TensorParallelGroup,
     """
     if config.torch_device.type != group.device.type:
         raise ValueError(f"engine device {config.device} and the group's {group.device} differ")
-    config = dataclasses.replace(config, device=str(group.device))
+    if config.async_scheduling and group.rank == 0:
+        log.warning("async scheduling is not supported with tensor parallelism (followers read each step's "
+                    "tokens from the host): steps run one after another")
+    config = dataclasses.replace(config, device=str(group.device), async_scheduling=False)
     loaded, whole_spec, shard = load_sharded(config.model, group, config.torch_dtype, config.quantization)
     if service is None:
         inner, backend = _default_lora(config, loaded.spec, group.device, loaded.model.dtype)

@@ -67,4 +67,5 @@ def test_engine_host_step_small(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert len(res["rounds"]) == 2 and res["host_ms_per_step_best"] > 0
-    assert {"schedule", "model", "sample", "delta", "other", "step"} <= set(res["rounds"][0]["ms_per_step"])
+    assert {"schedule", "model", "sample", "advance", "land", "delta", "other", "step"} <= set(
+        res["rounds"][0]["ms_per_step"])

@@ -73,9 +73,12 @@ def test_workloads_assign_adapters_and_poisson_arrivals_grow():
 
 
 @pytest.mark.slow
-def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path):
+@pytest.mark.parametrize("steps", ["plain", "overlapped"])
+def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path, steps):
+    """"overlapped": `loraplex serve` and the in-process engine with --async-scheduling."""
     out = tmp_path / "serve_load.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--smoke", "--out", str(out)],
+    flags = ["--async-scheduling"] if steps == "overlapped" else []
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--smoke", "--out", str(out), *flags],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -18,7 +18,7 @@ from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.adapter_check import check_adapter
 
 
-def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0, device="cpu"):
+def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0, device="cpu", async_scheduling=False):
     fetches: list[int] = []
 
     async def fetch(task_id, version):
@@ -28,7 +28,7 @@ def make_runtime(loaded, tiny_model_dir, adapters, pool_bytes, fetch_delay=0.0, 
 
     cfg = ComputeConfig(model=str(tiny_model_dir), device=device, dtype="float32", max_lora_rank=64,
                         lora_gpu_cache_bytes=pool_bytes, max_model_len=96, max_num_batched_tokens=128,
-                        max_num_seqs=16, kv_cache_bytes=1 << 20)
+                        max_num_seqs=16, kv_cache_bytes=1 << 20, async_scheduling=async_scheduling)
     rt = build_runtime(cfg, fetch, loaded=loaded)
     rt.fetches = fetches
     return rt

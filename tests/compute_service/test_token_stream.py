@@ -73,17 +73,24 @@ def record_engine_deltas(rt):
         outs = real_step()
         for out in outs:
             emitted[out.request_id] += out.new_token_ids
+        emitted[IN_FLIGHT].append(int(rt.engine.in_flight))
         return outs
     rt.engine.step = step
     return emitted
 
 
+IN_FLIGHT = "(steps that ended with a step in flight)"
+
+
+@pytest.mark.parametrize("steps", ["plain", "overlapped"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_256_streams_on_one_call_arrive_in_order_nothing_lost_or_duplicated(request, tiny_model_dir, device):
-    """On CUDA the engine thread replays decode CUDA graphs and loads adapters on the side stream."""
+def test_256_streams_on_one_call_arrive_in_order_nothing_lost_or_duplicated(request, tiny_model_dir, device, steps):
+    """On CUDA the engine thread replays decode CUDA graphs and loads adapters on the side stream;
+    "overlapped": --async-scheduling."""
     loaded = request.getfixturevalue("loaded" if device == "cpu" else "loaded_cuda")
     adapters = {t: random_adapter(loaded.spec, 4, seed=300 + t) for t in (1, 2, 3)}
-    rt = make_runtime(loaded, tiny_model_dir, adapters, 2 << 20, device=device)
+    rt = make_runtime(loaded, tiny_model_dir, adapters, 2 << 20, device=device,
+                      async_scheduling=steps == "overlapped")
     emitted = record_engine_deltas(rt)
     gen = random.Random(7)
     specs = {h: ([gen.randrange(96) for _ in range(gen.randrange(2, 8))], gen.randrange(3, 12),
@@ -107,6 +114,7 @@ def test_256_streams_on_one_call_arrive_in_order_nothing_lost_or_duplicated(requ
 
     reader, stats = asyncio.run(main())
     assert not reader.errors
+    assert (sum(emitted.pop(IN_FLIGHT)) > 10) == (steps == "overlapped")
     for h, (prompt, max_tokens, _) in specs.items():
         rid = next(r for r in emitted if r.endswith(f".{h}"))
         assert reader.tokens[h] == emitted[rid], f"handle {h}: stream differs from what the engine emitted"
@@ -119,9 +127,10 @@ def test_256_streams_on_one_call_arrive_in_order_nothing_lost_or_duplicated(requ
     assert stats.kv_blocks_used == 0
 
 
-def test_cancel_and_broken_call_free_kv_blocks_and_adapter_pins(loaded, tiny_model_dir):
+@pytest.mark.parametrize("steps", ["plain", "overlapped"])
+def test_cancel_and_broken_call_free_kv_blocks_and_adapter_pins(loaded, tiny_model_dir, steps):
     adapters = {8: random_adapter(loaded.spec, 8, seed=81), 9: random_adapter(loaded.spec, 8, seed=91)}
-    rt = make_runtime(loaded, tiny_model_dir, adapters, 2 << 20)
+    rt = make_runtime(loaded, tiny_model_dir, adapters, 2 << 20, async_scheduling=steps == "overlapped")
     slow_steps(rt, 0.01)   # a slow model, so the requests are surely mid-way
 
     async def main():

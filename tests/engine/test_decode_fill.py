@@ -22,6 +22,7 @@ def staging(max_batch: int, max_blocks: int, block_size: int, scratch: int) -> D
     g._host_tables = torch.zeros(n, m, dtype=torch.int32)
     g._host_ctx = torch.ones(n, dtype=torch.int32)
     g._i64, g._tables, g._ctx = g._host_i64.numpy(), g._host_tables.numpy(), g._host_ctx.numpy()
+    g._staged = None
     return g
 
 
