@@ -1,0 +1,46 @@
+# Sourced or run on a GPU host (after `source scripts/offline_host/activate.sh`), in the repository root:
+#   bash scripts/offline_host/gpu_stages.sh STAGE COMMIT [OUT]
+# runs one stage of the GPU checks, each sized to finish within a 10-minute call, and writes its results
+# (JSON, logs) under OUT (default: $OUT, else ./gpu_out). COMMIT is recorded in the results (the copy on
+# the host may carry an older git history). Stages:
+#   suite-kernels-1  GPU tests of the shrink and expand kernels
+#   suite-kernels-2  GPU tests of the fused LoRA and quantized matmul kernels
+#   suite-rest       every other GPU test (engine, services, SmolLM2 end to end)
+#   serve-load       bench/serve_load.py, plain steps, then with --async-scheduling (both sides)
+#   cold             bench/cold_adapter.py, and bench/cold_adapter_burst.py with 0 and 4 conversion workers
+#   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
+#   swap             bench/adapter_swap.py
+set -u
+stage=${1:?stage}; commit=${2:?commit}; out=${3:-${OUT:-gpu_out}}
+mkdir -p "$out"
+kernels1="tests/kernels/test_shrink.py tests/kernels/test_expand.py"
+kernels2="tests/kernels/test_fused.py tests/kernels/test_quant_matmul.py"
+ignore="--ignore=tests/deploy --ignore=tests/gateway/test_http_openai.py --ignore=tests/gateway/test_tls.py"
+pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | tail -40 | tee "$out/$stage.log"; }
+case "$stage" in
+  suite-kernels-1) pytest_gpu $kernels1 ;;
+  suite-kernels-2) pytest_gpu $kernels2 ;;
+  suite-rest)
+    deselect=""
+    for f in $kernels1 $kernels2; do deselect="$deselect --ignore=$f"; done
+    pytest_gpu tests $ignore $deselect ;;
+  serve-load)
+    python3 bench/serve_load.py --commit "$commit" --out "$out/serve_load.json" > "$out/serve_load.log" 2>&1
+    python3 bench/serve_load.py --commit "$commit" --async-scheduling --out "$out/serve_load_async.json" \
+      > "$out/serve_load_async.log" 2>&1
+    tail -5 "$out/serve_load.log" "$out/serve_load_async.log" ;;
+  cold)
+    python3 bench/cold_adapter.py --commit "$commit" --out "$out/cold_adapter.json" > "$out/cold.log" 2>&1
+    for n in 0 4; do
+      python3 bench/cold_adapter_burst.py --num 16 --cache-flags "--convert-processes $n" \
+        --out "$out/cold_burst_p$n.json" >> "$out/cold.log" 2>&1
+    done
+    tail -12 "$out/cold.log" ;;
+  host-step)
+    for flag in "" --async-scheduling; do
+      python3 bench/engine_host_step.py --device cuda --commit "$commit" $flag \
+        --out "$out/host_step${flag:+_async}.json" 2>&1 | tail -1
+    done ;;
+  swap) python3 bench/adapter_swap.py --commit "$commit" --out "$out/adapter_swap.json" 2>&1 | tail -12 ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
