@@ -31,9 +31,11 @@ SlotViews = list[dict[str, GroupWeights]]
 
 
 def _module_rows(pool: torch.Tensor, offsets: torch.Tensor, rank: int, width: int) -> torch.Tensor:
-    """[L, rank, width] rows of one module in every layer; rows past a layer's own rank are junk, never read."""
-    idx = offsets[:, :rank, None] + torch.arange(width)                 # [L, rank, width] host
-    return pool[idx.to(pool.device)]
+    """[L, rank, width] rows of one module in every layer; rows past a layer's own rank are junk, never read.
+    One index per row into a sliding-window view of the pool (one per element cost 10x the time)."""
+    windows = pool.unfold(0, width, 1)                                    # [N - width + 1, width], a view
+    index = offsets[:, :rank].reshape(-1).to(pool.device)
+    return windows.index_select(0, index).view(offsets.shape[0], rank, width)
 
 
 def slot_views(pool: torch.Tensor, tables: LoraRowTables, slot: int, group_modules: dict[str, list[int]],
@@ -48,21 +50,49 @@ def slot_views(pool: torch.Tensor, tables: LoraRowTables, slot: int, group_modul
         if rank:
             a_rows[m] = _module_rows(pool, a_off[:, m], rank, fin)
             bt_rows[m] = _module_rows(pool, b_off[:, m], rank, fout)
-    views: SlotViews = []
-    for layer in range(tables.num_layers):
-        groups: dict[str, GroupWeights] = {}
-        for group, mods in group_modules.items():
-            ranks = [int(shapes[layer, m, 0]) for m in mods]
-            if not any(ranks):
-                continue
-            widths = [features[m][1] for m in mods]
-            b_t = torch.zeros(sum(ranks), sum(widths), dtype=pool.dtype, device=pool.device)
-            r0 = c0 = 0
-            for m, r, w in zip(mods, ranks, widths):
-                if r:
-                    b_t[r0: r0 + r, c0: c0 + w] = bt_rows[m][layer, :r]
-                r0, c0 = r0 + r, c0 + w
-            a = torch.cat([a_rows[m][layer, :r] for m, r in zip(mods, ranks) if r])   # [R, in]
-            groups[group] = GroupWeights(a.t().contiguous(), b_t)
-        views.append(groups)
+    views: SlotViews = [{} for _ in range(tables.num_layers)]
+    for group, mods in group_modules.items():
+        ranks = shapes[:, mods, 0]                                      # [L, len(mods)]
+        if bool((ranks == ranks[0]).all()):         # the same ranks in every layer: all layers at once
+            _group_all_layers(views, group, mods, [int(r) for r in ranks[0]], features, a_rows, bt_rows, pool)
+            continue
+        for layer in range(tables.num_layers):
+            _group_one_layer(views, layer, group, mods, [int(r) for r in ranks[layer]], features, a_rows, bt_rows,
+                             pool)
     return views
+
+
+def _group_all_layers(views: SlotViews, group: str, mods: list[int], ranks: list[int],
+                      features: dict[int, tuple[int, int]], a_rows: dict[int, torch.Tensor],
+                      bt_rows: dict[int, torch.Tensor], pool: torch.Tensor) -> None:
+    """One group's weights for every layer, built as [L, ...] tensors; each layer's are views of them."""
+    if not any(ranks):
+        return
+    widths = [features[m][1] for m in mods]
+    num_layers = len(views)
+    b_t = torch.zeros(num_layers, sum(ranks), sum(widths), dtype=pool.dtype, device=pool.device)
+    r0 = c0 = 0
+    for m, r, w in zip(mods, ranks, widths):
+        if r:
+            b_t[:, r0: r0 + r, c0: c0 + w] = bt_rows[m][:, :r]
+        r0, c0 = r0 + r, c0 + w
+    a_t = torch.cat([a_rows[m][:, :r] for m, r in zip(mods, ranks) if r], dim=1).transpose(1, 2).contiguous()
+    for layer in range(num_layers):
+        views[layer][group] = GroupWeights(a_t[layer], b_t[layer])
+
+
+def _group_one_layer(views: SlotViews, layer: int, group: str, mods: list[int], ranks: list[int],
+                     features: dict[int, tuple[int, int]], a_rows: dict[int, torch.Tensor],
+                     bt_rows: dict[int, torch.Tensor], pool: torch.Tensor) -> None:
+    """One group's weights for one layer (ranks that differ between layers)."""
+    if not any(ranks):
+        return
+    widths = [features[m][1] for m in mods]
+    b_t = torch.zeros(sum(ranks), sum(widths), dtype=pool.dtype, device=pool.device)
+    r0 = c0 = 0
+    for m, r, w in zip(mods, ranks, widths):
+        if r:
+            b_t[r0: r0 + r, c0: c0 + w] = bt_rows[m][layer, :r]
+        r0, c0 = r0 + r, c0 + w
+    a = torch.cat([a_rows[m][layer, :r] for m, r in zip(mods, ranks) if r])   # [R, in]
+    views[layer][group] = GroupWeights(a.t().contiguous(), b_t)

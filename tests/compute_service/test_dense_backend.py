@@ -65,3 +65,42 @@ def test_rows_loaded_as_tensors_equal_the_converted_adapter():
     from_rows = qkv_delta(dense, slots.load_rows("rows", rows), x)
     from_adapter = qkv_delta(dense, slots.load("adapter", adapter), x)
     assert from_rows.abs().max() > 0.1 and torch.equal(from_rows, from_adapter)
+
+
+def test_ranks_that_differ_between_layers_match_the_kernels_reference():
+    """A module at rank 4 in layer 0 and 2 in layer 1, one absent from layer 1: each layer's copies are built
+    on their own (same ranks in every layer build all layers at once); both equal the row-table path."""
+    import numpy as np
+
+    from loraplex.formats.adapter import Adapter
+
+    full = random_adapter(SPEC, 4, seed=5)
+    rows, cfg, in_out = [], [], []
+    for r in full.rows():
+        rank = r.rank if r.layer_idx == 0 else 2
+        if r.layer_idx == 1 and r.module_id == 2:        # k_proj only in layer 0
+            continue
+        a, b = r.a[:rank], r.b[:, :rank]
+        rows.append(torch.cat([a.flatten(), b.flatten()]))
+        cfg.append([r.module_id, r.layer_idx, rank])
+        in_out.append((a.shape[1], b.shape[0]))
+    weights = torch.zeros(len(rows), max(x.numel() for x in rows))
+    for i, x in enumerate(rows):
+        weights[i, : x.numel()] = x
+    adapter = Adapter(config=np.asarray(cfg, dtype=np.int32), weights=weights, in_out=tuple(in_out))
+    slots = PagedAdapterSlots(SPEC, 8, torch.device("cpu"), torch.float32)
+    slots.allocate_for(2)
+    dense, reference = lora_backend_for(slots, 16), lora_backend_for(slots, 16, "kernels")
+    dense.allocate()
+    reference.allocate()
+    slot = slots.load("mixed", adapter)
+    x = torch.randn(3, SPEC.hidden_size)
+    widths = {"qkv": [SPEC.q_size, SPEC.kv_size, SPEC.kv_size], "o": [SPEC.hidden_size],
+              "gate_up": [SPEC.intermediate_size] * 2}
+    for layer in range(SPEC.num_layers):
+        for group, split in widths.items():
+            got, want = (torch.zeros(3, sum(split)) for _ in range(2))
+            for backend, y in ((dense, got), (reference, want)):
+                backend.prepare(torch.full((3,), slot, dtype=torch.int32))
+                backend.apply(layer, group, x, list(y.split(split, dim=1)))
+            assert want.abs().max() > 0.01 and torch.allclose(got, want, atol=1e-5), (layer, group)
