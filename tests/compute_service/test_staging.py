@@ -64,9 +64,10 @@ def test_cpu_upload_groups_hold_each_rows_factors():
     assert up.num_bytes == len(expected_stream(adapter))
 
 
-def test_cpu_upload_refuses_non_finite_factors():
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_cpu_upload_refuses_non_finite_factors(bad):
     adapter = mixed_adapter(4)
-    adapter.weights[5, 0] = float("inf")
+    adapter.weights[5, 0] = bad
     with pytest.raises(Exception, match="NaN or Inf"):
         upload(adapter, 1, torch.device("cpu"), None)
 
