@@ -44,3 +44,21 @@ def test_fill_writes_each_row_and_pads_the_bucket():
         assert g.input_ids[pad].eq(0).all() and g.positions[pad].eq(0).all()
         assert g.meta.slot_mapping[pad].eq(scratch * bs).all() and g.meta.context_lens[pad].eq(1).all()
         assert g.meta.block_tables[pad, 0].eq(scratch).all()
+
+
+def test_pending_tokens_land_in_their_rows():
+    """The step in flight's tokens go to the rows that wait for them: in place (same rows, same order) or
+    through an index (sequences finished or joined in between); other rows keep their host ids."""
+    from compute_service.engine.pending import PendingTokens, fill_pending
+
+    tokens = torch.tensor([70, 71, 72, 73, 74])
+    ids = torch.tensor([0, 0, 0, 9, 0])
+    same = PendingTokens([0, 1, 2], [0, 1, 2], tokens)
+    assert same.in_place
+    fill_pending(ids, same)
+    assert ids.tolist() == [70, 71, 72, 9, 0]
+    ids = torch.tensor([5, 0, 0, 0, 6])
+    moved = PendingTokens([1, 2, 3], [4, 0, 2], tokens)
+    assert not moved.in_place
+    fill_pending(ids, moved)
+    assert ids.tolist() == [5, 74, 70, 72, 6]

@@ -17,9 +17,16 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.fixture(params=["plain", "overlapped"])
+def steps(request) -> str:
+    """Every behaviour here holds with plain steps and with overlapped ones (`async_scheduling`)."""
+    return request.param
+
+
 @pytest.fixture
-def engine(tiny_models) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_models["llama"][1]), block_size=4, max_model_len=64))
+def engine(tiny_models, steps) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_models["llama"][1]), block_size=4, max_model_len=64,
+                                  async_scheduling=steps == "overlapped"))
 
 
 def drain(engine: LLMEngine) -> dict[str, list]:
@@ -93,10 +100,11 @@ def test_stop_token_ids_and_stop_strings(engine):
     assert deltas[-1].finish_reason == "stop" and got == free[: text.index(stop) + len(stop)]
 
 
-def test_request_waits_for_its_adapter_and_pins_it(tiny_models):
+def test_request_waits_for_its_adapter_and_pins_it(tiny_models, steps):
     model, folder = tiny_models["llama"]
     peft_model = add_peft_adapters(copy.deepcopy(model), {"x": dict(r=4, target_modules=["q_proj", "down_proj"])})
-    engine = LLMEngine(EngineConfig(model=str(folder), block_size=4, max_loras=2))
+    engine = LLMEngine(EngineConfig(model=str(folder), block_size=4, max_loras=2,
+                                    async_scheduling=steps == "overlapped"))
     slots = engine.slots
     # An asynchronous load in flight: staged and queued, not copied into the pool until the test pumps it.
     slots.add_staged("x", slots.stage_adapter("x", peft_adapter_to_converted(peft_model, "x")))
@@ -117,7 +125,7 @@ def test_request_waits_for_its_adapter_and_pins_it(tiny_models):
     assert slots.pin_count("x") == 0 and slots.evict("x")
 
 
-def test_preemption_gives_the_same_seeded_tokens(tiny_models):
+def test_preemption_gives_the_same_seeded_tokens(tiny_models, steps):
     model, folder = tiny_models["qwen2"]
     peft_model = add_peft_adapters(copy.deepcopy(model), {"x": dict(r=8, target_modules=["v_proj", "up_proj"])})
     adapter = peft_adapter_to_converted(peft_model, "x")
@@ -125,6 +133,7 @@ def test_preemption_gives_the_same_seeded_tokens(tiny_models):
     results = []
     for kv_bytes in (1 << 22, 2048 * 20):       # roomy, then 20 blocks of 4 tokens for 4 sequences of ~40
         engine = LLMEngine(EngineConfig(model=str(folder), block_size=4, max_model_len=64, kv_cache_bytes=kv_bytes,
+                                        async_scheduling=steps == "overlapped",
                                         max_num_batched_tokens=24))
         engine.add_adapter("x", adapter)
         for i in range(4):
