@@ -136,3 +136,39 @@ def test_logits_callers_and_length_limits_read_the_step_in_flight_first(tiny_mod
     long = [t for d in out["long"] for t in d.new_token_ids]
     assert len(short) == 3 and out["short"][-1].finish_reason == "length"
     assert len(long) == 24 - 10 and out["long"][-1].finish_reason == "length"     # max_model_len
+
+
+@pytest.mark.gpu
+def test_overlapped_decode_graphs_on_cuda_give_the_same_tokens(tiny_models):
+    """On CUDA the overlapped steps replay the decode graphs with their input ids copied on the device from
+    the step in flight. Base model, fp32, stops by length only (so every step has the same batch as with
+    plain steps, and the same graphs): the tokens must be equal, greedy and seeded."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = tiny_models["llama"][1]
+    requests = {f"r{i}": (prompt(4 + 3 * i, 50 + i),
+                          SamplingParams(max_tokens=5 + 4 * (i % 4), temperature=0.0 if i % 2 else 0.8,
+                                         seed=900 + i, top_k=0 if i % 3 else 12, ignore_eos=True), None)
+                for i in range(10)}
+    joins = {f"r{i}": (0 if i < 5 else 3 + 2 * (i - 5)) for i in range(10)}
+
+    def run_cuda(overlap: bool):
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", block_size=4,
+                                        max_model_len=64, max_num_seqs=16, async_scheduling=overlap))
+        tokens: dict[str, list[int]] = {}
+        step, overlapped = 0, 0
+        while step < 300 and (engine.has_unfinished() or step <= max(joins.values())):
+            for rid, (p, params, _) in requests.items():
+                if joins[rid] == step:
+                    engine.add_request(rid, p, params)
+            for d in engine.step():
+                tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+            overlapped += engine.in_flight
+            step += 1
+        assert engine.runner.num_graph_steps > 0 and engine.stats().num_kv_blocks_used == 0
+        return tokens, overlapped
+
+    plain, _ = run_cuda(False)
+    overlapped, n = run_cuda(True)
+    assert n > 5 and overlapped == plain
+    assert all(len(overlapped[r]) == requests[r][1].max_tokens for r in requests)
