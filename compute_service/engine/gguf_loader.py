@@ -74,10 +74,19 @@ class GGUFSource:
     def __call__(self, name: str) -> torch.Tensor | None:
         from gguf import dequantize
 
+        from compute_service.engine.quant_formats.gguf import block_weight
+
         t = self._by_hf.get(name)
         if t is None:
             return None
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # Q4_0 / Q4_1 / Q8_0 through the canonical form, in torch: the same float32 values (bit for bit but
+        # for the sign of some zeros; tests/engine/test_gguf_dequant.py) in under half the time of the per-block numpy path, which
+        # took most of a SmolLM2 load (0.91 of 1.3 s on 2 cores); other types as before.
+        qw = block_weight(t.data, t.tensor_type) if t.data.ndim == 2 else None
+        if qw is not None:
+            w = qw.dequantize(torch.float32).numpy()
+        else:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         heads = self._heads(name)
         if heads is not None:
             w = _unpermute(w, heads)

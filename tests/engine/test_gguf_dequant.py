@@ -1,0 +1,64 @@
+"""GGUF Q4_0 / Q4_1 / Q8_0 tensors load through the canonical form (torch) with the same float32 values, in
+the same shape, as the gguf package's dequantization, which the loader used before: bit for bit, except
+that a zero may come out +0.0 where the package gives -0.0 (d * 0 with d < 0; as values they are equal)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compute_service.engine.quant_formats.gguf import KEPT_TYPES, block_weight
+
+
+def random_blocks(tensor_type: int, rows: int, blocks: int, seed: int) -> np.ndarray:
+    """Raw rows of a tensor of `tensor_type`: random codes, float16 scales (and Q4_1 minimums) of all signs."""
+    _, nbytes, _ = KEPT_TYPES[tensor_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, blocks)) * 0.02).astype(np.float16)
+    raw[..., :2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    if tensor_type == 3:                                            # Q4_1: a float16 minimum after d
+        mins = (rng.standard_normal((rows, blocks)) * 0.1).astype(np.float16)
+        raw[..., 2:4] = mins[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    return raw.reshape(rows, blocks * nbytes)
+
+
+@pytest.mark.parametrize("tensor_type", sorted(KEPT_TYPES))
+def test_canonical_dequantization_equals_the_gguf_package(tensor_type):
+    from gguf import GGMLQuantizationType, dequantize
+
+    data = random_blocks(tensor_type, rows=37, blocks=6, seed=tensor_type)
+    want = np.asarray(dequantize(data, GGMLQuantizationType(tensor_type)), dtype=np.float32)
+    got = block_weight(data, tensor_type).dequantize(torch.float32).numpy()
+    assert got.shape == want.shape == (37, 6 * 32)
+    assert np.array_equal(got, want) and not np.isnan(got).any()
+    differs = got.view(np.uint32) != want.view(np.uint32)
+    assert (got[differs] == 0).all()                     # only the sign of some zeros
+
+
+@pytest.mark.slow
+def test_default_model_loads_the_same_weights_as_the_gguf_package():
+    from gguf import GGUFReader, dequantize
+
+    from compute_service.engine.gguf_loader import read_gguf
+    from compute_service.engine.loader import default_model_path
+
+    try:
+        path = default_model_path()
+    except Exception:  # noqa: BLE001 - the default model is an optional install
+        pytest.skip("the default SmolLM2 GGUF is not installed")
+    _, source, _ = read_gguf(path)
+    by_name = {t.name: t for t in GGUFReader(str(path)).tensors}
+    checked = 0
+    for hf_name, t in source._by_hf.items():           # noqa: SLF001 - every tensor the loader can return
+        if int(t.tensor_type) not in KEPT_TYPES:
+            continue
+        want = np.asarray(dequantize(by_name[t.name].data, by_name[t.name].tensor_type), dtype=np.float32)
+        heads = source._heads(hf_name)                  # noqa: SLF001
+        if heads is not None:
+            from compute_service.engine.gguf_loader import _unpermute
+            want = _unpermute(want, heads)
+        got = source(hf_name).numpy()
+        assert got.shape == want.shape and np.array_equal(got, want), hf_name
+        checked += 1
+    assert checked > 200
