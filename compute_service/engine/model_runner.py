@@ -15,6 +15,7 @@ import torch
 
 from compute_service.engine.attention import DecodeMetadata, StepMetadata, step_metadata
 from compute_service.engine.cuda_graphs import DecodeGraphs
+from compute_service.engine.host_lists import to_device
 from compute_service.engine.lora_backend import NO_ADAPTER, AdapterSlots, LoraBackend
 from compute_service.engine.model import LlamaModel
 from compute_service.engine.pending import PendingTokens, fill_pending
@@ -129,8 +130,5 @@ class ModelRunner:
             hidden = self.model.forward(ids, torch.tensor(positions, device=dev), meta, self.kv_caches, lora)
         if decode:
             return self.model.compute_logits(hidden)
-        # From pinned memory, without waiting: a pageable copy would hold the host until the step's whole GPU
-        # work is done, delaying the hand-off that `on_launched` makes once the step is queued.
-        rows = torch.tensor(sample_rows, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        return self.model.compute_logits(hidden[rows.to(dev, non_blocking=True)])
+        return self.model.compute_logits(hidden[to_device(sample_rows, torch.int64, dev)])
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compute_service.engine.host_lists import to_device
+
 
 @dataclass(frozen=True)
 class PendingTokens:
@@ -27,8 +29,5 @@ def fill_pending(input_ids: torch.Tensor, pending: PendingTokens) -> None:
     if pending.in_place:
         input_ids[: len(pending.rows)].copy_(pending.tokens[: len(pending.rows)])
         return
-    dev = input_ids.device
-    pinned = dev.type == "cuda"
-    index = torch.tensor([pending.rows, pending.sources], dtype=torch.int64, pin_memory=pinned)
-    index = index.to(dev, non_blocking=pinned)
+    index = to_device([pending.rows, pending.sources], torch.int64, input_ids.device)
     input_ids.index_copy_(0, index[0], pending.tokens.index_select(0, index[1]))

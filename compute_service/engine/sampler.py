@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from compute_service.engine.host_lists import to_device
 from compute_service.engine.sampling_params import SamplingParams
 
 
@@ -25,19 +26,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def _on_device(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    """A small host list on `dev` without waiting for the device: through fresh pinned memory (torch
-    keeps it until the copy ran), where a pageable copy would wait for every queued kernel."""
-    pinned = dev.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(dev, non_blocking=pinned)
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits [N, V] float32 -> one token id per row."""
-    return sample_tokens(logits, params, generators).tolist()
-
-
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [N, V] float32 -> token ids [N] int64 on the logits' device, without waiting for it."""
@@ -45,10 +33,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         dev = logits.device
-        idx = _on_device(rows, torch.int64, dev)
-        temps = _on_device([params[i].temperature for i in rows], torch.float32, dev)
-        top_k = _on_device([max(params[i].top_k, 0) for i in rows], torch.int64, dev)
-        top_p = _on_device([params[i].top_p for i in rows], torch.float32, dev)
+        idx = to_device(rows, torch.int64, dev)
+        temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
+        top_k = to_device([max(params[i].top_k, 0) for i in rows], torch.int64, dev)
+        top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
         scaled = apply_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
         probs = scaled.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; E comes from the row's own generator.

@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from compute_service.engine.errors import InvalidRequestError
-from compute_service.engine.sampler import apply_top_k_top_p, sample
+from compute_service.engine.sampler import apply_top_k_top_p, sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
+
+
+def sample(logits, params, generators) -> list[int]:
+    """The sampled token ids, read back (the engine reads them when the step lands)."""
+    return sample_tokens(logits, params, generators).tolist()
 
 
 @pytest.mark.parametrize("kwargs, field", [
