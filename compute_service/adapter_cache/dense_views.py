@@ -53,46 +53,30 @@ def slot_views(pool: torch.Tensor, tables: LoraRowTables, slot: int, group_modul
     views: SlotViews = [{} for _ in range(tables.num_layers)]
     for group, mods in group_modules.items():
         ranks = shapes[:, mods, 0]                                      # [L, len(mods)]
-        if bool((ranks == ranks[0]).all()):         # the same ranks in every layer: all layers at once
-            _group_all_layers(views, group, mods, [int(r) for r in ranks[0]], features, a_rows, bt_rows, pool)
-            continue
-        for layer in range(tables.num_layers):
-            _group_one_layer(views, layer, group, mods, [int(r) for r in ranks[layer]], features, a_rows, bt_rows,
-                             pool)
+        # The same ranks in every layer: all layers at once; else layer by layer.
+        spans = ([range(tables.num_layers)] if bool((ranks == ranks[0]).all())
+                 else [range(layer, layer + 1) for layer in range(tables.num_layers)])
+        for layers in spans:
+            _group_weights(views, layers, group, mods, [int(r) for r in ranks[layers.start]], features,
+                           a_rows, bt_rows, pool)
     return views
 
 
-def _group_all_layers(views: SlotViews, group: str, mods: list[int], ranks: list[int],
-                      features: dict[int, tuple[int, int]], a_rows: dict[int, torch.Tensor],
-                      bt_rows: dict[int, torch.Tensor], pool: torch.Tensor) -> None:
-    """One group's weights for every layer, built as [L, ...] tensors; each layer's are views of them."""
+def _group_weights(views: SlotViews, layers: range, group: str, mods: list[int], ranks: list[int],
+                   features: dict[int, tuple[int, int]], a_rows: dict[int, torch.Tensor],
+                   bt_rows: dict[int, torch.Tensor], pool: torch.Tensor) -> None:
+    """One group's weights for `layers` (which share `ranks`), built as [len(layers), ...] tensors; each
+    layer's are views of them."""
     if not any(ranks):
         return
     widths = [features[m][1] for m in mods]
-    num_layers = len(views)
-    b_t = torch.zeros(num_layers, sum(ranks), sum(widths), dtype=pool.dtype, device=pool.device)
+    sel = slice(layers.start, layers.stop)
+    b_t = torch.zeros(len(layers), sum(ranks), sum(widths), dtype=pool.dtype, device=pool.device)
     r0 = c0 = 0
     for m, r, w in zip(mods, ranks, widths):
         if r:
-            b_t[:, r0: r0 + r, c0: c0 + w] = bt_rows[m][:, :r]
+            b_t[:, r0: r0 + r, c0: c0 + w] = bt_rows[m][sel, :r]
         r0, c0 = r0 + r, c0 + w
-    a_t = torch.cat([a_rows[m][:, :r] for m, r in zip(mods, ranks) if r], dim=1).transpose(1, 2).contiguous()
-    for layer in range(num_layers):
-        views[layer][group] = GroupWeights(a_t[layer], b_t[layer])
-
-
-def _group_one_layer(views: SlotViews, layer: int, group: str, mods: list[int], ranks: list[int],
-                     features: dict[int, tuple[int, int]], a_rows: dict[int, torch.Tensor],
-                     bt_rows: dict[int, torch.Tensor], pool: torch.Tensor) -> None:
-    """One group's weights for one layer (ranks that differ between layers)."""
-    if not any(ranks):
-        return
-    widths = [features[m][1] for m in mods]
-    b_t = torch.zeros(sum(ranks), sum(widths), dtype=pool.dtype, device=pool.device)
-    r0 = c0 = 0
-    for m, r, w in zip(mods, ranks, widths):
-        if r:
-            b_t[r0: r0 + r, c0: c0 + w] = bt_rows[m][layer, :r]
-        r0, c0 = r0 + r, c0 + w
-    a = torch.cat([a_rows[m][layer, :r] for m, r in zip(mods, ranks) if r])   # [R, in]
-    views[layer][group] = GroupWeights(a.t().contiguous(), b_t)
+    a_t = torch.cat([a_rows[m][sel, :r] for m, r in zip(mods, ranks) if r], dim=1).transpose(1, 2).contiguous()
+    for i, layer in enumerate(layers):
+        views[layer][group] = GroupWeights(a_t[i], b_t[i])
