@@ -111,7 +111,6 @@ class ConvertProcesses:
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
         self._closed = False
-        self.converted = 0      # adapters the workers converted
 
     def _executor(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -135,7 +134,7 @@ class ConvertProcesses:
         pool = self._executor()
         dtype_name = str(dtype).removeprefix("torch.")
         try:
-            version = pool.submit(fill_segment, str(folder), dtype_name, segment, offset, tuple(shape)).result()
+            return pool.submit(fill_segment, str(folder), dtype_name, segment, offset, tuple(shape)).result()
         except BrokenProcessPool as exc:
             with self._lock:
                 if self._pool is pool:
@@ -146,9 +145,6 @@ class ConvertProcesses:
             raise WorkersLost(str(exc)) from exc
         except CancelledError:
             raise UnavailableError("the cache service is stopping: the conversion was cancelled") from None
-        with self._lock:
-            self.converted += 1
-        return version
 
     def close(self) -> None:
         with self._lock:

@@ -53,12 +53,10 @@ def cache(request, tmp_path, tiny_model):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_named_peft_lands_as_read_peft_would_convert_it(cache, tmp_path, tiny_model, dtype):
     write_adapter(tmp_path / "good", seed=1, dtype=dtype)
-    converted = cache.convert.converted if cache.convert else 0
     task_id, version = cache.resolve_name("good")
     ref = validate(read_peft(tmp_path / "good"), tiny_model[1], 64)
     assert version == ref.content_hash
-    if cache.convert:
-        assert cache.convert.converted == converted + 1     # the worker wrote the rows
+    assert conversions(cache, "worker" if cache.convert else "service") == 1     # where the rows were written
     with cache.get(task_id) as reader:
         got = torch.frombuffer(bytearray(b"".join(bytes(c) for c in reader.chunks(1 << 20))), dtype=dtype)
         assert torch.equal(got.view(ref.weights.shape), ref.weights)
@@ -73,6 +71,11 @@ def test_non_finite_factor_is_refused_naming_its_row_and_leaves_no_segment(cache
     with pytest.raises(errors.InvalidArgumentError, match="row 5: nan at column 537"):
         cache.resolve_name("bad")
     assert cache.backend.segment_names() == [] and cache.backend.stats().num_adapters == 0
+
+
+def conversions(cache, where: str) -> float:
+    """PEFT adapters the cache converted with their rows written by `where` ("worker" or "service")."""
+    return cache.metrics.registry.get_sample_value("loraplex_host_cache_conversions_total", {"where": where}) or 0
 
 
 def run_together(n, fn):
@@ -153,15 +156,16 @@ def test_conversion_workers_convert_and_a_dead_worker_fails_no_load(tmp_path, ti
         write_adapter(tmp_path / "first", seed=5)
         write_adapter(tmp_path / "second", seed=6)
         assert cache.resolve_name("first")[1] == validate(read_peft(tmp_path / "first"), tiny_model[1], 64).content_hash
-        assert convert.converted == 1
+        assert conversions(cache, "worker") == 1
         for pid in list(convert._pool._processes):      # noqa: SLF001 - the test kills the workers
             os.kill(pid, signal.SIGKILL)
         task_id, version = cache.resolve_name("second")
         assert version == validate(read_peft(tmp_path / "second"), tiny_model[1], 64).content_hash
-        assert convert.converted == 1 and len(backend.segment_names()) == 2
+        assert conversions(cache, "worker") == conversions(cache, "service") == 1
+        assert len(backend.segment_names()) == 2
         write_adapter(tmp_path / "third", seed=7)
         cache.resolve_name("third")                      # a new pool of workers
-        assert convert.converted == 2
+        assert conversions(cache, "worker") == 2
     finally:
         convert.close()
         backend.close()
