@@ -149,7 +149,8 @@ def main() -> None:
     ap.add_argument("--cache-flags", default="", help="more `loraplex cache` flags, e.g. \"--convert-processes 4\"")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
-    cache_flags = (["--shm-spare-bytes", args.shm_spare_bytes] if args.shm_spare_bytes else []) + args.cache_flags.split()
+    cache_flags = ["--shm-spare-bytes", args.shm_spare_bytes] if args.shm_spare_bytes else []
+    cache_flags += args.cache_flags.split()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     result: dict = dict(bench="cold_adapter", device=torch.cuda.get_device_name() if cuda else "cpu",

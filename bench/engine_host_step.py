@@ -3,8 +3,9 @@
 Runs N requests of T greedy tokens through an in-process `LLMEngine` (a tiny random Llama by default, so
 on the CPU the model's own time stays small; `--model` for a real one, `--device cuda` on a GPU) and times,
 per step: the scheduler (`schedule`), the model (`model`: inputs, graph fill and launch, or the whole CPU
-forward; `inputs`, the step's host lists, is also counted on its own), sampling (`sample`, queued on the device), the scheduler's bookkeeping (`advance` at launch,
-`land` when the tokens are read back), stop checks (`check_stop`), the per-request outputs (`delta`) and
+forward; `inputs`, the step's host lists, is also counted on its own), sampling (`sample`, queued on
+the device), the scheduler's bookkeeping (`advance` at launch, `land` when the tokens are read back),
+stop checks (`check_stop`), the per-request outputs (`delta`) and
 the rest of the step (`other`: on a GPU this includes waiting for the step's tokens). Without overlapped
 steps (`--async-scheduling`), every host millisecond here is a millisecond the GPU waits between two decode
 steps.

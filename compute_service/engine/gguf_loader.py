@@ -79,9 +79,10 @@ class GGUFSource:
         t = self._by_hf.get(name)
         if t is None:
             return None
-        # Q4_0 / Q4_1 / Q8_0 through the canonical form, in torch: the same float32 values (bit for bit but
-        # for the sign of some zeros; tests/engine/test_gguf_dequant.py) in under half the time of the per-block numpy path, which
-        # took most of a SmolLM2 load (0.91 of 1.3 s on 2 cores); other types as before.
+        # Q4_0 / Q4_1 / Q8_0 through the canonical form, in torch: the same float32 values (bit for bit
+        # but for the sign of some zeros; tests/engine/test_gguf_dequant.py) in under half the time of the
+        # per-block numpy path, which took most of a SmolLM2 load (0.91 of 1.3 s on 2 cores); other types
+        # as before.
         qw = block_weight(t.data, t.tensor_type) if t.data.ndim == 2 else None
         if qw is not None:
             w = qw.dequantize(torch.float32).numpy()
