@@ -20,9 +20,10 @@ class CacheConfig:
         default=256 << 20, metadata={"help": "shm: blank segments kept ready, pages allocated, so a cold adapter's "
                                              "conversion does not wait on page faults (beyond the budget; adapters "
                                              "larger than this get none; 0 = off)"})
-    convert_processes: int = field(default=0, metadata={
+    convert_processes: int = field(default=-1, metadata={
         "help": "shm: worker processes that convert never-seen PEFT adapters into shared memory, side by side "
-                "and outside the service's GIL (0 = convert in the service's process)"})
+                "and outside the service's GIL (0 = convert in the service's process; -1 = auto: a quarter of "
+                "the CPU cores, at most 4, none below 8 cores)"})
     lora_root: str = field(default="", metadata={"help": "folder of named adapters (<root>/<name>/ or <root>/<name>.safetensors)"})
     lora_prefetch_dir: str = field(default="", metadata={"help": "folder of <task_id>/model.lora_{config,weights}.npy loaded at start"})
     model: str = field(default="", metadata={"help": "base model (GGUF, HF folder or config.json) adapters are validated against; default SmolLM2"})
@@ -48,8 +49,8 @@ class CacheConfig:
             raise SettingsError("host_cache_bytes: must be positive")
         if self.gil_switch_interval_us < 0:
             raise SettingsError("gil_switch_interval_us must be >= 0")
-        if self.convert_processes < 0:
-            raise SettingsError("convert_processes: must be >= 0")
+        if self.convert_processes < -1:
+            raise SettingsError("convert_processes: must be >= 0, or -1 (auto)")
         if self.shm_spare_bytes < 0:
             raise SettingsError("shm_spare_bytes: must be >= 0")
         if not 1 <= self.max_lora_rank <= 1024:
@@ -63,3 +64,10 @@ class CacheConfig:
             raise SettingsError("retired_grace_s: must be >= 0")
         if not 0 <= self.metrics_port <= 65535:
             raise SettingsError("metrics_port: must be in 0..65535")
+
+
+def auto_convert_processes(cpus: int) -> int:
+    """`--convert-processes -1`: a quarter of the cores, at most 4; none below 8 cores, where the workers
+    would take the cores the service and the compute service need (16 cores, H200 host: 16 cold rank-64
+    SmolLM2 adapters at once resolved in 0.58-0.60 s with 4 workers against 1.10-1.34 s without)."""
+    return 0 if cpus < 8 else min(4, cpus // 4)

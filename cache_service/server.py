@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 import grpc
@@ -13,7 +14,7 @@ from loraplex.model_files import resolve_model_path
 from loraplex.serving import run_server
 from loraplex.v1 import cache_pb2_grpc
 from cache_service.backend import CacheBackend
-from cache_service.config import CacheConfig
+from cache_service.config import CacheConfig, auto_convert_processes
 from cache_service.convert_procs import ConvertProcesses
 from cache_service.host_cache import HostCache
 from cache_service.servicer import AdapterCacheServicer
@@ -42,9 +43,13 @@ def build_cache(config: CacheConfig) -> HostCache:
     spec = ModelSpec.from_path(resolve_model_path(config.model))
     backend = make_backend(config, spec.fingerprint)
     convert = None
-    if config.convert_processes and backend.kind == "shm":
-        convert = ConvertProcesses(config.convert_processes)
-    elif config.convert_processes:
+    workers = config.convert_processes
+    if workers < 0:
+        workers = auto_convert_processes(len(os.sched_getaffinity(0)))
+    if workers and backend.kind == "shm":
+        convert = ConvertProcesses(workers)
+        log.info("converting never-seen PEFT adapters in %d worker processes (--convert-processes)", workers)
+    elif workers and config.convert_processes > 0:
         log.info("--convert-processes: the redis backend converts in the service's process (workers need "
                  "shared memory)")
     return HostCache(backend, spec, max_lora_rank=config.max_lora_rank, lora_root=config.lora_root,

@@ -28,7 +28,7 @@ case "$stage" in
     python3 bench/serve_load.py --commit "$commit" --out "$out/serve_load.json" > "$out/serve_load.log" 2>&1
     python3 bench/serve_load.py --commit "$commit" --async-scheduling --out "$out/serve_load_async.json" \
       > "$out/serve_load_async.log" 2>&1
-    tail -5 "$out/serve_load.log" "$out/serve_load_async.log" ;;
+    tail -n 5 "$out/serve_load.log" "$out/serve_load_async.log" ;;
   cold)
     python3 bench/cold_adapter.py --commit "$commit" --out "$out/cold_adapter.json" > "$out/cold.log" 2>&1
     for n in 0 4; do

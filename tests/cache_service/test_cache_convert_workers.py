@@ -14,12 +14,29 @@ from loraplex.formats import read_peft, validate
 from loraplex.procs import start_service
 
 
-def test_workers_are_off_by_default_and_counts_are_checked():
-    from cache_service.config import CacheConfig
+def test_workers_default_to_auto_and_counts_are_checked():
+    from cache_service.config import CacheConfig, auto_convert_processes
 
-    assert CacheConfig().convert_processes == 0
+    assert CacheConfig().convert_processes == -1
+    assert [auto_convert_processes(n) for n in (1, 2, 4, 7, 8, 12, 16, 64)] == [0, 0, 0, 0, 2, 3, 4, 4]
+    CacheConfig(convert_processes=0)
     with pytest.raises(Exception, match="convert_processes"):
-        CacheConfig(convert_processes=-1)
+        CacheConfig(convert_processes=-2)
+
+
+def test_auto_follows_the_cores_the_service_may_use(tiny_model, tmp_path, monkeypatch):
+    import os
+
+    from cache_service.config import CacheConfig
+    from cache_service import server
+
+    for cpus, expected in ((2, None), (16, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        cache = server.build_cache(CacheConfig(model=str(tiny_model[0]), lora_root=str(tmp_path)))
+        try:
+            assert (cache.convert.processes if cache.convert is not None else None) == expected
+        finally:
+            cache.close()
 
 
 def test_build_cache_gives_shm_its_workers(tiny_model, tmp_path):
