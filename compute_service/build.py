@@ -37,6 +37,12 @@ class Runtime:
     loaded: LoadedModel
     device: torch.device
 
+    def model_info(self):  # type: ignore[no-untyped-def]
+        """The served model as GetModelInfo reports it (`compute_service.servicer.model_info_of`)."""
+        from compute_service.servicer import model_info_of
+
+        return model_info_of(self)
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

@@ -37,6 +37,10 @@ class ComputeConfig:
         "help": "overlapped decode steps: queue step N+1 before reading step N's tokens back, so the engine's "
                 "host work runs while the GPU computes (not yet measured on a GPU: off by default; one process "
                 "only, not with --tensor-parallel-size)"})
+    engine_process: str = field(default="auto", metadata={
+        "help": "run the engine in a child process, the gRPC side in this one, so the two do not share one "
+                "GIL: on, off, or auto (on with a GPU and one process; off on the CPU and with "
+                "--tensor-parallel-size)"})
     step_trace: str = field(default="", metadata={
         "help": "file to write every engine step's host start and end times to at shutdown (benchmarks)"})
     tensor_parallel_size: int = field(default=1, metadata={
@@ -74,6 +78,11 @@ class ComputeConfig:
             raise SettingsError("metrics_port: must be in 0..65535")
         if self.tensor_parallel_size < 1:
             raise SettingsError("tensor_parallel_size must be >= 1")
+        if self.engine_process not in ("auto", "on", "off"):
+            raise SettingsError(f"engine_process: expected auto, on or off, got {self.engine_process!r}")
+        if self.engine_process == "on" and self.tensor_parallel_size > 1:
+            raise SettingsError("engine_process on is not supported with tensor_parallel_size > 1 yet "
+                                "(rank 0 serves gRPC in its own process); use auto or off")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise SettingsError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
         if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0:

@@ -90,6 +90,37 @@ class _QueueConsumer:
         pass
 
 
+class RequestRunner(Protocol):
+    """Starts and cancels requests (`EngineRunner` here, `engine_link.RemoteRunner` for an engine process)."""
+
+    def start_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                      task_id: int | None, version: str, consumer: StepConsumer, handle: int,
+                      timeout_s: float | None = None) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+async def generate_with(runner: RequestRunner, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                        task_id: int | None = None, version: str = "") -> AsyncIterator[RequestOutput]:
+    """One request's deltas through `runner`; the last one has `finished` set. Cancelling aborts it."""
+    consumer = _QueueConsumer()
+    runner.start_request(request_id, prompt, params, task_id, version, consumer, 0)
+    done = False
+    try:
+        while True:
+            item = await consumer.queue.get()
+            if isinstance(item, BaseException):
+                done = True
+                raise item
+            done = item.finished
+            yield item
+            if done:
+                return
+    finally:
+        if not done:
+            runner.cancel(request_id)
+
+
 class EngineRunner:
     """Owns the engine thread; every method is called on the event loop."""
 
@@ -159,25 +190,10 @@ class EngineRunner:
         if self.steps.failure is None:
             self.steps.submit(lambda: self.steps.abort(request_id))
 
-    async def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                       task_id: int | None = None, version: str = "") -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                 task_id: int | None = None, version: str = "") -> AsyncIterator[RequestOutput]:
         """Streams one request's deltas; the last one has `finished` set. Cancelling aborts it."""
-        consumer = _QueueConsumer()
-        self.start_request(request_id, prompt, params, task_id, version, consumer, 0)
-        done = False
-        try:
-            while True:
-                item = await consumer.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-                if done:
-                    return
-        finally:
-            if not done:
-                self.cancel(request_id)
+        return generate_with(self, request_id, prompt, params, task_id, version)
 
     def prefetch(self, task_id: int, version: str) -> asyncio.Future[bool]:
         """Starts loading an adapter with no request behind it; resolves to whether it was resident already."""

@@ -5,28 +5,24 @@ NOT_SERVING while `compute_service.warmup` compiles every kernel a request can
 launch and captures the decode graphs; Compute calls in that window get
 UNAVAILABLE. Health turns SERVING once the first request would be as fast as
 the hundredth. Each stage is logged with its time.
+
+With `--engine-process` (the default on a GPU) the engine runs in a child
+process (`compute_service.engine_process`) and this process keeps only the
+gRPC side (`compute_service.engine_link`): the two no longer share one GIL.
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-
 import grpc
 
-from compute_service.build import build_runtime
 from compute_service.config import ComputeConfig
 from compute_service.engine.loader import LoadedModel
-from compute_service.metrics import ComputeMetrics
-from compute_service.servicer import ComputeServicer
-from compute_service.warmup import describe_compiled, warm_up
-from loraplex.cache_client import CacheClient
+from compute_service.engine_link import EngineLink, wants_engine_process
+from compute_service.local_engine import LocalEngine
+from compute_service.servicer import ComputeServicer, ServedRuntime
 from loraplex.serving import run_server
 from loraplex.v1 import compute_pb2_grpc
 
-log = logging.getLogger(__name__)
 COMPUTE_PREFIX = "/loraplex.v1.Compute/"
-CONNECT_AT_START_S = 30.0    # how long start-up tries to connect to the cache (calls connect anyway)
 
 
 class WarmupGate(grpc.aio.ServerInterceptor):
@@ -56,36 +52,21 @@ class WarmupGate(grpc.aio.ServerInterceptor):
 
 
 async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> None:
-    """Serves loraplex.v1.Compute on `config.listen` until SIGTERM (`loaded`: a model already in memory)."""
-    t0 = time.perf_counter()
-    cache = CacheClient(config.cache_address, max_message_bytes=config.max_message_bytes)
-
-    async def fetch(task_id: int, version: str | None):  # type: ignore[no-untyped-def]
-        return await cache.get_adapter(task_id, version)
-
-    log.info("start-up: loading the model and allocating the KV cache and adapter pool")
-    rt = await asyncio.to_thread(build_runtime, config, fetch, loaded, False)
-    load_s = time.perf_counter() - t0
-    log.info("start-up: model and caches ready in %.1f s; warming up (health NOT_SERVING until done)", load_s)
-    metrics = ComputeMetrics(rt)
-    metrics.attach()     # warm-up drives the engine directly: none of its work is counted
-    if config.metrics_port:
-        metrics.serve(config.metrics_port)
-        log.info("metrics on :%d/metrics", config.metrics_port)
+    """Serves loraplex.v1.Compute on `config.listen` until SIGTERM (`loaded`: a model already in memory,
+    served in this process). With `--engine-process` the engine runs in a child process
+    (`compute_service.engine_process`) and only the gRPC side runs here."""
+    side: LocalEngine | EngineLink
+    if loaded is None and wants_engine_process(config):
+        side = await EngineLink.start(config)
+        rt: ServedRuntime = side.runtime
+    else:
+        side = await LocalEngine.load(config, loaded)
+        rt = side.rt
     gate = WarmupGate()
 
-    connecting: list[asyncio.Task[bool]] = []
-
     async def warm() -> None:
-        # connects to the cache while the kernels compile: the first adapter fetch does not wait for it
-        connecting.append(asyncio.create_task(cache.connect(CONNECT_AT_START_S), name="cache-connect"))
-        report = await asyncio.to_thread(warm_up, rt, config.warmup, config.warmup_threads)
-        metrics.on_startup(load_s, report.total_s)
-        rt.runner.start(config.gil_switch_interval_us / 1e6)
+        await side.warm()
         gate.open()
-        log.info("start-up: SERVING %.1f s after start (model %.1f s, warm-up %.1f s: %s, %s)",
-                 time.perf_counter() - t0, load_s, report.total_s, report.mode,
-                 describe_compiled(report.compiled_kernels))
 
     def register(server: grpc.aio.Server) -> list[str]:
         compute_pb2_grpc.add_ComputeServicer_to_server(ComputeServicer(rt, config.max_model_len), server)
@@ -95,7 +76,4 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
         await run_server("compute_service", config.listen, register, max_message_bytes=config.max_message_bytes,
                          interceptors=[gate], ready=warm)
     finally:
-        for task in connecting:
-            task.cancel()
-        await rt.runner.stop()
-        await cache.close()
+        await side.close()

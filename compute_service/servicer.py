@@ -7,6 +7,7 @@ passed deadline lands in the runner's stream, which aborts the request.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import grpc
 
@@ -19,10 +20,20 @@ from loraplex.grpc_errors import maps_errors
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 
 
-class ComputeServicer(compute_pb2_grpc.ComputeServicer):
-    """Serves one runtime (engine + paged adapter cache)."""
+class ServedRuntime(Protocol):
+    """What the servicer needs: a runner (`compute_service.runner.EngineRunner`, or the engine process's
+    `compute_service.engine_link.RemoteRunner`) and the model's description."""
 
-    def __init__(self, runtime: Runtime, max_model_len: int) -> None:
+    runner: Any
+
+    def model_info(self) -> common_pb2.ModelInfo:
+        """The served model (GetModelInfo)."""
+
+
+class ComputeServicer(compute_pb2_grpc.ComputeServicer):
+    """Serves one runtime (engine + paged adapter cache), in this process or in the engine process."""
+
+    def __init__(self, runtime: ServedRuntime, max_model_len: int) -> None:
         self.rt = runtime
         self.max_model_len = max_model_len
 
@@ -88,17 +99,21 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     @maps_errors
     async def GetModelInfo(self, request: compute_pb2.ComputeModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> compute_pb2.ComputeModelInfoResponse:
-        spec, loaded = self.rt.engine.spec, self.rt.loaded
-        info = common_pb2.ModelInfo(
-            model_name=spec.name or loaded.path.name, architecture=_ARCH.get(spec.architecture, spec.architecture),
-            fingerprint=self.rt.slots.fingerprint or loaded.fingerprint, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-            num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
-            max_model_len=self.rt.engine.max_model_len, max_lora_rank=self.rt.slots.max_lora_rank,
-            lora_module_ids=[0, 1, 2, 3, 4, 5, 6, 7], dtype=str(loaded.model.dtype).removeprefix("torch."),
-            device=str(self.rt.device), tokenizer=str(loaded.path),
-            eos_token_id=spec.eos_token_id if spec.eos_token_id is not None else 0)
-        return compute_pb2.ComputeModelInfoResponse(model=info)
+        return compute_pb2.ComputeModelInfoResponse(model=self.rt.model_info())
+
+
+def model_info_of(rt: Runtime) -> common_pb2.ModelInfo:
+    """The model a runtime serves, as GetModelInfo reports it."""
+    spec, loaded = rt.engine.spec, rt.loaded
+    return common_pb2.ModelInfo(
+        model_name=spec.name or loaded.path.name, architecture=_ARCH.get(spec.architecture, spec.architecture),
+        fingerprint=rt.slots.fingerprint or loaded.fingerprint, num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+        max_model_len=rt.engine.max_model_len, max_lora_rank=rt.slots.max_lora_rank,
+        lora_module_ids=[0, 1, 2, 3, 4, 5, 6, 7], dtype=str(loaded.model.dtype).removeprefix("torch."),
+        device=str(rt.device), tokenizer=str(loaded.path),
+        eos_token_id=spec.eos_token_id if spec.eos_token_id is not None else 0)
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

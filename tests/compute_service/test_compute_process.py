@@ -16,7 +16,8 @@ from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 pytestmark = pytest.mark.slow
 
 
-def test_compute_process_serves_adapter_from_host_cache(tiny_model_dir):
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_compute_process_serves_adapter_from_host_cache(tiny_model_dir, engine_process):
     loaded = load_model(tiny_model_dir)
     adapter = random_adapter(loaded.spec, 8, seed=42)
     cache = start_service("cache", ["cache", "--listen", "127.0.0.1:0", "--model", str(tiny_model_dir)])
@@ -25,7 +26,7 @@ def test_compute_process_serves_adapter_from_host_cache(tiny_model_dir):
         compute = start_service("compute", [
             "compute", "--listen", "127.0.0.1:0", "--cache-address", cache.address, "--model", str(tiny_model_dir),
             "--max-model-len", "96", "--kv-cache-bytes", str(1 << 20), "--lora-gpu-cache-bytes", str(4 << 20),
-            "--max-lora-rank", "64"])
+            "--max-lora-rank", "64", "--engine-process", engine_process])
 
         async def main():
             async with CacheClient(cache.address) as client:

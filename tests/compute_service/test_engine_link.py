@@ -1,0 +1,89 @@
+"""The gRPC side's end of the engine-process pipe (`compute_service.engine_link`), on a real pipe in one
+process: the wire form of errors, `--engine-process auto`, and `RemoteRunner`'s bookkeeping."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import pickle
+
+import grpc
+import pytest
+
+from compute_service.config import ComputeConfig
+from compute_service.engine.sampling_params import SamplingParams
+from compute_service.engine_link import RemoteRunner, error_from_wire, error_wire, wants_engine_process
+from compute_service.request_errors import DeadlineExceededError
+from loraplex import errors
+from loraplex.settings import SettingsError
+
+
+class Collect:
+    def __init__(self):
+        self.got, self.failed, self.batches = [], [], 0
+
+    def deliver(self, handle, out):
+        self.got.append((handle, out.request_id, list(out.new_token_ids), out.finished, out.finish_reason))
+
+    def fail(self, handle, exc):
+        self.failed.append((handle, exc))
+
+    def end_batch(self):
+        self.batches += 1
+
+
+@pytest.mark.parametrize("exc, code", [
+    (errors.InvalidArgumentError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFoundError("no adapter 7"), grpc.StatusCode.NOT_FOUND),
+    (errors.ResourceExhaustedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceededError("late"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+])
+def test_errors_cross_the_pipe_with_their_code_and_message(exc, code):
+    back = error_from_wire(*pickle.loads(pickle.dumps(error_wire(exc))))
+    assert back.grpc_code == code
+    assert str(exc) in str(back)
+
+
+def test_auto_is_on_only_with_a_gpu_and_one_process():
+    assert not wants_engine_process(ComputeConfig(device="cpu"))
+    assert wants_engine_process(ComputeConfig(device="cpu", engine_process="on"))
+    assert not wants_engine_process(ComputeConfig(device="cuda", engine_process="off"))
+    assert wants_engine_process(ComputeConfig(device="cuda"))
+    assert not wants_engine_process(ComputeConfig(device="cuda", tensor_parallel_size=2))
+    with pytest.raises(SettingsError, match="engine_process"):
+        ComputeConfig(engine_process="yes")
+    with pytest.raises(SettingsError, match="tensor_parallel_size"):
+        ComputeConfig(engine_process="on", tensor_parallel_size=2)
+
+
+def test_remote_runner_routes_deltas_and_fails_everything_when_the_engine_is_lost():
+    async def main():
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        runner = RemoteRunner(ours)
+        a, b = Collect(), Collect()
+        runner.start_request("r1", [1, 2], SamplingParams(max_tokens=2), None, "", a, 10)
+        runner.start_request("r2", [3], SamplingParams(max_tokens=2), 5, "v", b, 20)
+        with pytest.raises(errors.InvalidArgumentError, match="already running"):
+            runner.start_request("r1", [1], SamplingParams(), None, "", a, 11)
+        sent = [pickle.loads(theirs.recv_bytes()) for _ in range(2)]
+        assert [m[0] for m in sent] == ["start", "start"]
+        h1, h2 = sent[0][1], sent[1][1]
+        assert sent[1][2:7] == ("r2", [3], SamplingParams(max_tokens=2), 5, "v")
+        runner.received(("batch", [(h1, [7], False, None, 2, 1), (h2, [8, 9], True, "length", 1, 2)], []))
+        assert a.got == [(10, "r1", [7], False, None)] and b.got == [(20, "r2", [8, 9], True, "length")]
+        assert a.batches == b.batches == 1
+        runner.start_request("r2", [3], SamplingParams(), None, "", b, 21)     # r2 ended: its id is free again
+        assert pickle.loads(theirs.recv_bytes())[0] == "start"
+        runner.cancel("r2")
+        assert pickle.loads(theirs.recv_bytes())[::2] == ("cancel", "r2")
+        stats = runner.snapshot()
+        assert pickle.loads(theirs.recv_bytes())[0] == "call"
+        runner.lost("exit code -9")
+        assert len(a.failed) == 1 and isinstance(a.failed[0][1], errors.UnavailableError)
+        with pytest.raises(errors.UnavailableError, match="engine process stopped"):
+            await stats
+        with pytest.raises(errors.UnavailableError):
+            runner.start_request("r3", [1], SamplingParams(), None, "", a, 12)
+        with pytest.raises(errors.UnavailableError):
+            await runner.drop(3)
+    asyncio.run(main())
