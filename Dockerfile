@@ -62,9 +62,11 @@ RUN groupadd --system --gid 10001 loraplex \
 USER 10001:10001
 ENV HOME=/home/loraplex \
     PATH=/opt/loraplex/.venv/bin:$PATH
-# The default model's tokenizer, converted from its GGUF once here and kept under
-# ~/.cache/loraplex (loraplex/tokenizer_cache.py), so no gateway start converts it.
-RUN python -c "from loraplex.model_files import load_tokenizer; load_tokenizer('')"
+# Triton's kernel cache folder, made here so a volume mounted on it (compose.yaml's kernel-cache) starts
+# out owned by this user; and the default model's tokenizer, converted from its GGUF once here and kept
+# under ~/.cache/loraplex (loraplex/tokenizer_cache.py), so no gateway start converts it.
+RUN mkdir -p /home/loraplex/.triton/cache \
+    && python -c "from loraplex.model_files import load_tokenizer; load_tokenizer('')"
 
 # Each service serves grpc.health.v1 on the port of its LORAPLEX_LISTEN.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \

@@ -103,7 +103,9 @@ def test_compute_gpu_reservation_and_read_only_mounts(config):
     devices = compute["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     mounts = {v.split(":")[1]: v.split(":")[2] for v in compute["volumes"]}
-    assert mounts == {"/models": "ro", "/adapters": "ro"}
+    assert mounts == {"/models": "ro", "/adapters": "ro", "/home/loraplex/.triton": "rw"}
+    assert [v for v in compute["volumes"] if v.startswith("kernel-cache:")], "compiled kernels kept in a volume"
+    assert "kernel-cache" in config["volumes"]
     assert compute["build"]["args"]["TORCH_INDEX_URL"].rstrip("/").endswith("cu128")
     assert compute["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
 

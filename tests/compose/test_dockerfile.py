@@ -92,6 +92,13 @@ def test_runs_as_a_non_root_user():
     assert f"--uid {users[-1].split(':')[0]}" in useradd
 
 
+def test_the_kernel_cache_folder_belongs_to_the_service_user():
+    steps = instructions()
+    user_at = max(i for i, (w, _) in enumerate(steps) if w == "USER")
+    made = [i for i, (w, r) in enumerate(steps) if w == "RUN" and "/home/loraplex/.triton/cache" in r]
+    assert made and made[0] > user_at, "made after USER, so compose's kernel-cache volume is writable"
+
+
 def test_entrypoint_starts_a_service_by_command():
     entry = [rest for word, rest in instructions() if word == "ENTRYPOINT"]
     assert entry == ['["loraplex"]']
