@@ -136,7 +136,7 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
 
 
 def runner_for(config: ComputeConfig, engine: LLMEngine, slots: PagedAdapterSlots, fetch: Fetch) -> EngineRunner:
-    return EngineRunner(engine, slots, fetch, handoff_at_launch=config.step_handoff == "launch",
+    return EngineRunner(engine, slots, fetch, handoff=config.step_handoff,
                         trace_path=config.step_trace)
 
 

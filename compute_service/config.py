@@ -30,17 +30,18 @@ class ComputeConfig:
     gil_switch_interval_us: int = field(
         default=500, metadata={"help": "Python thread switch interval while serving, in microseconds (0 = Python's "
                                        "5000): short, so adapter loads in side threads do not hold up engine steps"})
-    step_handoff: str = field(default="launch", metadata={
+    step_handoff: str = field(default="read", metadata={
         "help": "when the engine thread hands a step's tokens to the event loop: launch (once the next step's GPU "
-                "work is queued, so the two threads' Python does not interleave) or step_end (at once)"})
+                "work is queued, so the two threads' Python does not interleave), read (once the next step is "
+                "about to wait for its tokens) or step_end (at once)"})
     async_scheduling: bool = field(default=False, metadata={
         "help": "overlapped decode steps: queue step N+1 before reading step N's tokens back, so the engine's "
-                "host work runs while the GPU computes (not yet measured on a GPU: off by default; one process "
+                "host work runs while the GPU computes (measured slower on an H200: off by default; one process "
                 "only, not with --tensor-parallel-size)"})
-    engine_process: str = field(default="auto", metadata={
-        "help": "run the engine in a child process, the gRPC side in this one, so the two do not share one "
-                "GIL: on, off, or auto (on with a GPU and one process; off on the CPU and with "
-                "--tensor-parallel-size)"})
+    engine_process: str = field(default="off", metadata={
+        "help": "on: run the engine in a child process and only the gRPC side in this one, so the two do not "
+                "share one GIL (measured on an H200: no steady gain over off, so off by default; one process "
+                "only, not with --tensor-parallel-size)"})
     step_trace: str = field(default="", metadata={
         "help": "file to write every engine step's host start and end times to at shutdown (benchmarks)"})
     tensor_parallel_size: int = field(default=1, metadata={
@@ -78,18 +79,18 @@ class ComputeConfig:
             raise SettingsError("metrics_port: must be in 0..65535")
         if self.tensor_parallel_size < 1:
             raise SettingsError("tensor_parallel_size must be >= 1")
-        if self.engine_process not in ("auto", "on", "off"):
-            raise SettingsError(f"engine_process: expected auto, on or off, got {self.engine_process!r}")
+        if self.engine_process not in ("on", "off"):
+            raise SettingsError(f"engine_process: expected on or off, got {self.engine_process!r}")
         if self.engine_process == "on" and self.tensor_parallel_size > 1:
             raise SettingsError("engine_process on is not supported with tensor_parallel_size > 1 yet "
-                                "(rank 0 serves gRPC in its own process); use auto or off")
+                                "(rank 0 serves gRPC in its own process)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise SettingsError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
         if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0:
             raise SettingsError(f"warmup: expected auto, full, light or off, got {self.warmup!r}; "
                                 "warmup_threads must be >= 0")
-        if self.step_handoff not in ("launch", "step_end"):
-            raise SettingsError(f"step_handoff: expected launch or step_end, got {self.step_handoff!r}")
+        if self.step_handoff not in ("launch", "read", "step_end"):
+            raise SettingsError(f"step_handoff: expected launch, read or step_end, got {self.step_handoff!r}")
         if self.quantization not in ("auto", "keep", "none"):
             raise SettingsError(f"quantization: expected auto, keep or none, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

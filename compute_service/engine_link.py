@@ -72,12 +72,8 @@ def send(conn: Connection, msg: tuple[Any, ...]) -> None:
 
 
 def wants_engine_process(config: ComputeConfig) -> bool:
-    """`--engine-process`: auto is on with a GPU and one process."""
-    if config.engine_process != "auto":
-        return config.engine_process == "on"
-    from compute_service.build import resolve_device
-
-    return config.tensor_parallel_size == 1 and resolve_device(config.device).type == "cuda"
+    """`--engine-process on` (one process only: the settings refuse it with tensor parallelism)."""
+    return config.engine_process == "on"
 
 
 class RemoteRuntime:

@@ -125,7 +125,7 @@ class EngineRunner:
     """Owns the engine thread; every method is called on the event loop."""
 
     def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots, fetch: Fetch,
-                 on_step: Callable[[int, float], None] | None = None, *, handoff_at_launch: bool = True,
+                 on_step: Callable[[int, float], None] | None = None, *, handoff: str = "launch",
                  trace_path: str = "") -> None:
         self.engine = engine
         self.slots = slots
@@ -134,7 +134,7 @@ class EngineRunner:
         self.latency: SequenceObserver | None = None   # per-sequence timings (compute_service.metrics)
         self.on_adapter_load: Callable[[int, float, bool], None] | None = None   # (bytes, seconds, ok)
         self.steps = StepLoop(engine, slots, self._drain, trace=bool(trace_path),
-                              handoff_at_launch=handoff_at_launch)
+                              handoff=handoff)
         self.trace_path = trace_path    # where `stop` writes the step trace (`write_trace`)
         self._requests: dict[str, _Request] = {}
         self._fetches: dict[str, asyncio.Task[Uploaded]] = {}

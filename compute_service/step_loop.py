@@ -37,6 +37,9 @@ from loraplex.errors import UnavailableError
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.001   # how often an idle loop checks copies in flight
+# When step N's outputs go to the event loop: once step N+1's GPU work is queued, once step N+1 is about to
+# wait for its tokens (its sampling queued as well), or at once at the end of step N.
+HANDOFFS = ("launch", "read", "step_end")
 
 
 class NeedsFetch(Exception):
@@ -68,7 +71,7 @@ class StepLoop:
     """Runs `engine.step()` back to back on its own thread; `submit` is the only way in."""
 
     def __init__(self, engine: LLMEngine, slots: PagedAdapterSlots,
-                 on_ready: Callable[[], None], trace: bool = False, handoff_at_launch: bool = True) -> None:
+                 on_ready: Callable[[], None], trace: bool = False, handoff: str = "launch") -> None:
         self.engine = engine
         self.slots = slots
         self._on_ready = on_ready          # called on the event loop when `ready` has batches
@@ -82,7 +85,9 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
-        self.handoff_at_launch = handoff_at_launch
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff: expected one of {HANDOFFS}, got {handoff!r}")
+        self.handoff = handoff
         self.failure: UnavailableError | None = None   # set when the thread stopped on an error
         # Per step: monotonic start of engine.step(), when its GPU work was queued, its end, and the
         # tokens it emitted (benchmarks); 32 bytes a step, no Python objects for the collector.
@@ -94,6 +99,7 @@ class StepLoop:
         self._loop = loop
         self._stopping = False
         self.engine.on_launched = self._on_launched
+        self.engine.on_reading = self._hand_off if self.handoff == "read" else None
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self._thread.start()
 
@@ -112,6 +118,7 @@ class StepLoop:
             self._thread.join()
             self._thread = None
         self.engine.on_launched = None
+        self.engine.on_reading = None
 
     @property
     def running(self) -> bool:
@@ -234,13 +241,13 @@ class StepLoop:
         if not (batch.outputs or batch.failed or batch.num_tokens):
             return
         self.ready.append(batch)
-        if not self.handoff_at_launch:
+        if self.handoff == "step_end":
             self._hand_off()
 
     def _on_launched(self) -> None:
         if self.trace is not None:
             self._launched_at = time.monotonic()
-        if self.handoff_at_launch:
+        if self.handoff == "launch":
             self._hand_off()
 
     def _hand_off(self) -> None:

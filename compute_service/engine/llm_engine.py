@@ -83,6 +83,9 @@ class LLMEngine:
         # with host work of its own (a server handing out the previous step's tokens) does it then, while
         # the GPU runs, instead of between two steps where it would hold up the next step's launch.
         self.on_launched: Callable[[], None] | None = None
+        # Called right before the host blocks reading a step's tokens back (its sampling is queued too):
+        # host work done then overlaps only the GPU, not this thread's own sampling and bookkeeping.
+        self.on_reading: Callable[[], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, with_tokenizer: bool = True) -> "LLMEngine":
@@ -196,6 +199,8 @@ class LLMEngine:
 
     def _land(self, flight: "_Flight") -> list[RequestOutput]:
         """Reads a launched step's tokens back (waiting for it) and reports them, checking stops."""
+        if self.on_reading is not None:
+            self.on_reading()
         tokens = flight.tokens.tolist()
         detok = self.tokenizer.decode if self.tokenizer is not None else None
         outputs = []

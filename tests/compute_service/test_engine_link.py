@@ -44,14 +44,11 @@ def test_errors_cross_the_pipe_with_their_code_and_message(exc, code):
     assert str(exc) in str(back)
 
 
-def test_auto_is_on_only_with_a_gpu_and_one_process():
-    assert not wants_engine_process(ComputeConfig(device="cpu"))
+def test_engine_process_is_opt_in_and_one_process_only():
+    assert not wants_engine_process(ComputeConfig(device="cuda"))
     assert wants_engine_process(ComputeConfig(device="cpu", engine_process="on"))
-    assert not wants_engine_process(ComputeConfig(device="cuda", engine_process="off"))
-    assert wants_engine_process(ComputeConfig(device="cuda"))
-    assert not wants_engine_process(ComputeConfig(device="cuda", tensor_parallel_size=2))
     with pytest.raises(SettingsError, match="engine_process"):
-        ComputeConfig(engine_process="yes")
+        ComputeConfig(engine_process="auto")
     with pytest.raises(SettingsError, match="tensor_parallel_size"):
         ComputeConfig(engine_process="on", tensor_parallel_size=2)
 

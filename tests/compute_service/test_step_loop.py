@@ -77,7 +77,7 @@ def test_a_step_is_handed_over_during_the_next_steps_launch_and_the_last_at_once
     assert rt.engine.on_launched is None        # a stopped loop leaves the engine as it found it
 
 
-@pytest.mark.parametrize("handoff", ["launch", "step_end"])
+@pytest.mark.parametrize("handoff", ["launch", "read", "step_end"])
 def test_served_tokens_equal_the_engines_and_the_trace_has_every_step(loaded, tiny_model_dir, tmp_path, handoff):
     trace = tmp_path / "steps.json"
     params = SamplingParams(max_tokens=7, ignore_eos=True)
