@@ -3,8 +3,8 @@
 # benchmarks beside its own torch/triton/transformers, in pieces of at most 64 MiB:
 #   .offline/wheels/   Python 3.12 manylinux wheels of the other dependencies (no numpy/torch)
 #   .offline/model_a/, .offline/model_b/   the default SmolLM2 GGUF in two halves, with its sha256
-#   .offline/tools/    a sampling profiler for the services' Python threads (py-spy; carry it with model_b:
-#                      the tree, wheels and model_a together come close to 64 MiB)
+#   .offline/tools/    a sampling profiler for the services' Python threads (py-spy; carry it with the
+#                      wheels: the tree with either model half leaves no room for more)
 # Copy the repository with .offline/ and loraplex/v1/ (generated stubs) to the host, then
 # `source scripts/offline_host/activate.sh` there (docs/performance.md, "On a GPU host without network").
 set -euo pipefail
@@ -27,4 +27,4 @@ tail -c +"$((half + 1))" "$gguf" > "$out/model_b/part"
 sha256sum "$gguf" | cut -d' ' -f1 > "$out/model_b/sha256"
 bash scripts/gen_protos.sh
 du -sh "$out"/* loraplex/v1 >&2
-echo "[offline] carry .offline/wheels + .offline/model_a + loraplex/v1, then .offline/model_b + .offline/tools (64 MiB limit each call)" >&2
+echo "[offline] carry .offline/model_a + loraplex/v1, then .offline/model_b + loraplex/v1, then .offline/wheels + .offline/tools (64 MiB a call, the tree included)" >&2
