@@ -24,9 +24,11 @@ from compute_service.engine.llm_engine import LLMEngine
 from compute_service.engine.loader import LoadedModel, load_model
 from compute_service.runner import EngineRunner
 from loraplex.formats import AdapterError, ModelSpec
+from loraplex.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 CPU_NOMINAL_BYTES = 4 << 30
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass
@@ -37,11 +39,18 @@ class Runtime:
     loaded: LoadedModel
     device: torch.device
 
-    def model_info(self):  # type: ignore[no-untyped-def]
-        """The served model as GetModelInfo reports it (`compute_service.servicer.model_info_of`)."""
-        from compute_service.servicer import model_info_of
-
-        return model_info_of(self)
+    def model_info(self) -> common_pb2.ModelInfo:
+        """The served model as GetModelInfo reports it."""
+        spec, loaded = self.engine.spec, self.loaded
+        return common_pb2.ModelInfo(
+            model_name=spec.name or loaded.path.name, architecture=_ARCH.get(spec.architecture, spec.architecture),
+            fingerprint=self.slots.fingerprint or loaded.fingerprint, num_layers=spec.num_layers,
+            hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+            max_model_len=self.engine.max_model_len, max_lora_rank=self.slots.max_lora_rank,
+            lora_module_ids=[0, 1, 2, 3, 4, 5, 6, 7], dtype=str(loaded.model.dtype).removeprefix("torch."),
+            device=str(self.device), tokenizer=str(loaded.path),
+            eos_token_id=spec.eos_token_id if spec.eos_token_id is not None else 0)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -37,18 +37,13 @@ import grpc
 from compute_service.config import ComputeConfig
 from compute_service.engine.outputs import RequestOutput
 from compute_service.engine.sampling_params import SamplingParams
-from compute_service.request_errors import DeadlineExceededError, status_of
+from compute_service.request_errors import status_of
 from compute_service.runner import StepConsumer, generate_with
 from loraplex import errors
 from loraplex.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 60.0     # how long `stop` waits for the engine process to finish its steps and exit
-
-_ERRORS: dict[grpc.StatusCode, type[errors.LoraplexError]] = {
-    cls.grpc_code: cls for cls in (errors.InvalidArgumentError, errors.NotFoundError,
-                                   errors.FailedPreconditionError, errors.ResourceExhaustedError,
-                                   errors.UnavailableError, errors.AlreadyExistsError, DeadlineExceededError)}
 
 
 def error_wire(exc: BaseException) -> tuple[str, str]:
@@ -59,21 +54,16 @@ def error_wire(exc: BaseException) -> tuple[str, str]:
 
 def error_from_wire(code_name: str, text: str) -> errors.LoraplexError:
     code = grpc.StatusCode[code_name]
-    cls = _ERRORS.get(code)
+    cls = errors.BY_GRPC_CODE.get(code)
     if cls is not None:
         return cls(text)
     exc = errors.LoraplexError(text)
-    exc.grpc_code = code          # INTERNAL, or any code without a class of its own
+    exc.grpc_code = code          # DEADLINE_EXCEEDED, INTERNAL, or any code without a class of its own
     return exc
 
 
 def send(conn: Connection, msg: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def wants_engine_process(config: ComputeConfig) -> bool:
-    """`--engine-process on` (one process only: the settings refuse it with tensor parallelism)."""
-    return config.engine_process == "on"
 
 
 class RemoteRuntime:
@@ -265,7 +255,7 @@ class EngineLink:
                     if not self._ready.done():
                         self._ready.set_result(None)
                 elif kind == "failed":
-                    self._gone(f"{msg[1]}")
+                    self._gone(msg[1])
                     return
                 elif kind == "stopped":
                     if not self._stopped.done():
@@ -310,10 +300,10 @@ class EngineLink:
 
 def _first_message(conn: Connection, proc: multiprocessing.process.BaseProcess) -> tuple[Any, ...]:
     """The engine process's `loaded` or `failed` (blocking; its exit without either is a failure)."""
-    while not conn.poll(0.5):
-        if not proc.is_alive():
-            return ("failed", f"exit code {proc.exitcode} before the model loaded (see its log lines above)")
     try:
+        while not conn.poll(0.5):
+            if not proc.is_alive():
+                raise EOFError
         return pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         proc.join(5)

@@ -16,7 +16,7 @@ import grpc
 
 from compute_service.config import ComputeConfig
 from compute_service.engine.loader import LoadedModel
-from compute_service.engine_link import EngineLink, wants_engine_process
+from compute_service.engine_link import EngineLink
 from compute_service.local_engine import LocalEngine
 from compute_service.servicer import ComputeServicer, ServedRuntime
 from loraplex.serving import run_server
@@ -56,7 +56,7 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
     served in this process). With `--engine-process` the engine runs in a child process
     (`compute_service.engine_process`) and only the gRPC side runs here."""
     side: LocalEngine | EngineLink
-    if loaded is None and wants_engine_process(config):
+    if loaded is None and config.engine_process == "on":
         side = await EngineLink.start(config)
         rt: ServedRuntime = side.runtime
     else:

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 import grpc
 
 from compute_service.adapter_cache.loader import task_of
-from compute_service.build import Runtime
 from compute_service.conversions import finish_of, sampling_from_proto
 from compute_service.request_errors import domain_error
 from compute_service.token_session import TokenSession
@@ -100,20 +99,3 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     async def GetModelInfo(self, request: compute_pb2.ComputeModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> compute_pb2.ComputeModelInfoResponse:
         return compute_pb2.ComputeModelInfoResponse(model=self.rt.model_info())
-
-
-def model_info_of(rt: Runtime) -> common_pb2.ModelInfo:
-    """The model a runtime serves, as GetModelInfo reports it."""
-    spec, loaded = rt.engine.spec, rt.loaded
-    return common_pb2.ModelInfo(
-        model_name=spec.name or loaded.path.name, architecture=_ARCH.get(spec.architecture, spec.architecture),
-        fingerprint=rt.slots.fingerprint or loaded.fingerprint, num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
-        max_model_len=rt.engine.max_model_len, max_lora_rank=rt.slots.max_lora_rank,
-        lora_module_ids=[0, 1, 2, 3, 4, 5, 6, 7], dtype=str(loaded.model.dtype).removeprefix("torch."),
-        device=str(rt.device), tokenizer=str(loaded.path),
-        eos_token_id=spec.eos_token_id if spec.eos_token_id is not None else 0)
-
-
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -40,14 +40,6 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 _SHM_MAGIC = b"LPXSHM01"
 _SHM_HEADER = struct.Struct("<8s32sQQ")  # must match cache_service/shm_segments.py
-_CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.LoraplexError]] = {
-    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
-    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
-}
 
 
 @dataclass(frozen=True)
@@ -126,7 +118,7 @@ class CacheInfo:
 def error_from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError) -> errors.LoraplexError:
     """A status from the cache -> the matching domain exception (message kept)."""
     code = exc.code()
-    cls = _CODE_TO_ERROR.get(code)
+    cls = errors.BY_GRPC_CODE.get(code)
     err = cls(exc.details()) if cls is not None else errors.LoraplexError(f"host cache: {exc.details()}")
     if cls is None:
         err.grpc_code = code  # DEADLINE_EXCEEDED, CANCELLED, INTERNAL ... propagate as they are

@@ -149,17 +149,6 @@ def build_generate_request(prompt: str | Sequence[int], loras: Sequence[LoraLike
     return req
 
 
-# Status code -> the domain exception the client raises (each keeps `grpc_code`).
-_ERRORS: dict[grpc.StatusCode, type[errors.LoraplexError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
-    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
-    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
-}
-
-
 class RequestError(errors.LoraplexError):
     """A call failed with a status that has no more specific class (CANCELLED, DEADLINE_EXCEEDED ...)."""
 
@@ -173,7 +162,7 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.LoraplexError:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
     message = f"{code.name}: {details}"
-    cls = _ERRORS.get(code)
+    cls = errors.BY_GRPC_CODE.get(code)
     if cls is None:
         return RequestError(code, message)
     return cls(message)

@@ -51,3 +51,10 @@ class AlreadyExistsError(LoraplexError):
     """A task id or name is taken and replace was not asked for."""
 
     grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
+# Status code -> its domain exception, for a status that comes back over a call or a pipe (each class
+# keeps `grpc_code`); a code without a class here (DEADLINE_EXCEEDED, CANCELLED, INTERNAL ...) has none.
+BY_GRPC_CODE: dict[grpc.StatusCode, type[LoraplexError]] = {
+    cls.grpc_code: cls for cls in (InvalidArgumentError, NotFoundError, FailedPreconditionError,
+                                   ResourceExhaustedError, UnavailableError, AlreadyExistsError)}

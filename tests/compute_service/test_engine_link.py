@@ -11,7 +11,7 @@ import pytest
 
 from compute_service.config import ComputeConfig
 from compute_service.engine.sampling_params import SamplingParams
-from compute_service.engine_link import RemoteRunner, error_from_wire, error_wire, wants_engine_process
+from compute_service.engine_link import RemoteRunner, error_from_wire, error_wire
 from compute_service.request_errors import DeadlineExceededError
 from loraplex import errors
 from loraplex.settings import SettingsError
@@ -45,8 +45,8 @@ def test_errors_cross_the_pipe_with_their_code_and_message(exc, code):
 
 
 def test_engine_process_is_opt_in_and_one_process_only():
-    assert not wants_engine_process(ComputeConfig(device="cuda"))
-    assert wants_engine_process(ComputeConfig(device="cpu", engine_process="on"))
+    assert ComputeConfig(device="cuda").engine_process == "off"
+    assert ComputeConfig(device="cpu", engine_process="on").engine_process == "on"   # not refused
     with pytest.raises(SettingsError, match="engine_process"):
         ComputeConfig(engine_process="auto")
     with pytest.raises(SettingsError, match="tensor_parallel_size"):
