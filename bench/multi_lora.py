@@ -301,6 +301,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--hf-batches", default="1,8,32")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, no figures")
+    ap.add_argument("--cases", default="", help="comma-separated engine cases to run (default: all)")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the long-prompt prefill cases")
     args = ap.parse_args()
     if args.plot_only:
         plot(json.loads(args.plot_only.read_text()), args.plot)
@@ -332,7 +334,10 @@ def main() -> None:
     print(f"built model and engine in {time.perf_counter() - t_start:.1f} s; base bytes {base_bytes / 1e9:.2f} GB",
           flush=True)
     graphs = engine.runner.graphs
+    wanted = set(args.cases.split(",")) if args.cases else {c[0] for c in ENGINE_CASES}
     for name, rank, modules, distinct in ENGINE_CASES:
+        if name not in wanted:
+            continue
         rows = adapter_rows(dims, rank, modules, dev, dtype) if rank else None
         loaded: set[str] = set()
         for batch in batches:
@@ -364,7 +369,7 @@ def main() -> None:
                 res["errors"].append(f"engine {name} B={batch}: {e!r}")
                 traceback.print_exc()
             save()
-        if name in PREFILL_CASES:
+        if name in PREFILL_CASES and not args.no_prefill:
             try:
                 prefill_cases(engine, name, rows, distinct, shapes, loaded, res)
             except Exception as e:

@@ -1,7 +1,8 @@
 """One-row weight-only quantized matmul (batch-1 decode): no tensor cores, a [BLOCK_N, 32] fp32
 accumulator takes codes * x elementwise, reduced once at the end. Launched by `kernels.quant_matmul`.
 
-Per code: one shift and one and-or (`biased_field`: BIAS + q as a float) and one FMA. With groups of
+Per code: one shift and one and-or (`biased_field`: BIAS + q as a float; one instruction on a GPU) and
+one FMA. With groups of
 64 codes and more, the products BIAS+q times x accumulate per group and the group's scale and offset
 apply to the sums: s * sum((B + q) x) + (o - B s) * sum(x). With groups of 32 (one field), the weight
 q * s + o is formed per code instead (one FMA, cheaper than a per-field epilogue).
@@ -18,7 +19,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
-                      NUM_THREADS: tl.constexpr):
+                      NUM_THREADS: tl.constexpr, ASM: tl.constexpr):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2)."""
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = 32 * FIELDS
@@ -49,9 +50,9 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                 else:
                     xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
                 if FPG == 1:
-                    acc += (biased_field(words, i, BITS) * s[:, None] + o[:, None]) * xv[None, :]
+                    acc += (biased_field(words, i, BITS, ASM) * s[:, None] + o[:, None]) * xv[None, :]
                 else:
-                    acc_q += biased_field(words, i, BITS) * xv[None, :]
+                    acc_q += biased_field(words, i, BITS, ASM) * xv[None, :]
                     x_g += xv
             if FPG > 1:
                 acc += s[:, None] * acc_q + o[:, None] * x_g[None, :]

@@ -147,16 +147,16 @@ def quant_matmul(
             partials if split > 1 else out, locks if split > 1 else out,
             T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
     even_k = K % block_k(w.bits) == 0
-    fence = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"     # fences and inline assembly: not interpreted
     if cfg.block_m == 1:
         quant_gemv_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
-                                HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=fence,
-                                NUM_THREADS=32 * cfg.num_warps,
+                                HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=compiled,
+                                NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         _quant_matmul_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
                                    BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
-                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=fence,
+                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -3,11 +3,36 @@
 The model calls its projections (qkv, o, gate_up, down) through this interface,
 so a layer whose weights are stored another way (quantized, sharded) only has to
 provide the same call; the LoRA deltas are added to its output by the model.
+
+`dense_linear` is the one dense matmul of the model (projections and the LM head): on CUDA a
+single 16-bit row (batch-1 decode) against a large weight runs `kernels.dense_gemv`, which reads the
+weight closer to copy bandwidth than the library GEMM does at one row; everything else is `F.linear`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+# Weights of at least this many elements and in features take the one-row kernel at batch 1
+# (bench/dense_gemv.py, H200: the library call is as fast on small, launch-bound weights, and faster on
+# short rows: the default SmolLM2's LM head, 576 in features, 18 against 26 us).
+GEMV_MIN_ELEMENTS = 2**22
+GEMV_MIN_IN_FEATURES = 1024
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; one row on CUDA in 16 bits against a large weight runs the GEMV kernel."""
+    if (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.numel() >= GEMV_MIN_ELEMENTS and weight.shape[1] >= GEMV_MIN_IN_FEATURES
+            and x.stride(-1) == 1
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+        from kernels.dense_gemv import dense_gemv
+
+        out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+        dense_gemv(x, weight, bias, out)
+        return out
+    return F.linear(x, weight, bias)
 
 
 class Linear:
@@ -31,4 +56,4 @@ class Linear:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)                            # [T, N]
+        return dense_linear(x, self.weight, self.bias)                        # [T, N]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_service.engine.attention import StepMetadata, paged_attention
-from compute_service.engine.linear import Linear
+from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
@@ -203,4 +203,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32 (matmul in the model dtype, as transformers)."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return dense_linear(hidden, self.weights.lm_head).float()

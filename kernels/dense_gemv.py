@@ -1,0 +1,87 @@
+"""One-row dense matmul (batch-1 decode): out[N] = w[N, K] @ x[K] (+ bias), reading w once at full width.
+
+A program owns BLOCK_N output features and walks K in BLOCK_K-wide steps: each step loads a [BLOCK_N,
+BLOCK_K] tile of w (BLOCK_K * 2 contiguous bytes per row for 16-bit weights) and the matching slice of x,
+and multiplies them elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once at the end. No
+tensor cores (one row would use 1/16 of an MMA) and no split-K: with 16-feature programs even the
+narrowest 8B projection (4096 features) has 256 programs for 132 SMs.
+
+Why it exists: decode at batch 1 reads every weight once per token, so weight reads are most of a batch-1
+step, and at one row the library GEMM reads the 8B model's weights at 1.13-1.70x their copy-bandwidth time
+against 0.98-1.54x for this kernel (H200, `bench/dense_gemv.py`; the LM head gains most, 286 -> 242 us).
+`compute_service.engine.linear.dense_linear` runs it for single rows on CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class DenseGemvConfig:
+    block_n: int = 16       # output features per program
+    block_k: int = 512      # in features per step
+    num_warps: int = 8
+
+
+@triton.jit
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       EVEN_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]          # [BN, BK]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(rows + k0, mask=n_mask[:, None], other=0.0)
+            xv = tl.load(x_ptr + k0 + offs_k)
+        else:
+            k_mask = k0 + offs_k < K
+            w = tl.load(rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xv = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    total = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def pick_gemv_config(n: int, k: int) -> DenseGemvConfig:
+    """H200 sweep (`bench/dense_gemv.py`): 16-feature programs; 512-wide steps of 8 warps, except very
+    wide weights (the 8B gate_up, 28672 features), where 256-wide steps of 4 warps were 7% faster."""
+    if n >= 16384 and k % 256 == 0:
+        return DenseGemvConfig(16, 256, 4)
+    return DenseGemvConfig(16, 512, 8)
+
+
+def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
+               w: torch.Tensor,                 # [N, K], unit stride along K
+               bias: torch.Tensor | None,       # [N] or None
+               out: torch.Tensor,               # [N] or [1, N], contiguous, x's dtype
+               config: DenseGemvConfig | None = None) -> None:
+    """Semantics (fp32 accumulation): out[:] = (w.float() @ x.float().reshape(-1) + bias).to(out.dtype)."""
+    k = x.shape[-1]
+    n = w.shape[0]
+    if x.numel() != k or x.stride(-1) != 1:
+        raise ValueError(f"x must be one row of unit stride, got {tuple(x.shape)} strides {x.stride()}")
+    if w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
+        raise ValueError(f"w must be [N, {k}] with unit stride along K, got {tuple(w.shape)} strides {w.stride()}")
+    if out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be {n} contiguous elements, got {tuple(out.shape)}")
+    if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
+        raise ValueError(f"bias must be {n} contiguous elements, got {tuple(bias.shape)}")
+    if n == 0:
+        return
+    cfg = config or pick_gemv_config(n, k)
+    grid = (triton.cdiv(n, cfg.block_n),)
+    _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, out, n, k, w.stride(0),
+                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+                             EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps)
+
+
+__all__ = ["DenseGemvConfig", "dense_gemv", "pick_gemv_config"]
