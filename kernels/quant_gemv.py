@@ -1,11 +1,16 @@
-"""One-row weight-only quantized matmul (batch-1 decode): no tensor cores, a [BLOCK_N, 32] fp32
-accumulator takes codes * x elementwise, reduced once at the end. Launched by `kernels.quant_matmul`.
+"""One-row weight-only quantized matmul (batch-1 decode): no tensor cores, [BLOCK_N, 32] fp32
+accumulators take codes * x elementwise, reduced once at the end. Launched by `kernels.quant_matmul`.
 
 Per code: one shift and one and-or (`biased_field`: BIAS + q as a float; one instruction on a GPU) and
-one FMA. With groups of
-64 codes and more, the products BIAS+q times x accumulate per group and the group's scale and offset
-apply to the sums: s * sum((B + q) x) + (o - B s) * sum(x). With groups of 32 (one field), the weight
-q * s + o is formed per code instead (one FMA, cheaper than a per-field epilogue).
+one FMA. The products (BIAS + q) x accumulate per group and the group's scale and offset apply to the
+sums: s * sum((B + q) x) + (o - B s) * sum(x).
+
+4 bits, groups of 128 and more (`_halves_step`, the 8B checkpoints' layout): a block's 8 fields are two
+halves of 128 codes, each inside one group. Both halves' scales and offsets are requested with the block's
+words, before any arithmetic; fields i and i + 4 go to two per-block sums, alternating (two independent
+FMA chains); the offsets' term is one value per row and block, (o - B s) * sum(x over the half), outside the
+per-code work. Against the per-group loop below: 14-22% less time per launch on the 8B shapes (H200).
+Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded per group as it comes.
 """
 import triton
 import triton.language as tl
@@ -15,16 +20,75 @@ from kernels.quant_tile import biased_field, field_bias
 
 
 @triton.jit
+def _x_field(x_row, k0, offs_j, K, EVEN_K: tl.constexpr):
+    """fp32 [32]: x[k0 : k0 + 32] (0 past K)."""
+    if EVEN_K:
+        xv = tl.load(x_row + k0).to(tl.float32)
+    else:
+        xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """Block b of a 4-bit weight in groups of 128 or more: fields 0-3 are group g_a, fields 4-7 group g_b."""
+    g_a = (b * 256) // GROUP
+    g_b = (b * 256 + 128) // GROUP
+    s_a = tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    s_b = tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    o_a = tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    o_b = tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    q_a = tl.zeros(acc.shape, dtype=tl.float32)              # (B + q) * x per column, this block's half a
+    q_b = tl.zeros(acc.shape, dtype=tl.float32)
+    x_a = tl.zeros((32,), dtype=tl.float32)
+    x_b = tl.zeros((32,), dtype=tl.float32)
+    for i in tl.static_range(4):
+        xa = _x_field(x_row, b * 256 + i * 32, offs_j, K, EVEN_K)
+        xb = _x_field(x_row, b * 256 + 128 + i * 32, offs_j, K, EVEN_K)
+        q_a += biased_field(words, i, 4, ASM) * xa[None, :]
+        q_b += biased_field(words, i + 4, 4, ASM) * xb[None, :]
+        x_a += xa
+        x_b += xb
+    acc += s_a[:, None] * q_a + s_b[:, None] * q_b
+    acc_o += (o_a - 128.0 * s_a) * tl.sum(x_a, axis=0) + (o_b - 128.0 * s_b) * tl.sum(x_b, axis=0)
+    return acc, acc_o
+
+
+@triton.jit
+def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """Block b, one group (or field, at groups of 32) at a time."""
+    FIELDS: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = 32 * FIELDS
+    FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
+    BIAS = field_bias(BITS)
+    for gi in tl.static_range(FIELDS // FPG):
+        g = (b * BLOCK_K + gi * FPG * 32) // GROUP
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s
+        acc_q = tl.zeros(acc.shape, dtype=tl.float32)                              # (B + q) * x per column
+        x_g = tl.zeros((32,), dtype=tl.float32)                                   # x per column
+        for f in tl.static_range(FPG):
+            i = gi * FPG + f
+            xv = _x_field(x_row, b * BLOCK_K + i * 32, offs_j, K, EVEN_K)
+            if FPG == 1:
+                acc += (biased_field(words, i, BITS, ASM) * s[:, None] + o[:, None]) * xv[None, :]
+            else:
+                acc_q += biased_field(words, i, BITS, ASM) * xv[None, :]
+                x_g += xv
+        if FPG > 1:
+            acc += s[:, None] * acc_q + o[:, None] * x_g[None, :]
+    return acc
+
+
+@triton.jit
 def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2)."""
-    FIELDS: tl.constexpr = 32 // BITS
-    BLOCK_K: tl.constexpr = 32 * FIELDS
-    FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
-    BIAS = field_bias(BITS)
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -34,31 +98,22 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
+    HALVES: tl.constexpr = BITS == 4 and GROUP % 128 == 0
+    acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (HALVES)
     for b in range(b_lo, b_hi):
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
-        for gi in tl.static_range(FIELDS // FPG):
-            g = (b * BLOCK_K + gi * FPG * 32) // GROUP
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s
-            acc_q = tl.zeros((BLOCK_N, 32), dtype=tl.float32)                         # (B + q) * x per column
-            x_g = tl.zeros((32,), dtype=tl.float32)                                   # x per column
-            for f in tl.static_range(FPG):
-                i = gi * FPG + f
-                k0 = b * BLOCK_K + i * 32
-                if EVEN_K:
-                    xv = tl.load(x_row + k0).to(tl.float32)
-                else:
-                    xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
-                if FPG == 1:
-                    acc += (biased_field(words, i, BITS, ASM) * s[:, None] + o[:, None]) * xv[None, :]
-                else:
-                    acc_q += biased_field(words, i, BITS, ASM) * xv[None, :]
-                    x_g += xv
-            if FPG > 1:
-                acc += s[:, None] * acc_q + o[:, None] * x_g[None, :]
+        if HALVES:
+            acc, acc_o = _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                                      GROUP, EVEN_K, ASM)
+        else:
+            acc = _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
+                               EVEN_K, ASM)
+    total = tl.sum(acc, axis=1)
+    if HALVES:
+        total += acc_o
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    write_out(tl.sum(acc, axis=1), bias, out_ptr, out_ptr + m.to(tl.int64) * stride_out + offs_n,
+    write_out(total, bias, out_ptr, out_ptr + m.to(tl.int64) * stride_out + offs_n,
               part_ptr + m.to(tl.int64) * N + offs_n, T * N, n_mask, lock_ptr + m * tl.num_programs(0) + pid_n,
               pid_k, split_k, SPLIT, FENCE, NUM_THREADS)

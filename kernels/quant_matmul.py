@@ -162,12 +162,13 @@ def quant_matmul(
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulConfig:
+def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
-    One row: the elementwise kernel, 32 features per program, split until ~8 programs per SM where K has
-    6 blocks or more.
+    One row: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
+    count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
+    of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
     2-64 rows on a small weight (N * K < 4M, latency-bound): one dot per 256-wide block, 32-feature tiles;
     below 6 blocks of K no split, from 6 blocks split 4. (16-feature programs of 2 warps were 10% faster
     per launch in the sweep at 1-16 rows; one run of the default model's engine decode with them was
@@ -182,9 +183,11 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int) -> QuantMatmulC
         return 1 << (max(1, v).bit_length() - 1)
 
     if T == 1:
+        bn = 64 if bits == 4 and group_size % 128 == 0 else 32
         if num_blocks < 6:      # short K: no split
-            return QuantMatmulConfig(32, 1, 1)
-        return QuantMatmulConfig(32, 1, min(pow2_floor(min(8 * num_sms // triton.cdiv(N, 32), 16)), num_blocks))
+            return QuantMatmulConfig(bn, 1, 1)
+        per_sm = 256 * num_sms // bn            # 8 programs of 32 features (4 of 64) per SM
+        return QuantMatmulConfig(bn, 1, min(pow2_floor(min(per_sm // triton.cdiv(N, bn), 16)), num_blocks))
     if T > 64:
         return QuantMatmulConfig(128, 64, 1, num_warps=8)
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64

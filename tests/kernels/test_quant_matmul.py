@@ -36,7 +36,7 @@ def check(T: int, N: int, K: int, bits: int, group: int, dtype: torch.dtype, has
     w = pack_quantized(q, s, o, bits, group)
     x = torch.randn(T, K, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(N, generator=gen).to(dtype).to(DEVICE) if has_bias else None
-    cfg = config or pick_config(T, N, K, bits, num_sms=4 if DEVICE == "cpu" else 132)
+    cfg = config or pick_config(T, N, K, bits, num_sms=4 if DEVICE == "cpu" else 132, group_size=group)
     out = torch.full((T, N), float("nan"), dtype=dtype, device=DEVICE)
     partials = torch.full((cfg.split_k * T * N,), float("nan"), device=DEVICE)
     locks = torch.zeros(4 * -(-N // 16), dtype=torch.int32, device=DEVICE)    # one per tile, as QuantLinear
@@ -75,6 +75,7 @@ def test_split_k_and_tiles(bits: int, split: int) -> None:
 @pytest.mark.parametrize("bits,group", [(4, 256), (4, 512), (8, 256)])
 def test_groups_spanning_whole_blocks(bits: int, group: int) -> None:
     check(6, 40, 1024, bits, group, torch.float16, True, QuantMatmulConfig(16, 16, 2))
+    check(1, 40, 1024, bits, group, torch.float16, True, QuantMatmulConfig(16, 1, 2))     # one-row kernel
 
 
 def test_prefill_tile() -> None:
