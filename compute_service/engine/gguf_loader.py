@@ -51,7 +51,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 class GGUFSource:
     """Tensors by HF name: `source(name)` dequantized to float32, `source.quantized(prefix)` kept quantized
-    (Q4_0 / Q4_1 / Q8_0 projections; None for other types, which are dequantized)."""
+    (Q4_0 / Q4_1 / Q8_0 projections; None for other types, which are dequantized); `rows` / `columns`
+    read and dequantize only a slice (the tensors are views of the mapped file)."""
 
     def __init__(self, spec: ModelSpec, by_hf: dict[str, Any]) -> None:
         from compute_service.engine.quant_formats.gguf import KEPT_TYPES
@@ -72,23 +73,56 @@ class GGUFSource:
         return None
 
     def __call__(self, name: str) -> torch.Tensor | None:
-        from gguf import dequantize
+        t = self._by_hf.get(name)
+        return None if t is None else self._dense(t.data, t.tensor_type, self._heads(name))
 
-        from compute_service.engine.quant_formats.gguf import block_weight
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor | None:
+        """Rows [start, end) of `name` in float32, reading only their bytes from the file (tensor-parallel
+        ranks keep only theirs). A q/k range must be whole heads (llama.cpp interleaves rows within a
+        head); any other range is cut from the whole tensor."""
+        t = self._by_hf.get(name)
+        if t is None:
+            return None
+        heads = self._heads(name)
+        if heads is not None:
+            per_head = t.data.shape[0] // heads
+            if start % per_head or end % per_head:
+                return self._dense(t.data, t.tensor_type, heads)[start:end].contiguous()
+            heads = (end - start) // per_head
+        return self._dense(t.data[start:end], t.tensor_type, heads)
+
+    def columns(self, name: str, start: int, end: int) -> torch.Tensor | None:
+        """Columns [start, end) of `name` in float32, reading only their blocks of every row (a quantized
+        type's cut must fall on its block size; any other range is cut from the whole tensor)."""
+        from gguf import GGML_QUANT_SIZES
 
         t = self._by_hf.get(name)
         if t is None:
             return None
+        heads = self._heads(name)
+        if t.data.dtype != np.uint8:                         # plain values [N, K]
+            return self._dense(t.data[:, start:end], t.tensor_type, heads)
+        block, nbytes = GGML_QUANT_SIZES[t.tensor_type]      # bytes per row: K / block blocks of nbytes
+        if start % block or end % block:
+            return self._dense(t.data, t.tensor_type, heads)[:, start:end].contiguous()
+        return self._dense(t.data[:, start // block * nbytes:end // block * nbytes], t.tensor_type, heads)
+
+    @staticmethod
+    def _dense(data: np.ndarray, tensor_type: Any, heads: int | None) -> torch.Tensor:
+        """float32 [N, K] of a tensor's rows (values, or bytes per row for quantized types)."""
+        from gguf import dequantize
+
+        from compute_service.engine.quant_formats.gguf import block_weight
+
         # Q4_0 / Q4_1 / Q8_0 through the canonical form, in torch: the same float32 values (bit for bit
         # but for the sign of some zeros; tests/engine/test_gguf_dequant.py) in under half the time of the
         # per-block numpy path, which took most of a SmolLM2 load (0.91 of 1.3 s on 2 cores); other types
         # as before.
-        qw = block_weight(t.data, t.tensor_type) if t.data.ndim == 2 else None
+        qw = block_weight(data, tensor_type) if data.ndim == 2 else None
         if qw is not None:
             w = qw.dequantize(torch.float32).numpy()
         else:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        heads = self._heads(name)
+            w = np.asarray(dequantize(data, tensor_type), dtype=np.float32)
         if heads is not None:
             w = _unpermute(w, heads)
         return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a writable copy

@@ -59,8 +59,8 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
     """A tensor source of the rank's slices under the checkpoint's names (for `build_weights`).
 
     Row-parallel biases (o, down) are added once, after the all-reduce: rank 0 keeps them, the
-    others read zeros. A source with `rows(name, a, b)` / `columns(name, a, b)` (safetensors) is
-    read a slice at a time; others (GGUF, dequantized at load) are read whole, then sliced.
+    others read zeros. A source with `rows(name, a, b)` / `columns(name, a, b)` (safetensors, GGUF)
+    is read a slice at a time; others are read whole, then sliced.
     A source of a quantized checkpoint (`quantized(prefix)`, see `quant_formats/source.py`) keeps
     that view too, sliced the same way: whole rows of codes, or whole groups of in features (a
     column range that cuts a group gives None, and the projection is read dense).
@@ -69,7 +69,7 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
             "up_proj": shard.inter}
     cols = {"o_proj": shard.q, "down_proj": shard.inter}
 
-    read_rows = getattr(get, "rows", None)          # a source that reads slices from disk (safetensors)
+    read_rows = getattr(get, "rows", None)          # a source that reads slices from disk
     read_cols = getattr(get, "columns", None)
 
     def local(name: str) -> torch.Tensor | None:

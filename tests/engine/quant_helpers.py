@@ -47,6 +47,12 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Projections of the tiny models' GGUF kept 4- or 8-bit (layer 1: mixed fused groups); the rest F32.
+GGUF_TYPES = {"0.self_attn.q_proj": "Q4_0", "0.self_attn.k_proj": "Q4_0", "0.self_attn.v_proj": "Q4_0",
+              "0.self_attn.o_proj": "Q8_0", "0.mlp.gate_proj": "Q4_1", "0.mlp.up_proj": "Q4_1",
+              "1.self_attn.q_proj": "Q4_1", "1.self_attn.k_proj": "Q8_0", "1.self_attn.v_proj": "Q4_1",
+              "1.mlp.gate_proj": "Q8_0", "1.self_attn.o_proj": "Q4_1"}
+
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}

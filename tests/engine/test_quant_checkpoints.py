@@ -19,7 +19,7 @@ from compute_service.engine.quant_formats.export import quantize_checkpoint
 from compute_service.engine.quant_linear import QuantLinear
 from compute_service.engine.quantized import quantize_rtn
 from helpers import TINY_DIMS, rel_err
-from quant_helpers import projection_weights, write_gptq_folder, write_tiny_gguf
+from quant_helpers import GGUF_TYPES, projection_weights, write_gptq_folder, write_tiny_gguf
 from test_loader import prefill_logits
 
 G = 16          # divides the tiny model's 64 hidden and 80 intermediate features
@@ -98,10 +98,6 @@ def test_a_group_size_that_does_not_divide_stays_dense(tiny_models, tmp_path, ca
                                                                  TOKENS)) < 1e-5
 
 
-GGUF_TYPES = {"0.self_attn.q_proj": "Q4_0", "0.self_attn.k_proj": "Q4_0", "0.self_attn.v_proj": "Q4_0",
-              "0.self_attn.o_proj": "Q8_0", "0.mlp.gate_proj": "Q4_1", "0.mlp.up_proj": "Q4_1",
-              "1.self_attn.q_proj": "Q4_1", "1.self_attn.k_proj": "Q8_0", "1.self_attn.v_proj": "Q4_1",
-              "1.mlp.gate_proj": "Q8_0", "1.self_attn.o_proj": "Q4_1"}    # layer 1: mixed fused groups
 
 
 def test_gguf_q4_q8_projections_kept_quantized(tiny_models, tmp_path, caplog):
