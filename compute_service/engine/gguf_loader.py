@@ -52,7 +52,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFSource:
     """Tensors by HF name: `source(name)` dequantized to float32, `source.quantized(prefix)` kept quantized
     (Q4_0 / Q4_1 / Q8_0 projections; None for other types, which are dequantized); `rows` / `columns`
-    read and dequantize only a slice (the tensors are views of the mapped file)."""
+    and `quantized_rows` / `quantized_columns` read only a slice (the tensors are views of the mapped
+    file: a tensor-parallel rank touches its own rows or blocks)."""
 
     def __init__(self, spec: ModelSpec, by_hf: dict[str, Any]) -> None:
         from compute_service.engine.quant_formats.gguf import KEPT_TYPES
@@ -128,18 +129,47 @@ class GGUFSource:
         return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a writable copy
 
     def quantized(self, prefix: str) -> QuantizedWeight | None:
-        from compute_service.engine.quant_formats.gguf import block_weight
+        return self._quantized(prefix, None, None)
+
+    def quantized_rows(self, prefix: str, start: int, end: int) -> QuantizedWeight | None:
+        """Output features [start, end) kept quantized, reading only their rows (q/k: whole heads, as
+        `rows`; any other q/k range is cut from the whole tensor)."""
+        return self._quantized(prefix, (start, end), None)
+
+    def quantized_columns(self, prefix: str, start: int, end: int) -> QuantizedWeight | None:
+        """In features [start, end) kept quantized, reading only their blocks of every row; None (read it
+        dense) when the cut is not on the 32-value block."""
+        return self._quantized(prefix, None, (start, end))
+
+    def _quantized(self, prefix: str, rows: tuple[int, int] | None,
+                   columns: tuple[int, int] | None) -> QuantizedWeight | None:
+        from compute_service.engine.quant_formats.gguf import BLOCK, KEPT_TYPES, block_weight
 
         name = prefix + ".weight"
         t = self._by_hf.get(name)
-        if t is None or not prefix.startswith("model.layers."):
+        if t is None or not prefix.startswith("model.layers.") or int(t.tensor_type) not in KEPT_TYPES:
             return None
-        qw = block_weight(t.data, t.tensor_type)
-        heads = self._heads(name)
+        data, heads = t.data, self._heads(name)
+        if rows is not None:
+            a, b = rows
+            if heads is not None:
+                per_head = data.shape[0] // heads
+                if a % per_head or b % per_head:
+                    whole = self._quantized(prefix, None, None)
+                    return None if whole is None else whole.rows(a, b)
+                heads = (b - a) // per_head
+            data = data[a:b]
+        if columns is not None:
+            a, b = columns
+            if a % BLOCK or b % BLOCK:
+                return None
+            nbytes = KEPT_TYPES[int(t.tensor_type)][1]
+            data = data[:, a // BLOCK * nbytes:b // BLOCK * nbytes]
+        qw = block_weight(data, t.tensor_type)
         if qw is None or heads is None:
             return qw
-        rows = torch.from_numpy(_unpermute(np.arange(qw.shape[0]), heads).copy())
-        return QuantizedWeight(qw.q[rows], qw.scales[rows], qw.offsets[rows], qw.bits, qw.group_size)
+        order = torch.from_numpy(_unpermute(np.arange(qw.shape[0]), heads).copy())
+        return QuantizedWeight(qw.q[order], qw.scales[order], qw.offsets[order], qw.bits, qw.group_size)
 
 
 def read_gguf(path: Path) -> tuple[ModelSpec, GGUFSource, str | None]:

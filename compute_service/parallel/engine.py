@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 
 def load_sharded(path: str | None, group: TensorParallelGroup, dtype: torch.dtype,
                  quantization: str = "auto") -> tuple[LoadedModel, ModelSpec, Shard]:
-    """The rank's slices of a HF safetensors folder or a GGUF file (each rank keeps only its slices;
-    it reads one whole tensor at a time, then drops the rest). A quantized checkpoint's shards stay
-    quantized as `quantization` says (see `quant_formats`)."""
+    """The rank's slices of a HF safetensors folder or a GGUF file (each rank reads only its slices
+    where the source can, else one whole tensor at a time, keeping its slice: `sharded_source`). A
+    quantized checkpoint's shards stay quantized as `quantization` says (see `quant_formats`)."""
     p = default_model_path() if path is None else Path(path)
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)

@@ -63,7 +63,8 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
     is read a slice at a time; others are read whole, then sliced.
     A source of a quantized checkpoint (`quantized(prefix)`, see `quant_formats/source.py`) keeps
     that view too, sliced the same way: whole rows of codes, or whole groups of in features (a
-    column range that cuts a group gives None, and the projection is read dense).
+    column range that cuts a group gives None, and the projection is read dense); with
+    `quantized_rows` / `quantized_columns` (GGUF) only the slice is read.
     """
     rows = {"q_proj": shard.q, "k_proj": shard.kv, "v_proj": shard.kv, "gate_proj": shard.inter,
             "up_proj": shard.inter}
@@ -92,10 +93,16 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
         return None if t is None else t[:, a:b]
 
     quantized = getattr(get, "quantized", None)
+    q_rows = getattr(get, "quantized_rows", None)        # kept quantized, a slice read from disk (GGUF)
+    q_cols = getattr(get, "quantized_columns", None)
 
     def local_quantized(prefix: str) -> QuantizedWeight | None:
-        qw = quantized(prefix) if quantized is not None else None
         proj = prefix.split(".")[-1]
+        if prefix.startswith("model.layers.") and proj in rows and q_rows is not None:
+            return q_rows(prefix, *rows[proj])  # type: ignore[no-any-return]
+        if prefix.startswith("model.layers.") and proj in cols and q_cols is not None:
+            return q_cols(prefix, *cols[proj])  # type: ignore[no-any-return]
+        qw = quantized(prefix) if quantized is not None else None
         if qw is None or not prefix.startswith("model.layers."):
             return qw
         if proj in rows:

@@ -76,6 +76,43 @@ def test_columns_equal_the_whole_tensor_cut(gguf_source, dequantized_rows):
                     assert dequantized_rows == [want], (name, a, b, dequantized_rows)
 
 
+def test_quantized_slices_equal_the_whole_weight_cut(gguf_source, monkeypatch):
+    from compute_service.engine.quant_formats import gguf as gguf_blocks
+
+    spec, source = gguf_source
+    shapes: list[tuple[int, ...]] = []
+    real = gguf_blocks.block_weight
+
+    def spy(data, tensor_type):
+        shapes.append(tuple(data.shape))
+        return real(data, tensor_type)
+
+    def same(x, y) -> bool:
+        return (x.bits, x.group_size) == (y.bits, y.group_size) and all(
+            torch.equal(u, v) for u, v in ((x.q, y.q), (x.scales, y.scales), (x.offsets, y.offsets)))
+
+    d = spec.head_dim
+    for key, kind in GGUF_TYPES.items():
+        layer, proj = key.split(".", 1)
+        prefix = f"model.layers.{layer}.{proj}"
+        whole = source.quantized(prefix)
+        n, k = whole.shape
+        a, b = (d, 2 * d) if proj.endswith(("q_proj", "k_proj")) else (5, n - 3)
+        monkeypatch.setattr(gguf_blocks, "block_weight", spy)
+        shapes.clear()
+        assert same(source.quantized_rows(prefix, a, b), whole.rows(a, b)), key
+        assert [s[0] for s in shapes] == [b - a], (key, shapes)         # only those rows were read
+        shapes.clear()
+        got = source.quantized_columns(prefix, 32, 64)
+        want = whole.q[:, 32:64], whole.scales[:, 1:2], whole.offsets[:, 1:2]
+        assert all(torch.equal(u, v) for u, v in zip((got.q, got.scales, got.offsets), want)), key
+        block, nbytes = GGML_QUANT_SIZES[getattr(GGMLQuantizationType, kind)]
+        assert shapes == [(n, 32 // block * nbytes)], (key, shapes)      # one block of every row
+        assert source.quantized_columns(prefix, 16, 48) is None          # not on the block: read dense
+        monkeypatch.setattr(gguf_blocks, "block_weight", real)
+    assert source.quantized_rows("model.layers.0.mlp.down_proj", 0, 8) is None     # stored F32
+
+
 def test_missing_names_give_none(gguf_source):
     _, source = gguf_source
     assert source.rows("model.layers.9.mlp.up_proj.weight", 0, 4) is None
@@ -90,6 +127,7 @@ def test_a_rank_reads_the_same_slices_as_from_whole_tensors(gguf_source, tp):
     def whole(name: str) -> torch.Tensor | None:     # no rows / columns: read whole, then cut
         return source(name)
 
+    whole.quantized = source.quantized          # kept quantized, but no slice readers
     for rank in range(tp):
         shard = shard_for(spec, tp, rank)
         from_file, from_whole = sharded_source(spec, shard, source), sharded_source(spec, shard, whole)
@@ -97,3 +135,8 @@ def test_a_rank_reads_the_same_slices_as_from_whole_tensors(gguf_source, tp):
             for proj in PROJECTIONS:
                 name = f"model.layers.{layer}.{proj}.weight"
                 assert torch.equal(from_file(name), from_whole(name)), (tp, rank, name)
+                x, y = from_file.quantized(name[:-7]), from_whole.quantized(name[:-7])
+                assert (x is None) == (y is None), (tp, rank, name)
+                if x is not None:
+                    assert all(torch.equal(u, v) for u, v in ((x.q, y.q), (x.scales, y.scales),
+                                                              (x.offsets, y.offsets))), (tp, rank, name)
