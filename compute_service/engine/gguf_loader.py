@@ -49,6 +49,19 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+def _column_range(data: np.ndarray, tensor_type: Any, start: int, end: int) -> np.ndarray | None:
+    """In features [start, end) of every row of a tensor's view: its values, or for a quantized type the
+    bytes of their blocks; None when the cut does not fall on the type's block."""
+    from gguf import GGML_QUANT_SIZES
+
+    if data.dtype != np.uint8:                               # plain values [N, K]
+        return data[:, start:end]
+    block, nbytes = GGML_QUANT_SIZES[tensor_type]            # bytes per row: K / block blocks of nbytes
+    if start % block or end % block:
+        return None
+    return data[:, start // block * nbytes:end // block * nbytes]
+
+
 class GGUFSource:
     """Tensors by HF name: `source(name)` dequantized to float32, `source.quantized(prefix)` kept quantized
     (Q4_0 / Q4_1 / Q8_0 projections; None for other types, which are dequantized); `rows` / `columns`
@@ -84,29 +97,32 @@ class GGUFSource:
         t = self._by_hf.get(name)
         if t is None:
             return None
-        heads = self._heads(name)
-        if heads is not None:
-            per_head = t.data.shape[0] // heads
-            if start % per_head or end % per_head:
-                return self._dense(t.data, t.tensor_type, heads)[start:end].contiguous()
-            heads = (end - start) // per_head
-        return self._dense(t.data[start:end], t.tensor_type, heads)
+        part = self._row_range(t, name, start, end)
+        if part is None:
+            return self._dense(t.data, t.tensor_type, self._heads(name))[start:end].contiguous()
+        return self._dense(*part)
 
     def columns(self, name: str, start: int, end: int) -> torch.Tensor | None:
         """Columns [start, end) of `name` in float32, reading only their blocks of every row (a quantized
         type's cut must fall on its block size; any other range is cut from the whole tensor)."""
-        from gguf import GGML_QUANT_SIZES
-
         t = self._by_hf.get(name)
         if t is None:
             return None
+        data = _column_range(t.data, t.tensor_type, start, end)
+        if data is None:
+            return self._dense(t.data, t.tensor_type, self._heads(name))[:, start:end].contiguous()
+        return self._dense(data, t.tensor_type, self._heads(name))
+
+    def _row_range(self, t: Any, name: str, start: int, end: int) -> tuple[np.ndarray, Any, int | None] | None:
+        """(rows [start, end) of the file's view, tensor type, heads to un-interleave in them); None when a
+        q/k range is not whole heads."""
         heads = self._heads(name)
-        if t.data.dtype != np.uint8:                         # plain values [N, K]
-            return self._dense(t.data[:, start:end], t.tensor_type, heads)
-        block, nbytes = GGML_QUANT_SIZES[t.tensor_type]      # bytes per row: K / block blocks of nbytes
-        if start % block or end % block:
-            return self._dense(t.data, t.tensor_type, heads)[:, start:end].contiguous()
-        return self._dense(t.data[:, start // block * nbytes:end // block * nbytes], t.tensor_type, heads)
+        if heads is not None:
+            per_head = t.data.shape[0] // heads
+            if start % per_head or end % per_head:
+                return None
+            heads = (end - start) // per_head
+        return t.data[start:end], t.tensor_type, heads
 
     @staticmethod
     def _dense(data: np.ndarray, tensor_type: Any, heads: int | None) -> torch.Tensor:
@@ -143,7 +159,7 @@ class GGUFSource:
 
     def _quantized(self, prefix: str, rows: tuple[int, int] | None,
                    columns: tuple[int, int] | None) -> QuantizedWeight | None:
-        from compute_service.engine.quant_formats.gguf import BLOCK, KEPT_TYPES, block_weight
+        from compute_service.engine.quant_formats.gguf import KEPT_TYPES, block_weight
 
         name = prefix + ".weight"
         t = self._by_hf.get(name)
@@ -151,20 +167,16 @@ class GGUFSource:
             return None
         data, heads = t.data, self._heads(name)
         if rows is not None:
-            a, b = rows
-            if heads is not None:
-                per_head = data.shape[0] // heads
-                if a % per_head or b % per_head:
-                    whole = self._quantized(prefix, None, None)
-                    return None if whole is None else whole.rows(a, b)
-                heads = (b - a) // per_head
-            data = data[a:b]
+            part = self._row_range(t, name, *rows)
+            if part is None:
+                whole = self._quantized(prefix, None, None)
+                return None if whole is None else whole.rows(*rows)
+            data, _, heads = part
         if columns is not None:
-            a, b = columns
-            if a % BLOCK or b % BLOCK:
+            cut = _column_range(data, t.tensor_type, *columns)
+            if cut is None:
                 return None
-            nbytes = KEPT_TYPES[int(t.tensor_type)][1]
-            data = data[:, a // BLOCK * nbytes:b // BLOCK * nbytes]
+            data = cut
         qw = block_weight(data, t.tensor_type)
         if qw is None or heads is None:
             return qw
