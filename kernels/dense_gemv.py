@@ -7,8 +7,9 @@ tensor cores (one row would use 1/16 of an MMA) and no split-K: with 16-feature 
 narrowest 8B projection (4096 features) has 256 programs for 132 SMs.
 
 Why it exists: decode at batch 1 reads every weight once per token, so weight reads are most of a batch-1
-step, and at one row the library GEMM reads the 8B model's weights at 1.13-1.70x their copy-bandwidth time
-against 0.98-1.54x for this kernel (H200, `bench/dense_gemv.py`; the LM head gains most, 286 -> 242 us).
+step, and at one row the library GEMM reads the 8B model's weights at 1.09-1.63x their copy-bandwidth time
+against 0.95-1.50x for this kernel (H200, `bench/results/dense_gemv.json`; the LM head gains most, 283 ->
+238 us).
 `compute_service.engine.linear.dense_linear` runs it for single rows on CUDA.
 """
 from __future__ import annotations
