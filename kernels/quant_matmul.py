@@ -9,6 +9,12 @@ row; field i of the words holds 32 consecutive codes of one group):
   offset in fp32, rounded once to x's dtype, `kernels.quant_tile`) either per 32-wide field, each fed
   to a K=32 dot from the registers its words were loaded into (FIELD_DOTS), or per 256-wide block,
   staged in shared memory for one dot (better for small, latency-bound weights; `pick_config`).
+  4 bits in groups of 128 and more with 16-bit x (the 8B checkpoints' layout; `_pairs_step`): the codes
+  are not dequantized before the dots at all. One shift and one and-or turn a word into two 16-bit
+  floats BIAS + q (fields i and i + 4), exact, which go into the dots as they are; each half-block's
+  group scale and offset apply to the dot's fp32 sums, with the sums of x over the half computed once
+  per call. Per code that is one integer instruction instead of a float dequantization (H200, 8B layer
+  shapes: 27% less time per layer at 8 rows, 18% at 64).
 - One-row kernel (batch-1 decode, `kernels.quant_gemv`): no tensor cores, codes * x elementwise in fp32.
 
 Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336) is
@@ -27,7 +33,7 @@ import triton.language as tl
 from kernels.quant_gemv import quant_gemv_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k
 from kernels.quant_split import write_out
-from kernels.quant_tile import dequant_block, dequant_field
+from kernels.quant_tile import biased_pair, dequant_block, dequant_field, pair_bias
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class QuantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     field_dots: bool = True     # tensor cores: one K=32 dot per field (else one dot per 256-wide block)
+    pair_codes: bool = True     # tensor cores, 4 bits in groups of 128+, 16-bit x: codes into the dot as they
+                                # are, group scales after it (`_pairs_step`); else dequantized before the dot
 
 
 @triton.jit
@@ -60,11 +68,45 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+def _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n, n_mask,
+                N, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """Block b of a 4-bit weight in groups of 128 or more into acc (out.T, [BN, BM]): fields 0-3 are half a
+    (group g_a), fields 4-7 half b (group g_b). The codes enter the dots as BIAS + q in x's type, exact
+    (`biased_pair`: one shift and one instruction per two codes, no float math per code); each half's dots
+    sum D = sum((B + q) x) and its group applies after them, s * D + (o - B s) * sum(x), in fp32, with the
+    sums of x over each 128-wide half read from xs (computed once per call, not per program)."""
+    BF16: tl.constexpr = x_cols.dtype.element_ty == tl.bfloat16
+    BIAS: tl.constexpr = pair_bias(BF16)
+    d_a = tl.zeros(acc.shape, dtype=tl.float32)
+    d_b = tl.zeros(acc.shape, dtype=tl.float32)
+    for i in tl.static_range(4):
+        k_a = b * 256 + i * 32
+        xa = _load_x(x_cols + k_a, m_mask, k_a + offs_k < K, EVEN_K)                 # [32, BM]
+        xb = _load_x(x_cols + k_a + 128, m_mask, k_a + 128 + offs_k < K, EVEN_K)
+        wa, wb = biased_pair(words, i, BF16, ASM)                                     # [BN, 32] each
+        d_a = tl.dot(wa, xa, d_a)
+        d_b = tl.dot(wb, xb, d_b)
+    xs_a = tl.load(xs_ptr + offs_m * num_halves + 2 * b, mask=m_mask, other=0.0)      # [BM] fp32
+    xs_b = tl.load(xs_ptr + offs_m * num_halves + 2 * b + 1, mask=m_mask & (offs_m * 0 + 2 * b + 1 < num_halves),
+                   other=0.0)                                                   # 0 for the padded half past K
+    g_a = (b * 256) // GROUP
+    g_b = (b * 256 + 128) // GROUP
+    s_a = tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    s_b = tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    o_a = tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_a
+    o_b = tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_b
+    acc += s_a[:, None] * d_a + o_a[:, None] * xs_a[None, :]
+    acc += s_b[:, None] * d_b + o_b[:, None] * xs_b[None, :]
+    return acc
+
+
+@triton.jit
+def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, xs_ptr, num_halves,
                          T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                         FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr):
+                         FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr,
+                         PAIRS: tl.constexpr, ASM: tl.constexpr):
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,7 +121,10 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     for b in range(b_lo, b_hi):
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
-        if FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
+        if PAIRS:
+            acc = _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr,
+                              offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
+        elif FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
             for i in tl.static_range(32 // BITS):
                 k0 = b * BLOCK_K + i * 32
                 xt = _load_x(x_cols + k0, m_mask, k0 + offs_k < K, EVEN_K)                    # [32, BM]
@@ -111,7 +156,8 @@ def quant_matmul(
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
         out[:] = (x.float() @ W.to(x.dtype).float().T + (bias.float() if bias is not None else 0)).to(x.dtype)
     The tensor-core kernel (block_m >= 16) rounds W to x's dtype once before its dot (bf16: relative
-    2**-9 per weight); the one-row kernel (block_m == 1) keeps W in fp32.
+    2**-9 per weight), except on the pair-codes path (4 bits, groups of 128+, K % 128 == 0, 16-bit x),
+    which like the one-row kernel (block_m == 1) keeps W in fp32: the scales apply to the fp32 sums.
     `locks` must hold zeros before the call and holds zeros after it.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -143,13 +189,18 @@ def quant_matmul(
             raise ValueError(f"split-K needs int32 zero locks of >= {grid[0] * grid[1]} elements")
     if T == 0 or N == 0:
         return
+    pairs = (cfg.block_m > 1 and cfg.pair_codes and cfg.field_dots and w.bits == 4 and w.group_size % 128 == 0
+             and x.dtype != torch.float32 and K % 128 == 0)
+    x_sums = out
+    if pairs:       # sum of x over each 128-wide half block, once per call (`_pairs_step`)
+        x_sums = torch.sum(x.reshape(T, K // 128, 128), dim=-1, dtype=torch.float32)      # [T, K / 128]
     args = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
-            partials if split > 1 else out, locks if split > 1 else out,
+            partials if split > 1 else out, locks if split > 1 else out, x_sums, K // 128,
             T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
     even_k = K % block_k(w.bits) == 0
     compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"     # fences and inline assembly: not interpreted
     if cfg.block_m == 1:
-        quant_gemv_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
+        quant_gemv_kernel[grid](*args[:8], *args[10:], GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
                                 HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=compiled,
                                 NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -158,7 +209,7 @@ def quant_matmul(
                                    BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
                                    NUM_THREADS=32 * cfg.num_warps,
-                                   FIELD_DOTS=cfg.field_dots,
+                                   FIELD_DOTS=cfg.field_dots, PAIRS=pairs, ASM=compiled,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -174,7 +225,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     per launch in the sweep at 1-16 rows; one run of the default model's engine decode with them was
     13-24% slower at batch 1/8, inside that benchmark's run-to-run spread: not picked until measured.)
     On a large weight: one dot per field, 64-feature tiles, split 4 (8 for a long K), none above 32 rows
-    when the feature tiles alone fill the SMs.
+    when the feature tiles alone fill the SMs. 4 bits in groups of 128+ (the pair-codes path; H200 sweep of
+    the 8B shapes at 2-64 rows, each within 10% of its best but gate_up at 32 rows, 16%): split 1 where
+    the tiles fill the SMs twice, else 4 (8 for a long K up to 16 rows), 64-row tiles for 33-64 rows.
     Token tiles of 16 / 32 / 64 rows (32 where a long K or few feature tiles leave SMs idle).
     Prefill rows (> 64): 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
     num_blocks = -(-K // block_k(bits))
@@ -196,6 +249,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
             return QuantMatmulConfig(32, min(block_m, 32), 4, field_dots=False)
         block_m = min(block_m, 32) if triton.cdiv(N, 32) < 64 else block_m
         return QuantMatmulConfig(32, block_m, 1, field_dots=False)
+    tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
+    if bits == 4 and group_size % 128 == 0 and K % 128 == 0:     # the pair-codes path (`_pairs_step`)
+        split = 1 if tiles >= 2 * num_sms else 8 if K >= 8192 and T <= 16 else 4
+        return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
     block_m = min(block_m, 32) if K >= 8192 else block_m
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
     split = 1 if T > 32 and tiles >= num_sms else 8 if K >= 8192 else 4

@@ -72,6 +72,15 @@ def test_split_k_and_tiles(bits: int, split: int) -> None:
     check(3, 50, 640, bits, 32, torch.float32, False, row)
 
 
+@pytest.mark.parametrize("group,k", [(128, 640), (256, 768), (512, 1024)])
+@pytest.mark.parametrize("split", [1, 3])
+def test_pair_codes_path(group: int, k: int, split: int) -> None:
+    """4 bits in groups of 128 and more, 16-bit x: the codes enter the dots as they are and each group's
+    scale and offset apply after them (`_pairs_step`); padded K, a partial token tile and split-K."""
+    check(19, 40, k, 4, group, torch.float16, True, QuantMatmulConfig(16, 16, split))
+    check(7, 24, k, 4, group, torch.float16, False, QuantMatmulConfig(32, 32, split))
+
+
 @pytest.mark.parametrize("bits,group", [(4, 256), (4, 512), (8, 256)])
 def test_groups_spanning_whole_blocks(bits: int, group: int) -> None:
     check(6, 40, 1024, bits, group, torch.float16, True, QuantMatmulConfig(16, 16, 2))
