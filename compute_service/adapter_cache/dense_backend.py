@@ -16,7 +16,7 @@ from compute_service.adapter_cache.dense_views import SlotViews, slot_views
 from compute_service.adapter_cache.layout import module_features
 from compute_service.adapter_cache.paged_backend import as_one_output
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
-from compute_service.engine.lora_backend import GROUP_MODULE_IDS, NO_ADAPTER
+from compute_service.engine.lora_backend import ALL_GROUPS, GROUP_MODULE_IDS, NO_ADAPTER
 
 Rows = slice | torch.Tensor      # the tokens of one adapter: a run, or their indices [n]
 
@@ -48,6 +48,7 @@ class DenseLoraBackend:
         self._segments: list[tuple[SlotViews, Rows]] = []
         self._group_modules: dict[str, list[int]] = {}
         self._features: dict[int, tuple[int, int]] = {}
+        self.active_groups = ALL_GROUPS
 
     def allocate(self) -> None:
         """Reads the pool's module table (the pool must be allocated); nothing to preallocate."""
@@ -59,12 +60,16 @@ class DenseLoraBackend:
         self.slots.on_packed = self._build
         self.slots.on_evicted = self._forget
 
-    def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
+    def prepare(self, token_slot_ids_cpu: torch.Tensor, groups: frozenset[str] = ALL_GROUPS) -> None:
         if not self._group_modules:
             self.allocate()
         device = self.slots.device
         self._segments = [(self._views_of(slot), rows)
                           for slot, rows in group_tokens(token_slot_ids_cpu.tolist(), device)]
+        self.active_groups = groups
+
+    def groups_of(self, token_slot_ids: list[int]) -> frozenset[str]:
+        return self.slots.groups_of(token_slot_ids)
 
     def _views_of(self, slot: int) -> SlotViews:
         cached = self._views.get(slot)
@@ -89,7 +94,7 @@ class DenseLoraBackend:
         self._views.pop(slot, None)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        if not self._segments:
+        if not self._segments or group not in self.active_groups:
             return
         y, offsets = as_one_output(outs)
         for views, rows in self._segments:

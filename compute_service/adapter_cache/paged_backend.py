@@ -2,7 +2,7 @@
 
 One `LoraBatchMeta` is prepared per step (outside CUDA graphs; on CUDA the host
 only copies the slot ids, the grouping is built on the device). Each layer's
-group then costs, for steps of up to `FUSED_MAX_TOKENS` tokens (decode of small
+group that an adapter of the step changes (`active_groups`) then costs, for steps of up to `FUSED_MAX_TOKENS` tokens (decode of small
 batches), one fused launch (shrink and expand in one kernel), and above that
 one shrink launch over all its slices and one expand launch, where the pair is
 faster (docs/kernels.md); either adds into every slice (q/k/v, or gate/up) of
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
-from compute_service.engine.lora_backend import GROUP_MODULE_IDS
+from compute_service.engine.lora_backend import ALL_GROUPS, GROUP_MODULE_IDS
 from kernels import LoraBatchMeta, lora_expand, lora_fused, lora_shrink
 
 
@@ -42,6 +42,7 @@ class PagedLoraBackend:
         self._shrink_buf = torch.empty(0)
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused_max_tokens = 0
+        self.active_groups = ALL_GROUPS
 
     def allocate(self) -> LoraBatchMeta:
         """Allocates the batch metadata, shrink output and fused workspace (once; the pool must exist)."""
@@ -63,11 +64,17 @@ class PagedLoraBackend:
         self.meta = meta
         return meta
 
-    def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
+    def prepare(self, token_slot_ids_cpu: torch.Tensor, groups: frozenset[str] = ALL_GROUPS) -> None:
         meta = self.meta if self.meta is not None else self.allocate()
         meta.prepare(token_slot_ids_cpu.to(torch.int32))
+        self.active_groups = groups
+
+    def groups_of(self, token_slot_ids: list[int]) -> frozenset[str]:
+        return self.slots.groups_of(token_slot_ids)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        if group not in self.active_groups:
+            return
         mods = self._group_modules[group]
         y, offsets = as_one_output(outs)
         if y is not None:

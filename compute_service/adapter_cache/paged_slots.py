@@ -31,6 +31,7 @@ from compute_service.adapter_cache.layout import PoolLayout, Row, full_adapter_p
 from compute_service.adapter_cache.residency import AdapterResidency, Entry, State
 from compute_service.adapter_cache.staging import CopyHandle, PinnedRing, Uploaded, pack, upload
 from compute_service.engine.errors import CapacityError, InvalidAdapterError
+from compute_service.engine.lora_backend import groups_of_modules
 from compute_service.engine.spec import ModelSpec
 from kernels import DEFAULT_MODULE_IDS, LoraRowTables, pages_needed
 from loraplex.formats.adapter import Adapter
@@ -125,6 +126,8 @@ class PagedAdapterSlots:
                                           on_evict=self._on_evict)
         # Id of the load whose contents a slot holds, so readers caching per-slot views know when to rebuild.
         self.generation = [0] * layout.max_slots
+        # Groups (compute_service.engine.lora_backend) the adapter in each slot changes: what a step launches.
+        self.slot_groups: list[frozenset[str]] = [frozenset()] * layout.max_slots
         return layout
 
     def allocate_for(self, max_adapters: int, optimal_adapter_size: int = 8) -> PoolLayout:
@@ -312,7 +315,10 @@ class PagedAdapterSlots:
                 f.timing.copy_ms = f.job.result().copy_ms()
                 f.timing.upload_ms = f.up.upload_ms()
             res.finish_load(k)
-            self.generation[res.slot_of(k)] = f.load_id
+            slot = res.slot_of(k)
+            self.generation[slot] = f.load_id
+            cfg = f.up.adapter.config
+            self.slot_groups[slot] = groups_of_modules(int(m) for m in cfg[cfg[:, 2] > 0, 0])
             done.append(k)
         # Staged copies nobody waits for any more (their requests left while queued).
         for k in [k for k in self._staged if res.get(k) is None]:
@@ -343,6 +349,14 @@ class PagedAdapterSlots:
     def loading(self) -> bool:
         return bool(self._in_flight) or self._res.has_queued
 
+    def groups_of(self, token_slot_ids: list[int]) -> frozenset[str]:
+        """The groups that the adapters in these slots change (NO_ADAPTER and empty slots change none)."""
+        out: frozenset[str] = frozenset()
+        for slot in set(token_slot_ids):
+            if slot >= 0:
+                out |= self.slot_groups[slot]
+        return out
+
     def stats(self) -> PoolStats:
         res = self._res
         assert self.layout is not None
@@ -359,5 +373,6 @@ class PagedAdapterSlots:
         assert self.tables is not None
         # Clear the slot's ranks so a stale slot id can never read the pages' next owner.
         self.tables.ranks[e.slot].zero_()
+        self.slot_groups[e.slot] = frozenset()
         if self.on_evicted is not None:
             self.on_evicted(e.slot)

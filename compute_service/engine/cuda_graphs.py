@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graphs, one per batch-size bucket (and with / without LoRA).
+"""Decode steps as CUDA graphs, one per batch-size bucket and set of LoRA groups (none for base steps).
 
 A decode step's shapes depend only on its batch size, so the whole forward
 (embedding -> layers with paged-attention decode and LoRA kernels -> logits)
@@ -10,17 +10,26 @@ slots, block tables, context lengths, and the LoRA batch metadata (prepared by
 the backend outside the graph). A batch is padded up to its bucket with rows
 that attend one key in a scratch KV block no sequence owns and use no adapter,
 so padding never touches real state. Nothing inside the step syncs with the host.
+
+A LoRA graph holds the launches of the groups its step's adapters change (`LoraBackend.groups_of`): a
+batch of adapters on q/k/v alone replays a graph with no LoRA launch on o, gate/up or down. The warm-up
+captures every group and q/k/v alone (`WARM_GROUPS`); another set is captured the first time it runs.
 """
 from __future__ import annotations
 
 import torch
 
 from compute_service.engine.attention import DecodeMetadata
-from compute_service.engine.lora_backend import NO_ADAPTER, LoraBackend
+from compute_service.engine.lora_backend import ALL_GROUPS, NO_ADAPTER, LoraBackend
 from compute_service.engine.graph_capture import capture
 from compute_service.engine.model import LlamaModel
 from compute_service.engine.pending import PendingTokens, fill_pending
 from compute_service.engine.prefill_graphs import PrefillGraphs
+
+
+# LoRA group sets captured at start: adapters on every projection, and on the attention q/k/v alone.
+WARM_GROUPS: tuple[frozenset[str], ...] = (ALL_GROUPS, frozenset({"qkv"}))
+GraphKey = tuple[int, "frozenset[str] | None"]      # (bucket, LoRA groups; None for a base step)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -54,7 +63,8 @@ class DecodeGraphs:
         self._tables = self._host_tables.numpy()
         self._ctx = self._host_ctx.numpy()
         self._staged = torch.cuda.Event() if dev.type == "cuda" else None   # the staging's last copies queued
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._last_lora_key: dict[int, GraphKey] = {}      # bucket -> key of its last LoRA replay
         self._pool = torch.cuda.graph_pool_handle()
         # Prefill and mixed steps of up to `prefill_tokens` tokens: one graph per token-count bucket.
         self.prefill = PrefillGraphs(model, kv_caches, prefill_tokens, scratch_block * block_size, block_size,
@@ -77,9 +87,13 @@ class DecodeGraphs:
         self._fill(input_ids, positions, tables, bucket)
         if pending is not None:
             fill_pending(self.input_ids, pending)
+        groups = None
         if lora is not None:
-            lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32))
-        key = (bucket, lora is not None)
+            groups = lora.groups_of(token_slots)
+            lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32), groups)
+        key: GraphKey = (bucket, groups)
+        if groups is not None:
+            self._last_lora_key[bucket] = key
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, lora)
         graph, logits = self._graphs[key]
@@ -88,8 +102,8 @@ class DecodeGraphs:
         return logits[:n].clone()
 
     def capture_all(self, lora: LoraBackend | None) -> None:
-        """Captures every bucket now (base, and with `lora` when given) on all-padding inputs, and the
-        prefill graphs (`prefill_graphs.PrefillGraphs.capture_all`).
+        """Captures every bucket now (base, and with `lora` when given for each of `WARM_GROUPS`) on
+        all-padding inputs, and the prefill graphs (`prefill_graphs.PrefillGraphs.capture_all`).
 
         For callers with other threads issuing CUDA work (the compute service's
         adapter uploads and packs): capturing before those threads start means
@@ -98,14 +112,14 @@ class DecodeGraphs:
         rank 0 and adds nothing); a replay reads whatever `prepare` last wrote.
         """
         for bucket in self.buckets:
-            for backend in (None, lora) if lora is not None else (None,):
-                key = (bucket, backend is not None)
+            for groups in (None, *WARM_GROUPS) if lora is not None else (None,):
+                key: GraphKey = (bucket, groups)
                 if key in self._graphs:
                     continue
                 self._fill([], [], [], bucket)
-                if backend is not None:
-                    backend.prepare(torch.zeros(bucket, dtype=torch.int32))
-                self._graphs[key] = self._capture(bucket, backend)
+                if lora is not None and groups is not None:
+                    lora.prepare(torch.zeros(bucket, dtype=torch.int32), groups)
+                self._graphs[key] = self._capture(bucket, lora if groups is not None else None)
         self.prefill.capture_all(lora)
         torch.cuda.synchronize(self.model.device)
 
@@ -138,14 +152,16 @@ class DecodeGraphs:
             self._staged.record()
 
     def time_replay(self, batch: int, with_lora: bool, iters: int = 20) -> float | None:
-        """Median GPU milliseconds of one replay of `batch`'s bucket graph, None if not captured yet.
+        """Median GPU milliseconds of one replay of `batch`'s bucket graph (with LoRA: the graph of the
+        bucket's last LoRA step), None if not captured yet.
 
         Replays the last step's inputs again (it rewrites the same K/V slots), so
         call it between steps; it measures the device time a step needs, without
         the host's share.
         """
         bucket = self.bucket_for(batch)
-        entry = self._graphs.get((bucket, with_lora)) if bucket is not None else None
+        key = self._last_lora_key.get(bucket) if with_lora else (bucket, None)
+        entry = self._graphs.get(key) if bucket is not None and key is not None else None
         if entry is None:
             return None
         return median_replay_ms(entry[0], iters)

@@ -16,6 +16,7 @@ Groups and the module ids whose deltas land in each output slice:
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -29,14 +30,35 @@ GROUP_MODULE_IDS: dict[str, tuple[int, ...]] = {
     "down": (6,),
 }
 NO_ADAPTER = -1
+ALL_GROUPS: frozenset[str] = frozenset(GROUP_MODULE_IDS)
+FUSED_QKV_ID = 0      # an adapter's fused q/k/v rows (module id 0) land in the q, k and v slices
+
+
+def groups_of_modules(module_ids: Iterable[int]) -> frozenset[str]:
+    """The groups whose outputs an adapter with these module ids (rank > 0) changes."""
+    ids = set(module_ids)
+    if FUSED_QKV_ID in ids:
+        ids |= set(GROUP_MODULE_IDS["qkv"])
+    return frozenset(g for g, mods in GROUP_MODULE_IDS.items() if ids.intersection(mods))
 
 
 @runtime_checkable
 class LoraBackend(Protocol):
-    """Applies per-token LoRA deltas; one `prepare` per step, then `apply` per layer and group."""
+    """Applies per-token LoRA deltas; one `prepare` per step, then `apply` per layer and group.
 
-    def prepare(self, token_slot_ids_cpu: torch.Tensor) -> None:
+    `active_groups` (set by `prepare`) are the groups `apply` launches anything for; the others are
+    skipped, so a batch whose adapters change only q/k/v costs no launches on o, gate/up and down. A
+    CUDA graph captured with some active groups may be replayed only for steps whose `groups_of` is a
+    subset of them (the graphs key on it); by default `prepare` activates every group."""
+
+    active_groups: frozenset[str]
+
+    def prepare(self, token_slot_ids_cpu: torch.Tensor, groups: frozenset[str] = ALL_GROUPS) -> None:
         """[T] int32 slot per token of the step (NO_ADAPTER = -1); called outside CUDA graphs."""
+        ...
+
+    def groups_of(self, token_slot_ids: list[int]) -> frozenset[str]:
+        """The groups that the adapters in these slots change (empty for base-only slots)."""
         ...
 
     def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:

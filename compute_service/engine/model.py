@@ -177,6 +177,8 @@ class LlamaModel:
         While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens) is captured, the LoRA runs on a
         side stream into a zeroed buffer concurrently with the base projection and is added after both:
         there the LoRA kernels are bound by latency, not bytes, and the base matmul hides them."""
+        if lora is not None and group not in lora.active_groups:
+            lora = None                 # no adapter of this step changes this group: the base projection alone
         side = self._lora_stream
         if lora is None or side is None or not 1 < x.shape[0] <= LORA_OVERLAP_TOKENS \
                 or not torch.cuda.is_current_stream_capturing():

@@ -122,7 +122,8 @@ class ModelRunner:
                 meta = step_metadata(query_lens, context_lens, tables, self.block_size, dev)
             lora = None
             if has_lora:
-                self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32))  # type: ignore[union-attr]
+                groups = self.lora.groups_of(token_slots)  # type: ignore[union-attr]
+                self.lora.prepare(torch.tensor(token_slots, dtype=torch.int32), groups)  # type: ignore[union-attr]
                 lora = self.lora
             ids = torch.tensor(input_ids, device=dev)
             if pending is not None:

@@ -7,6 +7,7 @@ from compute_helpers import random_adapter
 
 from compute_service.adapter_cache.backends import lora_backend_for
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
+from compute_service.engine.lora_backend import ALL_GROUPS
 from compute_service.engine.spec import ModelSpec
 
 SPEC = ModelSpec(architecture="llama", num_layers=2, hidden_size=96, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -62,7 +63,8 @@ def test_backend_equals_adapter_rows(kind, device, dtype, tol, layout):
     if layout == "runs":                                      # the engine's usual batch: runs of one adapter
         keys = keys.sort().values
     choices = torch.tensor([-1] + [slots.slot_of(f"a{i}") for i in range(4)])
-    backend.prepare(choices[keys].to(torch.int32))
+    step_slots = choices[keys].to(torch.int32)
+    backend.prepare(step_slots, backend.groups_of(step_slots.tolist()))     # as the engine prepares a step
     for layer in range(SPEC.num_layers):
         for group, (outs, mids) in GROUPS.items():
             x = torch.randn(T, IN[group], generator=gen).to(dtype)
@@ -93,3 +95,51 @@ def test_nan_or_misshaped_adapter_refused_naming_the_problem():
     with pytest.raises(InvalidAdapterError, match=r"row 0 .*rank must be in \[1, max_lora_rank=16\]"):
         slots.load("big", random_adapter(SPEC, 32, seed=4))
     assert slots.stats().pages_used == 0 and not slots.resident("nan")
+
+
+@pytest.mark.parametrize("kind", ["torch", "kernels"])
+def test_a_step_launches_only_the_groups_its_adapters_change(kind):
+    """groups_of is the union over the step's slots (a fused q/k/v row counts as q/k/v; an evicted slot
+    changes nothing); apply leaves a group outside the prepared set untouched and still adds the others."""
+    slots = PagedAdapterSlots(SPEC, 64, torch.device("cpu"), torch.float32)
+    slots.allocate(4 << 20, optimal_adapter_size=4)
+    backend = lora_backend_for(slots, 64, kind)
+    backend.allocate()
+    mods = {"qv": (1, 3), "fused": (0,), "o_down": (4, 6), "all": (1, 2, 3, 4, 5, 6, 7)}
+    adapters = {k: random_adapter(SPEC, 8, seed=i, modules=m, scale=1.0) for i, (k, m) in enumerate(mods.items())}
+    for k, a in adapters.items():
+        slots.load(k, a)
+    s = {k: slots.slot_of(k) for k in mods}
+    assert backend.groups_of([-1, -1]) == frozenset()
+    assert backend.groups_of([s["qv"], -1]) == {"qkv"}
+    assert backend.groups_of([s["fused"]]) == {"qkv"}
+    assert backend.groups_of([s["qv"], s["o_down"], s["qv"]]) == {"qkv", "o", "down"}
+    assert backend.groups_of([s["all"], -1]) == ALL_GROUPS
+    assert slots.evict("o_down")
+    assert backend.groups_of([s["o_down"]]) == frozenset()
+    slots.load("gate_up", random_adapter(SPEC, 8, seed=9, modules=(5, 7), scale=1.0))
+    assert backend.groups_of([slots.slot_of("gate_up")]) == {"gate_up"}
+
+    T = 5
+    step_slots = [s["qv"]] * T
+    backend.prepare(torch.tensor(step_slots, dtype=torch.int32), backend.groups_of(step_slots))
+    gen = torch.Generator().manual_seed(0)
+    for group, changed in (("qkv", True), ("o", False), ("gate_up", False)):
+        outs, mids = GROUPS[group]
+        x = torch.randn(T, IN[group], generator=gen)
+        y = torch.randn(T, sum(outs), generator=gen)
+        got = y.clone()
+        backend.apply(0, group, x, list(got.split(outs, dim=1)))
+        want = y.double() + expected_delta(adapters["qv"], 0, mids, outs, x)
+        assert torch.allclose(got.double(), want, atol=1e-4), group
+        assert (not torch.equal(got, y)) == changed, group
+
+    # The prepared set is what counts: an adapter on every module, prepared for q/k/v alone, adds to q/k/v only.
+    step_slots = [s["all"]] * T
+    backend.prepare(torch.tensor(step_slots, dtype=torch.int32), frozenset({"qkv"}))
+    for group, changed in (("qkv", True), ("o", False), ("down", False)):
+        outs, _ = GROUPS[group]
+        y = torch.randn(T, sum(outs), generator=gen)
+        got = y.clone()
+        backend.apply(0, group, torch.randn(T, IN[group], generator=gen), list(got.split(outs, dim=1)))
+        assert (not torch.equal(got, y)) == changed, group
