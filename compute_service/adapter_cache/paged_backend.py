@@ -2,11 +2,12 @@
 
 One `LoraBatchMeta` is prepared per step (outside CUDA graphs; on CUDA the host
 only copies the slot ids, the grouping is built on the device). Each layer's
-group that an adapter of the step changes (`active_groups`) then costs, for steps of up to `FUSED_MAX_TOKENS` tokens (decode of small
-batches), one fused launch (shrink and expand in one kernel), and above that
-one shrink launch over all its slices and one expand launch, where the pair is
-faster (docs/kernels.md); either adds into every slice (q/k/v, or gate/up) of
-the fused output in place. Triton kernels on CUDA; on CPU tensors
+group that an adapter of the step changes (`active_groups`; the others launch
+nothing) then costs, for steps of up to `FUSED_MAX_TOKENS` tokens (decode of
+small batches), one fused launch (shrink and expand in one kernel), and above
+that one shrink launch over all its slices and one expand launch, where the
+pair is faster (docs/kernels.md); either adds into every slice (q/k/v, or
+gate/up) of the fused output in place. Triton kernels on CUDA; on CPU tensors
 kernels/__init__.py runs their torch reference, which is for tests only: CPU
 serving uses `dense_backend.DenseLoraBackend`.
 """
