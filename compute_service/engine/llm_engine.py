@@ -19,6 +19,7 @@ from compute_service.engine.loader import LoadedModel, load_model, load_tokenize
 from compute_service.engine.lora_backend import AdapterSlots, LoraBackend
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.outputs import EngineStats, RequestOutput
+from compute_service.engine.readback import PendingRead, TokenReadback
 from compute_service.engine.sampler import sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import Scheduler, SchedulerConfig
@@ -78,6 +79,7 @@ class LLMEngine:
         # Overlapped steps: a decode step whose sampled tokens are still on the device.
         self.overlap = config.async_scheduling
         self._in_flight: _Flight | None = None
+        self._readback = TokenReadback(config.max_num_seqs, dev)
         self._num_preemptions = 0
         # Called once per step right after its GPU work is queued, before the host waits for it: a caller
         # with host work of its own (a server handing out the previous step's tokens) does it then, while
@@ -187,7 +189,7 @@ class LLMEngine:
         tokens = sample_tokens(logits, [s.params for s in sampling],
                                [self._generators[s.request_id] for s in sampling])
         logits_by_id = {s.request_id: logits[i] for i, s in enumerate(sampling)} if want_logits else {}
-        flight = _Flight(sampling, tokens)
+        flight = _Flight(sampling, tokens, self._readback.start(tokens))
         if prev is not None:
             outputs.extend(self._land(prev))        # read back while this step runs
         if self.overlap and not want_logits and all(s.num_new_tokens == 1 and s.sample for s in sched.scheduled):
@@ -201,7 +203,7 @@ class LLMEngine:
         """Reads a launched step's tokens back (waiting for it) and reports them, checking stops."""
         if self.on_reading is not None:
             self.on_reading()
-        tokens = flight.tokens.tolist()
+        tokens = flight.read.read()
         detok = self.tokenizer.decode if self.tokenizer is not None else None
         outputs = []
         for seq in self.scheduler.land(flight.sampling, tokens):
@@ -248,11 +250,12 @@ class _Flight:
     """A launched step's sampling sequences and their tokens [N] on the device; `rows`: each sequence's
     row there (the next step's pending inputs are read from it)."""
 
-    __slots__ = ("sampling", "tokens", "_rows")
+    __slots__ = ("sampling", "tokens", "read", "_rows")
 
-    def __init__(self, sampling: list[Sequence], tokens: torch.Tensor) -> None:
+    def __init__(self, sampling: list[Sequence], tokens: torch.Tensor, read: PendingRead) -> None:
         self.sampling = sampling
         self.tokens = tokens
+        self.read = read              # their copy to the host, queued right after sampling
         self._rows: dict[Sequence, int] | None = None
 
     @property
