@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds after one warm-up round")
     ap.add_argument("--model", default="", help="a model folder or GGUF (default: a tiny random Llama)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--async-scheduling", action="store_true", help="overlapped steps (EngineConfig.async_scheduling)")
+    ap.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                    help="overlapped steps or plain ones (EngineConfig.async_scheduling; default: on with a GPU)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -109,7 +110,7 @@ def main() -> None:
     print(f"{args.num_seqs} sequences, best of {args.repeats}: "
           + ", ".join(f"{k} {v:.3f}" for k, v in best["ms_per_step"].items()) + f" ms/step; host parts {host:.3f} ms")
     out = {"bench": "engine_host_step", "device": args.device, "commit": args.commit, "num_seqs": args.num_seqs,
-           "async_scheduling": args.async_scheduling,
+           "async_scheduling": engine.overlap,
            "tokens": args.tokens, "model": args.model or "tiny random llama", "host_ms_per_step_best": host,
            "host_parts": list(host_parts), "rounds": rounds,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -87,8 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host-cache-bytes", type=int, help="host adapter cache budget (default 8 GiB; cpu 2 GiB)")
     ap.add_argument("--lora-gpu-cache-bytes", type=int,
                     help="served adapter pool (default 8 GiB; cpu 1 GiB; 0: the service's default fraction)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="overlapped decode steps, in the served compute service and the in-process engine alike")
+    ap.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                    help="overlapped decode steps or plain ones, in the served compute service and the in-process "
+                         "engine alike (default: the service's own default, on with a GPU)")
     ap.add_argument("--quantization", default="auto", choices=("auto", "keep", "none"),
                     help="the base model's quantization, served and engine alike")
     ap.add_argument("--step-trace", type=Path, help="where the compute service writes its step trace "
@@ -145,7 +146,7 @@ def serve_argv(args: argparse.Namespace, model: str, lora_root: Path) -> list[st
     compute = (f"--max-num-seqs {max(args.concurrency)} --max-num-batched-tokens {args.max_num_batched_tokens} "
                f"--quantization {args.quantization} --step-trace {shlex.quote(str(args.step_trace))} "
                + (f"--lora-gpu-cache-bytes {args.lora_gpu_cache_bytes} " if args.lora_gpu_cache_bytes else "")
-               + ("--async-scheduling " if args.async_scheduling else "")
+               + ({True: "--async-scheduling ", False: "--no-async-scheduling ", None: ""}[args.async_scheduling])
                + args.compute_flags)
     return (["--lora-root", str(lora_root), "--device", args.device,
              "--max-model-len", str(args.max_model_len), "--max-lora-rank", str(max(args.ranks)),

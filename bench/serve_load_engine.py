@@ -22,7 +22,7 @@ LONG_STEP_S = 0.005   # steps longer than this are listed one by one
 
 
 def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_lora_rank: int, pool_bytes: int, quantization: str = "auto", async_scheduling: bool = False
+                 max_lora_rank: int, pool_bytes: int, quantization: str = "auto", async_scheduling: bool | None = None
                  ) -> tuple[Any, float]:
     """The engine `loraplex compute` runs over `model` ("" = the default model), built and warmed up as the
     service builds and warms it (same adapter pool and LoRA backend, every kernel compiled and every graph

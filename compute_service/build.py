@@ -125,9 +125,9 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
     slots.fingerprint = adapter_fingerprint(loaded)
     backend = lora_backend_for(slots, config.max_num_batched_tokens)   # Triton on CUDA, torch matmuls on CPU
     engine = LLMEngine(ecfg, loaded, None, slots, backend)
-    if ecfg.async_scheduling:
-        log.info("overlapped decode steps (--async-scheduling): each decode step is queued before the previous "
-                 "one's tokens are read back")
+    if engine.overlap:
+        log.info("overlapped decode steps (--async-scheduling, the default with a GPU): each decode step is "
+                 "queued before the previous one's tokens are read back")
     zero_kv_cache(engine)
     layout = slots.allocate(pool_bytes(config, device), config.lora_cache_optimal_adapter_size,
                             config.max_resident_adapters)

@@ -34,10 +34,10 @@ class ComputeConfig:
         "help": "when the engine thread hands a step's tokens to the event loop: launch (once the next step's GPU "
                 "work is queued, so the two threads' Python does not interleave), read (once the next step is "
                 "about to wait for its tokens) or step_end (at once)"})
-    async_scheduling: bool = field(default=False, metadata={
+    async_scheduling: bool | None = field(default=None, metadata={
         "help": "overlapped decode steps: queue step N+1 before reading step N's tokens back, so the engine's "
-                "host work runs while the GPU computes (measured slower on an H200: off by default; one process "
-                "only, not with --tensor-parallel-size)"})
+                "host work runs while the GPU computes (default: on with a GPU, off on the CPU where there is "
+                "nothing to overlap; --no-async-scheduling for plain steps; not with --tensor-parallel-size)"})
     engine_process: str = field(default="off", metadata={
         "help": "on: run the engine in a child process and only the gRPC side in this one, so the two do not "
                 "share one GIL (measured on an H200: no steady gain over off, so off by default; one process "

@@ -49,7 +49,8 @@ class EngineConfig:
     enforce_eager: bool = False     # True = no CUDA graphs for decode steps (debugging, profiling)
     quantization: str = "auto"      # "auto" | "keep" | "none"
     prefill_graph_tokens: int = 512  # largest prefill/mixed step replayed from a CUDA graph; 0 = none
-    async_scheduling: bool = False  # queue decode step N+1 before reading step N's tokens (`LLMEngine`)
+    # Queue decode step N+1 before reading step N's tokens (`LLMEngine`); None: on with a GPU, off on the CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -77,7 +77,7 @@ class LLMEngine:
         self._arrivals = 0
         self._aborted: list[Sequence] = []
         # Overlapped steps: a decode step whose sampled tokens are still on the device.
-        self.overlap = config.async_scheduling
+        self.overlap = config.async_scheduling if config.async_scheduling is not None else dev.type == "cuda"
         self._in_flight: _Flight | None = None
         self._readback = TokenReadback(config.max_num_seqs, dev)
         self._num_preemptions = 0

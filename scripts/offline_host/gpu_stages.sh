@@ -6,7 +6,7 @@
 #   suite-kernels-1  GPU tests of the shrink and expand kernels
 #   suite-kernels-2  GPU tests of the fused LoRA and quantized matmul kernels
 #   suite-rest       every other GPU test (engine, services, SmolLM2 end to end)
-#   serve-load       bench/serve_load.py, plain steps, then with --async-scheduling (both sides)
+#   serve-load       bench/serve_load.py, overlapped steps (the default), then --no-async-scheduling (both sides)
 #   cold             bench/cold_adapter.py, and bench/cold_adapter_burst.py with 0 and 4 conversion workers
 #   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
 #   swap             bench/adapter_swap.py
@@ -26,9 +26,9 @@ case "$stage" in
     pytest_gpu tests $ignore $deselect ;;
   serve-load)
     python3 bench/serve_load.py --commit "$commit" --out "$out/serve_load.json" > "$out/serve_load.log" 2>&1
-    python3 bench/serve_load.py --commit "$commit" --async-scheduling --out "$out/serve_load_async.json" \
-      > "$out/serve_load_async.log" 2>&1
-    tail -n 5 "$out/serve_load.log" "$out/serve_load_async.log" ;;
+    python3 bench/serve_load.py --commit "$commit" --no-async-scheduling --out "$out/serve_load_plain.json" \
+      > "$out/serve_load_plain.log" 2>&1
+    tail -n 5 "$out/serve_load.log" "$out/serve_load_plain.log" ;;
   cold)
     python3 bench/cold_adapter.py --commit "$commit" --out "$out/cold_adapter.json" > "$out/cold.log" 2>&1
     for n in 0 4; do
@@ -37,9 +37,9 @@ case "$stage" in
     done
     tail -12 "$out/cold.log" ;;
   host-step)
-    for flag in "" --async-scheduling; do
+    for flag in "" --no-async-scheduling; do
       python3 bench/engine_host_step.py --device cuda --commit "$commit" $flag \
-        --out "$out/host_step${flag:+_async}.json" 2>&1 | tail -1
+        --out "$out/host_step${flag:+_plain}.json" 2>&1 | tail -1
     done ;;
   swap) python3 bench/adapter_swap.py --commit "$commit" --out "$out/adapter_swap.json" 2>&1 | tail -12 ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
