@@ -69,3 +69,25 @@ def test_engine_host_step_small(tmp_path):
     assert len(res["rounds"]) == 2 and res["host_ms_per_step_best"] > 0
     assert {"schedule", "model", "sample", "advance", "land", "delta", "other", "step"} <= set(
         res["rounds"][0]["ms_per_step"])
+
+
+def test_step_profile_smoke_and_timeline(tmp_path):
+    """The profiler script runs its cases on CPU; its timeline arithmetic (busy, idle, gaps by neighbours)
+    is checked on a hand-made trace, since the CPU mode has no GPU timeline."""
+    out = tmp_path / "p.json"
+    proc = _run(["bench/step_profile.py", "--smoke", "--cases", "base:1,distinct_r16_qkv:2", "--steps", "2",
+                 "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [(c["case"], c["batch"]) for c in res["cases"]] == [("base", 1), ("distinct_r16_qkv", 2)]
+    assert all(c["kernels"] and c["kernels"][0]["us_per_step"] > 0 for c in res["cases"])
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from step_profile import timeline
+
+    trace = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 30.0, 40.0), ("d", 41.0, 50.0), ("c", 80.0, 100.0)]
+    tl = timeline(trace, steps=2, top=5)
+    assert tl["span_us"] == 50.0 and tl["busy_us"] == 29.5 and tl["idle_us"] == 20.5    # per step: / 2
+    assert tl["gaps"][0] == dict(after="d", before="c", us_per_step=15.0, per_step=0.5)
+    assert tl["gaps"][1] == dict(after="b", before="c", us_per_step=5.0, per_step=0.5)
+    assert len(tl["gaps"]) == 2                                 # the 1 us gap before d is below the 3 us cut

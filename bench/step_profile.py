@@ -1,0 +1,141 @@
+"""Where a decode step's time goes, kernel by kernel: the engine of bench/multi_lora.py (8B shape, random
+weights, CUDA graphs) under the profiler, per case and batch.
+
+For each case it decodes a few warm-up steps, then profiles `--steps` engine steps and prints
+- the device time per step of each kernel name, with its launches per step (what the graph and the
+  eager ops around it run);
+- the GPU timeline per step: wall span, busy time and idle time, and the largest idle gaps with the
+  kernels on either side (a gap before the graph's first kernel is the host still launching it; a gap
+  after the token read-back is the host between two steps).
+Under the profiler the host runs slower, so gaps are larger than in an unprofiled run: compare cases
+and modes with each other, not with bench/multi_lora.py's figures.
+
+    python3 bench/step_profile.py --cases base:1,distinct_r16_qkv:32 [--no-async-scheduling] [--out p.json]
+    .venv/bin/python bench/step_profile.py --smoke          # checks the script on CPU (CPU ops, no timeline)
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from multi_lora import ENGINE_CASES, LLAMA3_8B, SMOKE, adapter_rows, build_engine, build_hf, case_keys  # noqa: E402
+
+
+def kernel_table(events: list, steps: int, top: int) -> list[dict]:
+    """Per kernel name: microseconds and launches per step, the largest first."""
+    agg: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for name, start, end in events:
+        agg[name][0] += 1
+        agg[name][1] += end - start
+    rows = [dict(kernel=n, us_per_step=t / steps, launches_per_step=c / steps) for n, (c, t) in agg.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+def timeline(events: list, steps: int, top: int) -> dict:
+    """Span, busy and idle microseconds per step, and the largest idle gaps (> 3 us) by neighbours."""
+    events = sorted(events, key=lambda e: e[1])
+    if not events:
+        return dict(span_us=0.0, busy_us=0.0, idle_us=0.0, gaps=[])
+    busy, end, prev = 0.0, events[0][1], events[0][0]
+    gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for name, s, e in events:
+        if s - end > 3.0:
+            gaps[(prev, name)][0] += 1
+            gaps[(prev, name)][1] += s - end
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, prev = e, name
+    span = end - events[0][1]
+    top_gaps = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(span_us=span / steps, busy_us=busy / steps, idle_us=(span - busy) / steps,
+                gaps=[dict(after=a, before=b, us_per_step=t / steps, per_step=c / steps)
+                      for (a, b), (c, t) in top_gaps])
+
+
+def profile_case(engine, name: str, batch: int, rows, distinct: bool, loaded: set, steps: int, dev: torch.device,
+                 top: int) -> dict:
+    from compute_service.engine import SamplingParams
+
+    keys = case_keys(engine, name, batch, rows, distinct, loaded)
+    params = SamplingParams(max_tokens=steps + 24, temperature=0, ignore_eos=True)
+    vocab = engine.spec.vocab_size
+    for i, k in enumerate(keys):
+        engine.add_request(f"{name}-{batch}-{i}", [(7 * i + j) % vocab for j in range(43)], params, k)
+    for _ in range(12):                     # prefill, graph capture, steady decode
+        engine.step()
+    activity = torch.profiler.ProfilerActivity.CUDA if dev.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            engine.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    while engine.has_unfinished():
+        engine.step()
+    want = torch.autograd.DeviceType.CUDA if dev.type == "cuda" else torch.autograd.DeviceType.CPU
+    events = [(e.name[:80], e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == want]
+    res = dict(case=name, batch=batch, steps=steps, kernels=kernel_table(events, steps, top))
+    if dev.type == "cuda":
+        res["timeline"] = timeline(events, steps, top)
+    return res
+
+
+def report(r: dict) -> None:
+    tl = r.get("timeline")
+    head = f"== {r['case']} B={r['batch']}"
+    if tl:
+        head += (f": GPU span {tl['span_us']:.0f} us/step, busy {tl['busy_us']:.0f}, idle {tl['idle_us']:.0f}")
+    print(head, flush=True)
+    for k in r["kernels"]:
+        print(f"   {k['us_per_step']:8.1f} us/step {k['launches_per_step']:6.1f}/step  {k['kernel']}")
+    for g in (tl or {}).get("gaps", []):
+        print(f"   idle {g['us_per_step']:7.1f} us/step ({g['per_step']:.1f}/step) after {g['after']} -> before "
+              f"{g['before']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="base:1,distinct_r16_qkv:1,distinct_r16_qkv:32",
+                    help="comma-separated CASE:BATCH of bench/multi_lora.py's engine cases")
+    ap.add_argument("--steps", type=int, default=20, help="profiled decode steps per case")
+    ap.add_argument("--top", type=int, default=14, help="kernels and gaps listed per case")
+    ap.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                    help="overlapped decode steps or plain ones (default: the engine's, on with a GPU)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    dims = SMOKE if args.smoke else LLAMA3_8B
+    wanted = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cases.split(",")]
+    by_name = {c[0]: c for c in ENGINE_CASES}
+    unknown = [n for n, _ in wanted if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; known: {sorted(by_name)}")
+    hf = build_hf(dims, dev, dtype)
+    engine, _ = build_engine(hf, dev, dtype, max(b for _, b in wanted), 43, 100, [(64, 2)], args.async_scheduling)
+    del hf
+    res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                     async_scheduling=engine.overlap, cases=[])
+    loaded: set[str] = set()
+    for name, batch in wanted:
+        _, rank, modules, distinct = by_name[name]
+        rows = adapter_rows(dims, rank, modules, dev, dtype) if rank else None
+        r = profile_case(engine, name, batch, rows, distinct, loaded, args.steps, dev, args.top)
+        res["cases"].append(r)
+        report(r)
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
