@@ -13,7 +13,9 @@ so padding never touches real state. Nothing inside the step syncs with the host
 
 A LoRA graph holds the launches of the groups its step's adapters change (`LoraBackend.groups_of`): a
 batch of adapters on q/k/v alone replays a graph with no LoRA launch on o, gate/up or down. The warm-up
-captures every group and q/k/v alone (`WARM_GROUPS`); another set is captured the first time it runs.
+captures every group and q/k/v alone (`WARM_GROUPS`); a step with another set replays the bucket's
+every-group graph where there is one (its extra groups add zeros), so serving never stops to capture
+one, and captures its own set only where the bucket has none (`graph_groups`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,15 @@ from compute_service.engine.prefill_graphs import PrefillGraphs
 # LoRA group sets captured at start: adapters on every projection, and on the attention q/k/v alone.
 WARM_GROUPS: tuple[frozenset[str], ...] = (ALL_GROUPS, frozenset({"qkv"}))
 GraphKey = tuple[int, "frozenset[str] | None"]      # (bucket, LoRA groups; None for a base step)
+
+
+def graph_groups(bucket: int, groups: frozenset[str], captured: "dict[GraphKey, object]") -> frozenset[str]:
+    """The LoRA groups a step of `bucket` runs with: its own set when that graph exists or is one of
+    `WARM_GROUPS`, else every group when that graph exists (a superset is correct: groups no adapter of
+    the step has add zeros), else its own set, captured then."""
+    if (bucket, groups) in captured or groups in WARM_GROUPS or (bucket, ALL_GROUPS) not in captured:
+        return groups
+    return ALL_GROUPS
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -89,7 +100,7 @@ class DecodeGraphs:
             fill_pending(self.input_ids, pending)
         groups = None
         if lora is not None:
-            groups = lora.groups_of(token_slots)
+            groups = graph_groups(bucket, lora.groups_of(token_slots), self._graphs)
             lora.prepare(torch.tensor(token_slots + [NO_ADAPTER] * (bucket - n), dtype=torch.int32), groups)
         key: GraphKey = (bucket, groups)
         if groups is not None:
