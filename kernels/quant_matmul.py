@@ -194,19 +194,19 @@ def quant_matmul(
     x_sums = out
     if pairs:       # sum of x over each 128-wide half block, once per call (`_pairs_step`)
         x_sums = torch.sum(x.reshape(T, K // 128, 128), dim=-1, dtype=torch.float32)      # [T, K / 128]
-    args = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
-            partials if split > 1 else out, locks if split > 1 else out, x_sums, K // 128,
-            T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
+    buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
+               partials if split > 1 else out, locks if split > 1 else out)
+    sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
     even_k = K % block_k(w.bits) == 0
     compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"     # fences and inline assembly: not interpreted
     if cfg.block_m == 1:
-        quant_gemv_kernel[grid](*args[:8], *args[10:], GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1,
-                                HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=compiled,
+        quant_gemv_kernel[grid](*buffers, *sizes, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
+                                SPLIT=split > 1, HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=compiled,
                                 NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        _quant_matmul_kernel[grid](*args, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
-                                   BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
+        _quant_matmul_kernel[grid](*buffers, x_sums, K // 128, *sizes, GROUP=w.group_size, BITS=w.bits,
+                                   BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots, PAIRS=pairs, ASM=compiled,
@@ -226,7 +226,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     13-24% slower at batch 1/8, inside that benchmark's run-to-run spread: not picked until measured.)
     On a large weight: one dot per field, 64-feature tiles, split 4 (8 for a long K), none above 32 rows
     when the feature tiles alone fill the SMs. 4 bits in groups of 128+ (the pair-codes path; H200 sweep of
-    the 8B shapes at 2-64 rows, each within 10% of its best but gate_up at 32 rows, 16%): split 1 where
+    the 8B shapes at 2-64 rows, each within 10% of its best): split 1 where
     the tiles fill the SMs twice (then 128-feature tiles at 17-32 rows), else 4 (8 for a long K up to 16
     rows); 64-row tiles for 33-64 rows, split to about two programs per SM (q/k/v at 48-64 rows: 26.5 ->
     23.0 us with split 2 instead of 4).
