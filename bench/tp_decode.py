@@ -172,14 +172,13 @@ def profile_replays(graphs, batch: int, with_lora: bool, iters: int = 10) -> dic
     the batch's decode graph (every rank replays in lock step)."""
     from torch.profiler import ProfilerActivity, profile
 
-    bucket = graphs.bucket_for(batch)
-    entry = graphs._graphs.get((bucket, with_lora)) if bucket is not None else None
-    if entry is None:
+    graph = graphs.graph_for(batch, with_lora)
+    if graph is None:
         return None
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            entry[0].replay()
+            graph.replay()
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = {}
     for ev in prof.events():

@@ -162,20 +162,23 @@ class DecodeGraphs:
         if self._staged is not None:
             self._staged.record()
 
+    def graph_for(self, batch: int, with_lora: bool) -> torch.cuda.CUDAGraph | None:
+        """`batch`'s bucket graph (with LoRA: the graph of the bucket's last LoRA step), None if not
+        captured yet (for benchmarks: replaying it repeats the last step's inputs)."""
+        bucket = self.bucket_for(batch)
+        key = self._last_lora_key.get(bucket) if with_lora else (bucket, None)
+        entry = self._graphs.get(key) if bucket is not None and key is not None else None
+        return None if entry is None else entry[0]
+
     def time_replay(self, batch: int, with_lora: bool, iters: int = 20) -> float | None:
-        """Median GPU milliseconds of one replay of `batch`'s bucket graph (with LoRA: the graph of the
-        bucket's last LoRA step), None if not captured yet.
+        """Median GPU milliseconds of one replay of `graph_for(batch, with_lora)`, None if not captured yet.
 
         Replays the last step's inputs again (it rewrites the same K/V slots), so
         call it between steps; it measures the device time a step needs, without
         the host's share.
         """
-        bucket = self.bucket_for(batch)
-        key = self._last_lora_key.get(bucket) if with_lora else (bucket, None)
-        entry = self._graphs.get(key) if bucket is not None and key is not None else None
-        if entry is None:
-            return None
-        return median_replay_ms(entry[0], iters)
+        graph = self.graph_for(batch, with_lora)
+        return None if graph is None else median_replay_ms(graph, iters)
 
     def _forward(self, bucket: int, lora: LoraBackend | None) -> torch.Tensor:
         meta = DecodeMetadata(self.meta.slot_mapping[:bucket], self.meta.block_tables[:bucket],
