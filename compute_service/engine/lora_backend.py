@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from loraplex.formats.adapter import Adapter
+from loraplex.formats.modules import MODULE_IDS
 
 GROUP_MODULE_IDS: dict[str, tuple[int, ...]] = {
     "qkv": (1, 2, 3),
@@ -31,13 +32,12 @@ GROUP_MODULE_IDS: dict[str, tuple[int, ...]] = {
 }
 NO_ADAPTER = -1
 ALL_GROUPS: frozenset[str] = frozenset(GROUP_MODULE_IDS)
-FUSED_QKV_ID = 0      # an adapter's fused q/k/v rows (module id 0) land in the q, k and v slices
 
 
 def groups_of_modules(module_ids: Iterable[int]) -> frozenset[str]:
     """The groups whose outputs an adapter with these module ids (rank > 0) changes."""
     ids = set(module_ids)
-    if FUSED_QKV_ID in ids:
+    if MODULE_IDS["attn_qkv"] in ids:          # fused q/k/v rows land in the q, k and v slices
         ids |= set(GROUP_MODULE_IDS["qkv"])
     return frozenset(g for g, mods in GROUP_MODULE_IDS.items() if ids.intersection(mods))
 
