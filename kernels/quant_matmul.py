@@ -48,6 +48,12 @@ class QuantMatmulConfig:
                                 # are, group scales after it (`_pairs_step`); else dequantized before the dot
 
 
+def pair_codes_layout(bits: int, group_size: int, K: int) -> bool:
+    """Whether a weight's layout suits the pair-codes path (`_pairs_step`): 4 bits, groups of 128 or more
+    (each half block of 128 codes in one group), and K a multiple of 128 (whole halves of x to sum)."""
+    return bits == 4 and group_size % 128 == 0 and K % 128 == 0
+
+
 @triton.jit
 def _load_x(ptrs, m_mask, k_mask, EVEN_K: tl.constexpr):
     """x.T tile [K-slice, BM]: tokens past T and (unless EVEN_K) features past K read as 0."""
@@ -189,8 +195,8 @@ def quant_matmul(
             raise ValueError(f"split-K needs int32 zero locks of >= {grid[0] * grid[1]} elements")
     if T == 0 or N == 0:
         return
-    pairs = (cfg.block_m > 1 and cfg.pair_codes and cfg.field_dots and w.bits == 4 and w.group_size % 128 == 0
-             and x.dtype != torch.float32 and K % 128 == 0)
+    pairs = (cfg.block_m > 1 and cfg.pair_codes and cfg.field_dots and x.dtype != torch.float32
+             and pair_codes_layout(w.bits, w.group_size, K))
     x_sums = out
     if pairs:       # sum of x over each 128-wide half block, once per call (`_pairs_step`)
         x_sums = torch.sum(x.reshape(T, K // 128, 128), dim=-1, dtype=torch.float32)      # [T, K / 128]
@@ -252,7 +258,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         block_m = min(block_m, 32) if triton.cdiv(N, 32) < 64 else block_m
         return QuantMatmulConfig(32, block_m, 1, field_dots=False)
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
-    if bits == 4 and group_size % 128 == 0 and K % 128 == 0:     # the pair-codes path (`_pairs_step`)
+    if pair_codes_layout(bits, group_size, K):
         split = 1 if tiles >= 2 * num_sms else 8 if K >= 8192 and T <= 16 else 4
         if T > 32 and split > 1:        # 64-row tiles: about 2 programs per SM (q/k/v at 64 rows: split 2)
             split = pow2_floor(2 * num_sms // tiles)
