@@ -203,7 +203,7 @@ class LLMEngine:
         """Reads a launched step's tokens back (waiting for it) and reports them, checking stops."""
         if self.on_reading is not None:
             self.on_reading()
-        tokens = flight.read.read()
+        tokens = flight.host.read()
         detok = self.tokenizer.decode if self.tokenizer is not None else None
         outputs = []
         for seq in self.scheduler.land(flight.sampling, tokens):
@@ -250,12 +250,12 @@ class _Flight:
     """A launched step's sampling sequences and their tokens [N] on the device; `rows`: each sequence's
     row there (the next step's pending inputs are read from it)."""
 
-    __slots__ = ("sampling", "tokens", "read", "_rows")
+    __slots__ = ("sampling", "tokens", "host", "_rows")
 
-    def __init__(self, sampling: list[Sequence], tokens: torch.Tensor, read: PendingRead) -> None:
+    def __init__(self, sampling: list[Sequence], tokens: torch.Tensor, host: PendingRead) -> None:
         self.sampling = sampling
         self.tokens = tokens
-        self.read = read              # their copy to the host, queued right after sampling
+        self.host = host              # their copy to the host, queued right after sampling
         self._rows: dict[Sequence, int] | None = None
 
     @property

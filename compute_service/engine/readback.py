@@ -18,16 +18,18 @@ class TokenReadback:
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.device = torch.device(device)
-        self._on_gpu = self.device.type == "cuda"
-        self._bufs = [torch.empty(max_tokens, dtype=torch.int64, pin_memory=self._on_gpu) for _ in range(RING)]
+        self.max_tokens = max_tokens
+        self._bufs: list[torch.Tensor] = []     # none on the CPU: the sampled tokens are host memory already
+        if self.device.type == "cuda":
+            self._bufs = [torch.empty(max_tokens, dtype=torch.int64, pin_memory=True) for _ in range(RING)]
         self._next = 0
 
     def start(self, tokens: torch.Tensor) -> "PendingRead":
         """tokens [N] int64 on the device: their copy to the host, queued now on the current stream."""
         n = tokens.shape[0]
-        if n > self._bufs[0].shape[0]:
-            raise ValueError(f"{n} tokens exceed the read-back buffers' {self._bufs[0].shape[0]}")
-        if not self._on_gpu:
+        if n > self.max_tokens:
+            raise ValueError(f"{n} tokens exceed the read-back buffers' {self.max_tokens}")
+        if not self._bufs:
             return PendingRead(tokens, None)
         host = self._bufs[self._next][:n]
         self._next = (self._next + 1) % RING
