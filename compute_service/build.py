@@ -115,12 +115,21 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
     `capture_graphs=False` leaves the decode graphs to `compute_service.warmup`, which compiles the
     kernels on many threads first and then captures.
     """
+    marks = [("", time.perf_counter())]
+
+    def mark(what: str) -> None:
+        marks.append((what, time.perf_counter()))
+
     device = resolve_device(config.device)
+    if device.type == "cuda":
+        torch.empty(0, device=device)          # the CUDA context, timed on its own
+        mark("CUDA context")
     ecfg = engine_config(config, device)
     if config.tensor_parallel_size > 1:
         return _tensor_parallel_runtime(config, fetch, ecfg, device)
     if loaded is None:
         loaded = load_model(ecfg.model, dtype=ecfg.torch_dtype, device=device, quantization=ecfg.quantization)
+        mark("model")
     slots = PagedAdapterSlots(loaded.spec, config.max_lora_rank, device, loaded.model.dtype)
     slots.fingerprint = adapter_fingerprint(loaded)
     backend = lora_backend_for(slots, config.max_num_batched_tokens)   # Triton on CUDA, torch matmuls on CPU
@@ -129,11 +138,15 @@ def build_runtime(config: ComputeConfig, fetch: Fetch, loaded: LoadedModel | Non
         log.info("overlapped decode steps (--async-scheduling, the default with a GPU): each decode step is "
                  "queued before the previous one's tokens are read back")
     zero_kv_cache(engine)
+    mark("engine and KV cache")
     layout = slots.allocate(pool_bytes(config, device), config.lora_cache_optimal_adapter_size,
                             config.max_resident_adapters)
     log.info("adapter pool: %d pages of %d bytes (%.1f MiB), up to %d resident adapters",
              layout.num_pages, layout.page_bytes, layout.pool_bytes / 2**20, layout.max_slots)
     backend.allocate()
+    mark("adapter pool")
+    log.info("runtime built in %.1f s (%s)", marks[-1][1] - marks[0][1],
+             ", ".join(f"{what} {t - prev:.1f} s" for (_, prev), (what, t) in zip(marks, marks[1:])))
     graphs = engine.runner.graphs
     if graphs is not None and capture_graphs:
         # Every decode bucket, base and with adapters, now: before the runner starts loading adapters

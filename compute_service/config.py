@@ -59,6 +59,9 @@ class ComputeConfig:
                 "(graphs only), auto (full on a GPU, light on the CPU)"})
     warmup_threads: int = field(default=0, metadata={"help": "threads compiling kernels during warm-up (0 = "
                                                            "one per CPU core, up to 16)"})
+    compile_processes: int = field(default=0, metadata={
+        "help": "at a cold start (no kernels in Triton's cache), processes compiling the kernels (0 = one per "
+                "CPU core but one, up to 16; -1 = none, the warm-up threads compile)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
@@ -86,9 +89,10 @@ class ComputeConfig:
                                 "(rank 0 serves gRPC in its own process)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise SettingsError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
-        if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0:
+        if self.warmup not in ("auto", "full", "light", "off") or self.warmup_threads < 0 \
+                or self.compile_processes < -1:
             raise SettingsError(f"warmup: expected auto, full, light or off, got {self.warmup!r}; "
-                                "warmup_threads must be >= 0")
+                                "warmup_threads must be >= 0, compile_processes >= -1")
         if self.step_handoff not in ("launch", "read", "step_end"):
             raise SettingsError(f"step_handoff: expected launch, read or step_end, got {self.step_handoff!r}")
         if self.quantization not in ("auto", "keep", "none"):

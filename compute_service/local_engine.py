@@ -64,7 +64,8 @@ class LocalEngine:
         """Compiles every kernel a request can launch and captures the graphs, then starts the engine
         thread; connects to the cache meanwhile, so the first adapter fetch does not wait for it."""
         self._connecting.append(asyncio.create_task(self.cache.connect(CONNECT_AT_START_S), name="cache-connect"))
-        report = await asyncio.to_thread(warm_up, self.rt, self.config.warmup, self.config.warmup_threads)
+        report = await asyncio.to_thread(warm_up, self.rt, self.config.warmup, self.config.warmup_threads,
+                                       self.config.compile_processes)
         self.metrics.on_startup(self.load_s, report.total_s)
         self.rt.runner.start(self.config.gil_switch_interval_us / 1e6)
         log.info("start-up: SERVING %.1f s after start (model %.1f s, warm-up %.1f s: %s, %s)",

@@ -37,7 +37,8 @@ from compute_service.build import Runtime, zero_kv_cache
 from compute_service.engine.attention import DecodeMetadata, step_metadata
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
-from compute_service.warmup_plan import GroupShape, WarmupPlan, group_shapes, lora_class_fn
+from compute_service.compile_pool import CompilePool, PoolReport, default_processes, pool_applies, recording
+from compute_service.warmup_plan import GroupShape, LaunchClass, WarmupPlan, group_shapes, lora_class_fn
 from compute_service.warmup_plan_cache import (PlanCache, PlanKey, PlanLookup, cached_plan, local_parts,
                                                plan_cache_applies, plan_cache_dir)
 
@@ -58,6 +59,7 @@ class WarmupReport:
     total_s: float = 0.0
     num_graphs: int = 0
     compiled_kernels: int | None = None
+    pool: PoolReport | None = None          # the compile processes' work, at a cold start
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -93,8 +95,9 @@ def describe_compiled(count: int | None) -> str:
         else f"{count} Triton programs"
 
 
-def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0) -> WarmupReport:
-    """Runs the passes `mode` asks for; call before the runner starts and before health says SERVING."""
+def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_processes: int = 0) -> WarmupReport:
+    """Runs the passes `mode` asks for; call before the runner starts and before health says SERVING.
+    `compile_processes`: workers compiling at a cold start (0 = `default_processes()`, -1 = none)."""
     mode = resolve_mode(mode, rt.device)
     report = WarmupReport(mode)
     t_start = time.perf_counter()
@@ -110,7 +113,7 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0) -> WarmupRepo
             log.info("warm-up: tensor parallel, so no threaded compile pass (its forwards would need the other "
                      "ranks); kernels compile in the engine pass, step for step on every rank")
         elif mode == "full":
-            _compile_pass(rt, [k for k, _ in keys], report, num_threads)
+            _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes)
         _capture(rt, report)
         t = time.perf_counter()
         _engine_pass(rt, [k for k, _ in keys], long_prompt=mode == "full")
@@ -156,11 +159,19 @@ def _spare_backend(rt: Runtime) -> Any:
     return backend
 
 
-def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_threads: int) -> None:
+def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_threads: int,
+                  compile_processes: int) -> None:
     engine, slots = rt.engine, rt.slots
     graphs = engine.runner.graphs
     slot_ids = [slots.slot_of(k) for k in keys]
-    lookup = _plan(rt, slot_ids, report.adapter_ranks)
+    _touch_triton_driver(rt.device)
+    # A cold start (no saved plan: Triton's cache, beside it, is cold too) compiles in worker processes: the
+    # plan's dry runs and one recording pass over the steps hand every program to them. A saved plan means a
+    # warm cache, where the steps below only read it.
+    processes = compile_processes or default_processes()
+    pool = CompilePool(processes) if compile_processes >= 0 and pool_applies(rt.device.type) else None
+    with recording(pool):
+        lookup = _plan(rt, slot_ids, report.adapter_ranks, pool)
     plan = report.plan = lookup.plan
     width = graphs.meta.block_tables.shape[1] if graphs is not None else 1
     pass_ = _ForwardPass(rt, slot_ids, width)
@@ -183,7 +194,8 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
              len(plan.decode_buckets), len(plan.prefill_tokens), plan.prefill_tokens,
              len(plan.base_prefill_tokens), len(first), len(second), threads, report.adapter_ranks)
     t = time.perf_counter()
-    _touch_triton_driver(rt.device)
+    if pool is not None and pool.started:
+        _compile_in_processes(pool, first + second, report)
     with _launchers_one_at_a_time(), ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
         for phase, tasks in enumerate((first, second), start=1):
             for fut in [pool.submit(fn, n, lora) for fn, n, lora in tasks]:
@@ -196,8 +208,29 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     log.info("warm-up: kernels compiled in %.1f s (%s)", report.compile_s, describe_compiled(compiled_kernels()))
 
 
-def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int]) -> PlanLookup:
-    """The compile pass's plan: read from the on-disk cache where it applies, else dry runs of a spare backend."""
+def _compile_in_processes(pool: CompilePool, tasks: list[tuple[Callable[..., None], Any, bool]],
+                          report: WarmupReport) -> None:
+    """Every step's programs handed to the pool's workers (launches skipped), then waits for them."""
+    t = time.perf_counter()
+    try:
+        with recording(pool):
+            for fn, n, lora in tasks:
+                fn(n, lora)
+    except Exception as exc:  # noqa: BLE001 - the threads below compile whatever was not handed over
+        log.warning("warm-up: the recording pass stopped (%s: %s); the threads compile the rest",
+                    type(exc).__name__, exc)
+    recorded_s = time.perf_counter() - t
+    try:
+        report.pool = pool.wait()
+    finally:
+        pool.close()
+    log.info("warm-up: %s; recording took %.1f s, the last programs %.1f s more", report.pool.describe(),
+             recorded_s, report.pool.wait_s)
+
+
+def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int], pool: CompilePool | None = None) -> PlanLookup:
+    """The compile pass's plan: read from the on-disk cache where it applies, else dry runs of a spare backend
+    (with `pool`, started on a miss: the dry runs' programs go to its workers as they are recorded)."""
     engine = rt.engine
     graphs = engine.runner.graphs
     mnbt = engine.config.max_num_batched_tokens
@@ -209,8 +242,12 @@ def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int]) -> PlanLoo
         return prefill_bucket(t) or t
 
     cache = _plan_cache(rt, slot_ids, adapter_ranks, decode_buckets, launched)
-    return cached_plan(mnbt, decode_buckets, launched,
-                       lambda: lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, dtype, rt.device), cache)
+    def classify() -> Callable[[int], LaunchClass]:
+        if pool is not None:
+            pool.start()
+        return lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, dtype, rt.device)
+
+    return cached_plan(mnbt, decode_buckets, launched, classify, cache)
 
 
 def _plan_cache(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int], decode_buckets: list[int],

@@ -31,7 +31,8 @@ LaunchClass = tuple
 
 
 class LaunchRecorder:
-    """Context manager: Triton launches inside it are recorded (kernel and launch key), never compiled or run."""
+    """Context manager: Triton launches inside it are recorded (kernel and launch key), never compiled or run.
+    A JIT cache hook already set (`compile_pool.recording`) is called for each launch as well."""
 
     def __init__(self) -> None:
         self.keys: list[str] = []
@@ -51,6 +52,8 @@ class LaunchRecorder:
 
     def _hook(self, *args: Any, **kwargs: Any) -> bool:
         self.keys.append(f"{kwargs.get('repr', '')}|{kwargs.get('key', args[:1])}")
+        if self._old is not None:       # a hook outside this one (the compile pool's) sees the launch too
+            self._old(*args, **kwargs)
         return True      # skip: no compile, no launch
 
     def __enter__(self) -> "LaunchRecorder":

@@ -68,6 +68,8 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
         raise ModelLoadError(f"model path {str(p)!r} does not exist (want a HF folder with config.json or a .gguf file)")
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)
+    if device.type == "cuda" and hasattr(get, "work_device"):
+        get.work_device = device                          # dequantize on the GPU, not on the host's threads
     t1 = time.perf_counter()
     keep = keeps_quantized(quantization, device, spec)
     _log_quantization_choice(get, quantization, keep, device, dtype)

@@ -62,3 +62,21 @@ def test_default_model_loads_the_same_weights_as_the_gguf_package():
         assert got.shape == want.shape and np.array_equal(got, want), hf_name
         checked += 1
     assert checked > 200
+
+
+@pytest.mark.gpu
+def test_dequantizing_on_the_gpu_gives_the_host_s_bits(tiny_models, tmp_path):
+    """A GPU load dequantizes block types there (`work_device`): every tensor, q/k rows un-interleaved, equal
+    bit for bit to the host's."""
+    from compute_service.engine.gguf_loader import read_gguf
+    from quant_helpers import GGUF_TYPES, write_tiny_gguf
+
+    _, source, _ = read_gguf(write_tiny_gguf(tiny_models["llama_tied"][0], tmp_path / "tiny.gguf", GGUF_TYPES))
+    names = [n for n, t in source._by_hf.items() if int(t.tensor_type) in KEPT_TYPES]   # noqa: SLF001
+    host = {n: source(n) for n in names}
+    source.work_device = torch.device("cuda")
+    assert any(source._heads(n) for n in names)                                       # noqa: SLF001
+    for n in names:
+        got = source(n)
+        assert got.device.type == "cuda" and got.is_contiguous() and got.dtype == torch.float32
+        assert torch.equal(got.cpu().view(torch.int32), host[n].view(torch.int32)), n

@@ -29,11 +29,11 @@ def dequantized_rows(monkeypatch):
     seen: list[tuple[int, ...]] = []
     real = GGUFSource._dense
 
-    def spy(data: np.ndarray, tensor_type, heads):
+    def spy(self, data: np.ndarray, tensor_type, heads):
         seen.append(tuple(data.shape))
-        return real(data, tensor_type, heads)
+        return real(self, data, tensor_type, heads)
 
-    monkeypatch.setattr(GGUFSource, "_dense", staticmethod(spy))
+    monkeypatch.setattr(GGUFSource, "_dense", spy)
     return seen
 
 

@@ -1,0 +1,257 @@
+"""Triton programs compiled in worker processes, so a cold start compiles on every core.
+
+The warm-up's threads compile side by side only where Triton drops the GIL; its
+front end (kernel source to IR) and each program's launcher build hold it or run
+one at a time. Measured on an H200 host (16 cores, cold Triton cache): 159
+compiles, 158 s summed over the threads, 18.4 s of wall time on 16 threads.
+
+So, at a cold start:
+1. `CompilePool.start` spawns the workers at once, before the model loads; each
+   imports Triton and the kernels while the main process loads weights.
+2. Under `recording(pool)` (a Triton JIT cache hook) a kernel launch is neither
+   compiled nor run: its specialisation (Triton's own serialised form) goes to
+   the pool, once per distinct program. The warm-up's plan dry runs and one
+   pass over its steps run this way, in a second or two of host time.
+3. Each worker compiles its programs into Triton's on-disk cache under the key the
+   main process computes for the same program, and builds the program's launcher
+   into the same cache.
+4. `wait` returns when every program is done; the warm-up then runs its steps for
+   real, and every compile is a cache read.
+
+Nothing here decides what a step runs: a program a worker could not compile (or a
+worker that died) is compiled by the main process when the step launches it, as
+before. Workers are spawned (the service runs threads) and never touch the GPU:
+they compile for the main process's target, passed to them. As with any spawned
+worker, a script that calls `warm_up` itself must keep its top-level code under
+`if __name__ == "__main__":` (each worker imports the main module), or pass
+`compile_processes=-1`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import pkgutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+MAX_PROCESSES = 16
+KERNEL_PACKAGES = ("kernels",)
+
+
+def default_processes() -> int:
+    """One per core but one (the main process records and loads meanwhile), up to MAX_PROCESSES."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                       # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_PROCESSES, cores - 1))
+
+
+def pool_applies(device_type: str) -> bool:
+    """Worker compiles need a GPU target and Triton's JIT cache hook; not under the interpreter."""
+    if device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton import knobs
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(knobs.runtime, "jit_cache_hook")
+
+
+# ---- in the workers ------------------------------------------------------------------------------------
+
+
+def _init_worker() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the group; the service stops us
+    import torch
+
+    torch.set_num_threads(1)
+    for name in KERNEL_PACKAGES:                     # the imports a compile needs, done before the first one
+        pkg = importlib.import_module(name)
+        for info in pkgutil.iter_modules(pkg.__path__, name + "."):
+            importlib.import_module(info.name)
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def compile_program(module: str, qualname: str, spec: str, target: tuple[str, int, int]) -> float:
+    """In a worker: compiles one program from Triton's serialised specialisation into the on-disk cache and
+    builds its launcher there too; returns the seconds it took."""
+    t0 = time.perf_counter()
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    data = json.loads(spec)
+    fn: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    while not isinstance(fn, JITFunction):           # a decorator around the JIT function
+        if not hasattr(fn, "fn"):
+            raise TypeError(f"{module}.{qualname} is not a Triton JIT function here")
+        fn = fn.fn
+    constants = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+                 tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+                 for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {k: _as_tuple(v) for k, v in data["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget(*target), options=options)
+    try:                                             # the launcher, a small C module, cached by its source
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - only a cache warm-up: the main process builds it when it launches
+        pass
+    return time.perf_counter() - t0
+
+
+# ---- in the service ------------------------------------------------------------------------------------
+
+
+@dataclass
+class PoolReport:
+    """What the pool did: programs handed to it, compiled, failed (compiled later by the main process)."""
+
+    processes: int = 0
+    programs: int = 0
+    compiled: int = 0
+    failed: int = 0
+    worker_s: float = 0.0                           # seconds summed over the workers
+    wait_s: float = 0.0                              # seconds the warm-up waited for the last programs
+    errors: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        text = (f"{self.compiled}/{self.programs} Triton programs compiled in {self.processes} processes "
+                f"({self.worker_s:.1f} s summed)")
+        return text + (f"; {self.failed} left to the warm-up ({self.errors[0]})" if self.failed else "")
+
+
+class CompilePool:
+    """Spawned compile workers and the programs handed to them (each distinct one once)."""
+
+    def __init__(self, processes: int) -> None:
+        if processes < 1:
+            raise ValueError("processes must be >= 1")
+        self.processes = processes
+        self._lock = threading.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+        self._seen: set[tuple[str, str, str]] = set()
+        self._futures: list[tuple[str, Future[float]]] = []
+        self._target: tuple[str, int, int] | None = None
+        self.report = PoolReport(processes=processes)
+
+    @property
+    def started(self) -> bool:
+        return self._pool is not None
+
+    def start(self) -> None:
+        """Spawns the workers without waiting for them: they import while the caller goes on."""
+        with self._lock:
+            self._spawn()
+
+    def _spawn(self) -> ProcessPoolExecutor:
+        """The executor, made (and every worker spawned) on first use; the caller holds the lock."""
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init_worker)
+            for _ in range(self.processes):          # one task each, so every worker is spawned now
+                self._pool.submit(_ready)
+        return self._pool
+
+    def set_target(self, target: tuple[str, int, int]) -> None:
+        """The GPU target the main process compiles for (backend, architecture, warp size)."""
+        self._target = target
+
+    def submit(self, module: str, qualname: str, spec: str) -> bool:
+        """Hands one program to a worker; False if it was handed over before (or the pool is gone)."""
+        if self._target is None:
+            raise RuntimeError("the compile pool has no target: call set_target first")
+        key = (module, qualname, spec)
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            self.report.programs += 1
+            pool = self._spawn()
+            try:
+                future = pool.submit(compile_program, module, qualname, spec, self._target)
+            except (BrokenProcessPool, RuntimeError) as exc:
+                self._failed(qualname, exc)
+                return True
+            self._futures.append((qualname, future))
+        return True
+
+    def _failed(self, qualname: str, exc: BaseException) -> None:
+        self.report.failed += 1
+        if len(self.report.errors) < 5:
+            self.report.errors.append(f"{qualname}: {type(exc).__name__}: {str(exc)[:200]}")
+
+    def wait(self) -> PoolReport:
+        """Waits for every program handed over so far; failures are counted, never raised."""
+        t0 = time.perf_counter()
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for qualname, future in futures:
+            try:
+                self.report.worker_s += future.result()
+                self.report.compiled += 1
+            except Exception as exc:  # noqa: BLE001 - the main process compiles it when a step launches it
+                self._failed(qualname, exc)
+        self.report.wait_s += time.perf_counter() - t0
+        return self.report
+
+    def close(self) -> None:
+        """Stops the workers (their memory goes back before the service serves)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def hook(self, *args: Any, **kwargs: Any) -> bool:
+        """Triton's JIT cache hook: hands the program to the pool and tells Triton to skip it."""
+        fn, compile_args = kwargs.get("fn"), kwargs.get("compile") or {}
+        spec = compile_args.get("specialization_data")
+        if fn is not None and spec is not None and "<locals>" not in fn.name:
+            self.submit(getattr(fn.module, "__name__", fn.module), fn.name, spec)
+        return True
+
+
+@contextmanager
+def recording(pool: CompilePool | None) -> Iterator[None]:
+    """Triton launches inside are handed to `pool` and skipped (nothing compiled or run in this process);
+    with no pool, a no-op. Sets the pool's target from this process's Triton driver."""
+    if pool is None:
+        yield
+        return
+    from triton import knobs
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    pool.set_target((target.backend, target.arch, target.warp_size))
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = pool.hook
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = old

@@ -1,0 +1,109 @@
+"""Compile worker processes for a cold start: what they are handed, failures left to the warm-up, the GPU path."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from compute_service.compile_pool import CompilePool, default_processes, pool_applies
+from compute_service.config import ComputeConfig
+from compute_service.warmup_plan import LaunchRecorder
+from loraplex.settings import SettingsError
+
+
+def test_default_processes_leave_a_core_to_the_main_process():
+    assert 1 <= default_processes() <= 16
+
+
+def test_no_pool_on_the_cpu_or_under_the_interpreter(monkeypatch):
+    assert not pool_applies("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pool_applies("cuda")
+
+
+def test_compile_processes_setting_is_checked():
+    assert ComputeConfig(compile_processes=-1).compile_processes == -1
+    with pytest.raises(SettingsError, match="compile_processes"):
+        ComputeConfig(compile_processes=-2)
+
+
+def _info(name: str) -> SimpleNamespace:
+    return SimpleNamespace(module="kernels.silu_mul", name=name)
+
+
+def test_each_program_goes_to_a_worker_once_and_a_failure_is_counted_not_raised():
+    pool = CompilePool(1)
+    pool.set_target(("cuda", 90, 32))
+    try:
+        # The hook tells Triton to skip every launch it sees; a program it saw before is not handed over again.
+        assert pool.hook(fn=_info("_silu_mul_kernel"), compile={"specialization_data": "{not json"}) is True
+        assert pool.hook(fn=_info("_silu_mul_kernel"), compile={"specialization_data": "{not json"}) is True
+        assert pool.hook(fn=_info("f.<locals>.g"), compile={"specialization_data": "{}"}) is True   # not importable
+        assert pool.started and pool.report.programs == 1
+        report = pool.wait()                      # the worker's error comes back as a count: the warm-up compiles it
+    finally:
+        pool.close()
+    assert (report.programs, report.compiled, report.failed) == (1, 0, 1)
+    assert "_silu_mul_kernel" in report.errors[0] and "JSONDecodeError" in report.errors[0]
+    assert "1 left to the warm-up" in report.describe()
+    assert not pool.started
+
+
+def test_a_pool_without_a_target_refuses_programs():
+    with pytest.raises(RuntimeError, match="target"):
+        CompilePool(1).submit("kernels.silu_mul", "_silu_mul_kernel", "{}")
+
+
+def test_the_plan_recorder_passes_launches_on_to_a_hook_outside_it():
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    seen = []
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *a, **kw: seen.append(kw["key"]) or True
+    try:
+        with LaunchRecorder() as rec:
+            assert knobs.runtime.jit_cache_hook == rec._hook
+            assert rec._hook(key="k1", repr="kernel") is True
+        assert rec.keys == ["kernel|k1"] and seen == ["k1"]
+    finally:
+        knobs.runtime.jit_cache_hook = old
+
+
+def _forget_compiled_programs() -> None:
+    """Drops the programs this process holds, so launches go through Triton's JIT hook again."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and (name == "kernels" or name.startswith("kernels.")):
+            for obj in vars(mod).values():
+                if isinstance(obj, JITFunction):
+                    for entry in obj.device_caches.values():
+                        entry[0].clear()
+
+
+@pytest.mark.gpu
+def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny_model_dir, tmp_path, monkeypatch):
+    """Empty Triton cache (so no saved plan either): every program the warm-up needs is compiled once, by a
+    worker; the warm-up's own launches then find each in the cache (no second copy of any program)."""
+    from compute_service.build import build_runtime
+    from compute_service.warmup import compiled_kernels, warm_up
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    _forget_compiled_programs()
+    cfg = ComputeConfig(model=str(tiny_model_dir), device="cuda", max_model_len=96, kv_cache_bytes=1 << 20,
+                        lora_gpu_cache_bytes=8 << 20, max_lora_rank=64, max_num_batched_tokens=256)
+    rt = build_runtime(cfg, None, capture_graphs=False)
+    report = warm_up(rt, "full", compile_processes=4)
+    pool = report.pool
+    assert pool is not None and pool.processes == 4
+    assert pool.programs > 10 and pool.compiled == pool.programs and pool.failed == 0, pool.errors
+    cubins = list(Path(cache).rglob("*.cubin"))
+    assert len(cubins) == pool.programs                 # the warm-up compiled no program again
+    assert compiled_kernels() == pool.programs          # and every program it runs was handed over
+    torch.cuda.synchronize()
