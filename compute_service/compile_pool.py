@@ -49,13 +49,32 @@ MAX_PROCESSES = 16
 KERNEL_PACKAGES = ("kernels",)
 
 
+WORKER_BYTES = 1 << 30                           # host memory a worker may take (Python, torch, Triton, compiles)
+
+
 def default_processes() -> int:
-    """One per core but one (the main process records and loads meanwhile), up to MAX_PROCESSES."""
+    """One per core but one (the main process records and loads meanwhile), up to MAX_PROCESSES and to one
+    per GiB of the host memory available now."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:                       # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_PROCESSES, cores - 1))
+    try:
+        by_memory = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // WORKER_BYTES
+    except (ValueError, OSError, AttributeError):
+        by_memory = MAX_PROCESSES
+    return max(1, min(MAX_PROCESSES, cores - 1, by_memory))
+
+
+def cold_start_likely() -> bool:
+    """No warm-up plan saved on this machine yet (they live beside Triton's cache): a first start, whose
+    kernels are not compiled either, so the pool is worth spawning before the model loads."""
+    from compute_service.warmup_plan_cache import plan_cache_dir
+
+    try:
+        return not any(plan_cache_dir().glob("*.json"))
+    except OSError:
+        return True
 
 
 def pool_applies(device_type: str) -> bool:
@@ -68,6 +87,19 @@ def pool_applies(device_type: str) -> bool:
     except ImportError:
         return False
     return hasattr(knobs.runtime, "jit_cache_hook")
+
+
+def early_pool(device_type: str, warmup_mode: str, compile_processes: int, tensor_parallel_size: int
+               ) -> CompilePool | None:
+    """Workers spawned now, before the model loads, where a full warm-up will want them (a first start on
+    this machine: `cold_start_likely`); None otherwise (the warm-up spawns them itself if the plan is
+    missing after all). The caller hands the pool to `warm_up`, which stops it."""
+    if (warmup_mode != "full" or tensor_parallel_size > 1 or compile_processes < 0
+            or not pool_applies(device_type) or not cold_start_likely()):
+        return None
+    pool = CompilePool(compile_processes or default_processes())
+    pool.start()
+    return pool
 
 
 # ---- in the workers ------------------------------------------------------------------------------------

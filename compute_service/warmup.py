@@ -95,13 +95,17 @@ def describe_compiled(count: int | None) -> str:
         else f"{count} Triton programs"
 
 
-def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_processes: int = 0) -> WarmupReport:
+def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_processes: int = 0,
+            pool: CompilePool | None = None) -> WarmupReport:
     """Runs the passes `mode` asks for; call before the runner starts and before health says SERVING.
-    `compile_processes`: workers compiling at a cold start (0 = `default_processes()`, -1 = none)."""
+    `compile_processes`: workers compiling at a cold start (0 = `default_processes()`, -1 = none); `pool`:
+    such workers already spawned (`early_pool`), used at a cold start and stopped here either way."""
     mode = resolve_mode(mode, rt.device)
     report = WarmupReport(mode)
     t_start = time.perf_counter()
     if mode == "off":
+        if pool is not None:
+            pool.close()
         _capture(rt, report)
         return report
     engine = rt.engine
@@ -109,11 +113,15 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_proce
     report.adapter_ranks = [rank for _, rank in keys]
     tensor_parallel = hasattr(engine.runner, "capture_graphs")
     try:
+        if mode != "full" or tensor_parallel:
+            if pool is not None:
+                pool.close()
+            pool = None
         if mode == "full" and tensor_parallel:
             log.info("warm-up: tensor parallel, so no threaded compile pass (its forwards would need the other "
                      "ranks); kernels compile in the engine pass, step for step on every rank")
         elif mode == "full":
-            _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes)
+            _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes, pool)
         _capture(rt, report)
         t = time.perf_counter()
         _engine_pass(rt, [k for k, _ in keys], long_prompt=mode == "full")
@@ -160,45 +168,59 @@ def _spare_backend(rt: Runtime) -> Any:
 
 
 def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_threads: int,
-                  compile_processes: int) -> None:
+                  compile_processes: int, pool: CompilePool | None) -> None:
     engine, slots = rt.engine, rt.slots
     graphs = engine.runner.graphs
     slot_ids = [slots.slot_of(k) for k in keys]
     _touch_triton_driver(rt.device)
-    # A cold start (no saved plan: Triton's cache, beside it, is cold too) compiles in worker processes: the
-    # plan's dry runs and one recording pass over the steps hand every program to them. A saved plan means a
-    # warm cache, where the steps below only read it.
-    processes = compile_processes or default_processes()
-    pool = CompilePool(processes) if compile_processes >= 0 and pool_applies(rt.device.type) else None
-    with recording(pool):
-        lookup = _plan(rt, slot_ids, report.adapter_ranks, pool)
-    plan = report.plan = lookup.plan
     width = graphs.meta.block_tables.shape[1] if graphs is not None else 1
     pass_ = _ForwardPass(rt, slot_ids, width)
-    # Phase 1: every LoRA group alone at every class's token count, at layers 0, 1 and 2 (Triton may
-    # specialise the layer index on being 1 or a multiple of 16: 0 and 16 share a program, 2..15 another),
-    # beside one base decode and the base prefills: short chains of compiles, so the threads share the work
-    # evenly. Phase 2: whole forwards with adapters, and the other decode buckets, which then find their
-    # programs compiled (or compile what phase 1 did not foresee).
-    lora_tokens = plan.decode_buckets + plan.prefill_tokens
-    layers = [i for i in (0, 1, 2) if i < engine.spec.num_layers]
-    first = [(pass_.decode, b, False) for b in plan.decode_buckets[:1]]
-    first += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
-    first += [(pass_.lora_group, (n, g, layer), True) for n in lora_tokens for g in group_shapes(engine.spec)
-              for layer in layers]
-    second = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)][1:]
-    second += [(pass_.prefill, n, True) for n in plan.prefill_tokens]
-    threads = num_threads or min(16, os.cpu_count() or 1)
-    log.info("warm-up: %s: %d decode buckets, %d prefill/mixed token counts %s, "
-             "%d base prefill; %d + %d steps on %d threads, adapters of rank %s", lookup.describe(),
-             len(plan.decode_buckets), len(plan.prefill_tokens), plan.prefill_tokens,
-             len(plan.base_prefill_tokens), len(first), len(second), threads, report.adapter_ranks)
-    t = time.perf_counter()
-    if pool is not None and pool.started:
-        _compile_in_processes(pool, first + second, report)
-    with _launchers_one_at_a_time(), ThreadPoolExecutor(threads, thread_name_prefix="warmup") as pool:
+    # A cold start (no saved plan: Triton's cache, beside it, is cold too) compiles in worker processes: the
+    # decode forwards, then the plan's dry runs, then one recording pass over the other steps hand every
+    # program to them as it is recorded. A saved plan means a warm cache, where the steps below only read it.
+    if pool is None and compile_processes >= 0 and pool_applies(rt.device.type):
+        pool = CompilePool(compile_processes or default_processes())
+    decodes = [(pass_.decode, b, lora) for b in (graphs.buckets if graphs is not None else [1])
+               for lora in (False, True)]
+    recorded: list[tuple[Callable[..., None], Any, bool]] = []
+
+    def on_plan_miss() -> None:
+        if pool is not None:
+            pool.start()
+            _record(decodes)                 # the base programs compile while the dry runs go on
+            recorded.extend(decodes)
+
+    try:
+        with recording(pool):
+            lookup = _plan(rt, slot_ids, report.adapter_ranks, on_plan_miss)
+        plan = report.plan = lookup.plan
+        # Phase 1: every LoRA group alone at every class's token count, at layers 0, 1 and 2 (Triton may
+        # specialise the layer index on being 1 or a multiple of 16: 0 and 16 share a program, 2..15
+        # another), beside one base decode and the base prefills: short chains of compiles, so the threads
+        # share the work evenly. Phase 2: whole forwards with adapters, and the other decode buckets, which
+        # then find their programs compiled (or compile what phase 1 did not foresee).
+        lora_tokens = plan.decode_buckets + plan.prefill_tokens
+        layers = [i for i in (0, 1, 2) if i < engine.spec.num_layers]
+        first = [(pass_.decode, b, False) for b in plan.decode_buckets[:1]]
+        first += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
+        first += [(pass_.lora_group, (n, g, layer), True) for n in lora_tokens for g in group_shapes(engine.spec)
+                  for layer in layers]
+        second = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)][1:]
+        second += [(pass_.prefill, n, True) for n in plan.prefill_tokens]
+        threads = num_threads or min(16, os.cpu_count() or 1)
+        log.info("warm-up: %s: %d decode buckets, %d prefill/mixed token counts %s, "
+                 "%d base prefill; %d + %d steps on %d threads, adapters of rank %s", lookup.describe(),
+                 len(plan.decode_buckets), len(plan.prefill_tokens), plan.prefill_tokens,
+                 len(plan.base_prefill_tokens), len(first), len(second), threads, report.adapter_ranks)
+        t = time.perf_counter()
+        if pool is not None and pool.started:
+            _compile_in_processes(pool, [task for task in first + second if task not in recorded], report)
+    finally:
+        if pool is not None:
+            pool.close()
+    with _launchers_one_at_a_time(), ThreadPoolExecutor(threads, thread_name_prefix="warmup") as workers:
         for phase, tasks in enumerate((first, second), start=1):
-            for fut in [pool.submit(fn, n, lora) for fn, n, lora in tasks]:
+            for fut in [workers.submit(fn, n, lora) for fn, n, lora in tasks]:
                 fut.result()
             log.info("warm-up: phase %d/2 (%d steps) done at %.1f s, %s", phase, len(tasks),
                      time.perf_counter() - t, describe_compiled(compiled_kernels()))
@@ -208,29 +230,35 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     log.info("warm-up: kernels compiled in %.1f s (%s)", report.compile_s, describe_compiled(compiled_kernels()))
 
 
+def _record(tasks: list[tuple[Callable[..., None], Any, bool]]) -> bool:
+    """Runs `tasks` under the compile pool's recording hook (their launches skipped); False, and a warning,
+    if one fails (the threads compile whatever was not handed over)."""
+    try:
+        for fn, n, lora in tasks:
+            fn(n, lora)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a recording is only a head start
+        log.warning("warm-up: a recording pass stopped (%s: %s); the threads compile the rest",
+                    type(exc).__name__, exc)
+        return False
+
+
 def _compile_in_processes(pool: CompilePool, tasks: list[tuple[Callable[..., None], Any, bool]],
                           report: WarmupReport) -> None:
-    """Every step's programs handed to the pool's workers (launches skipped), then waits for them."""
+    """The remaining steps' programs handed to the pool's workers (launches skipped), then waits for them."""
     t = time.perf_counter()
-    try:
-        with recording(pool):
-            for fn, n, lora in tasks:
-                fn(n, lora)
-    except Exception as exc:  # noqa: BLE001 - the threads below compile whatever was not handed over
-        log.warning("warm-up: the recording pass stopped (%s: %s); the threads compile the rest",
-                    type(exc).__name__, exc)
+    with recording(pool):
+        _record(tasks)
     recorded_s = time.perf_counter() - t
-    try:
-        report.pool = pool.wait()
-    finally:
-        pool.close()
+    report.pool = pool.wait()
     log.info("warm-up: %s; recording took %.1f s, the last programs %.1f s more", report.pool.describe(),
              recorded_s, report.pool.wait_s)
 
 
-def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int], pool: CompilePool | None = None) -> PlanLookup:
+def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int],
+          on_miss: Callable[[], None] | None = None) -> PlanLookup:
     """The compile pass's plan: read from the on-disk cache where it applies, else dry runs of a spare backend
-    (with `pool`, started on a miss: the dry runs' programs go to its workers as they are recorded)."""
+    (after `on_miss()`, which starts the compile pool: the dry runs' programs go to it as they are recorded)."""
     engine = rt.engine
     graphs = engine.runner.graphs
     mnbt = engine.config.max_num_batched_tokens
@@ -243,8 +271,8 @@ def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int], pool: Comp
 
     cache = _plan_cache(rt, slot_ids, adapter_ranks, decode_buckets, launched)
     def classify() -> Callable[[int], LaunchClass]:
-        if pool is not None:
-            pool.start()
+        if on_miss is not None:
+            on_miss()
         return lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, dtype, rt.device)
 
     return cached_plan(mnbt, decode_buckets, launched, classify, cache)
