@@ -47,8 +47,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 MAX_PROCESSES = 16
 KERNEL_PACKAGES = ("kernels",)
-
-
 WORKER_BYTES = 1 << 30                           # host memory a worker may take (Python, torch, Triton, compiles)
 
 
@@ -66,17 +64,6 @@ def default_processes() -> int:
     return max(1, min(MAX_PROCESSES, cores - 1, by_memory))
 
 
-def cold_start_likely() -> bool:
-    """No warm-up plan saved on this machine yet (they live beside Triton's cache): a first start, whose
-    kernels are not compiled either, so the pool is worth spawning before the model loads."""
-    from compute_service.warmup_plan_cache import plan_cache_dir
-
-    try:
-        return not any(plan_cache_dir().glob("*.json"))
-    except OSError:
-        return True
-
-
 def pool_applies(device_type: str) -> bool:
     """Worker compiles need a GPU target and Triton's JIT cache hook; not under the interpreter."""
     if device_type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
@@ -87,19 +74,6 @@ def pool_applies(device_type: str) -> bool:
     except ImportError:
         return False
     return hasattr(knobs.runtime, "jit_cache_hook")
-
-
-def early_pool(device_type: str, warmup_mode: str, compile_processes: int, tensor_parallel_size: int
-               ) -> CompilePool | None:
-    """Workers spawned now, before the model loads, where a full warm-up will want them (a first start on
-    this machine: `cold_start_likely`); None otherwise (the warm-up spawns them itself if the plan is
-    missing after all). The caller hands the pool to `warm_up`, which stops it."""
-    if (warmup_mode != "full" or tensor_parallel_size > 1 or compile_processes < 0
-            or not pool_applies(device_type) or not cold_start_likely()):
-        return None
-    pool = CompilePool(compile_processes or default_processes())
-    pool.start()
-    return pool
 
 
 # ---- in the workers ------------------------------------------------------------------------------------

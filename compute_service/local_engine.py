@@ -12,12 +12,11 @@ import asyncio
 import logging
 import time
 
-from compute_service.build import Runtime, build_runtime, resolve_device
-from compute_service.compile_pool import CompilePool, early_pool
+from compute_service.build import Runtime, build_runtime
 from compute_service.config import ComputeConfig
 from compute_service.engine.loader import LoadedModel
 from compute_service.metrics import ComputeMetrics
-from compute_service.warmup import describe_compiled, resolve_mode, warm_up
+from compute_service.warmup import describe_compiled, warm_up
 from loraplex.cache_client import CacheClient
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,6 @@ class LocalEngine:
         self.started = started
         self.load_s = load_s
         self._connecting: list[asyncio.Task[bool]] = []
-        self.compile_pool: CompilePool | None = None     # spawned at load for a first start; warm-up stops it
 
     @classmethod
     async def load(cls, config: ComputeConfig, loaded: LoadedModel | None = None) -> "LocalEngine":
@@ -48,17 +46,9 @@ class LocalEngine:
             return await cache.get_adapter(task_id, version)
 
         log.info("start-up: loading the model and allocating the KV cache and adapter pool")
-        device = resolve_device(config.device)
-        pool = early_pool(device.type, resolve_mode(config.warmup, device), config.compile_processes,
-                          config.tensor_parallel_size)
-        if pool is not None:
-            log.info("start-up: no warm-up plan saved on this machine (a first start): %d kernel compile "
-                     "processes spawned now, while the model loads", pool.processes)
         try:
             rt = await asyncio.to_thread(build_runtime, config, fetch, loaded, False)
         except BaseException:
-            if pool is not None:
-                pool.close()
             await cache.close()
             raise
         load_s = time.perf_counter() - t0
@@ -68,17 +58,14 @@ class LocalEngine:
         if config.metrics_port:
             metrics.serve(config.metrics_port)
             log.info("metrics on :%d/metrics", config.metrics_port)
-        engine = cls(config, rt, cache, metrics, t0, load_s)
-        engine.compile_pool = pool
-        return engine
+        return cls(config, rt, cache, metrics, t0, load_s)
 
     async def warm(self) -> None:
         """Compiles every kernel a request can launch and captures the graphs, then starts the engine
         thread; connects to the cache meanwhile, so the first adapter fetch does not wait for it."""
         self._connecting.append(asyncio.create_task(self.cache.connect(CONNECT_AT_START_S), name="cache-connect"))
-        pool, self.compile_pool = self.compile_pool, None
         report = await asyncio.to_thread(warm_up, self.rt, self.config.warmup, self.config.warmup_threads,
-                                       self.config.compile_processes, pool)
+                                       self.config.compile_processes)
         self.metrics.on_startup(self.load_s, report.total_s)
         self.rt.runner.start(self.config.gil_switch_interval_us / 1e6)
         log.info("start-up: SERVING %.1f s after start (model %.1f s, warm-up %.1f s: %s, %s)",
@@ -86,8 +73,6 @@ class LocalEngine:
                  describe_compiled(report.compiled_kernels))
 
     async def close(self) -> None:
-        if self.compile_pool is not None:
-            self.compile_pool.close()
         for task in self._connecting:
             task.cancel()
         await self.rt.runner.stop()

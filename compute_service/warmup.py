@@ -95,17 +95,13 @@ def describe_compiled(count: int | None) -> str:
         else f"{count} Triton programs"
 
 
-def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_processes: int = 0,
-            pool: CompilePool | None = None) -> WarmupReport:
+def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_processes: int = 0) -> WarmupReport:
     """Runs the passes `mode` asks for; call before the runner starts and before health says SERVING.
-    `compile_processes`: workers compiling at a cold start (0 = `default_processes()`, -1 = none); `pool`:
-    such workers already spawned (`early_pool`), used at a cold start and stopped here either way."""
+    `compile_processes`: workers compiling at a cold start (0 = `default_processes()`, -1 = none)."""
     mode = resolve_mode(mode, rt.device)
     report = WarmupReport(mode)
     t_start = time.perf_counter()
     if mode == "off":
-        if pool is not None:
-            pool.close()
         _capture(rt, report)
         return report
     engine = rt.engine
@@ -113,15 +109,11 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_proce
     report.adapter_ranks = [rank for _, rank in keys]
     tensor_parallel = hasattr(engine.runner, "capture_graphs")
     try:
-        if mode != "full" or tensor_parallel:
-            if pool is not None:
-                pool.close()
-            pool = None
         if mode == "full" and tensor_parallel:
             log.info("warm-up: tensor parallel, so no threaded compile pass (its forwards would need the other "
                      "ranks); kernels compile in the engine pass, step for step on every rank")
         elif mode == "full":
-            _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes, pool)
+            _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes)
         _capture(rt, report)
         t = time.perf_counter()
         _engine_pass(rt, [k for k, _ in keys], long_prompt=mode == "full")
@@ -168,7 +160,7 @@ def _spare_backend(rt: Runtime) -> Any:
 
 
 def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_threads: int,
-                  compile_processes: int, pool: CompilePool | None) -> None:
+                  compile_processes: int) -> None:
     engine, slots = rt.engine, rt.slots
     graphs = engine.runner.graphs
     slot_ids = [slots.slot_of(k) for k in keys]
@@ -178,8 +170,8 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     # A cold start (no saved plan: Triton's cache, beside it, is cold too) compiles in worker processes: the
     # decode forwards, then the plan's dry runs, then one recording pass over the other steps hand every
     # program to them as it is recorded. A saved plan means a warm cache, where the steps below only read it.
-    if pool is None and compile_processes >= 0 and pool_applies(rt.device.type):
-        pool = CompilePool(compile_processes or default_processes())
+    pool = CompilePool(compile_processes or default_processes()) \
+        if compile_processes >= 0 and pool_applies(rt.device.type) else None
     decodes = [(pass_.decode, b, lora) for b in (graphs.buckets if graphs is not None else [1])
                for lora in (False, True)]
     recorded: list[tuple[Callable[..., None], Any, bool]] = []

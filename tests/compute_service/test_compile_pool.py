@@ -108,24 +108,3 @@ def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny
     assert compiled_kernels() == pool.programs          # and every program it runs was handed over
     torch.cuda.synchronize()
 
-
-def test_a_first_start_is_told_by_no_saved_plan(tmp_path, monkeypatch):
-    from compute_service.compile_pool import cold_start_likely
-    from compute_service.warmup_plan_cache import SUBFOLDER
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    assert cold_start_likely()                       # no folder yet
-    (tmp_path / SUBFOLDER).mkdir()
-    assert cold_start_likely()                       # a folder without plans
-    (tmp_path / SUBFOLDER / "abc.json").write_text("{}")
-    assert not cold_start_likely()
-
-
-def test_no_early_pool_where_the_warm_up_would_not_use_it(tmp_path, monkeypatch):
-    from compute_service.compile_pool import early_pool
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))        # a first start
-    assert early_pool("cpu", "full", 0, 1) is None               # nothing compiles on the CPU
-    assert early_pool("cuda", "light", 0, 1) is None             # no compile pass
-    assert early_pool("cuda", "full", -1, 1) is None             # turned off
-    assert early_pool("cuda", "full", 0, 2) is None              # tensor parallel compiles step for step
