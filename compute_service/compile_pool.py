@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 MAX_PROCESSES = 16
 KERNEL_PACKAGES = ("kernels",)
 WORKER_BYTES = 1 << 30                           # host memory a worker may take (Python, torch, Triton, compiles)
+WAIT_S = 600.0                                   # the longest the warm-up waits for the workers (a hung compile)
 
 
 def default_processes() -> int:
@@ -213,15 +215,20 @@ class CompilePool:
         if len(self.report.errors) < 5:
             self.report.errors.append(f"{qualname}: {type(exc).__name__}: {str(exc)[:200]}")
 
-    def wait(self) -> PoolReport:
-        """Waits for every program handed over so far; failures are counted, never raised."""
+    def wait(self, timeout_s: float = WAIT_S) -> PoolReport:
+        """Waits for every program handed over so far, `timeout_s` at most in all; failures (and programs
+        not done in time) are counted, never raised: the main process compiles them when it launches them."""
         t0 = time.perf_counter()
         with self._lock:
             futures, self._futures = self._futures, []
         for qualname, future in futures:
             try:
-                self.report.worker_s += future.result()
+                left = max(0.0, timeout_s - (time.perf_counter() - t0))
+                self.report.worker_s += future.result(timeout=left)
                 self.report.compiled += 1
+            except FutureTimeout:
+                future.cancel()
+                self._failed(qualname, TimeoutError(f"not compiled within {timeout_s:.0f} s of the wait"))
             except Exception as exc:  # noqa: BLE001 - the main process compiles it when a step launches it
                 self._failed(qualname, exc)
         self.report.wait_s += time.perf_counter() - t0
@@ -232,7 +239,11 @@ class CompilePool:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
+            workers = list(getattr(pool, "_processes", {}).values())
             pool.shutdown(wait=False, cancel_futures=True)
+            for proc in workers:                     # one still compiling (a wait that timed out) stops now
+                if proc.is_alive():
+                    proc.terminate()
 
     def hook(self, *args: Any, **kwargs: Any) -> bool:
         """Triton's JIT cache hook: hands the program to the pool and tells Triton to skip it."""

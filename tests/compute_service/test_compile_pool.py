@@ -108,3 +108,15 @@ def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny
     assert compiled_kernels() == pool.programs          # and every program it runs was handed over
     torch.cuda.synchronize()
 
+
+
+def test_a_program_not_done_in_time_is_left_to_the_warm_up():
+    pool = CompilePool(1)
+    pool.set_target(("cuda", 90, 32))
+    try:
+        pool.submit("kernels.silu_mul", "_silu_mul_kernel", "{}")
+        report = pool.wait(timeout_s=0.0)         # the worker is still starting: nothing can be done yet
+    finally:
+        pool.close()
+    assert (report.programs, report.compiled, report.failed) == (1, 0, 1)
+    assert "TimeoutError" in report.errors[0] and "within 0 s" in report.errors[0]
