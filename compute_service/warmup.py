@@ -179,8 +179,8 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     def on_plan_miss() -> None:
         if pool is not None:
             pool.start()
-            _record(decodes)                 # the base programs compile while the dry runs go on
-            recorded.extend(decodes)
+            if _record(decodes):             # the base programs compile while the dry runs go on
+                recorded.extend(decodes)
 
     try:
         with recording(pool):
