@@ -99,6 +99,31 @@ async def measure(address: str, names: list[str]) -> dict:
     return res
 
 
+STAGE_PATTERNS = {          # the compute service's start-up log lines, as seconds of each stage
+    "runtime_s": r"runtime built in ([\d.]+) s",
+    "plan_s": r"launch classes in ([\d.]+) s",
+    "pool_summed_s": r"Triton programs compiled in \d+ processes \(([\d.]+) s summed\)",
+    "pool_recording_s": r"recording took ([\d.]+) s",
+    "pool_tail_s": r"the last programs ([\d.]+) s more",
+    "compile_pass_s": r"kernels compiled in ([\d.]+) s",
+    "graphs_s": r"CUDA graphs in ([\d.]+) s",
+    "engine_pass_s": r"real requests through the engine in ([\d.]+) s",
+    "compute_serving_s": r"SERVING ([\d.]+) s after start",
+}
+
+
+def stages(log_text: str) -> dict:
+    """Seconds of each start-up stage the compute service logged (a stage it did not log is left out), and
+    whether the warm-up plan came from the cache."""
+    out: dict = {}
+    for name, pattern in STAGE_PATTERNS.items():
+        m = re.search(pattern, log_text)
+        if m:
+            out[name] = float(m.group(1))
+    out["plan_cached"] = "plan from cache" in log_text
+    return out
+
+
 def run_once(args: argparse.Namespace, cache_dir: Path, lora_root: Path, names: list[str], log_path: Path) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
     repo = Path(args.repo).resolve()
@@ -127,8 +152,9 @@ def run_once(args: argparse.Namespace, cache_dir: Path, lora_root: Path, names: 
             proc.terminate()
             proc.wait(60)
     text = log_path.read_text()
+    out["stages"] = stages(text)
     out["startup_lines"] = [ln.strip()[-220:] for ln in text.splitlines() if "start-up" in ln or "warm-up" in ln
-                            or "captured" in ln or "ready in" in ln]
+                            or "runtime built" in ln or "captured" in ln or "ready in" in ln]
     return out
 
 
@@ -152,7 +178,9 @@ def main() -> None:
     names = write_adapter_root(lora_root, NUM_ADAPTERS)
     log_path = Path(os.environ.get("OUT", work)) / f"serve_{args.label}.log"
     res = run_once(args, cache_dir, lora_root, names, log_path)
-    res.update(label=args.label, cold_triton_cache=args.cold,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True,
+                            text=True).stdout.strip()
+    res.update(label=args.label, commit=commit or None, cold_triton_cache=args.cold,
                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                date=time.strftime("%Y-%m-%d"))
     print(json.dumps(res, indent=1))
