@@ -45,6 +45,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.host_limits import available_memory, usable_cpus
+
 log = logging.getLogger(__name__)
 MAX_PROCESSES = 16
 KERNEL_PACKAGES = ("kernels",)
@@ -53,17 +55,11 @@ WAIT_S = 600.0                                   # the longest the warm-up waits
 
 
 def default_processes() -> int:
-    """One per core but one (the main process records and loads meanwhile), up to MAX_PROCESSES and to one
-    per GiB of the host memory available now."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:                       # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        by_memory = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // WORKER_BYTES
-    except (ValueError, OSError, AttributeError):
-        by_memory = MAX_PROCESSES
-    return max(1, min(MAX_PROCESSES, cores - 1, by_memory))
+    """One per usable CPU but one (the main process records meanwhile), up to MAX_PROCESSES and to one per
+    GiB of the memory available now (both within the container's cgroup limits: `loraplex.host_limits`)."""
+    memory = available_memory()
+    by_memory = MAX_PROCESSES if memory is None else memory // WORKER_BYTES
+    return max(1, min(MAX_PROCESSES, usable_cpus() - 1, by_memory))
 
 
 def pool_applies(device_type: str) -> bool:
