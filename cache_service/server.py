@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 
 import grpc
 
 from loraplex.errors import LoraplexError
 from loraplex.formats import AdapterError, ModelSpec
+from loraplex.host_limits import usable_cpus
 from loraplex.model_files import resolve_model_path
 from loraplex.serving import run_server
 from loraplex.v1 import cache_pb2_grpc
@@ -45,7 +45,7 @@ def build_cache(config: CacheConfig) -> HostCache:
     convert = None
     workers = config.convert_processes
     if workers < 0:
-        workers = auto_convert_processes(len(os.sched_getaffinity(0)))
+        workers = auto_convert_processes(usable_cpus())        # the container's CPU quota included
     if workers and backend.kind == "shm":
         convert = ConvertProcesses(workers)
         log.info("converting never-seen PEFT adapters in %d worker processes (--convert-processes)", workers)

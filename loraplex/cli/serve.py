@@ -70,8 +70,10 @@ def default_gateway_workers(cpus: int | None = None) -> int:
     env = os.environ.get("LORAPLEX_GATEWAY_WORKERS", "").strip()
     if env:
         return int(env)
-    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
+    if cpus is None:
+        from loraplex.host_limits import usable_cpus
+
+        cpus = usable_cpus()                    # the container's CPU quota included
     return max(1, min(4, cpus // 4))
 
 

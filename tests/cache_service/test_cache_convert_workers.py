@@ -25,13 +25,11 @@ def test_workers_default_to_auto_and_counts_are_checked():
 
 
 def test_auto_follows_the_cores_the_service_may_use(tiny_model, tmp_path, monkeypatch):
-    import os
-
     from cache_service.config import CacheConfig
     from cache_service import server
 
     for cpus, expected in ((2, None), (16, 4)):
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        monkeypatch.setattr(server, "usable_cpus", lambda n=cpus: n)
         cache = server.build_cache(CacheConfig(model=str(tiny_model[0]), lora_root=str(tmp_path)))
         try:
             assert (cache.convert.processes if cache.convert is not None else None) == expected
