@@ -74,6 +74,10 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
     keep = keeps_quantized(quantization, device, spec)
     _log_quantization_choice(get, quantization, keep, device, dtype)
     weights, fingerprint = build_weights(spec, get, dtype, device, keep_quantized=keep)
+    if device.type == "cuda":
+        # The load's temporaries (float32 dequantizations on the GPU, casts) go back to the driver: the KV
+        # cache is sized from the memory the driver reports free, which the allocator's cached blocks hide.
+        torch.cuda.empty_cache()
     model = LlamaModel(spec, weights, max_positions or spec.max_position_embeddings)
     log.info("model %s: header read in %.1f s, weights converted and placed on %s in %.1f s", p.name, t1 - t0,
              device, time.perf_counter() - t1)
