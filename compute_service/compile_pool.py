@@ -6,12 +6,13 @@ one at a time. Measured on an H200 host (16 cores, cold Triton cache): 159
 compiles, 158 s summed over the threads, 18.4 s of wall time on 16 threads.
 
 So, at a cold start:
-1. `CompilePool.start` spawns the workers at once, before the model loads; each
-   imports Triton and the kernels while the main process loads weights.
+1. `CompilePool.start` spawns the workers at once when the warm-up finds no
+   saved plan (their imports then overlap its work; spawned before the model
+   loaded instead, they slowed the main process as much as they saved).
 2. Under `recording(pool)` (a Triton JIT cache hook) a kernel launch is neither
    compiled nor run: its specialisation (Triton's own serialised form) goes to
-   the pool, once per distinct program. The warm-up's plan dry runs and one
-   pass over its steps run this way, in a second or two of host time.
+   the pool, once per distinct program. The warm-up's decode forwards, its
+   plan's dry runs and one pass over its other steps run this way.
 3. Each worker compiles its programs into Triton's on-disk cache under the key the
    main process computes for the same program, and builds the program's launcher
    into the same cache.
