@@ -21,10 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import multiprocessing
 import os
 import pickle
-import signal
 import threading
 import time
 from concurrent.futures import CancelledError, ProcessPoolExecutor
@@ -37,6 +35,7 @@ from loraplex.errors import UnavailableError
 from loraplex.formats import AdapterError
 from loraplex.formats.errors import AdapterFormatError
 from loraplex.formats.peft_rows import plan_peft
+from loraplex.worker_pool import spawned_pool, start_workers
 from cache_service.uploads import rows_version
 
 log = logging.getLogger(__name__)
@@ -44,15 +43,6 @@ log = logging.getLogger(__name__)
 
 class WorkersLost(RuntimeError):
     """The worker converting an adapter died; the caller converts it in its own process instead."""
-
-
-def _init_worker() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group; the service stops us
-    torch.set_num_threads(1)                       # several workers side by side; rows use their own threads
-
-
-def _ready() -> int:
-    return os.getpid()
 
 
 def _portable(exc: AdapterError) -> AdapterError:
@@ -117,15 +107,14 @@ class ConvertProcesses:
             if self._closed:
                 raise UnavailableError("the cache service is stopping: its conversion workers are stopped")
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_init_worker)
+                self._pool = spawned_pool(self.processes)
             return self._pool
 
     def start(self) -> None:
         """Spawns every worker and waits until each has imported its modules (a few seconds, once)."""
         t0 = time.monotonic()
         pool = self._executor()
-        pids = {f.result() for f in [pool.submit(_ready) for _ in range(self.processes)]}
+        pids = {f.result() for f in start_workers(pool, self.processes)}
         log.info("conversion workers: %d processes ready in %.1f s (pids %s)", self.processes,
                  time.monotonic() - t0, ", ".join(map(str, sorted(pids))))
 

@@ -32,10 +32,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import multiprocessing
 import os
 import pkgutil
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.host_limits import available_memory, usable_cpus
+from loraplex.worker_pool import spawned_pool, start_workers
 
 log = logging.getLogger(__name__)
 MAX_PROCESSES = 16
@@ -78,19 +77,12 @@ def pool_applies(device_type: str) -> bool:
 # ---- in the workers ------------------------------------------------------------------------------------
 
 
-def _init_worker() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the group; the service stops us
-    import torch
-
-    torch.set_num_threads(1)
-    for name in KERNEL_PACKAGES:                     # the imports a compile needs, done before the first one
+def _import_kernels() -> None:
+    """A worker's setup: the imports a compile needs, done before the first one."""
+    for name in KERNEL_PACKAGES:
         pkg = importlib.import_module(name)
         for info in pkgutil.iter_modules(pkg.__path__, name + "."):
             importlib.import_module(info.name)
-
-
-def _ready() -> int:
-    return os.getpid()
 
 
 def _as_tuple(value: Any) -> Any:
@@ -178,10 +170,8 @@ class CompilePool:
     def _spawn(self) -> ProcessPoolExecutor:
         """The executor, made (and every worker spawned) on first use; the caller holds the lock."""
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker)
-            for _ in range(self.processes):          # one task each, so every worker is spawned now
-                self._pool.submit(_ready)
+            self._pool = spawned_pool(self.processes, _import_kernels)
+            start_workers(self._pool, self.processes)
         return self._pool
 
     def set_target(self, target: tuple[str, int, int]) -> None:

@@ -172,8 +172,8 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
     # program to them as it is recorded. A saved plan means a warm cache, where the steps below only read it.
     pool = CompilePool(compile_processes or default_processes()) \
         if compile_processes >= 0 and pool_applies(rt.device.type) else None
-    decodes = [(pass_.decode, b, lora) for b in (graphs.buckets if graphs is not None else [1])
-               for lora in (False, True)]
+    decodes = [(pass_.decode, b, lora) for b in (graphs.buckets if graphs is not None else [])
+               for lora in (False, True)]          # the plan's decode buckets
     recorded: list[tuple[Callable[..., None], Any, bool]] = []
 
     def on_plan_miss() -> None:
