@@ -256,11 +256,7 @@ def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int],
     mnbt = engine.config.max_num_batched_tokens
     dtype = engine.runner.model.dtype
     decode_buckets = graphs.buckets if graphs is not None else []
-    prefill_bucket = graphs.prefill.bucket_for if graphs is not None else (lambda t: None)
-
-    def launched(t: int) -> int:
-        return prefill_bucket(t) or t
-
+    launched = engine.runner.launched_tokens
     cache = _plan_cache(rt, slot_ids, adapter_ranks, decode_buckets, launched)
     def classify() -> Callable[[int], LaunchClass]:
         if on_miss is not None:

@@ -6,6 +6,17 @@ graph of the step's token-count bucket (`prefill_graphs.py`); decode-only
 steps on CUDA use the paged-attention decode kernel, replayed from a CUDA
 graph of the batch's size bucket when graphs are on (and eagerly otherwise,
 or when the LoRA backend is not graph-safe).
+
+A prefill or mixed step that runs eagerly while graphs are on (more tokens than
+the largest prefill graph) is padded to a multiple of `EAGER_PAD` tokens with
+one extra sequence of padding tokens (token 0, no adapter, never sampled) whose
+K/V go to the scratch block no sequence owns. Triton specialises the kernels'
+integer arguments on divisibility by 16, and the LoRA kernels choose their
+launch from the token count: padded, a step of any size launches one of
+~`max_num_batched_tokens / 16` programs sets instead of one per count, so the
+start-up's plan dry-runs a sixteenth of the counts and compiles half the
+programs (`warmup_plan.py`). The cost: at most 15 tokens of extra work on a
+step of more than `prefill_graph_tokens` (512 by default), under 3 %.
 """
 from __future__ import annotations
 
@@ -21,6 +32,8 @@ from compute_service.engine.model import LlamaModel
 from compute_service.engine.pending import PendingTokens, fill_pending
 from compute_service.engine.scheduler import SchedulerOutput
 from compute_service.engine.sequence import Sequence
+
+EAGER_PAD = 16      # eager prefill/mixed steps (graphs on) are padded to a multiple of this many tokens
 
 
 @dataclass
@@ -55,6 +68,7 @@ class ModelRunner:
         self.num_graph_steps = 0       # decode steps replayed from a graph (for tests and stats)
         self.num_lora_graph_steps = 0  # of which with adapters
         self.num_prefill_graph_steps = 0   # prefill / mixed steps replayed from a prefill graph
+        self.num_padded_steps = 0      # eager prefill / mixed steps padded to a multiple of EAGER_PAD
         # Paged-attention decode kernel for decode-only steps: Triton, so CUDA (or the interpreter in tests).
         self.decode_kernel = model.device.type == "cuda"
 
@@ -92,17 +106,43 @@ class ModelRunner:
                 step.sample_rows.append(len(step.input_ids) - 1)
         return step
 
+    def launched_tokens(self, num_tokens: int) -> int:
+        """The token count a prefill/mixed step of `num_tokens` tokens launches its kernels with: its prefill
+        graph bucket where a graph runs it, else padded to a multiple of `EAGER_PAD` where graphs are on (the
+        scratch block takes the padding's K/V), else `num_tokens`."""
+        if self.graphs is None:
+            return num_tokens
+        return self.graphs.prefill.bucket_for(num_tokens) or -(-num_tokens // EAGER_PAD) * EAGER_PAD
+
+    def _padded(self, step: StepInputs) -> StepInputs:
+        """`step` with one more sequence of padding tokens up to `launched_tokens` (eager prefill/mixed steps
+        with graphs on; see the module's docstring), or `step` itself when no padding is due."""
+        n = len(step.input_ids)
+        pad = -(-n // EAGER_PAD) * EAGER_PAD - n
+        if self.graphs is None or pad == 0:
+            return step
+        table = [self.graphs.scratch_block] * -(-pad // self.block_size)
+        self.num_padded_steps += 1
+        return StepInputs(step.input_ids + [0] * pad, step.positions + list(range(pad)),
+                          step.adapter_keys + [None], step.query_lens + [pad], step.context_lens + [pad],
+                          step.tables + [table], step.sample_rows, step.pending_rows, step.pending_seqs)
+
     def run_inputs(self, step: StepInputs, pending: PendingTokens | None = None) -> torch.Tensor:
         """Runs one step's inputs; adapter keys resolve to this process's slots."""
+        dev = self.model.device
+        decode = self.decode_kernel and len(step.sample_rows) == len(step.input_ids) == len(step.query_lens)
+        graphs = self.graphs if dev.type == "cuda" else None
+        if not decode and graphs is not None and not (
+                pending is None and graphs.prefill.fits(len(step.input_ids), len(step.tables),
+                                                        max(len(t) for t in step.tables))):
+            step = self._padded(step)       # runs eagerly: padded so its launches are the planned ones
         input_ids, positions, query_lens = step.input_ids, step.positions, step.query_lens
         context_lens, tables, sample_rows = step.context_lens, step.tables, step.sample_rows
         token_slots: list[int] = []
         for key, n in zip(step.adapter_keys, query_lens):
             slot = NO_ADAPTER if key is None else self.slots.slot_of(key)  # type: ignore[union-attr]
             token_slots.extend([slot] * n)
-        dev = self.model.device
         has_lora = self.lora is not None and any(t != NO_ADAPTER for t in token_slots)
-        decode = self.decode_kernel and len(sample_rows) == len(input_ids) == len(query_lens)
         graph_safe = not has_lora or getattr(self.lora, "graph_safe", False)
         graphs = self.graphs if dev.type == "cuda" and graph_safe else None     # decode and prefill graphs
         if decode and graphs is not None and graphs.bucket_for(len(input_ids)) is not None:

@@ -118,6 +118,48 @@ def test_graphs_match_eager_gpu(peft_llama, dtype):
                max_tokens=10)
     _check_against_fp32(ref, *results)
 
+@pytest.mark.gpu
+def test_padded_eager_steps_match_unpadded_gpu(peft_llama):
+    """Prefill/mixed steps above the prefill graphs' range run eagerly, padded to a multiple of 16 tokens by a
+    sequence of padding in the scratch block (graphs on), vs the same steps unpadded (graphs off): fp32, the
+    same tokens and logits."""
+    _, folder, adapters_dir = peft_llama
+    results = []
+    for eager in (True, False):
+        engine = _engine(folder, "float32", max_num_batched_tokens=64, prefill_graph_tokens=0, enforce_eager=eager)
+        results.append(_run(engine, adapters_dir, seed=13, max_tokens=8))
+        assert (engine.runner.num_padded_steps > 0) != eager
+        assert engine.runner.launched_tokens(37) == (37 if eager else 48)
+    (_, tok_e, log_e), (_, tok_p, log_p) = results
+    for rid in log_e:
+        for a, b, ta, tb in zip(log_e[rid], log_p[rid], tok_e[rid], tok_p[rid]):
+            assert rel_err(b, a) < 1e-4, rid
+            if ta != tb:
+                break
+
+
+def test_padding_an_eager_step_adds_one_sequence_in_the_scratch_block(tiny_models):
+    """The padded step (CPU: the step's lists only): a multiple of 16 tokens, one more sequence of token 0 at
+    positions 0.. in the scratch block, no adapter, the same rows sampled; a multiple of 16 is left as is."""
+    from types import SimpleNamespace
+
+    from compute_service.engine.model_runner import StepInputs
+
+    _, folder = tiny_models["llama"]
+    runner = LLMEngine(EngineConfig(model=str(folder), device="cpu", block_size=4)).runner
+    step = StepInputs(list(range(1, 22)), list(range(21)), ["a"], [21], [21], [[0, 1, 2, 3, 4, 5]], [20])
+    assert runner._padded(step) is step                        # graphs off: never padded
+    runner.graphs = SimpleNamespace(scratch_block=99)
+    padded = runner._padded(step)
+    assert len(padded.input_ids) == 32 and padded.input_ids[21:] == [0] * 11
+    assert padded.positions[21:] == list(range(11)) and padded.query_lens == [21, 11]
+    assert padded.context_lens == [21, 11] and padded.tables[-1] == [99, 99, 99]
+    assert padded.adapter_keys == ["a", None] and padded.sample_rows == [20]
+    assert runner.num_padded_steps == 1
+    even = StepInputs(list(range(32)), list(range(32)), [None], [32], [32], [[0] * 8], [31])
+    assert runner._padded(even) is even
+
+
 def test_prefill_buckets():
     from compute_service.engine.prefill_graphs import prefill_buckets
     assert prefill_buckets(0) == []
