@@ -158,6 +158,14 @@ def run_once(args: argparse.Namespace, cache_dir: Path, lora_root: Path, names: 
     return out
 
 
+def has_bytecode() -> bool:
+    """Whether torch's modules have compiled bytecode beside them (as in the image, which runs compileall);
+    without it every process that imports torch compiles its sources first, seconds per service."""
+    import importlib.util
+
+    return Path(importlib.util.cache_from_source(torch.__file__)).is_file()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--label", required=True)
@@ -167,6 +175,7 @@ def main() -> None:
     p.add_argument("--serve-flags", default="")
     p.add_argument("--no-requests", action="store_true")
     p.add_argument("--out", default="")
+    p.add_argument("--commit", default="", help="recorded as the commit (else the tree's HEAD)")
     args = p.parse_args()
     cache_dir = Path(args.cache_dir)
     if args.cold:
@@ -178,9 +187,9 @@ def main() -> None:
     names = write_adapter_root(lora_root, NUM_ADAPTERS)
     log_path = Path(os.environ.get("OUT", work)) / f"serve_{args.label}.log"
     res = run_once(args, cache_dir, lora_root, names, log_path)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo, capture_output=True,
-                            text=True).stdout.strip()
-    res.update(label=args.label, commit=commit or None, cold_triton_cache=args.cold,
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.repo,
+                                           capture_output=True, text=True).stdout.strip()
+    res.update(label=args.label, commit=commit or None, cold_triton_cache=args.cold, bytecode=has_bytecode(),
                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                date=time.strftime("%Y-%m-%d"))
     print(json.dumps(res, indent=1))
