@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compute_service.adapter_cache.layout import module_features  # noqa: E402
+from compute_service.adapter_cache.staging import PinnedRing  # noqa: E402
 from compute_service.build import build_runtime  # noqa: E402
 from compute_service.config import ComputeConfig  # noqa: E402
 from compute_service.engine.loader import LoadedModel  # noqa: E402
@@ -203,6 +204,9 @@ def main() -> None:
                     help="quiet + storm pairs (figures pooled over them, and per repeat)")
     ap.add_argument("--pool-gib", type=float, default=4.0)
     ap.add_argument("--commit", default="")
+    ap.add_argument("--copy-threads", type=int, default=0, help="the pinned ring's copy threads (0: the service's)")
+    ap.add_argument("--ring-mib", type=int, default=0, help="each ring buffer's MiB (0: the service's)")
+    ap.add_argument("--ring-buffers", type=int, default=0, help="ring buffers (0: the service's)")
     ap.add_argument("--both-intervals", action="store_true",
                     help="also run quiet + storm under Python's default 5 ms thread switch interval")
     args = ap.parse_args()
@@ -226,13 +230,20 @@ def main() -> None:
                         max_num_seqs=max(64, args.batch), max_num_batched_tokens=2048, max_model_len=1024,
                         kv_cache_bytes=(8 << 30) if cuda else (64 << 20))
     rt = build_runtime(cfg, fetch, loaded=loaded)
+    if cuda and (args.copy_threads or args.ring_mib or args.ring_buffers):
+        old = rt.slots.ring
+        rt.slots.ring = PinnedRing(args.ring_mib << 20 or old.buffers[0].numel(),
+                                   args.ring_buffers or len(old.buffers), args.copy_threads or old.copy_threads)
+    ring = rt.slots.ring
     result: dict = dict(
         bench="adapter_swap", device=torch.cuda.get_device_name() if cuda else "cpu", commit=args.commit,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         torch=torch.__version__, model=dict(dims, dtype=str(dtype)), batch=args.batch, steps=args.steps,
         pool=dict(bytes=rt.slots.layout.pool_bytes, page_bytes=rt.slots.layout.page_bytes,
                   pages=rt.slots.layout.num_pages, max_slots=rt.slots.layout.max_slots),
-        gap_ms=args.gap_ms)
+        gap_ms=args.gap_ms,
+        ring=dict(buffer_bytes=ring.buffers[0].numel(), buffers=len(ring.buffers), copy_threads=ring.copy_threads)
+        if ring is not None else None)
     if cuda:
         nbytes = max(a.num_bytes for a in adapters.values())
         result["h2d_pinned_gbps"] = h2d_gbps(nbytes, True, device)
