@@ -14,16 +14,19 @@ from compute_service.engine.cuda_graphs import DecodeGraphs
 def staging(max_batch: int, max_blocks: int, block_size: int, scratch: int) -> DecodeGraphs:
     g = object.__new__(DecodeGraphs)       # the buffers only: no model, no CUDA graph pool
     g.block_size, g.scratch_block = block_size, scratch
-    n, m = max_batch, max_blocks
-    g.input_ids, g.positions = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
-    g.meta = DecodeMetadata(torch.zeros(n, dtype=torch.int64), torch.zeros(n, m, dtype=torch.int32),
-                            torch.ones(n, dtype=torch.int32))
-    g._host_i64 = torch.zeros(3, n, dtype=torch.int64)
-    g._host_tables = torch.zeros(n, m, dtype=torch.int32)
-    g._host_ctx = torch.ones(n, dtype=torch.int32)
-    g._i64, g._tables, g._ctx = g._host_i64.numpy(), g._host_tables.numpy(), g._host_ctx.numpy()
+    g._allocate_inputs(torch.device("cpu"), max_batch, max_blocks)
     g._staged = None
     return g
+
+
+def test_one_copy_carries_every_input():
+    """The buffers the graphs read are views of one device allocation laid out as the host staging."""
+    g = staging(16, 4, 16, 7)
+    g._fill([5, 6], [3, 20], [[1], [2, 3]], 2)
+    assert g.input_ids.data_ptr() == g._dev.data_ptr()
+    assert g.meta.block_tables.data_ptr() == g._dev.data_ptr() + g._tables_off
+    assert g.meta.context_lens.tolist()[:3] == [4, 21, 1] and g.meta.block_tables[1, :2].tolist() == [2, 3]
+    assert g.meta.slot_mapping[:2].tolist() == [1 * 16 + 3, 3 * 16 + 4]
 
 
 def test_fill_writes_each_row_and_pads_the_bucket():
