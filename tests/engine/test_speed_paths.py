@@ -84,6 +84,16 @@ def _engine(folder, dtype: str, **kw) -> LLMEngine:
                                   lora_backend="kernels", max_loras=4, max_num_seqs=12, **kw))
 
 
+def _check_fp32_pair(first, second) -> None:
+    """Two fp32 runs of the same requests: each logits row within 1e-4 while both chose the same tokens."""
+    (_, tok_a, log_a), (_, tok_b, log_b) = first, second
+    for rid in log_a:
+        for a, b, ta, tb in zip(log_a[rid], log_b[rid], tok_a[rid], tok_b[rid]):
+            assert rel_err(b, a) < 1e-4, rid
+            if ta != tb:
+                break
+
+
 def _check_against_fp32(ref, eager, graphs, slack: float = 2.0, margin: float = 1e-2) -> None:
     """bf16 graphs vs bf16 eager, both held against the fp32 eager run: while all three chose the same
     tokens, the graphs' logits are no further from fp32 than eager's (x slack, + margin). The two
@@ -130,12 +140,7 @@ def test_padded_eager_steps_match_unpadded_gpu(peft_llama):
         results.append(_run(engine, adapters_dir, seed=13, max_tokens=8))
         assert (engine.runner.num_padded_steps > 0) != eager
         assert engine.runner.launched_tokens(37) == (37 if eager else 48)
-    (_, tok_e, log_e), (_, tok_p, log_p) = results
-    for rid in log_e:
-        for a, b, ta, tb in zip(log_e[rid], log_p[rid], tok_e[rid], tok_p[rid]):
-            assert rel_err(b, a) < 1e-4, rid
-            if ta != tb:
-                break
+    _check_fp32_pair(*results)
 
 
 def test_padding_an_eager_step_adds_one_sequence_in_the_scratch_block(tiny_models):
@@ -182,12 +187,7 @@ def test_prefill_graphs_match_eager_gpu(peft_llama, dtype):
         results.append(_run(engine, adapters_dir, seed=11, max_tokens=8))
         assert (engine.runner.num_prefill_graph_steps > 0) == (prefill_tokens > 0)
     if dtype == "float32":
-        (_, tok_e, log_e), (_, tok_g, log_g) = results
-        for rid in log_e:
-            for a, b, ta, tb in zip(log_e[rid], log_g[rid], tok_e[rid], tok_g[rid]):
-                assert rel_err(b, a) < 1e-4, rid
-                if ta != tb:
-                    break
+        _check_fp32_pair(*results)
         return
     ref = _run(_engine(folder, "float32", max_num_batched_tokens=64, enforce_eager=True), adapters_dir, seed=11,
                max_tokens=8)
