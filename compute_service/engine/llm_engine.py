@@ -23,7 +23,7 @@ from compute_service.engine.readback import PendingRead, TokenReadback
 from compute_service.engine.sampler import sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import Scheduler, SchedulerConfig
-from compute_service.engine.sequence import Sequence
+from compute_service.engine.sequence import Sequence, SequenceStatus
 from compute_service.engine.spec import ModelSpec
 from compute_service.engine.stop import check_stop
 from loraplex.formats.adapter import Adapter
@@ -217,9 +217,11 @@ class LLMEngine:
     def _delta(self, seq: Sequence, new: list[int]) -> RequestOutput:
         """`new`: a list of its own (a slice), kept by the output as it is."""
         seq.num_emitted_tokens += len(new)
-        reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        return RequestOutput(seq.request_id, new, seq.is_finished, reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens)
+        # The fields read directly, not through Sequence's properties: one output per sequence per step.
+        finish = seq.finish_reason
+        return RequestOutput(seq.request_id, new, seq.status is SequenceStatus.FINISHED,
+                             finish.value if finish is not None else None, seq.num_prompt_tokens,
+                             len(seq.token_ids) - seq.num_prompt_tokens)
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -89,21 +89,36 @@ class ModelRunner:
     def inputs(self, out: SchedulerOutput) -> StepInputs:
         """The step as plain host lists (what tensor-parallel followers receive)."""
         step = StepInputs([], [], [], [], [], [], [])
+        ids, positions, sample_rows = step.input_ids, step.positions, step.sample_rows
+        add_key, add_qlen, add_ctx, add_table = (step.adapter_keys.append, step.query_lens.append,
+                                                 step.context_lens.append, step.tables.append)
+        # Bound methods and a one-token branch: at 128-256 decoding sequences this loop is a step's
+        # largest Python loop after the graphs' fill, run on the engine thread while it holds the GIL.
         for s in out.scheduled:
-            end = s.start + s.num_new_tokens
-            chunk = s.seq.token_ids[s.start:end]
-            if len(chunk) < s.num_new_tokens:      # its newest token is still on the device
-                step.pending_rows.append(len(step.input_ids) + len(chunk))
-                step.pending_seqs.append(s.seq)
-                chunk.append(0)
-            step.input_ids.extend(chunk)
-            step.positions.extend(range(s.start, end))
-            step.adapter_keys.append(s.seq.adapter_key)
-            step.query_lens.append(s.num_new_tokens)
-            step.context_lens.append(end)
-            step.tables.append(list(s.seq.block_table))
+            seq, start, n = s.seq, s.start, s.num_new_tokens
+            tokens = seq.token_ids
+            if n == 1:
+                if len(tokens) > start:
+                    ids.append(tokens[start])
+                else:                                   # its newest token is still on the device
+                    step.pending_rows.append(len(ids))
+                    step.pending_seqs.append(seq)
+                    ids.append(0)
+                positions.append(start)
+            else:
+                chunk = tokens[start:start + n]
+                if len(chunk) < n:
+                    step.pending_rows.append(len(ids) + len(chunk))
+                    step.pending_seqs.append(seq)
+                    chunk.append(0)
+                ids.extend(chunk)
+                positions.extend(range(start, start + n))
+            add_key(seq.adapter_key)
+            add_qlen(n)
+            add_ctx(start + n)
+            add_table(seq.block_table[:])
             if s.sample:
-                step.sample_rows.append(len(step.input_ids) - 1)
+                sample_rows.append(len(ids) - 1)
         return step
 
     def launched_tokens(self, num_tokens: int) -> int:

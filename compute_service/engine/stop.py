@@ -12,7 +12,8 @@ def check_stop(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int
                detokenize: Detokenize | None) -> FinishReason | None:
     """Stop ids and EOS first, then stop strings on the decoded output, then length limits."""
     p = seq.params
-    last = seq.token_ids[-1]
+    tokens = seq.token_ids
+    last = tokens[-1]
     if last in p.stop_token_ids or (not p.ignore_eos and last in eos_token_ids):
         return FinishReason.STOP
     if p.stop and detokenize is not None:
@@ -21,6 +22,6 @@ def check_stop(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int
         text = detokenize(seq.output_token_ids[-window:])
         if any(s in text for s in p.stop):
             return FinishReason.STOP
-    if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= max_model_len:
+    if len(tokens) - seq.num_prompt_tokens >= p.max_tokens or len(tokens) >= max_model_len:
         return FinishReason.LENGTH
     return None
