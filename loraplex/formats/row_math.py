@@ -9,7 +9,9 @@ slower than one thread (measured on a 16-core host: 102 ms against 68 ms for a
 which torch runs on the calling thread: the same arithmetic as one
 `torch.mul(src, scale)` (product in float32, then rounded to nearest even in
 the storage dtype), at torch's vectorized speed (numpy has no bfloat16, and
-emulating it costs ~60x more).
+emulating it costs ~60x more). Where torch runs on one thread anyway (the
+cache's conversion worker processes), one call per factor: half the time of
+the slices on a 2-core machine (37 -> 19 ms for 56 MB of bfloat16).
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ def scale_into(src: torch.Tensor, scale: float, dst: torch.Tensor) -> None:
         copy_into(src, dst)
         return
     s, d = src.reshape(-1), dst.view(-1)
+    if torch.get_num_threads() == 1:     # no intra-op team to start (a conversion worker): one call
+        torch.mul(s, scale, out=d)
+        return
     for i in range(0, s.numel(), SLICE_ELEMS):
         torch.mul(s[i: i + SLICE_ELEMS], scale, out=d[i: i + SLICE_ELEMS])
 

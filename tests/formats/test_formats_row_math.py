@@ -16,9 +16,18 @@ def random_bits(dtype: torch.dtype, n: int, gen: torch.Generator) -> torch.Tenso
     return torch.where(torch.isnan(raw), torch.ones((), dtype=dtype), raw)
 
 
+@pytest.fixture(params=["slices", "one_thread"])
+def torch_threads(request):
+    """scale_into's two ways: slices below the grain size (several torch threads), one call (one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if request.param == "one_thread" else max(2, before))
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [7, 4099, 3 * row_math.SLICE_ELEMS + 5])
-def test_scale_into_matches_torch_mul(dtype, n):
+def test_scale_into_matches_torch_mul(dtype, n, torch_threads):
     gen = torch.Generator().manual_seed(n)
     for scale in (1.0, 2.0, 0.1, 1 / 3, 3.7e4, 1e-30, float(torch.rand((), generator=gen)) * 64):
         src = random_bits(dtype, n, gen)
