@@ -60,8 +60,9 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
 
 
 def available_memory(root: Path = CGROUP_ROOT) -> int | None:
-    """Bytes of memory available now: the host's free and reclaimable memory, capped by what the cgroup's
-    limit leaves; None where neither can be read."""
+    """Bytes of memory available now: the host's free memory (free pages only: page cache and other
+    reclaimable memory are not counted), capped by what the cgroup's limit leaves; None where neither can be
+    read."""
     host = None
     try:
         host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
