@@ -12,7 +12,9 @@ The hand-off of step N's outputs waits until step N+1 has queued its GPU work
 at the end of step N would run its Python (drain, messages, gRPC writes)
 interleaved with step N+1's scheduling and launches, which then take that much
 longer; woken after the launch, it runs while this thread waits for the GPU.
-When no step follows (nothing running), the hand-off is immediate.
+When no step follows (nothing running), or the step sampled some request's
+first token (a time to first token, not worth a step's wait), the hand-off is
+immediate.
 
 Commands travel in a `collections.deque` (append and popleft are atomic), the
 wake-up is a `threading.Event`: nothing on the hot path takes a lock.
@@ -212,10 +214,12 @@ class StepLoop:
             self.trace.extend((t0, self._launched_at or t0, t1, float(emitted)))
             self._launched_at = 0.0
         self._post(StepBatch(outputs, [], emitted, t1 - t0))
-        if self.engine.in_flight:
+        if self.engine.in_flight or self.engine.sampled_first:
             # Overlapped steps: these are the tokens of the step before the one now on the GPU, which
             # runs while the event loop builds their messages; waiting for the next launch would hold
-            # them a step longer.
+            # them a step longer. A step that sampled first tokens goes out at once too: held for the
+            # next step's read, a request's first token waited for that step's scheduling, launches and
+            # sampling (on the CPU, its whole forward pass).
             self._hand_off()
 
     def _fail_loads(self) -> None:

@@ -81,6 +81,9 @@ class LLMEngine:
         self._in_flight: _Flight | None = None
         self._readback = TokenReadback(config.max_num_seqs, dev)
         self._num_preemptions = 0
+        # The last step sampled some request's first token (a prompt's last chunk ran): its outputs are a
+        # time to first token, which a server hands out at once rather than with the next step.
+        self.sampled_first = False
         # Called once per step right after its GPU work is queued, before the host waits for it: a caller
         # with host work of its own (a server handing out the previous step's tokens) does it then, while
         # the GPU runs, instead of between two steps where it would hold up the next step's launch.
@@ -194,8 +197,10 @@ class LLMEngine:
             outputs.extend(self._land(prev))        # read back while this step runs
         if self.overlap and not want_logits and all(s.num_new_tokens == 1 and s.sample for s in sched.scheduled):
             self._in_flight = flight
+            self.sampled_first = False
         else:
             self._in_flight = None
+            self.sampled_first = any(s.sample and s.start < s.seq.num_prompt_tokens for s in sched.scheduled)
             outputs.extend(self._land(flight))
         return outputs, logits_by_id
 
