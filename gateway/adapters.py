@@ -210,6 +210,26 @@ class AdapterResolver:
         self.forget(stale.task_id, spec.name)
         return await self.resolve(spec, what)
 
+    def last_known(self, spec: common_pb2.LoraSpec) -> ResolvedLora | None:
+        """What `resolve(spec)` answered last, when its answer is no longer fresh (so `resolve` would ask
+        the host cache); None when nothing is known, the answer is still fresh (`resolve` answers at once),
+        or the spec must always ask (LOAD_MODE_ALWAYS). A request may start on compute at this guess while
+        the cache confirms it (`gateway.generation`), so a warm adapter's first token does not wait for
+        the host cache's round trip."""
+        if spec.load_mode == common_pb2.LOAD_MODE_ALWAYS:
+            return None
+        if spec.name:
+            if spec.HasField("weights") or self._names.fresh(spec.name) is not None:
+                return None
+            kept = self._names.last(spec.name)
+            if kept is None or (spec.HasField("task_id") and spec.task_id != kept[0]):
+                return None
+            return ResolvedLora(kept[0], kept[1], spec.name)
+        if not spec.HasField("task_id") or self._versions.fresh(spec.task_id) is not None:
+            return None
+        version = self._versions.last(spec.task_id)
+        return None if version is None else ResolvedLora(spec.task_id, version)
+
     async def _cached_version(self, task_id: int) -> str | None:
         version = self._versions.fresh(task_id)
         if version is not None:

@@ -122,6 +122,53 @@ async def adapter_entry_stream(entry: Entry, lora: ResolvedLora, resolver: Adapt
         yield msg
 
 
+async def resolved_entry_stream(entry: Entry, resolver: AdapterResolver, router: ComputeRouter,
+                                codec: PromptCodec) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    """Resolves the entry's adapter and streams it (`adapter_entry_stream`).
+
+    When the gateway's answer for the adapter is no longer fresh but one is known (a warm adapter used
+    more than the resolve TTL ago), the entry starts on compute at that version at once while the host
+    cache confirms it; its first message leaves only once the answer is in. The same answer: the stream
+    goes on, and the cache's round trip overlapped the prefill instead of preceding it. Another version:
+    the started request is cancelled on compute (its KV blocks and adapter pin freed) and the entry starts
+    again at the version the cache named, so no token of a version the cache no longer names is sent. An
+    error (say, the adapter was removed): the started request is cancelled and the error is the entry's."""
+    guess = resolver.last_known(entry.spec)
+    if guess is None:
+        lora = await resolver.resolve(entry.spec, entry.what)
+        async for msg in adapter_entry_stream(entry, lora, resolver, router, codec):
+            yield msg
+        return
+    confirm = asyncio.ensure_future(resolver.resolve(entry.spec, entry.what))
+    stream = adapter_entry_stream(entry, guess, resolver, router, codec)
+    try:
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except Exception:
+            if await confirm == guess:
+                raise
+            first = None                     # the guess was stale: start over at the confirmed version
+        lora = await confirm
+        if lora == guess:
+            if first is not None:
+                yield first
+                async for msg in stream:
+                    yield msg
+            return
+    finally:
+        await stream.aclose()                # cancels the compute request if it is still open
+        if not confirm.done():
+            confirm.cancel()
+        elif not confirm.cancelled():
+            confirm.exception()              # retrieved: the caller may have gone before it was awaited
+    log.info("%s: the host cache names version %s, not %s: started again", entry.what, lora.version,
+             guess.version)
+    async for msg in adapter_entry_stream(entry, lora, resolver, router, codec):
+        yield msg
+
+
 EntryFactory = Callable[[], Awaitable[AsyncIterator[gateway_pb2.GenerateResponse]]]
 
 
@@ -194,9 +241,7 @@ async def run_entries(entries: Sequence[Entry], resolver: AdapterResolver, route
     ERROR; with `resolve_first`, every distinct adapter is resolved before any entry starts, so an
     unknown one fails the whole call instead (the HTTP API answers one status per request)."""
     if len(entries) == 1:
-        only = entries[0]
-        lora = await resolver.resolve(only.spec, only.what)
-        async for msg in adapter_entry_stream(only, lora, resolver, router, codec):
+        async for msg in resolved_entry_stream(entries[0], resolver, router, codec):
             yield msg
         return
     resolved: dict[bytes, ResolvedLora] = {}
@@ -208,9 +253,9 @@ async def run_entries(entries: Sequence[Entry], resolver: AdapterResolver, route
 
     def factory(entry: Entry) -> EntryFactory:
         async def start() -> AsyncIterator[gateway_pb2.GenerateResponse]:
-            lora = resolved.get(entry.spec.SerializeToString(deterministic=True)) if resolved else None
-            if lora is None:
-                lora = await resolver.resolve(entry.spec, entry.what)
+            if not resolved:
+                return resolved_entry_stream(entry, resolver, router, codec)
+            lora = resolved[entry.spec.SerializeToString(deterministic=True)]
             return adapter_entry_stream(entry, lora, resolver, router, codec)
         return start
 

@@ -348,3 +348,88 @@ def test_load_and_unload_through_this_gateway_take_effect_at_once(tokenizer):
         return info.version, _versions(compute)
     loaded, versions = run(_stack_with(tokenizer, body))
     assert versions[-1] == loaded and versions[0] != loaded and len(versions) == 2
+
+
+# --- a stale answer: the request starts at the last known version while the cache confirms it ----------
+
+
+def _gate_resolves(store, gate: asyncio.Event) -> list[str]:
+    """Makes the store's ResolveName wait for `gate`; returns the names asked, in order."""
+    asked, resolve = [], store.resolve_name
+
+    async def gated(name, load_mode):
+        asked.append(name)
+        await gate.wait()
+        return await resolve(name, load_mode)
+    store.resolve_name = gated
+    return asked
+
+
+async def _stale_stack_with(tokenizer, body):
+    compute = HostCacheCompute(tokenizer)
+    async with grpc_server(lambda s: compute_pb2_grpc.add_ComputeServicer_to_server(compute, s)) as address:
+        async with gateway_stack(tokenizer, compute_address=address, adapter_resolve_ttl_s=0.0) as st:
+            compute.store = st.store
+            st.store.root["jp"] = (2, adapter(1))
+            await st.client.generate("q", lora="jp", max_tokens=2)     # known, and stale from now on
+            return await body(st, compute)
+
+
+def test_a_stale_name_starts_on_compute_before_the_cache_answers_and_its_tokens_wait_for_it(tokenizer):
+    async def body(st, compute):
+        gate = asyncio.Event()
+        asked = _gate_resolves(st.store, gate)
+        chunks = []
+
+        async def read():
+            async for chunk in st.client.stream("q", lora="jp", max_tokens=3):
+                chunks.append(chunk)
+        reader = asyncio.create_task(read())
+        for _ in range(200):
+            if len(compute.log.requests) == 2 and asked:
+                break
+            await asyncio.sleep(0.01)
+        started_early = len(compute.log.requests) == 2
+        await asyncio.sleep(0.1)
+        before_answer = list(chunks)
+        gate.set()
+        await reader
+        return started_early, asked, before_answer, chunks, _versions(compute), compute.log.cancelled
+    started_early, asked, before, chunks, versions, cancelled = run(_stale_stack_with(tokenizer, body))
+    assert started_early and asked == ["jp"]
+    assert before == []                       # nothing leaves before the host cache confirmed the version
+    assert "".join(c.text for c in chunks) == tokenizer.decode(
+        tokenizer.encode(SCRIPTS[2], add_special_tokens=False)[:3])
+    assert versions[0] == versions[1] and not cancelled
+
+
+def test_a_stale_version_the_cache_contradicts_is_cancelled_and_started_again(tokenizer):
+    async def body(st, compute):
+        v1 = st.store.adapters[2].content_hash
+        st.store.adapters[2] = adapter(9)            # replaced through another gateway
+        compute.store = None                         # compute still serves the old version too
+        compute.delay_s = 0.2                        # still running when the cache answers
+        out = await st.client.generate("q", lora="jp", max_tokens=3)
+        return out, v1, st.store.adapters[2].content_hash, _versions(compute), compute.log.cancelled
+    out, v1, v2, versions, cancelled = run(_stale_stack_with(tokenizer, body))
+    assert v1 != v2 and versions == [v1, v1, v2]
+    assert len(cancelled) == 1                       # the request started at v1 was stopped on compute
+    assert out.text == tokenizer.decode(tokenizer.encode(SCRIPTS[2], add_special_tokens=False)[:3])
+
+
+def test_a_stale_name_that_is_gone_fails_and_its_started_request_is_cancelled(tokenizer):
+    async def body(st, compute):
+        del st.store.root["jp"]
+        st.store.names.pop("jp", None)
+        del st.store.adapters[2]
+        compute.store = None
+        compute.delay_s = 0.2
+        with pytest.raises(NotFoundError):
+            await st.client.generate("q", lora="jp", max_tokens=50)
+        for _ in range(100):
+            if compute.log.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        return len(compute.log.requests), compute.log.cancelled
+    num_requests, cancelled = run(_stale_stack_with(tokenizer, body))
+    assert num_requests == 2 and len(cancelled) == 1
