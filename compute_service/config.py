@@ -38,10 +38,10 @@ class ComputeConfig:
         "help": "overlapped decode steps: queue step N+1 before reading step N's tokens back, so the engine's "
                 "host work runs while the GPU computes (default: on with a GPU, off on the CPU where there is "
                 "nothing to overlap; --no-async-scheduling for plain steps; not with --tensor-parallel-size)"})
-    engine_process: str = field(default="off", metadata={
+    engine_process: str = field(default="auto", metadata={
         "help": "on: run the engine in a child process and only the gRPC side in this one, so the two do not "
-                "share one GIL (measured on an H200: no steady gain over off, so off by default; one process "
-                "only, not with --tensor-parallel-size)"})
+                "share one GIL; auto (default): on with a GPU and one process, off on the CPU and with "
+                "--tensor-parallel-size (not supported there yet); off: one process"})
     step_trace: str = field(default="", metadata={
         "help": "file to write every engine step's host start and end times to at shutdown (benchmarks)"})
     tensor_parallel_size: int = field(default=1, metadata={
@@ -67,6 +67,12 @@ class ComputeConfig:
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
                                                               "request ids"})
 
+    def uses_engine_process(self, device_type: str) -> bool:
+        """Whether the engine runs in a child process, for an engine on `device_type` ("cuda" or "cpu")."""
+        if self.engine_process == "auto":
+            return device_type == "cuda" and self.tensor_parallel_size == 1
+        return self.engine_process == "on"
+
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
             raise SettingsError(f"log_format: expected text or json, got {self.log_format!r}")
@@ -82,8 +88,8 @@ class ComputeConfig:
             raise SettingsError("metrics_port: must be in 0..65535")
         if self.tensor_parallel_size < 1:
             raise SettingsError("tensor_parallel_size must be >= 1")
-        if self.engine_process not in ("on", "off"):
-            raise SettingsError(f"engine_process: expected on or off, got {self.engine_process!r}")
+        if self.engine_process not in ("auto", "on", "off"):
+            raise SettingsError(f"engine_process: expected auto, on or off, got {self.engine_process!r}")
         if self.engine_process == "on" and self.tensor_parallel_size > 1:
             raise SettingsError("engine_process on is not supported with tensor_parallel_size > 1 yet "
                                 "(rank 0 serves gRPC in its own process)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import grpc
 
+from compute_service.build import resolve_device
 from compute_service.config import ComputeConfig
 from compute_service.engine.loader import LoadedModel
 from compute_service.engine_link import EngineLink
@@ -53,10 +54,10 @@ class WarmupGate(grpc.aio.ServerInterceptor):
 
 async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> None:
     """Serves loraplex.v1.Compute on `config.listen` until SIGTERM (`loaded`: a model already in memory,
-    served in this process). With `--engine-process` the engine runs in a child process
-    (`compute_service.engine_process`) and only the gRPC side runs here."""
+    served in this process). With `--engine-process` (on, or auto with one GPU) the engine runs in a
+    child process (`compute_service.engine_process`) and only the gRPC side runs here."""
     side: LocalEngine | EngineLink
-    if loaded is None and config.engine_process == "on":
+    if loaded is None and config.uses_engine_process(resolve_device(config.device).type):
         side = await EngineLink.start(config)
         rt: ServedRuntime = side.runtime
     else:

@@ -44,11 +44,15 @@ def test_errors_cross_the_pipe_with_their_code_and_message(exc, code):
     assert str(exc) in str(back)
 
 
-def test_engine_process_is_opt_in_and_one_process_only():
-    assert ComputeConfig(device="cuda").engine_process == "off"
-    assert ComputeConfig(device="cpu", engine_process="on").engine_process == "on"   # not refused
+def test_engine_process_is_on_by_default_with_one_gpu_only():
+    assert ComputeConfig().engine_process == "auto"
+    assert ComputeConfig().uses_engine_process("cuda")
+    assert not ComputeConfig().uses_engine_process("cpu")
+    assert not ComputeConfig(tensor_parallel_size=2).uses_engine_process("cuda")     # auto: not with TP
+    assert not ComputeConfig(engine_process="off").uses_engine_process("cuda")
+    assert ComputeConfig(device="cpu", engine_process="on").uses_engine_process("cpu")   # not refused
     with pytest.raises(SettingsError, match="engine_process"):
-        ComputeConfig(engine_process="auto")
+        ComputeConfig(engine_process="yes")
     with pytest.raises(SettingsError, match="tensor_parallel_size"):
         ComputeConfig(engine_process="on", tensor_parallel_size=2)
 
