@@ -8,13 +8,16 @@ engine, its runner, adapter fetches and metrics live in
 `compute_service.engine_process`; this process keeps the gRPC server and
 talks to it over one pipe:
 
-- to the engine: `start` (a request, under a handle of this side), `cancel`
-  (handle and request id),
+- to the engine: `start` (a request, under a handle of this side, and whether
+  its consumer here is columnar), `cancel` (handle and request id),
   `call` (prefetch, drop, stats) and `stop`;
 - from it: `loaded` (the model's description), `ready` (warmed up), one
-  `batch` per drain of the engine's step batches (every delta as
-  `(handle, token ids, finished, finish reason, prompt tokens, output tokens)`, and the
-  failures as `(handle, status code name, message)`), `reply` to a call.
+  `batch` per drain of the engine's step batches (the last delta of every
+  request, and every delta of a non-columnar consumer's, as
+  `(handle, token ids, finished, finish reason, prompt tokens, output tokens)`;
+  the failures as `(handle, status code name, message)`; the other deltas as
+  columns `(handles, token counts, tokens)` that the engine thread grouped),
+  `reply` to a call.
 
 Messages are pickled tuples. `RemoteRunner` offers what the servicer and the
 token sessions use of `EngineRunner` (start_request, cancel, generate,
@@ -100,7 +103,8 @@ class RemoteRunner:
         h = self._next_handle
         self._next_handle += 1
         try:
-            send(self._conn, ("start", h, request_id, list(prompt), params, task_id, version, timeout_s))
+            send(self._conn, ("start", h, request_id, list(prompt), params, task_id, version, timeout_s,
+                              bool(getattr(consumer, "columnar", False))))
         except OSError as exc:
             self.lost(f"the pipe to the engine process broke ({exc})")
             raise self.failure from None  # type: ignore[misc]
@@ -152,7 +156,7 @@ class RemoteRunner:
         """One message of the engine process (a batch or a reply)."""
         kind = msg[0]
         if kind == "batch":
-            self._batch(msg[1], msg[2])
+            self._batch(msg[1], msg[2], msg[3])
         elif kind == "reply":
             fut = self._calls.pop(msg[1], None)
             if fut is not None and not fut.done():
@@ -164,9 +168,29 @@ class RemoteRunner:
             log.warning("engine process: unexpected message %r", kind)
 
     def _batch(self, deltas: list[tuple[int, list[int], bool, str | None, int, int]],
-               failed: list[tuple[int, str, str]]) -> None:
+               failed: list[tuple[int, str, str]],
+               columns: tuple[list[int], list[int], list[int]] = ([], [], [])) -> None:
         touched: dict[int, StepConsumer] = {}
         open_ = self._open
+        handles, counts, tokens = columns
+        if handles:
+            # unfinished deltas of columnar consumers (the engine grouped them): regrouped per consumer
+            groups: dict[int, tuple[StepConsumer, list[int], list[int], list[int]]] = {}
+            pos = 0
+            for h, n in zip(handles, counts):
+                entry = open_.get(h)
+                if entry is not None:          # else cancelled here meanwhile
+                    consumer = entry[1]
+                    group = groups.get(id(consumer))
+                    if group is None:
+                        group = groups[id(consumer)] = (consumer, [], [], [])
+                    group[1].append(entry[2])
+                    group[2].append(n)
+                    group[3].extend(tokens[pos:pos + n])
+                pos += n
+            for consumer, chs, ns, ts in groups.values():
+                consumer.deliver_columns(chs, ns, ts)     # type: ignore[attr-defined]
+                touched[id(consumer)] = consumer
         for h, ids, finished, reason, num_prompt, num_output in deltas:
             entry = open_.get(h)
             if entry is None:

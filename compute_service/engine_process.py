@@ -62,12 +62,24 @@ async def _main(config: ComputeConfig, conn: Connection) -> None:
 
 
 class PipeConsumer:
-    """Every request of the gRPC side: a drain's deltas and failures leave as one message."""
+    """Every request of the gRPC side: a drain's deltas and failures leave as one message. The
+    unfinished deltas of requests whose gRPC-side consumer is columnar come as columns the engine
+    thread grouped (handles, token counts, tokens); the rest as one tuple per delta."""
+
+    columnar = True
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.deltas: list[tuple[int, list[int], bool, str | None, int, int]] = []
         self.failed: list[tuple[int, str, str]] = []
+        self.handles: list[int] = []
+        self.counts: list[int] = []
+        self.tokens: list[int] = []
+
+    def deliver_columns(self, handles: list[int], counts: list[int], tokens: list[int]) -> None:
+        self.handles += handles
+        self.counts += counts
+        self.tokens += tokens
 
     def deliver(self, handle: int, out: RequestOutput) -> None:
         self.deltas.append((handle, out.new_token_ids, out.finished, out.finish_reason, out.num_prompt_tokens,
@@ -77,9 +89,10 @@ class PipeConsumer:
         self.failed.append((handle, *error_wire(exc)))
 
     def end_batch(self) -> None:
-        if self.deltas or self.failed:
-            msg = ("batch", self.deltas, self.failed)
+        if self.deltas or self.failed or self.handles:
+            msg = ("batch", self.deltas, self.failed, (self.handles, self.counts, self.tokens))
             self.deltas, self.failed = [], []
+            self.handles, self.counts, self.tokens = [], [], []
             try:
                 send(self.conn, msg)
             except OSError:
@@ -120,9 +133,10 @@ class PipeServer:
     def _apply(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind == "start":
-            _, handle, rid, prompt, params, task_id, version, timeout_s = msg
+            _, handle, rid, prompt, params, task_id, version, timeout_s, columnar = msg
             try:
-                self.runner.start_request(rid, prompt, params, task_id, version, self.consumer, handle, timeout_s)
+                self.runner.start_request(rid, prompt, params, task_id, version, self.consumer, handle, timeout_s,
+                                          columnar)
             except Exception as exc:  # noqa: BLE001 - the request's caller hears it
                 self.consumer.fail(handle, exc)
         elif kind == "cancel":

@@ -50,7 +50,14 @@ class SequenceObserver(Protocol):
 
 
 class StepConsumer(Protocol):
-    """Receives the deltas of the requests it registered (on the event loop)."""
+    """Receives the deltas of the requests it registered (on the event loop).
+
+    A consumer with a true `columnar` attribute also takes a step's unfinished deltas as columns,
+    grouped by the engine thread (`deliver_columns`), so the event loop makes no Python call per
+    sequence for them; a request's last delta still comes through `deliver`. Such a consumer may get
+    the deltas of a step that ran before a `cancel` (or a deadline's `fail`) took effect on the
+    engine: the handle of a request it already ended can still appear in its columns, and it drops
+    them. A handle never appears in columns after its finished `deliver`."""
 
     def deliver(self, handle: int, out: RequestOutput) -> None:
         """New tokens of one request; `out.finished` on its last."""
@@ -71,11 +78,14 @@ class _Request:
     version: str
     timer: asyncio.TimerHandle | None = None
     started: float = 0.0            # perf_counter when it started (latency metrics)
-    last_token_at: float = 0.0      # perf_counter of its latest tokens; 0 before the first
+    last_token_at: float = 0.0      # perf_counter of its latest tokens; 0 before the first (engine thread)
+    columnar: bool = False          # its consumer takes unfinished deltas as columns
 
 
 class _QueueConsumer:
     """One request's deltas in an asyncio queue (GenerateTokens and in-process callers)."""
+
+    columnar = False
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -131,7 +141,6 @@ class EngineRunner:
         self.slots = slots
         self.fetch = fetch              # reads adapters from the host cache
         self.on_step = on_step          # (num tokens emitted, step seconds), for metrics and benchmarks
-        self.latency: SequenceObserver | None = None   # per-sequence timings (compute_service.metrics)
         self.on_adapter_load: Callable[[int, float, bool], None] | None = None   # (bytes, seconds, ok)
         self.steps = StepLoop(engine, slots, self._drain, trace=bool(trace_path),
                               handoff=handoff)
@@ -143,6 +152,15 @@ class EngineRunner:
     @property
     def num_steps(self) -> int:
         return self.steps.num_steps
+
+    @property
+    def latency(self) -> SequenceObserver | None:
+        """Per-sequence timings (compute_service.metrics), observed on the engine thread as it routes."""
+        return self.steps.latency
+
+    @latency.setter
+    def latency(self, observer: SequenceObserver | None) -> None:
+        self.steps.latency = observer
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self, switch_interval_s: float = 0.0) -> None:
@@ -166,15 +184,19 @@ class EngineRunner:
     # -- requests ------------------------------------------------------------------------
     def start_request(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                       task_id: int | None, version: str, consumer: StepConsumer, handle: int,
-                      timeout_s: float | None = None) -> None:
-        """Starts a request whose deltas go to `consumer.deliver(handle, ...)`; raises on a duplicate id."""
+                      timeout_s: float | None = None, columnar: bool | None = None) -> None:
+        """Starts a request whose deltas go to `consumer.deliver(handle, ...)` (and, for a columnar
+        consumer, `deliver_columns`; `columnar` overrides the consumer's own flag); raises on a
+        duplicate id."""
         if self.steps.failure is not None:
             raise self.steps.failure
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
         key = None if task_id is None else adapter_key(task_id, version)
         adm = Admission(request_id, list(prompt), params, key)
-        req = _Request(consumer, handle, adm, task_id, version, started=time.perf_counter())
+        req = _Request(consumer, handle, adm, task_id, version, started=time.perf_counter(),
+                       columnar=getattr(consumer, "columnar", False) if columnar is None else columnar)
+        adm.route = req
         if timeout_s is not None and timeout_s > 0:
             req.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, request_id)
         self._requests[request_id] = req
@@ -254,10 +276,12 @@ class EngineRunner:
     # -- step batches (event loop) -----------------------------------------------------------
     def _drain(self) -> None:
         touched: dict[int, StepConsumer] = {}
-        ready, requests, latency = self.steps.ready, self._requests, self.latency
+        ready, requests = self.steps.ready, self._requests
         while ready:
             batch = ready.popleft()
-            now = time.perf_counter() if latency is not None else 0.0
+            for consumer, handles, counts, tokens in batch.columns:
+                consumer.deliver_columns(handles, counts, tokens)    # type: ignore[attr-defined]
+                touched[id(consumer)] = consumer
             for rid, exc in batch.failed:
                 if isinstance(exc, NeedsFetch):
                     self._fetch_then_add(rid)
@@ -272,8 +296,6 @@ class EngineRunner:
                 req = requests.get(out.request_id)
                 if req is None:
                     continue
-                if latency is not None:
-                    latency.delivered(req, out, now)
                 if out.finished:
                     del requests[out.request_id]
                     if req.timer is not None:

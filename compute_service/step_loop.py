@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.adapter_cache.staging import Uploaded
@@ -57,6 +58,9 @@ class Admission:
     params: SamplingParams
     key: str | None = None              # adapter key, None: the base model
     staged: Uploaded | None = None      # the adapter's staged rows, when the event loop fetched them
+    # Where its deltas go (`runner._Request`: consumer, handle, columnar, timings); None: the event
+    # loop routes them by request id.
+    route: Any = None
 
 
 @dataclass
@@ -65,6 +69,9 @@ class StepBatch:
 
     outputs: list[RequestOutput] = field(default_factory=list)
     failed: list[tuple[str, BaseException]] = field(default_factory=list)   # (request id, why)
+    # Unfinished deltas of columnar consumers, grouped on this thread: (consumer, handles, token
+    # counts, tokens concatenated in handle order).
+    columns: list[tuple[Any, list[int], list[int], list[int]]] = field(default_factory=list)
     num_tokens: int = 0
     seconds: float = 0.0
 
@@ -82,6 +89,8 @@ class StepLoop:
         self.ready: deque[StepBatch] = deque()
         self._posted = False               # a drain of `ready` is scheduled on the event loop
         self._keys: dict[str, str | None] = {}   # request id -> adapter key, for requests in the engine
+        self._routes: dict[str, Any] = {}        # request id -> its route (`Admission.route`), until it ends
+        self.latency: Any = None                 # per-sequence timings, observed here (`SequenceObserver`)
         self._failed: list[tuple[str, BaseException]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -142,6 +151,8 @@ class StepLoop:
                     self.slots.unwant(key)
                 raise
             self._keys[adm.request_id] = key
+            if adm.route is not None:
+                self._routes[adm.request_id] = adm.route
         except Exception as exc:  # noqa: BLE001 - the request's caller reports it
             self._failed.append((adm.request_id, exc))
 
@@ -203,17 +214,11 @@ class StepLoop:
         t1 = time.monotonic()
         self._hand_off()          # a step that launched nothing did not hand the previous outputs over
         self.num_steps += 1
-        emitted = 0
-        for out in outputs:
-            emitted += len(out.new_token_ids)
-            if out.finished:
-                key = self._keys.pop(out.request_id, None)
-                if key is not None:
-                    self.slots.unwant(key)
+        emitted, passed, columns = self._route(outputs)
         if self.trace is not None:
             self.trace.extend((t0, self._launched_at or t0, t1, float(emitted)))
             self._launched_at = 0.0
-        self._post(StepBatch(outputs, [], emitted, t1 - t0))
+        self._post(StepBatch(passed, [], num_tokens=emitted, seconds=t1 - t0, columns=list(columns.values())))
         if self.engine.in_flight or self.engine.sampled_first:
             # Overlapped steps: these are the tokens of the step before the one now on the GPU, which
             # runs while the event loop builds their messages; waiting for the next launch would hold
@@ -221,6 +226,49 @@ class StepLoop:
             # next step's read, a request's first token waited for that step's scheduling, launches and
             # sampling (on the CPU, its whole forward pass).
             self._hand_off()
+
+    def _route(self, outputs: list[RequestOutput]
+               ) -> tuple[int, list[RequestOutput], dict[int, tuple[Any, list[int], list[int], list[int]]]]:
+        """A step's outputs: (tokens emitted, the outputs the event loop routes, the columns of columnar
+        consumers). Here, not on the event loop, so the per-sequence Python of a step runs on this
+        thread while it waits for nothing, instead of in a second thread that takes the GIL from it
+        at every release; the latency metrics are observed here for the same reason. A request's last
+        delta goes to the event loop, which ends it (timers, its consumer's `deliver`)."""
+        routes, latency = self._routes, self.latency
+        now = time.perf_counter() if latency is not None else 0.0
+        emitted = 0
+        passed: list[RequestOutput] = []
+        columns: dict[int, tuple[Any, list[int], list[int], list[int]]] = {}
+        for out in outputs:
+            new = out.new_token_ids
+            emitted += len(new)
+            if out.finished:
+                rid = out.request_id
+                key = self._keys.pop(rid, None)
+                if key is not None:
+                    self.slots.unwant(key)
+                route = routes.pop(rid, None)
+                if route is not None and latency is not None:
+                    latency.delivered(route, out, now)
+                passed.append(out)
+                continue
+            route = routes.get(out.request_id)
+            if route is None:
+                passed.append(out)
+                continue
+            if latency is not None:
+                latency.delivered(route, out, now)
+            if not route.columnar:
+                passed.append(out)
+            elif new:
+                consumer = route.consumer
+                col = columns.get(id(consumer))
+                if col is None:
+                    col = columns[id(consumer)] = (consumer, [], [], [])
+                col[1].append(route.handle)
+                col[2].append(len(new))
+                col[3].extend(new)
+        return emitted, passed, columns
 
     def _fail_loads(self) -> None:
         for key, exc in list(self.slots.failed.items()):

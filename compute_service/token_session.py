@@ -42,6 +42,27 @@ class TokenSession:
         self._ready = asyncio.Event()
 
     # -- the runner's consumer protocol ----------------------------------------------------
+    columnar = True     # a step's unfinished deltas come grouped (`deliver_columns`)
+
+    def deliver_columns(self, handles: list[int], counts: list[int], tokens: list[int]) -> None:
+        """A step's unfinished deltas of this call's requests, grouped by the engine thread. A request
+        cancelled or failed while its step ran may still be among them: its handle is no longer open,
+        and its tokens are dropped here, so nothing follows a request's end on the call."""
+        open_ = self._open
+        keep = [h in open_ for h in handles]
+        if all(keep):
+            self._handles += handles
+            self._counts += counts
+            self._tokens += tokens
+            return
+        pos = 0
+        for h, n, k in zip(handles, counts, keep):
+            if k:
+                self._handles.append(h)
+                self._counts.append(n)
+                self._tokens += tokens[pos:pos + n]
+            pos += n
+
     def deliver(self, handle: int, out: RequestOutput) -> None:
         ids = out.new_token_ids
         if ids:

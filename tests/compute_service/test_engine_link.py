@@ -57,6 +57,38 @@ def test_engine_process_is_on_by_default_with_one_gpu_only():
         ComputeConfig(engine_process="on", tensor_parallel_size=2)
 
 
+class Columns(Collect):
+    columnar = True
+
+    def __init__(self):
+        super().__init__()
+        self.columns = []
+
+    def deliver_columns(self, handles, counts, tokens):
+        self.columns.append((list(handles), list(counts), list(tokens)))
+
+
+def test_remote_runner_regroups_columns_per_consumer_and_drops_cancelled_handles():
+    async def main():
+        ours, theirs = multiprocessing.Pipe(duplex=True)
+        runner = RemoteRunner(ours)
+        a, b = Columns(), Columns()
+        runner.start_request("r1", [1], SamplingParams(), None, "", a, 10)
+        runner.start_request("r2", [1], SamplingParams(), None, "", b, 20)
+        runner.start_request("r3", [1], SamplingParams(), None, "", a, 30)
+        runner.start_request("r4", [1], SamplingParams(), None, "", a, 40)
+        sent = [pickle.loads(theirs.recv_bytes()) for _ in range(4)]
+        assert all(m[-1] is True for m in sent)      # columnar consumers: the engine groups their deltas
+        h1, h2, h3, h4 = (m[1] for m in sent)
+        runner.cancel("r4")
+        runner.received(("batch", [(h3, [9], True, "stop", 1, 3)], [],
+                         ([h1, h2, h4, h1], [1, 2, 1, 1], [5, 6, 7, 8, 4])))
+        return a, b
+    a, b = asyncio.run(main())
+    assert a.columns == [([10, 10], [1, 1], [5, 4])] and b.columns == [([20], [2], [6, 7])]
+    assert a.got == [(30, "r3", [9], True, "stop")] and a.batches == b.batches == 1
+
+
 def test_remote_runner_routes_deltas_and_fails_everything_when_the_engine_is_lost():
     async def main():
         ours, theirs = multiprocessing.Pipe(duplex=True)
@@ -70,7 +102,9 @@ def test_remote_runner_routes_deltas_and_fails_everything_when_the_engine_is_los
         assert [m[0] for m in sent] == ["start", "start"]
         h1, h2 = sent[0][1], sent[1][1]
         assert sent[1][2:7] == ("r2", [3], SamplingParams(max_tokens=2), 5, "v")
-        runner.received(("batch", [(h1, [7], False, None, 2, 1), (h2, [8, 9], True, "length", 1, 2)], []))
+        assert sent[0][-1] is False                  # Collect takes no columns
+        runner.received(("batch", [(h1, [7], False, None, 2, 1), (h2, [8, 9], True, "length", 1, 2)], [],
+                         ([], [], [])))
         assert a.got == [(10, "r1", [7], False, None)] and b.got == [(20, "r2", [8, 9], True, "length")]
         assert a.batches == b.batches == 1
         runner.start_request("r2", [3], SamplingParams(), None, "", b, 21)     # r2 ended: its id is free again

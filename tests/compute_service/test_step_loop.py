@@ -137,3 +137,85 @@ def test_an_engine_thread_that_dies_fails_its_requests_as_unavailable_and_refuse
             await asyncio.wait_for(rt.runner.stop(), 10)
     asyncio.run(asyncio.wait_for(serve(), 30))
     assert any("the engine thread stopped: device lost" in r.getMessage() for r in caplog.records)
+
+
+class ColumnarConsumer:
+    """Takes unfinished deltas as columns (as a token session does) and the last one through deliver;
+    records on which thread each call ran."""
+
+    columnar = True
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.column_calls = 0
+        self.finished: list[int] = []
+        self.done = asyncio.Event()
+        self.threads: set[str] = set()
+
+    def deliver_columns(self, handles, counts, tokens) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.column_calls += 1
+        pos = 0
+        for h, n in zip(handles, counts):
+            self.tokens.setdefault(h, []).extend(tokens[pos:pos + n])
+            pos += n
+
+    def deliver(self, handle, out) -> None:
+        self.threads.add(threading.current_thread().name)
+        assert out.finished, "a columnar consumer gets only last deltas one by one"
+        self.tokens.setdefault(handle, []).extend(out.new_token_ids)
+        self.finished.append(handle)
+        if len(self.finished) == 3:
+            self.done.set()
+
+    def fail(self, handle, exc) -> None:
+        raise AssertionError(f"request {handle} failed: {exc}")
+
+    def end_batch(self) -> None:
+        pass
+
+
+class Timings:
+    """A SequenceObserver that records the thread it is called on."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.tokens = 0
+
+    def delivered(self, req, out, now) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.tokens += len(out.new_token_ids)
+        req.last_token_at = now
+
+
+def test_columnar_consumers_get_the_engines_tokens_grouped_per_step_and_timings_on_the_engine_thread(
+        loaded, tiny_model_dir):
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    prompts = [[1 + i, 5, 9, 2 + i] for i in range(3)]
+
+    async def serve():
+        rt = runtime(loaded, tiny_model_dir)
+        timings = Timings()
+        rt.runner.latency = timings
+        rt.runner.start()
+        consumer = ColumnarConsumer()
+        try:
+            for i, p in enumerate(prompts):
+                rt.runner.start_request(f"r{i}", p, params, None, "", consumer, 100 + i)
+            await asyncio.wait_for(consumer.done.wait(), 30)
+        finally:
+            await rt.runner.stop()
+        return consumer, timings
+
+    consumer, timings = asyncio.run(serve())
+    ref = runtime(loaded, tiny_model_dir).engine
+    for i, p in enumerate(prompts):
+        ref.add_request(f"r{i}", p, params)
+    want: dict[int, list[int]] = {100 + i: [] for i in range(3)}
+    while ref.has_unfinished():
+        for out in ref.step():
+            want[100 + int(out.request_id[1:])] += out.new_token_ids
+    assert consumer.tokens == want and sorted(consumer.finished) == [100, 101, 102]
+    assert consumer.column_calls >= 5                 # 6 unfinished deltas each, a few steps per drain at most
+    assert consumer.threads == {"MainThread"}         # the event loop's thread
+    assert timings.threads == {"engine-steps"} and timings.tokens == 21
