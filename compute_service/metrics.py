@@ -113,6 +113,11 @@ class SequenceLatency:
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         registry.register(self)  # type: ignore[arg-type]
 
+    def steady(self, seconds: float, n: int) -> None:
+        """`n` sequences each got one token `seconds` after their previous one (those of a step that
+        also had a token in the step before: one observation for all of them)."""
+        self.itl.observe(seconds, n)
+
     def delivered(self, req: Any, out: RequestOutput, now: float) -> None:
         n = len(out.new_token_ids)
         if n:

@@ -48,6 +48,10 @@ class SequenceObserver(Protocol):
     def delivered(self, req: Any, out: RequestOutput, now: float) -> None:
         """New tokens (and perhaps the end) of one request."""
 
+    def steady(self, seconds: float, n: int) -> None:
+        """`n` requests each got one token `seconds` after their previous one (set `last_token_at`
+        is then the caller's job): the common case of a decode step, observed once."""
+
 
 class StepConsumer(Protocol):
     """Receives the deltas of the requests it registered (on the event loop).

@@ -181,11 +181,18 @@ class Timings:
     def __init__(self) -> None:
         self.threads: set[str] = set()
         self.tokens = 0
+        self.steady_calls = 0
 
     def delivered(self, req, out, now) -> None:
         self.threads.add(threading.current_thread().name)
         self.tokens += len(out.new_token_ids)
         req.last_token_at = now
+
+    def steady(self, seconds, n) -> None:
+        self.threads.add(threading.current_thread().name)
+        assert seconds > 0
+        self.tokens += n
+        self.steady_calls += 1
 
 
 def test_columnar_consumers_get_the_engines_tokens_grouped_per_step_and_timings_on_the_engine_thread(
@@ -219,3 +226,4 @@ def test_columnar_consumers_get_the_engines_tokens_grouped_per_step_and_timings_
     assert consumer.column_calls >= 5                 # 6 unfinished deltas each, a few steps per drain at most
     assert consumer.threads == {"MainThread"}         # the event loop's thread
     assert timings.threads == {"engine-steps"} and timings.tokens == 21
+    assert timings.steady_calls >= 3              # decode steps: one observation for the batch
