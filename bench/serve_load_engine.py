@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from serve_load_client import Request, Timeline
-from serve_load_stats import step_figures, summarize
+from serve_load_stats import LONG_STEP_S, step_figures, summarize
 
-LONG_STEP_S = 0.005   # steps longer than this are listed one by one
 
 
 def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,

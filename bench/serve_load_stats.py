@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 PCTS = (50, 90, 99)
+LONG_STEP_S = 0.005   # steps longer than this are listed one by one
 
 
 def percentiles(values: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
@@ -44,10 +45,16 @@ def step_figures(trace: dict[str, Sequence[float]], t_from: float, t_to: float) 
     starts, launched, ends = trace["start"], trace["launched"], trace["end"]
     idx = [i for i, t in enumerate(starts) if t_from <= t <= t_to]
     gaps = [starts[i + 1] - ends[i] for i in idx if i + 1 < len(starts) and starts[i + 1] <= t_to]
-    return dict(step_ms=percentiles([ends[i] - starts[i] for i in idx]),
-                launch_ms=percentiles([launched[i] - starts[i] for i in idx]),
-                finish_ms=percentiles([ends[i] - launched[i] for i in idx]),
-                gap_ms=percentiles(gaps), num_steps=len(idx))
+    res = dict(step_ms=percentiles([ends[i] - starts[i] for i in idx]),
+               launch_ms=percentiles([launched[i] - starts[i] for i in idx]),
+               finish_ms=percentiles([ends[i] - launched[i] for i in idx]),
+               gap_ms=percentiles(gaps), num_steps=len(idx))
+    tokens = trace.get("tokens")
+    if tokens:   # a service's trace: its long steps as (ms, launch part ms, tokens emitted, ms since the first step)
+        res["long_steps"] = [(round((ends[i] - starts[i]) * 1e3, 2), round((launched[i] - starts[i]) * 1e3, 2),
+                              int(tokens[i]), round((starts[i] - starts[idx[0]]) * 1e3, 1))
+                             for i in idx if ends[i] - starts[i] > LONG_STEP_S][:40]
+    return res
 
 
 def summarize(timelines: Sequence[Any]) -> dict[str, Any]:
