@@ -48,7 +48,7 @@ class EngineConfig:
     seed: int = 0                   # seeds the generators of requests without their own seed
     enforce_eager: bool = False     # True = no CUDA graphs for decode steps (debugging, profiling)
     quantization: str = "auto"      # "auto" | "keep" | "none"
-    prefill_graph_tokens: int = 512  # largest prefill/mixed step replayed from a CUDA graph; 0 = none
+    prefill_graph_tokens: int = 2048  # largest prefill/mixed step replayed from a CUDA graph; 0 = none
     # Queue decode step N+1 before reading step N's tokens (`LLMEngine`); None: on with a GPU, off on the CPU.
     async_scheduling: bool | None = None
 

@@ -39,16 +39,20 @@ from compute_service.engine.model import LlamaModel
 from kernels.paged_prefill import paged_attention_prefill, prefill_tiles
 
 MIN_BUCKET = 16
+POW2_BUCKETS_UP_TO = 512   # buckets double up to here ...
+LINEAR_BUCKET_STEP = 256   # ... and grow by this much above it, so a large step pads by less than 256 tokens
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """16, 32, 64, ... (powers of two) below `max_tokens`, then `max_tokens` itself; [] if it is 0."""
+    """16, 32, 64, ... 512 (powers of two), then 768, 1024, ... (steps of 256) below `max_tokens`, then
+    `max_tokens` itself; [] if it is 0. Above 512 a power-of-two bucket would pad a step of 513 tokens to
+    1,024; steps of 256 keep the padding under a third of a step there (under an eighth at 2,048)."""
     if max_tokens <= 0:
         return []
     sizes, b = [], MIN_BUCKET
     while b < max_tokens:
         sizes.append(b)
-        b *= 2
+        b = b * 2 if b < POW2_BUCKETS_UP_TO else b + LINEAR_BUCKET_STEP
     return sizes + [max_tokens]
 
 

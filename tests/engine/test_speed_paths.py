@@ -172,6 +172,8 @@ def test_prefill_buckets():
     assert prefill_buckets(100) == [16, 32, 64, 100]
     assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
     assert prefill_buckets(5) == [5]
+    assert prefill_buckets(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert prefill_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
 
 
 @pytest.mark.gpu
