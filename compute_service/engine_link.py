@@ -40,6 +40,7 @@ import grpc
 from compute_service.config import ComputeConfig
 from compute_service.engine.outputs import RequestOutput
 from compute_service.engine.sampling_params import SamplingParams
+from compute_service.engine_spawn import spawn_engine
 from compute_service.request_errors import status_of
 from compute_service.runner import StepConsumer, generate_with
 from loraplex import errors
@@ -248,15 +249,11 @@ class EngineLink:
         asyncio.get_running_loop().add_reader(conn.fileno(), self._readable)
 
     @classmethod
-    async def start(cls, config: ComputeConfig) -> "EngineLink":
-        """Spawns the engine process and waits until its model is loaded (it warms up next)."""
-        from compute_service.engine_process import engine_main
-
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=engine_main, args=(config, theirs), name="loraplex-engine")
-        proc.start()
-        theirs.close()
+    async def start(cls, config: ComputeConfig,
+                    spawned: tuple[multiprocessing.process.BaseProcess, Connection] | None = None) -> "EngineLink":
+        """Spawns the engine process (unless `spawned` already did: `engine_spawn.spawn_engine`) and waits
+        until its model is loaded (it warms up next)."""
+        proc, ours = spawned if spawned is not None else spawn_engine(config)
         log.info("start-up: engine process %d loads the model (--engine-process)", proc.pid)
         msg = await asyncio.to_thread(_first_message, ours, proc)
         if msg[0] != "loaded":

@@ -12,16 +12,15 @@ With `--engine-process on` the engine runs in a child process
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
-from compute_service.build import resolve_device
 from compute_service.config import ComputeConfig
-from compute_service.engine.loader import LoadedModel
-from compute_service.engine_link import EngineLink
-from compute_service.local_engine import LocalEngine
-from compute_service.servicer import ComputeServicer, ServedRuntime
-from loraplex.serving import run_server
-from loraplex.v1 import compute_pb2_grpc
+from compute_service.engine_spawn import cuda_visible, spawn_engine
+
+if TYPE_CHECKING:
+    from compute_service.engine.loader import LoadedModel
 
 COMPUTE_PREFIX = "/loraplex.v1.Compute/"
 
@@ -56,9 +55,19 @@ async def serve(config: ComputeConfig, loaded: LoadedModel | None = None) -> Non
     """Serves loraplex.v1.Compute on `config.listen` until SIGTERM (`loaded`: a model already in memory,
     served in this process). With `--engine-process` (on, or auto with one GPU) the engine runs in a
     child process (`compute_service.engine_process`) and only the gRPC side runs here."""
+    spawned = None
+    if loaded is None and config.uses_engine_process("cuda" if cuda_visible(config.device) else "cpu"):
+        spawned = spawn_engine(config)      # it loads the model while this process imports the rest
+    # Imported here, after the spawn: torch and the engine's modules take seconds to import.
+    from compute_service.engine_link import EngineLink
+    from compute_service.local_engine import LocalEngine
+    from compute_service.servicer import ComputeServicer, ServedRuntime
+    from loraplex.serving import run_server
+    from loraplex.v1 import compute_pb2_grpc
+
     side: LocalEngine | EngineLink
-    if loaded is None and config.uses_engine_process(resolve_device(config.device).type):
-        side = await EngineLink.start(config)
+    if spawned is not None:
+        side = await EngineLink.start(config, spawned)
         rt: ServedRuntime = side.runtime
     else:
         side = await LocalEngine.load(config, loaded)

@@ -122,3 +122,14 @@ def test_remote_runner_routes_deltas_and_fails_everything_when_the_engine_is_los
         with pytest.raises(errors.UnavailableError):
             await runner.drop(3)
     asyncio.run(main())
+
+
+def test_the_device_check_for_the_engine_process_needs_no_torch():
+    import subprocess
+    import sys
+    from compute_service.engine_spawn import cuda_visible
+    assert cuda_visible("cuda") and cuda_visible("cuda:1") and not cuda_visible("cpu")
+    # the gRPC side spawns the engine process before it imports torch (start-up: the two import at once)
+    code = ("import sys, compute_service.server, compute_service.engine_spawn as s; s.cuda_visible('auto'); "
+            "assert 'torch' not in sys.modules, 'compute_service.server imports torch before the spawn'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
