@@ -19,7 +19,6 @@ from serve_load_client import Request, Timeline
 from serve_load_stats import LONG_STEP_S, step_figures, summarize
 
 
-
 def build_engine(model: str, device: str, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  max_lora_rank: int, pool_bytes: int, quantization: str = "auto", async_scheduling: bool | None = None
                  ) -> tuple[Any, float]:

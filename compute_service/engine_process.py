@@ -64,9 +64,8 @@ async def _main(config: ComputeConfig, conn: Connection) -> None:
 class PipeConsumer:
     """Every request of the gRPC side: a drain's deltas and failures leave as one message. The
     unfinished deltas of requests whose gRPC-side consumer is columnar come as columns the engine
-    thread grouped (handles, token counts, tokens); the rest as one tuple per delta."""
-
-    columnar = True
+    thread grouped (handles, token counts, tokens); the rest as one tuple per delta. Which requests are
+    columnar is the gRPC side's word, passed with each start (`PipeServer._apply`), not this class's."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn

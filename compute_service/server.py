@@ -6,9 +6,10 @@ launch and captures the decode graphs; Compute calls in that window get
 UNAVAILABLE. Health turns SERVING once the first request would be as fast as
 the hundredth. Each stage is logged with its time.
 
-With `--engine-process on` the engine runs in a child process
-(`compute_service.engine_process`) and this process keeps only the gRPC side
-(`compute_service.engine_link`): the two no longer share one GIL.
+With `--engine-process` (on, or auto with one GPU: the default) the engine
+runs in a child process (`compute_service.engine_process`), spawned before
+this process imports the engine's modules, and this process keeps only the
+gRPC side (`compute_service.engine_link`): the two no longer share one GIL.
 """
 from __future__ import annotations
 

@@ -37,6 +37,12 @@ from compute_service.engine.sequence import Sequence
 EAGER_PAD = 16      # eager prefill/mixed steps (graphs on) are padded to a multiple of this many tokens
 
 
+def eager_tokens(num_tokens: int) -> int:
+    """The token count an eager prefill/mixed step launches with while graphs are on: padded up to a
+    multiple of `EAGER_PAD` (the count the warm-up plan dry-runs, through `launched_tokens`)."""
+    return -(-num_tokens // EAGER_PAD) * EAGER_PAD
+
+
 @dataclass
 class StepInputs:
     """One step's inputs: flat tokens of all scheduled sequences, and per sequence its adapter,
@@ -128,13 +134,13 @@ class ModelRunner:
         scratch block takes the padding's K/V), else `num_tokens`."""
         if self.graphs is None:
             return num_tokens
-        return self.graphs.prefill.bucket_for(num_tokens) or -(-num_tokens // EAGER_PAD) * EAGER_PAD
+        return self.graphs.prefill.bucket_for(num_tokens) or eager_tokens(num_tokens)
 
     def _padded(self, step: StepInputs) -> StepInputs:
         """`step` with one more sequence of padding tokens up to `launched_tokens` (eager prefill/mixed steps
         with graphs on; see the module's docstring), or `step` itself when no padding is due."""
         n = len(step.input_ids)
-        pad = -(-n // EAGER_PAD) * EAGER_PAD - n
+        pad = eager_tokens(n) - n
         if self.graphs is None or pad == 0:
             return step
         table = [self.graphs.scratch_block] * -(-pad // self.block_size)
