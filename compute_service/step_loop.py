@@ -36,6 +36,7 @@ from compute_service.adapter_cache.staging import Uploaded
 from compute_service.engine.llm_engine import LLMEngine
 from compute_service.engine.outputs import RequestOutput
 from compute_service.engine.sampling_params import SamplingParams
+from compute_service.engine.sequence import Sequence
 from loraplex.errors import UnavailableError
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,9 @@ class StepLoop:
                     raise NeedsFetch(key)
                 self.slots.want(key)
             try:
-                self.engine.add_request(adm.request_id, adm.prompt, adm.params, key)
+                # A columnar route rides on the sequence: its plain deltas skip the `RequestOutput`.
+                route = adm.route if adm.route is not None and adm.route.columnar else None
+                self.engine.add_request(adm.request_id, adm.prompt, adm.params, key, route)
             except BaseException:
                 if key is not None:
                     self.slots.unwant(key)
@@ -215,7 +218,7 @@ class StepLoop:
         t1 = time.monotonic()
         self._hand_off()          # a step that launched nothing did not hand the previous outputs over
         self.num_steps += 1
-        emitted, passed, columns = self._route(outputs)
+        emitted, passed, columns = self._route(outputs, self.engine.routed)
         if self.trace is not None:
             self.trace.extend((t0, self._launched_at or t0, t1, float(emitted)))
             self._launched_at = 0.0
@@ -228,9 +231,10 @@ class StepLoop:
             # sampling (on the CPU, its whole forward pass).
             self._hand_off()
 
-    def _route(self, outputs: list[RequestOutput]
+    def _route(self, outputs: list[RequestOutput], routed: list[Sequence]
                ) -> tuple[int, list[RequestOutput], dict[int, tuple[Any, list[int], list[int], list[int]]]]:
-        """A step's outputs: (tokens emitted, the outputs the event loop routes, the columns of columnar
+        """A step's outputs and its routed sequences (`LLMEngine.routed`: one new token each, unfinished,
+        their route columnar): (tokens emitted, the outputs the event loop routes, the columns of columnar
         consumers). Here, not on the event loop, so the per-sequence Python of a step runs on this
         thread while it waits for nothing, instead of in a second thread that takes the GIL from it
         at every release; the latency metrics are observed here for the same reason. A request's last
@@ -276,13 +280,28 @@ class StepLoop:
             elif n:
                 consumer = route.consumer
                 if consumer is not last_consumer:
-                    got = columns.get(id(consumer))
-                    if got is None:
-                        got = columns[id(consumer)] = (consumer, [], [], [])
-                    col, last_consumer = got, consumer
+                    col, last_consumer = _column(columns, consumer), consumer
                 col[1].append(route.handle)
                 col[2].append(n)
                 col[3].extend(new)
+        # The common case of a decode step: no `RequestOutput` was made for these.
+        emitted += len(routed)
+        for seq in routed:
+            route = seq.route
+            if latency is not None:
+                if prev and route.last_token_at == prev:
+                    steady += 1
+                    route.last_token_at = now
+                else:       # a first token, or the first after a pause: observed on its own
+                    n_prompt = seq.num_prompt_tokens
+                    latency.delivered(route, RequestOutput(seq.request_id, seq.token_ids[-1:], False, None,
+                                                           n_prompt, len(seq.token_ids) - n_prompt), now)
+            consumer = route.consumer
+            if consumer is not last_consumer:
+                col, last_consumer = _column(columns, consumer), consumer
+            col[1].append(route.handle)
+            col[2].append(1)
+            col[3].append(seq.token_ids[-1])
         if latency is not None:
             if steady:
                 latency.steady(now - prev, steady)
@@ -330,3 +349,12 @@ class StepLoop:
     def _drained(self) -> None:
         self._posted = False     # before reading: a batch appended from now on schedules its own drain
         self._on_ready()
+
+
+def _column(columns: dict[int, tuple[Any, list[int], list[int], list[int]]], consumer: Any
+            ) -> tuple[Any, list[int], list[int], list[int]]:
+    """`consumer`'s column of the step (handles, token counts, tokens), made on its first delta."""
+    got = columns.get(id(consumer))
+    if got is None:
+        got = columns[id(consumer)] = (consumer, [], [], [])
+    return got

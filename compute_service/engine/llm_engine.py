@@ -91,6 +91,10 @@ class LLMEngine:
         # Called right before the host blocks reading a step's tokens back (its sampling is queued too):
         # host work done then overlaps only the GPU, not this thread's own sampling and bookkeeping.
         self.on_reading: Callable[[], None] | None = None
+        # The last step's sequences with a `route` that got one token and did not finish: their deltas
+        # are not in the step's outputs (the token is `seq.token_ids[-1]`, already counted as emitted).
+        # A server routes them without an object per sequence per step; a new list every step.
+        self.routed: list[Sequence] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, with_tokenizer: bool = True) -> "LLMEngine":
@@ -111,8 +115,9 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams,
-                    adapter_key: str | None = None) -> None:
-        """Queues a request; raises InvalidRequestError before it touches the batch."""
+                    adapter_key: str | None = None, route: Any = None) -> None:
+        """Queues a request; raises InvalidRequestError before it touches the batch. `route`: the caller's
+        (see `routed`); None: every delta of the request comes as a `RequestOutput`."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise InvalidRequestError("prompt_token_ids is empty: send at least one token")
@@ -133,6 +138,7 @@ class LLMEngine:
         gen = torch.Generator(device=self.runner.model.device)   # where the logits are
         gen.manual_seed(seed)
         seq = Sequence(request_id, prompt, len(prompt), sampling_params, adapter_key, self._arrivals)
+        seq.route = route
         self._arrivals += 1
         self.scheduler.add(seq)
         self._generators[request_id] = gen
@@ -172,6 +178,7 @@ class LLMEngine:
         # an H100 their making was an eighth of the engine thread's Python time).
         outputs = [self._delta(seq, []) for seq in self._aborted]
         self._aborted.clear()
+        self.routed = []
         prev, sched = self._in_flight, None
         if prev is not None:
             sched = None if want_logits else self.scheduler.schedule_decode()
@@ -211,11 +218,17 @@ class LLMEngine:
         tokens = flight.host.read()
         detok = self.tokenizer.decode if self.tokenizer is not None else None
         outputs = []
+        routed = self.routed
         for seq in self.scheduler.land(flight.sampling, tokens):
             reason = check_stop(seq, self.spec.eos_token_ids, self.max_model_len, detok)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self._generators.pop(seq.request_id, None)
+            elif seq.route is not None and \
+                    len(seq.token_ids) - seq.num_prompt_tokens - seq.num_emitted_tokens == 1:
+                seq.num_emitted_tokens += 1
+                routed.append(seq)
+                continue
             outputs.append(self._delta(seq, seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens:]))
         return outputs
 

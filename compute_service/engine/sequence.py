@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from compute_service.engine.sampling_params import SamplingParams
 
@@ -46,6 +47,9 @@ class Sequence:
     # Tokens sampled by a step still on the device (overlapped steps): counted in `num_tokens`, not yet in
     # `token_ids`; the engine appends each once the step lands.
     num_pending: int = 0
+    # Where the caller routes this sequence's tokens (opaque to the engine). With one, a step's plain
+    # one-token deltas are not made into `RequestOutput`s: the sequence goes to `LLMEngine.routed`.
+    route: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -65,7 +65,8 @@ class Reader:
 
 
 def record_engine_deltas(rt):
-    """What the engine emitted per request id, in step order (the step runs on the engine thread)."""
+    """What the engine emitted per request id, in step order (the step runs on the engine thread): the
+    step's outputs and its routed sequences' one new token each."""
     emitted = collections.defaultdict(list)
     real_step = rt.engine.step
 
@@ -73,6 +74,8 @@ def record_engine_deltas(rt):
         outs = real_step()
         for out in outs:
             emitted[out.request_id] += out.new_token_ids
+        for seq in rt.engine.routed:
+            emitted[seq.request_id].append(seq.token_ids[-1])
         emitted[IN_FLIGHT].append(int(rt.engine.in_flight))
         return outs
     rt.engine.step = step

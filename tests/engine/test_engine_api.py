@@ -63,6 +63,30 @@ def test_deltas_add_up_and_length_finish(engine):
     assert not any(d.finished for d in deltas[:-1])
 
 
+def test_routed_requests_skip_the_outputs_but_lose_no_token(engine):
+    """A request added with a route gets its plain one-token deltas as `engine.routed` sequences (no
+    `RequestOutput`), its last delta as an output; a request without one gets every delta as an output.
+    Both see the same tokens as the same request run alone."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    p_routed, p_plain = prompt(7, 2), prompt(5, 3)
+    engine.add_request("routed", p_routed, params, route="its route")
+    engine.add_request("plain", p_plain, params)
+    tokens: dict[str, list[int]] = {"routed": [], "plain": []}
+    routed_steps = outputs_of_routed = 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens[d.request_id] += d.new_token_ids
+            outputs_of_routed += d.request_id == "routed"
+        for seq in engine.routed:
+            assert seq.request_id == "routed" and seq.route == "its route" and not seq.is_finished
+            tokens["routed"].append(seq.token_ids[-1])
+            routed_steps += 1
+    assert routed_steps == 5 and outputs_of_routed == 1            # the last token comes as the output
+    for rid, p in (("routed", p_routed), ("plain", p_plain)):
+        alone = LLMEngine(engine.config, engine.loaded)
+        assert tokens[rid] == alone.generate([p], params)[0]
+
+
 def test_abort_frees_blocks_and_reports_once(engine):
     engine.add_request("a", prompt(20, 2), GREEDY)
     engine.add_request("b", prompt(6, 3), GREEDY)
