@@ -105,9 +105,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < _NO_DEADLINE_S else None
         specs = list(request.loras) or [common_pb2.LoraSpec()]
-        log.info("generate %s: %d prompt tokens, %d entr%s, max_tokens %d%s", request_id, len(prompt_ids),
-                 len(specs), "y" if len(specs) == 1 else "ies", sampling.max_tokens,
-                 "" if timeout is None else f", deadline {timeout:.1f}s")
+        level = logging.INFO if self._config.log_requests else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(level, "generate %s: %d prompt tokens, %d entr%s, max_tokens %d%s", request_id, len(prompt_ids),
+                    len(specs), "y" if len(specs) == 1 else "ies", sampling.max_tokens,
+                    "" if timeout is None else f", deadline {timeout:.1f}s")
 
         def entry(index: int, spec: common_pb2.LoraSpec) -> Entry:
             rid = request_id if len(specs) == 1 else f"{request_id}/{index}"

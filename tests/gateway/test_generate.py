@@ -1,5 +1,6 @@
 """Generate through a real gateway server over a scripted compute server."""
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -37,6 +38,19 @@ def test_base_model_stream_text_tokens_and_usage(tokenizer):
     assert (last.prompt_tokens, last.completion_tokens) == (len(prompt_ids), len(ids) + 1)
     assert list(log.requests[0].input_ids) == prompt_ids
     assert not log.requests[0].HasField("adapter")
+
+
+@pytest.mark.parametrize("log_requests", [False, True])
+def test_the_per_request_line_is_info_only_with_log_requests(tokenizer, caplog, log_requests):
+    caplog.set_level(logging.DEBUG, logger="gateway.servicer")
+
+    async def go():
+        async with gateway_stack(tokenizer, log_requests=log_requests) as st:
+            await st.client.generate("hi", max_tokens=2, request_id="req-77")
+    run(go())
+    lines = [r for r in caplog.records if r.name == "gateway.servicer" and "generate req-77" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO if log_requests else logging.DEBUG]
+    assert "max_tokens 2" in lines[0].getMessage()
 
 
 def test_max_tokens_gives_length_and_default_applies(tokenizer):
