@@ -24,6 +24,10 @@ class CacheConfig:
         "help": "shm: worker processes that convert never-seen PEFT adapters into shared memory, side by side "
                 "and outside the service's GIL (0 = convert in the service's process; -1 = auto: a quarter of "
                 "the CPU cores, at most 4, none below 8 cores)"})
+    convert_local_first: bool = field(default=True, metadata={
+        "help": "with conversion workers: a conversion that finds none running in the service's process runs "
+                "there (no hand-over to a worker for a lone cold adapter); only those arriving meanwhile go to "
+                "the workers (off: every conversion goes to a worker)"})
     lora_root: str = field(default="", metadata={"help": "folder of named adapters (<root>/<name>/ or <root>/<name>.safetensors)"})
     lora_prefetch_dir: str = field(default="", metadata={"help": "folder of <task_id>/model.lora_{config,weights}.npy loaded at start"})
     model: str = field(default="", metadata={"help": "base model (GGUF, HF folder or config.json) adapters are validated against; default SmolLM2"})

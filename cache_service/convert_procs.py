@@ -36,7 +36,7 @@ from loraplex.formats import AdapterError
 from loraplex.formats.errors import AdapterFormatError
 from loraplex.formats.peft_rows import plan_peft
 from loraplex.worker_pool import spawned_pool, start_workers
-from cache_service.uploads import rows_version
+from cache_service.uploads import fill_rows_hashed
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,11 @@ def fill_segment(folder: str, dtype: str, segment: str, offset: int, shape: tupl
         mm = _map_segment(segment, offset + rows.num_bytes)
         try:
             weights = torch.frombuffer(mm, dtype=rows.dtype, count=math.prod(shape), offset=offset).view(*shape)
-            rows.fill(weights, check_finite=True)
-            del weights
             data = memoryview(mm)[offset:offset + rows.num_bytes]
             try:
-                return rows_version(rows.dtype, rows.config, rows.shape, data, rows.in_out)
+                return fill_rows_hashed(rows, weights, data)
             finally:
+                del weights
                 data.release()
         finally:
             mm.close()
@@ -92,12 +91,16 @@ def fill_segment(folder: str, dtype: str, segment: str, offset: int, shape: tupl
 
 
 class ConvertProcesses:
-    """A pool of `processes` spawned workers for `fill_segment`; made again if a worker dies."""
+    """A pool of `processes` spawned workers for `fill_segment`; made again if a worker dies.
+    `local_first`: a conversion that finds none running in the service's process runs there (a lone
+    cold adapter pays no hand-over to a worker, nor the worker's second plan); only the conversions that
+    arrive while one runs go to the workers (`disk_loads`)."""
 
-    def __init__(self, processes: int) -> None:
+    def __init__(self, processes: int, local_first: bool = True) -> None:
         if processes < 1:
             raise ValueError("processes must be >= 1")
         self.processes = processes
+        self.local_first = local_first
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
         self._closed = False

@@ -6,9 +6,10 @@ published) and checked for NaN/Inf row by row as they are written: the file
 is read once, the segment written once, and no full-size intermediate tensor
 exists. The writer's buffer is zero-filled (a fresh segment, a fresh
 bytearray), so the rows' padding needs no writing. With conversion workers
-(`convert_procs`) and a shared-memory buffer, a worker process writes and
-hashes the rows, outside this process's GIL. Other formats are read whole and
-copied in.
+(`convert_procs`) and a shared-memory buffer, a conversion that finds another
+one running in this process goes to a worker process, which writes and hashes
+the rows outside this process's GIL; one that finds none runs here (a lone cold
+adapter pays no hand-over). Other formats are read whole and copied in.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import Callable
 from loraplex.formats import AdapterError, detect_format, load_adapter
 from loraplex.formats.peft_rows import PeftRows, plan_peft
 from cache_service.convert_procs import ConvertProcesses, WorkersLost
-from cache_service.uploads import Upload, UploadClaim, claim_for, map_adapter_error, weight_bytes
+from cache_service.uploads import (Upload, UploadClaim, claim_for, fill_rows_hashed, map_adapter_error,
+                                   weight_bytes)
 
 
 def _claim_for_rows(rows: PeftRows, task_id: int, name: str, source: str) -> UploadClaim:
@@ -36,14 +38,19 @@ def _claim_for_rows(rows: PeftRows, task_id: int, name: str, source: str) -> Upl
 _FILL_ONE_AT_A_TIME = threading.Lock()
 
 
-def _fill(rows: PeftRows, upload: Upload) -> AdapterError | None:
-    """Writes the rows into the upload's buffer; the refusal, if any, holds no frame (and so no view
-    of the buffer), so the segment can be unmapped at once."""
+def _fill(rows: PeftRows, upload: Upload, *, locked: bool = False) -> AdapterError | None:
+    """Writes the rows into the upload's buffer and hashes them as they are written (`fill_rows_hashed`),
+    one fill at a time (`locked`: the caller holds the turn); the refusal, if any, holds no frame (and so
+    no view of the buffer), so the segment can be unmapped at once."""
     try:
-        with _FILL_ONE_AT_A_TIME:
-            rows.fill(upload.weights_view(), check_finite=True)
+        if locked:
+            version = fill_rows_hashed(rows, upload.weights_view(), upload.writer.buffer)
+        else:
+            with _FILL_ONE_AT_A_TIME:
+                version = fill_rows_hashed(rows, upload.weights_view(), upload.writer.buffer)
     except AdapterError as exc:
         return exc.with_traceback(None)
+    upload.mark_filled(values_checked=True, version=version)
     return None
 
 
@@ -60,22 +67,27 @@ def _fill_in_worker(rows: PeftRows, upload: Upload, path: Path, convert: Convert
 def _upload_rows(path: Path, rows: PeftRows, claim: UploadClaim, begin: Callable[[UploadClaim], Upload],
                  convert: ConvertProcesses | None) -> Upload:
     upload = begin(claim)
+    here = False           # this thread holds the fill turn (a conversion that found none running)
     try:
         if convert is not None and upload.writer.shm_location is not None:
-            try:
-                _fill_in_worker(rows, upload, path, convert)
-                return upload
-            except WorkersLost:
-                upload.abort()      # what the worker wrote is not trusted: a fresh segment, converted here
-                upload = begin(claim)
-        refused = _fill(rows, upload)
+            here = convert.local_first and _FILL_ONE_AT_A_TIME.acquire(blocking=False)
+            if not here:
+                try:
+                    _fill_in_worker(rows, upload, path, convert)
+                    return upload
+                except WorkersLost:
+                    upload.abort()      # what the worker wrote is not trusted: a fresh segment, converted here
+                    upload = begin(claim)
+        refused = _fill(rows, upload, locked=here)
     except BaseException:
         upload.abort()
         raise
+    finally:
+        if here:
+            _FILL_ONE_AT_A_TIME.release()
     if refused is not None:
         upload.abort()
         raise refused
-    upload.mark_filled(values_checked=True)
     upload.converted_by = "service"
     return upload
 

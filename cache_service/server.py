@@ -47,7 +47,7 @@ def build_cache(config: CacheConfig) -> HostCache:
     if workers < 0:
         workers = auto_convert_processes(usable_cpus())        # the container's CPU quota included
     if workers and backend.kind == "shm":
-        convert = ConvertProcesses(workers)
+        convert = ConvertProcesses(workers, local_first=config.convert_local_first)
         log.info("converting never-seen PEFT adapters in %d worker processes (--convert-processes)", workers)
     elif workers and config.convert_processes > 0:
         log.info("--convert-processes: the redis backend converts in the service's process (workers need "

@@ -18,7 +18,8 @@ from loraplex.errors import (FailedPreconditionError, InvalidArgumentError, Lora
 from loraplex.formats import (AdapterError, AdapterMetadata, AdapterTooLargeError, BaseModelMismatchError,
                               ModelSpec, STORAGE_DTYPES, validate)
 from loraplex.formats.adapter import Adapter
-from loraplex.formats.hashing import weights_version
+from loraplex.formats.hashing import RowsHasher, weights_version
+from loraplex.formats.peft_rows import PeftRows
 from cache_service.backend import CacheBackend, Writer
 from cache_service.records import AdapterRecord
 
@@ -146,11 +147,29 @@ class Upload:
         self.writer.abort()
 
 
+def _row_used_bytes(dtype: torch.dtype, config: np.ndarray, in_out) -> list[int]:
+    return [int(r) * (fin + fout) * dtype.itemsize for r, (fin, fout) in zip(config[:, 2], in_out)]
+
+
 def rows_version(dtype: torch.dtype, config: np.ndarray, shape: tuple[int, ...], data, in_out) -> str:
     """The version of a converter's rows in zero-filled memory: each row's padding is hashed as zeros,
     never read (its pages are never faulted in); the digest equals `weights_version` over all bytes."""
-    used = [int(r) * (fin + fout) * dtype.itemsize for r, (fin, fout) in zip(config[:, 2], in_out)]
-    return weights_version(dtype, config, shape, data, row_used_bytes=used)
+    return weights_version(dtype, config, shape, data, row_used_bytes=_row_used_bytes(dtype, config, in_out))
+
+
+def fill_rows_hashed(rows: PeftRows, weights: torch.Tensor, data) -> str:
+    """Writes `rows` into `weights` (zero-filled; a view of `data`), refusing NaN/Inf (AdapterError), and
+    returns their `rows_version`: each chunk of `data` is hashed as soon as the rows it holds are written,
+    so the hash runs beside the fill instead of after it. 2-core machine, never-seen rank-64 SmolLM2
+    adapters through `bench/cold_adapter.py`: resolve median 79 / 79 ms before, 66 / 75 ms after."""
+    hasher = RowsHasher(rows.dtype, rows.config, rows.shape, data,
+                        _row_used_bytes(rows.dtype, rows.config, rows.in_out))
+    try:
+        rows.fill(weights, check_finite=True, on_row=hasher.row_written)
+    except BaseException:
+        hasher.close()
+        raise
+    return hasher.version()
 
 
 def claim_for(adapter: Adapter, task_id: int, *, name: str = "") -> UploadClaim:

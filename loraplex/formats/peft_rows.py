@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,9 +74,11 @@ class PeftRows:
     def num_bytes(self) -> int:
         return self.shape[0] * self.width * self.dtype.itemsize
 
-    def fill(self, out: torch.Tensor, *, check_finite: bool = False, workers: int | None = None) -> None:
+    def fill(self, out: torch.Tensor, *, check_finite: bool = False, workers: int | None = None,
+             on_row: Callable[[int], None] | None = None) -> None:
         """Writes every row into `out` [N, W] (zero-filled); `check_finite` refuses NaN/Inf, naming the row.
-        `workers` None: `fill_workers` of the rows' bytes."""
+        `workers` None: `fill_workers` of the rows' bytes. `on_row(i)`: called on the writing thread once
+        row i is written (a `RowsHasher` hashes the rows as they are done)."""
         if tuple(out.shape) != self.shape or out.dtype != self.dtype:
             raise ValueError(f"out must be {self.dtype} {list(self.shape)}, got {out.dtype} {list(out.shape)}")
         if workers is None:
@@ -85,7 +88,13 @@ class PeftRows:
         spans = [range(i, min(n, i + step)) for i in range(0, n, step)]
 
         def run(rows: range) -> list[int]:
-            return [i for i in rows if not _write_row(out[i], self._sources[i], check_finite)]
+            bad = []
+            for i in rows:
+                if not _write_row(out[i], self._sources[i], check_finite):
+                    bad.append(i)
+                if on_row is not None:
+                    on_row(i)
+            return bad
 
         if len(spans) > 1:
             with ThreadPoolExecutor(len(spans), thread_name_prefix="peft-rows") as pool:

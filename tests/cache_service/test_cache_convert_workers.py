@@ -43,7 +43,7 @@ def test_build_cache_gives_shm_its_workers(tiny_model, tmp_path):
 
     cache = build_cache(CacheConfig(model=str(tiny_model[0]), convert_processes=2, lora_root=str(tmp_path)))
     try:
-        assert cache.convert is not None and cache.convert.processes == 2
+        assert cache.convert is not None and cache.convert.processes == 2 and cache.convert.local_first
     finally:
         cache.close()
     cache = build_cache(CacheConfig(model=str(tiny_model[0]), convert_processes=0))
@@ -61,6 +61,7 @@ def test_service_converts_named_adapters_in_its_workers(tiny_model, tmp_path):
     port = free_port()
     cache = start_service("cache", ["cache", "--listen", "127.0.0.1:0", "--model", str(tiny_model[0]),
                                     "--lora-root", str(root), "--convert-processes", "2",
+                                    "--no-convert-local-first",
                                     "--metrics-port", str(port)], timeout_s=120)
     try:
         async def resolve_all():

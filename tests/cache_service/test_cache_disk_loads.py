@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import threading
+import types
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -35,7 +37,7 @@ def write_adapter(folder, seed, dtype=torch.bfloat16, rank=8):
 
 @pytest.fixture(scope="module")
 def workers():
-    convert = ConvertProcesses(1)
+    convert = ConvertProcesses(1, local_first=False)
     convert.start()
     yield convert
     convert.close()
@@ -123,14 +125,26 @@ def test_row_fills_of_different_adapters_run_one_at_a_time():
     spans: list[tuple[float, float]] = []
 
     class Rows:
-        def fill(self, out, *, check_finite):
+        config = np.asarray([[1, 0, 1]], dtype=np.int32)     # one row of rank 1, 1 x 1: 4 bytes of fp16
+        in_out = ((1, 1),)
+        dtype = torch.float16
+        shape = (1, 2)
+
+        def fill(self, out, *, check_finite, on_row):
             start = _time.perf_counter()
             _time.sleep(0.03)
+            on_row(0)
             spans.append((start, _time.perf_counter()))
 
     class Upload:
+        writer = types.SimpleNamespace(buffer=bytearray(4))
+        versions: list[str] = []
+
         def weights_view(self):
             return None
+
+        def mark_filled(self, values_checked, version):
+            self.versions.append(version)
 
     threads = [threading.Thread(target=disk_loads._fill, args=(Rows(), Upload())) for _ in range(3)]
     for t in threads:
@@ -140,6 +154,16 @@ def test_row_fills_of_different_adapters_run_one_at_a_time():
     spans.sort()
     assert len(spans) == 3
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert len(Upload.versions) == 3 and len(set(Upload.versions)) == 1      # hashed as the rows were written
+
+
+def _cache_with_a_worker(tmp_path, tiny_model, local_first: bool):
+    """(its one conversion worker, started; the shm backend; the cache over both)."""
+    convert = ConvertProcesses(1, local_first=local_first)
+    convert.start()
+    backend = ShmBackend(64 << 20)
+    return convert, backend, HostCache(backend, tiny_model[1], max_lora_rank=64, lora_root=str(tmp_path),
+                                       convert=convert)
 
 
 def test_conversion_workers_convert_and_a_dead_worker_fails_no_load(tmp_path, tiny_model):
@@ -148,10 +172,7 @@ def test_conversion_workers_convert_and_a_dead_worker_fails_no_load(tmp_path, ti
     import os
     import signal
 
-    convert = ConvertProcesses(1)
-    convert.start()
-    backend = ShmBackend(64 << 20)
-    cache = HostCache(backend, tiny_model[1], max_lora_rank=64, lora_root=str(tmp_path), convert=convert)
+    convert, backend, cache = _cache_with_a_worker(tmp_path, tiny_model, local_first=False)
     try:
         write_adapter(tmp_path / "first", seed=5)
         write_adapter(tmp_path / "second", seed=6)
@@ -166,6 +187,27 @@ def test_conversion_workers_convert_and_a_dead_worker_fails_no_load(tmp_path, ti
         write_adapter(tmp_path / "third", seed=7)
         cache.resolve_name("third")                      # a new pool of workers
         assert conversions(cache, "worker") == 2
+    finally:
+        convert.close()
+        backend.close()
+
+
+def test_a_lone_conversion_runs_in_the_service_and_one_beside_it_in_a_worker(tmp_path, tiny_model):
+    """With workers and `local_first` (the default), a conversion that finds none running in the service's
+    process converts there; one that arrives while another holds the fill goes to a worker. Same versions
+    either way."""
+    from cache_service import disk_loads
+
+    convert, backend, cache = _cache_with_a_worker(tmp_path, tiny_model, local_first=True)
+    try:
+        write_adapter(tmp_path / "alone", seed=8)
+        write_adapter(tmp_path / "beside", seed=9)
+        assert cache.resolve_name("alone")[1] == validate(read_peft(tmp_path / "alone"), tiny_model[1], 64).content_hash
+        assert conversions(cache, "service") == 1 and conversions(cache, "worker") == 0
+        with disk_loads._FILL_ONE_AT_A_TIME:          # another conversion is filling in the service
+            version = cache.resolve_name("beside")[1]
+        assert version == validate(read_peft(tmp_path / "beside"), tiny_model[1], 64).content_hash
+        assert conversions(cache, "service") == 1 and conversions(cache, "worker") == 1
     finally:
         convert.close()
         backend.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from loraplex.formats import NonFiniteError, read_peft
-from loraplex.formats.hashing import CHUNK_BYTES, weights_version
+from loraplex.formats.hashing import CHUNK_BYTES, RowsHasher, weights_version
 from loraplex.formats.mapped import mapped_tensors
 from loraplex.formats import peft_rows
 from loraplex.formats.peft_rows import fill_workers, plan_peft
@@ -96,15 +97,50 @@ def test_version_does_not_depend_on_threads_and_sees_every_byte():
     assert weights_version(torch.float16, config, (1, data.size // 2), data) != v1
 
 
-def test_padding_hashed_as_zeros_gives_the_same_version():
-    gen = np.random.default_rng(1)
-    rows, row_bytes = 9, 3 * CHUNK_BYTES // 4 + 6
+def _padded_rows(seed: int, rows: int, row_bytes: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(used bytes per row, rows of random bytes then zero padding [rows, row_bytes], a config for them)."""
+    gen = np.random.default_rng(seed)
     used = gen.integers(1, row_bytes, rows).tolist()
     data = np.zeros((rows, row_bytes), dtype=np.uint8)
     for r, u in enumerate(used):
         data[r, :u] = gen.integers(0, 255, u, dtype=np.uint8)
-    config = np.array([[1, r, 4] for r in range(rows)], dtype=np.int32)
+    return used, data, np.array([[1, r, 4] for r in range(rows)], dtype=np.int32)
+
+
+def test_padding_hashed_as_zeros_gives_the_same_version():
+    rows, row_bytes = 9, 3 * CHUNK_BYTES // 4 + 6
+    used, data, config = _padded_rows(1, rows, row_bytes)
     full = weights_version(torch.float16, config, (rows, row_bytes // 2), data)
     assert weights_version(torch.float16, config, (rows, row_bytes // 2), data, row_used_bytes=used) == full
     assert weights_version(torch.float16, config, (rows, row_bytes // 2), data, row_used_bytes=used,
                            workers=1) == full
+
+
+@pytest.mark.parametrize("rows, row_bytes", [(9, 3 * CHUNK_BYTES // 4 + 6), (5, 2 * CHUNK_BYTES + 10), (40, 4096)])
+def test_rows_hashed_as_they_are_written_give_the_same_version(rows, row_bytes):
+    """Rows written in any order from several threads, chunks spanning rows and rows spanning chunks:
+    the version is `weights_version`'s, and it is ready only once every row was written."""
+    used, source, config = _padded_rows(2, rows, row_bytes)
+    want = weights_version(torch.float16, config, (rows, row_bytes // 2), source)
+    data = np.zeros_like(source)
+    hasher = RowsHasher(torch.float16, config, (rows, row_bytes // 2), data, used)
+    order = np.random.default_rng(3).permutation(rows).tolist()
+
+    def write(part: list[int]) -> None:
+        for r in part:
+            data[r] = source[r]
+            hasher.row_written(r)
+
+    threads = [threading.Thread(target=write, args=(order[i::3],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert hasher.version() == want
+
+    unfinished = RowsHasher(torch.float16, config, (rows, row_bytes // 2), np.zeros_like(source), used)
+    for r in range(rows - 1):
+        unfinished.row_written(r)
+    with pytest.raises(ValueError, match="not every row"):
+        unfinished.version()
+
