@@ -91,3 +91,20 @@ def test_step_profile_smoke_and_timeline(tmp_path):
     assert tl["gaps"][0] == dict(after="d", before="c", us_per_step=15.0, per_step=0.5)
     assert tl["gaps"][1] == dict(after="b", before="c", us_per_step=5.0, per_step=0.5)
     assert len(tl["gaps"]) == 2                                 # the 1 us gap before d is below the 3 us cut
+
+
+def _results(script: str, args: list[str], out: Path) -> dict:
+    """Runs a benchmark script with `--out out` and returns what it wrote (its stderr when it failed)."""
+    proc = _run([script, *args, "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_serve_cpu_share_smoke_names_the_services_and_their_cpu(tmp_path):
+    res = _results("bench/serve_cpu_share.py", ["--smoke", "--streams", "8", "--tokens", "4", "--seconds", "4",
+                                                 "--window", "2"], tmp_path / "share.json")
+    roles = {name.split(" (")[0] for name in res["cpu_share"]}
+    assert {"gateway-1", "compute", "cache"} <= roles, roles
+    assert res["bursts"] >= 1 and res["ttft_ms"]["p50"] > 0
+    busy = [share for name, share in res["cpu_share"].items() if name.startswith(("gateway", "compute"))]
+    assert all(share > 0 for share in busy), res["cpu_share"]      # they served the bursts
