@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--window", type=float, default=8.0, help="seconds of CPU time measured, mid-run")
     ap.add_argument("--prompt-len", type=int, default=34)
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--client-connections", type=int, default=1, help="TCP connections per client process")
     ap.add_argument("--serve-flags", default="", help="more `loraplex serve` flags")
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU: checks the script")
     ap.add_argument("--out", type=Path)
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     from loraplex.client import Client
     with Client(svc.address, timeout=600) as client:
         vocab = client.model_info().vocab_size
-    pool = ClientPool(svc.address, args.client_procs)
+    pool = ClientPool(svc.address, args.client_procs, args.client_connections)
     sampling = dict(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     prompts = make_prompts(args.streams, args.prompt_len, vocab)
     reqs = [Request(i, p, None, 0.0) for i, p in enumerate(prompts)]
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         ttfts.sort()
         spreads.sort()
         result = dict(streams=args.streams, tokens=args.tokens, bursts=bursts, window_s=args.window,
+                      client_procs=args.client_procs, client_connections=args.client_connections,
                       cpu_share=dict(sorted(window.items())),
                       ttft_ms=dict(p50=1e3 * ttfts[len(ttfts) // 2], p90=1e3 * ttfts[int(len(ttfts) * 0.9)]),
                       first_token_spread_ms_p50=1e3 * spreads[len(spreads) // 2])

@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=34)
     ap.add_argument("--output-len", type=int, help="output tokens per request (default 100; cpu 32; smoke 8)")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes")
+    ap.add_argument("--client-connections", type=int, default=1,
+                    help="TCP connections of each load-generator process (AsyncClient(connections=N))")
     ap.add_argument("--max-model-len", type=int, default=512, help="served and engine alike")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="served and engine alike")
     ap.add_argument("--host-cache-bytes", type=int, help="host adapter cache budget (default 8 GiB; cpu 2 GiB)")
@@ -170,7 +172,7 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
                                  hidden_size=info.hidden_size, dtype=info.dtype, device=info.device)
         prompts = make_prompts(max(args.concurrency) * max(1, args.poisson_factor), args.prompt_len,
                                info.vocab_size)
-        pool = ClientPool(svc.address, args.client_procs)
+        pool = ClientPool(svc.address, args.client_procs, args.client_connections)
         sampling = dict(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         # The very first request after health, before any warm-up: is it as fast as the later C=1 base case?
         res["first_request"] = summarize(pool.run(case_requests("base", prompts, adapters, [0.0]), 1, sampling))

@@ -67,13 +67,13 @@ async def _run(client: Any, job: dict) -> list[Timeline]:
                                        for r in job["requests"]]))
 
 
-def _worker(conn: Any, address: str) -> None:
+def _worker(conn: Any, address: str, connections: int = 1) -> None:
     from loraplex.client import AsyncClient
 
     loop = asyncio.new_event_loop()
 
     async def open_client() -> AsyncClient:
-        return AsyncClient(address)
+        return AsyncClient(address, connections=connections)
 
     client = loop.run_until_complete(open_client())
     conn.send("ready")
@@ -86,12 +86,12 @@ def _worker(conn: Any, address: str) -> None:
 class ClientPool:
     """`num_procs` load-generator processes talking to the gateway at `address`."""
 
-    def __init__(self, address: str, num_procs: int) -> None:
+    def __init__(self, address: str, num_procs: int, connections: int = 1) -> None:
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         for _ in range(num_procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, address), daemon=True)
+            proc = ctx.Process(target=_worker, args=(child, address, connections), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)

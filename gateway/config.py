@@ -64,9 +64,9 @@ class GatewayConfig:
         "help": "Python thread switch interval while serving, in microseconds (0 = Python's 5000): the link to "
                 "compute hands every message between threads, each hand-off waiting up to this long for the GIL"})
     log_requests: bool = field(default=False, metadata={
-        "help": "log one line per generate request at INFO (its id, prompt tokens, entries, max_tokens); off, "
-                "the line is DEBUG: under a burst of short requests the per-request line cost the gateway's one "
-                "core about 7% of its time"})
+        "help": "log one line per generate request (gRPC) and per completion (HTTP) at INFO: its id, prompt "
+                "tokens, entries; off, the line is DEBUG: under bursts of short requests it took 2-8% of a "
+                "gateway process's time"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
                                                               "request ids"})

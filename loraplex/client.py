@@ -14,6 +14,7 @@ takes `api_key=`; one with TLS `tls=True` (system roots) or `tls_ca=` (and `tls_
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence, cast
 
@@ -72,6 +73,31 @@ def _load_request(task_id: int | None, name: str, path: str, local_path: str | P
     return req
 
 
+class _Connections:
+    """`connections` channels to one address, each on its own TCP connection; calls take them in turn.
+
+    A gateway run as several processes (`serve --gateway-workers N`) shares its port, and the kernel
+    hands each new connection to one of them; one connection puts all of a client's calls on one
+    gateway process. With several, they spread over the processes as the kernel spreads connections."""
+
+    def __init__(self, aio: bool, address: str, creds: grpc.ChannelCredentials | None, max_message_bytes: int,
+                 connections: int) -> None:
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
+        options = channel_options(max_message_bytes)
+        if connections > 1:        # channels with the same options would otherwise share one connection
+            options += (("grpc.use_local_subchannel_pool", 1),)
+        mod = grpc.aio if aio else grpc
+        self.channels = [mod.secure_channel(address, creds, options=options) if creds
+                         else mod.insecure_channel(address, options=options) for _ in range(connections)]
+        self._stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
+        self._turn = itertools.cycle(self._stubs)
+
+    def stub(self) -> gateway_pb2_grpc.GatewayStub:
+        """The next connection's stub (round robin)."""
+        return next(self._turn)
+
+
 def _unload_request(task_id: int | None, name: str) -> gateway_pb2.UnloadLoraRequest:
     req = gateway_pb2.UnloadLoraRequest(name=name)
     if task_id is not None:
@@ -80,19 +106,18 @@ def _unload_request(task_id: int | None, name: str) -> gateway_pb2.UnloadLoraReq
 
 
 class Client:
-    """Blocking client of loraplex.v1.Gateway. `timeout` (seconds) applies to every call."""
+    """Blocking client of loraplex.v1.Gateway. `timeout` (seconds) applies to every call; `connections`:
+    TCP connections its calls take in turn (more than one spreads them over a gateway's processes)."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
-                 tls_key: str | Path | None = None) -> None:
+                 tls_key: str | Path | None = None, connections: int = 1) -> None:
         self.address = address
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
-        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
-        self._channel = (grpc.secure_channel(address, creds, options=channel_options(max_message_bytes)) if creds
-                         else grpc.insecure_channel(address, options=channel_options(max_message_bytes)))
-        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._conns = _Connections(False, address, _credentials(tls, tls_ca, tls_cert, tls_key), max_message_bytes,
+                                   connections)
 
     def __enter__(self) -> "Client":
         return self
@@ -101,14 +126,15 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._conns.channels:
+            channel.close()
 
     def stream(self, prompt: str | Sequence[int], lora: LoraLike | Sequence[LoraLike] = None,
                **sampling: Any) -> Iterator[Chunk]:
         """Streams chunks; with a list of loras, chunks of every entry interleave (see `Chunk.index`).
         Closing the iterator early cancels the request on the server."""
         request = build_generate_request(prompt, _loras(lora), **sampling)
-        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        call = self._conns.stub().Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             for msg in call:
                 yield Chunk.from_proto(msg)
@@ -132,16 +158,16 @@ class Client:
         """Loads an adapter from a server-side `path`, a `local_path` read here and sent inline,
         or inline `weights` + `config`; returns what was stored."""
         req = _load_request(task_id, name, path, local_path, weights, config, replace, dtype)
-        return self._call(self._stub.LoadLora, req).adapter
+        return self._call(self._conns.stub().LoadLora, req).adapter
 
     def unload_lora(self, *, task_id: int | None = None, name: str = "") -> bool:
-        return self._call(self._stub.UnloadLora, _unload_request(task_id, name)).unloaded
+        return self._call(self._conns.stub().UnloadLora, _unload_request(task_id, name)).unloaded
 
     def list_loras(self) -> gateway_pb2.ListLorasResponse:
-        return self._call(self._stub.ListLoras, gateway_pb2.ListLorasRequest())
+        return self._call(self._conns.stub().ListLoras, gateway_pb2.ListLorasRequest())
 
     def model_info(self) -> common_pb2.ModelInfo:
-        return self._call(self._stub.GetModelInfo, gateway_pb2.GetModelInfoRequest()).model
+        return self._call(self._conns.stub().GetModelInfo, gateway_pb2.GetModelInfoRequest()).model
 
     def _call(self, method: Any, request: Any) -> Any:
         try:
@@ -151,19 +177,17 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client of loraplex.v1.Gateway; the same methods as `Client`, awaited."""
+    """asyncio client of loraplex.v1.Gateway; the same methods (and `connections`) as `Client`, awaited."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, api_key: str | None = None,
                  tls: bool = False, tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
-                 tls_key: str | Path | None = None) -> None:
+                 tls_key: str | Path | None = None, connections: int = 1) -> None:
         self.address = address
         self.timeout = timeout
         self._metadata = _auth_metadata(api_key)
-        creds = _credentials(tls, tls_ca, tls_cert, tls_key)
-        self._channel = (grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes)) if creds
-                         else grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes)))
-        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._conns = _Connections(True, address, _credentials(tls, tls_ca, tls_cert, tls_key), max_message_bytes,
+                                   connections)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -172,12 +196,13 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._conns.channels:
+            await channel.close()
 
     async def stream(self, prompt: str | Sequence[int], lora: LoraLike | Sequence[LoraLike] = None,
                      **sampling: Any) -> AsyncIterator[Chunk]:
         request = build_generate_request(prompt, _loras(lora), **sampling)
-        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        call = self._conns.stub().Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             async for msg in call:
                 yield Chunk.from_proto(msg)
@@ -197,16 +222,16 @@ class AsyncClient:
                         local_path: str | Path | None = None, weights: Any = None, config: Any = None,
                         replace: bool = False, dtype: str | None = None) -> common_pb2.AdapterInfo:
         req = _load_request(task_id, name, path, local_path, weights, config, replace, dtype)
-        return (await self._call(self._stub.LoadLora, req)).adapter
+        return (await self._call(self._conns.stub().LoadLora, req)).adapter
 
     async def unload_lora(self, *, task_id: int | None = None, name: str = "") -> bool:
-        return (await self._call(self._stub.UnloadLora, _unload_request(task_id, name))).unloaded
+        return (await self._call(self._conns.stub().UnloadLora, _unload_request(task_id, name))).unloaded
 
     async def list_loras(self) -> gateway_pb2.ListLorasResponse:
-        return await self._call(self._stub.ListLoras, gateway_pb2.ListLorasRequest())
+        return await self._call(self._conns.stub().ListLoras, gateway_pb2.ListLorasRequest())
 
     async def model_info(self) -> common_pb2.ModelInfo:
-        return (await self._call(self._stub.GetModelInfo, gateway_pb2.GetModelInfoRequest())).model
+        return (await self._call(self._conns.stub().GetModelInfo, gateway_pb2.GetModelInfoRequest())).model
 
     async def _call(self, method: Any, request: Any) -> Any:
         try:

@@ -165,8 +165,10 @@ class OpenAIRoutes:
             check_prompt_length(len(ids), info.max_model_len)
         request_id = take_request_id(request.headers.get(REQUEST_ID_KEY, ""))
         entries = self._entries(plan, prompts, info.max_model_len, request_id)
-        log.info("http %s %s: %d prompt(s), %d choice(s)%s", "chat" if chat else "completion", request_id,
-                 len(prompts), len(entries), ", streaming" if plan.stream else "")
+        level = logging.INFO if self._servicer.config.log_requests else logging.DEBUG     # as gRPC's line
+        if log.isEnabledFor(level):
+            log.log(level, "http %s %s: %d prompt(s), %d choice(s)%s", "chat" if chat else "completion",
+                    request_id, len(prompts), len(entries), ", streaming" if plan.stream else "")
         book = ChoiceBook(chat=chat, request_id=request_id, model=plan.model,
                           choice_prompts=[e.job.index // (len(plan.models) * plan.n) for e in entries],
                           choice_models=[plan.models[(e.job.index // plan.n) % len(plan.models)] for e in entries]

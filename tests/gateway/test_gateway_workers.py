@@ -86,7 +86,7 @@ def stack(tmp_path_factory, tokenizer):
     model = make_tiny_model(tmp / "tiny", tokenizer)
     root = tmp / "root"
     write_adapters(model, root, {"alpha": 4})
-    s = start_http_stack(model, root, "--gateway-workers", "2")
+    s = start_http_stack(model, root, "--gateway-workers", "2", "--gateway-flags=--log-requests")
     yield s
     s.stop()
 
