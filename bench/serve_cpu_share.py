@@ -153,9 +153,14 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         pool.close()
         svc.stop(20)
+    return report(result, args.out)
+
+
+def report(result: dict, out: Path | None) -> dict:
+    """Prints `result` as JSON and writes it to `out` when given."""
     print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if out:
+        out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 

@@ -108,3 +108,9 @@ def test_serve_cpu_share_smoke_names_the_services_and_their_cpu(tmp_path):
     assert res["bursts"] >= 1 and res["ttft_ms"]["p50"] > 0
     busy = [share for name, share in res["cpu_share"].items() if name.startswith(("gateway", "compute"))]
     assert all(share > 0 for share in busy), res["cpu_share"]      # they served the bursts
+
+
+def test_gateway_tokens_smoke_prices_a_token_in_gateway_cpu(tmp_path):
+    res = _results("bench/gateway_tokens.py", ["--smoke"], tmp_path / "gw.json")
+    assert res["rounds"] >= 1 and res["tokens_per_s"] > 0
+    assert res["cpu_share"]["gateway"] > 0 and res["gateway_cpu_us_per_token"] > 0
