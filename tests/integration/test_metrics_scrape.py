@@ -79,7 +79,7 @@ def stack(tmp_path_factory):
                     "--log-format", "json", "--log-level", "DEBUG"],
         "gateway": ["gateway", "--listen", "127.0.0.1:0", "--cache-address", cache_at, "--compute-addresses",
                     compute_at, "--http-listen", "127.0.0.1:0", "--metrics-port", str(ports["gateway"]),
-                    "--log-format", "json"]}
+                    "--log-format", "json", "--log-requests"]}
     services = {name: spawn_service(name, args) for name, args in argv.items()}
     try:
         deadline = time.monotonic() + 300

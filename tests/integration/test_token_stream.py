@@ -53,6 +53,8 @@ def runtime(model_dir: Path, step_s: float = STEP_S):
         outs = real_step()
         for out in outs:
             rt.emitted.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for seq in rt.engine.routed:            # one new token each, not made into outputs
+            rt.emitted.setdefault(seq.request_id, []).append(seq.token_ids[-1])
         return outs
     rt.engine.step = step
     rt.emitted = {}     # request id -> every token the engine emitted for it, in step order
