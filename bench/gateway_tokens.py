@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import multiprocessing as mp
 import os
 import subprocess
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from serve_cpu_share import cpu_seconds, report  # noqa: E402
 from serve_load_client import ClientPool, Request  # noqa: E402
 from serve_load_proc import free_port  # noqa: E402
+from serve_load import git_commit  # noqa: E402
 
 
 def _fake_compute(port: int, step_s: float, vocab: int, eos: int, ready) -> None:
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--gateway-flags", default="", help="more `loraplex gateway` flags")
     ap.add_argument("--smoke", action="store_true", help="a few seconds, 8 streams: checks the script")
+    ap.add_argument("--commit", default="", help="commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -161,7 +164,10 @@ def main(argv: list[str] | None = None) -> dict:
         compute.terminate()
         compute.join(10)
     tok_s = tokens / wall
-    result = dict(streams=args.streams, tokens=args.tokens, step_ms=args.step_ms, rounds=rounds,
+    result = dict(bench="gateway_tokens", commit=args.commit or git_commit(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  device=f"cpu ({os.cpu_count()} cores)", client_procs=args.client_procs,
+                  streams=args.streams, tokens=args.tokens, step_ms=args.step_ms, rounds=rounds,
                   tokens_per_s=round(tok_s), cpu_share=share,
                   gateway_cpu_us_per_token=round(1e6 * share["gateway"] / tok_s, 1) if tok_s else None,
                   engine_limit_tokens_per_s=round(args.streams / (args.step_ms / 1e3)))
