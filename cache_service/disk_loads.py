@@ -13,6 +13,7 @@ adapter pays no hand-over). Other formats are read whole and copied in.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 from typing import Callable
@@ -43,11 +44,8 @@ def _fill(rows: PeftRows, upload: Upload, *, locked: bool = False) -> AdapterErr
     one fill at a time (`locked`: the caller holds the turn); the refusal, if any, holds no frame (and so
     no view of the buffer), so the segment can be unmapped at once."""
     try:
-        if locked:
+        with contextlib.nullcontext() if locked else _FILL_ONE_AT_A_TIME:
             version = fill_rows_hashed(rows, upload.weights_view(), upload.writer.buffer)
-        else:
-            with _FILL_ONE_AT_A_TIME:
-                version = fill_rows_hashed(rows, upload.weights_view(), upload.writer.buffer)
     except AdapterError as exc:
         return exc.with_traceback(None)
     upload.mark_filled(values_checked=True, version=version)

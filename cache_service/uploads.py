@@ -93,9 +93,10 @@ class Upload:
         return torch.frombuffer(self.writer.buffer, dtype=self.dtype,
                                 count=math.prod(self.claim.shape)).view(*self.claim.shape)
 
-    def mark_filled(self, values_checked: bool, version: str = "") -> None:
+    def mark_filled(self, values_checked: bool, version: str) -> None:
         """Every byte was written through `weights_view` or into the writer's shared memory (and, if
-        `values_checked`, found finite; `version`: their `rows_version`, computed by the writer)."""
+        `values_checked`, found finite; `version`: their version, hashed by the writer as it wrote them,
+        `fill_rows_hashed`)."""
         self.received = self.claim.num_bytes
         self.values_checked = values_checked
         self.filled_version = version
@@ -124,12 +125,7 @@ class Upload:
             raise map_adapter_error(exc, f"task id {c.task_id}") from exc
         in_out = checked.in_out
         del checked, weights
-        if self.filled_version:
-            version = self.filled_version
-        elif self.values_checked:
-            version = rows_version(self.dtype, c.config, c.shape, buffer, in_out)
-        else:
-            version = weights_version(self.dtype, c.config, c.shape, buffer)
+        version = self.filled_version or weights_version(self.dtype, c.config, c.shape, buffer)
         try:
             buffer.release()
         except BufferError:
@@ -147,23 +143,15 @@ class Upload:
         self.writer.abort()
 
 
-def _row_used_bytes(dtype: torch.dtype, config: np.ndarray, in_out) -> list[int]:
-    return [int(r) * (fin + fout) * dtype.itemsize for r, (fin, fout) in zip(config[:, 2], in_out)]
-
-
-def rows_version(dtype: torch.dtype, config: np.ndarray, shape: tuple[int, ...], data, in_out) -> str:
-    """The version of a converter's rows in zero-filled memory: each row's padding is hashed as zeros,
-    never read (its pages are never faulted in); the digest equals `weights_version` over all bytes."""
-    return weights_version(dtype, config, shape, data, row_used_bytes=_row_used_bytes(dtype, config, in_out))
-
-
 def fill_rows_hashed(rows: PeftRows, weights: torch.Tensor, data) -> str:
     """Writes `rows` into `weights` (zero-filled; a view of `data`), refusing NaN/Inf (AdapterError), and
-    returns their `rows_version`: each chunk of `data` is hashed as soon as the rows it holds are written,
-    so the hash runs beside the fill instead of after it. 2-core machine, never-seen rank-64 SmolLM2
-    adapters through `bench/cold_adapter.py`: resolve median 79 / 79 ms before, 66 / 75 ms after."""
-    hasher = RowsHasher(rows.dtype, rows.config, rows.shape, data,
-                        _row_used_bytes(rows.dtype, rows.config, rows.in_out))
+    returns their version, the digest `weights_version` gives the finished bytes: each chunk of `data` is
+    hashed as soon as the rows it holds are written, so the hash runs beside the fill instead of after it,
+    and each row's padding is hashed as zeros, never read (its pages are never faulted in). 2-core machine,
+    never-seen rank-64 SmolLM2 adapters through `bench/cold_adapter.py`: resolve median 79 / 79 ms before,
+    66 / 75 ms after."""
+    used = [int(r) * (fin + fout) * rows.dtype.itemsize for r, (fin, fout) in zip(rows.config[:, 2], rows.in_out)]
+    hasher = RowsHasher(rows.dtype, rows.config, rows.shape, data, used)
     try:
         rows.fill(weights, check_finite=True, on_row=hasher.row_written)
     except BaseException:

@@ -1,6 +1,7 @@
 """Gateway settings (flags and LORAPLEX_* environment variables)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from loraplex.settings import SettingsError
@@ -70,6 +71,11 @@ class GatewayConfig:
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     log_format: str = field(default="text", metadata={"help": "text, or json: one JSON object per line, with "
                                                               "request ids"})
+
+    @property
+    def request_log_level(self) -> int:
+        """The level of the one line logged per request (gRPC generate, HTTP completion): `log_requests`."""
+        return logging.INFO if self.log_requests else logging.DEBUG
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):

@@ -105,7 +105,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < _NO_DEADLINE_S else None
         specs = list(request.loras) or [common_pb2.LoraSpec()]
-        level = logging.INFO if self._config.log_requests else logging.DEBUG
+        level = self._config.request_log_level
         if log.isEnabledFor(level):
             log.log(level, "generate %s: %d prompt tokens, %d entr%s, max_tokens %d%s", request_id, len(prompt_ids),
                     len(specs), "y" if len(specs) == 1 else "ies", sampling.max_tokens,

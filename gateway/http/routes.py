@@ -165,7 +165,7 @@ class OpenAIRoutes:
             check_prompt_length(len(ids), info.max_model_len)
         request_id = take_request_id(request.headers.get(REQUEST_ID_KEY, ""))
         entries = self._entries(plan, prompts, info.max_model_len, request_id)
-        level = logging.INFO if self._servicer.config.log_requests else logging.DEBUG     # as gRPC's line
+        level = self._servicer.config.request_log_level
         if log.isEnabledFor(level):
             log.log(level, "http %s %s: %d prompt(s), %d choice(s)%s", "chat" if chat else "completion",
                     request_id, len(prompts), len(entries), ", streaming" if plan.stream else "")
