@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+
 
 @dataclass(frozen=True)
 class DenseGemvConfig:
@@ -31,13 +33,23 @@ class DenseGemvConfig:
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]          # [BN, BK]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile does not depend on the previous kernel: it is read before the wait.
+    if EVEN_K:
+        w = tl.load(rows, mask=n_mask[:, None], other=0.0)
+    else:
+        w = tl.load(rows, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    wait_then_release(USE_PDL)
+    if EVEN_K:
+        xv = tl.load(x_ptr + offs_k)
+    else:
+        xv = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(rows + k0, mask=n_mask[:, None], other=0.0)
             xv = tl.load(x_ptr + k0 + offs_k)
@@ -80,9 +92,11 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
         return
     cfg = config or pick_gemv_config(n, k)
     grid = (triton.cdiv(n, cfg.block_n),)
+    pdl = pdl_enabled(x.device)
     _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, out, n, k, w.stride(0),
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-                             EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps)
+                             EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps,
+                             **launch_options(pdl))
 
 
 __all__ = ["DenseGemvConfig", "dense_gemv", "pick_gemv_config"]

@@ -14,14 +14,57 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
+from kernels.pdl import launch_options, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_launch,
                             check_slices)
 from kernels.tiles import dot, segment_tile
+
+
+@triton.jit
+def _bt_block(pool_ptr, rows0, r_mask0, n0, width, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    """The first rank block's B^T rows [BLOCK_R, BLOCK_N] at columns n0.. of the slice."""
+    offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+    if EVEN_N:
+        mask = r_mask0[:, None]
+    else:
+        mask = r_mask0[:, None] & (offs_n < width)[None, :]
+    return tl.load(pool_ptr + rows0[:, None] + offs_n[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _expand_block(n0, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width, col0,
+                  y_ptr, y_stride, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_R_BLOCK: tl.constexpr,
+                  ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+    """y[toks, col0 + n0 : + BLOCK_N] += s @ B^T for one column block; bt: the first rank block's B^T rows."""
+    offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+    # Alignment hints let the compiler move y and B^T 16 bytes at a time; with every slice width a
+    # multiple of BLOCK_N the column mask is dropped, which keeps those loads vectorised too.
+    cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
+    y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
+    if EVEN_N:
+        y_mask = m_mask[:, None]
+    else:
+        y_mask = m_mask[:, None] & (offs_n < width)[None, :]
+    acc = dot(s0, bt, IEEE)                                                                     # [BLOCK_M, BLOCK_N]
+    if not ONE_R_BLOCK:
+        offs_rb = tl.arange(0, BLOCK_R)
+        for r0 in range(BLOCK_R, rank, BLOCK_R):
+            offs_r = r0 + offs_rb
+            r_mask = offs_r < rank
+            rows = tl.multiple_of(tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0), ROW_ALIGN)
+            st = tl.load(s_row + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+            if EVEN_N:
+                b_mask = r_mask[:, None]
+            else:
+                b_mask = r_mask[:, None] & (offs_n < width)[None, :]
+            btr = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=b_mask, other=0.0)
+            acc += dot(st.to(btr.dtype), btr, IEEE)
+    cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
 
 
 @triton.jit
@@ -34,9 +77,9 @@ def _expand_kernel(
     N_GROUPS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, USE_PDL: tl.constexpr,
     ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
 ):
-    if USE_PDL:
-        gdc_wait()                     # see the shrink kernel: launched early, waits for its predecessor
-        gdc_launch_dependents()
+    # With programmatic dependent launch (kernels/pdl.py) the step's metadata and the first block of B^T
+    # rows are read before the wait for the previous kernel (the shrink), s and y after it; every path
+    # waits before it exits.
     # Column groups of one slice vary fastest; each program walks GROUP_N columns in BLOCK_N steps.
     pid_sub = tl.program_id(0)
     pid_tile = tl.program_id(1)
@@ -46,9 +89,11 @@ def _expand_kernel(
     col1 = tl.where(slice_id == 0, off1, tl.where(slice_id == 1, off2, tl.where(slice_id == 2, off3, off4)))
     width = col1 - col0
     if n_start >= width:
+        wait_then_release(USE_PDL)
         return
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
+        wait_then_release(USE_PDL)
         return
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     module = tl.where(slice_id == 0, mod0, tl.where(slice_id == 1, mod1, tl.where(slice_id == 2, mod2, mod3)))
@@ -61,43 +106,23 @@ def _expand_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                       # [BLOCK_M]
+    r_mask0 = offs_rb < rank
+    # The first column block's B^T rows (the adapter's, not the previous kernel's output).
+    bt = _bt_block(pool_ptr, rows0, r_mask0, n_start, width, BLOCK_N, EVEN_N)
+    wait_then_release(USE_PDL)
     if rank == 0:
         return
     s_row = s_ptr + slice_id * s_stride_s + toks[:, None] * s_stride_t                         # [BLOCK_M, 1]
-    r_mask0 = offs_rb < rank
     # Ranks up to BLOCK_R: the s tile is read once and kept in registers for every column block.
     s0 = tl.load(s_row + offs_rb[None, :], mask=m_mask[:, None] & r_mask0[None, :], other=0.0)
     s0 = s0.to(pool_ptr.dtype.element_ty)
     n_end = tl.minimum(n_start + GROUP_N, width)
-    for n0 in range(n_start, n_end, BLOCK_N):
-        offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
-        # Alignment hints let the compiler move y and B^T 16 bytes at a time; with every slice width a
-        # multiple of BLOCK_N the column mask is dropped, which keeps those loads vectorised too.
-        cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
-        y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
-        if EVEN_N:
-            b_mask0 = r_mask0[:, None]
-            y_mask = m_mask[:, None]
-        else:
-            n_mask = offs_n < width
-            b_mask0 = r_mask0[:, None] & n_mask[None, :]
-            y_mask = m_mask[:, None] & n_mask[None, :]
-        bt = tl.load(pool_ptr + rows0[:, None] + offs_n[None, :], mask=b_mask0, other=0.0)
-        acc = dot(s0, bt, IEEE)                                                                     # [BLOCK_M, BLOCK_N]
-        if not ONE_R_BLOCK:
-            for r0 in range(BLOCK_R, rank, BLOCK_R):
-                offs_r = r0 + offs_rb
-                r_mask = offs_r < rank
-                rows = tl.multiple_of(tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0), ROW_ALIGN)
-                st = tl.load(s_row + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-                if EVEN_N:
-                    b_mask = r_mask[:, None]
-                else:
-                    b_mask = r_mask[:, None] & (offs_n < width)[None, :]
-                bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=b_mask, other=0.0)
-                acc += dot(st.to(bt.dtype), bt, IEEE)
-        cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
+    _expand_block(n_start, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width, col0,
+                  y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
+    for n0 in range(n_start + BLOCK_N, n_end, BLOCK_N):
+        bt = _bt_block(pool_ptr, rows0, r_mask0, n0, width, BLOCK_N, EVEN_N)
+        _expand_block(n0, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width, col0,
+                      y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
 
 
 def _alignment(values: Sequence[int], limit: int = 8) -> int:
@@ -169,6 +194,7 @@ def lora_expand_triton(
     if cfg["GROUP_N"] % cfg["BLOCK_N"]:
         raise ValueError(f"GROUP_N {cfg['GROUP_N']} must be a multiple of BLOCK_N {cfg['BLOCK_N']}")
     n_groups = cdiv(max(widths), cfg["GROUP_N"])
+    pdl = bool(cfg.get("PDL", pdl_enabled(y.device)))
     tiles = cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
     grid = (num_slices * n_groups, tiles)
     _expand_kernel[grid](
@@ -180,6 +206,5 @@ def lora_expand_triton(
         N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=next_pow2(meta.max_slots),
         ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         EVEN_N=all(w % cfg["BLOCK_N"] == 0 for w in widths), IEEE=pool.dtype == torch.float32,
-        USE_PDL=bool(cfg.get("PDL", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"launch_pdl": True} if cfg.get("PDL") else {}),
+        USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )

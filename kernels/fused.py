@@ -27,6 +27,7 @@ from kernels.expand import _alignment
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
+from kernels.pdl import launch_options, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_input,
                             check_launch, check_slices)
 from kernels.tiles import dot, pick4, segment_tile, shrink_tile, table_entry
@@ -57,17 +58,21 @@ def _fused_kernel(
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4, grp1, grp2, grp3, num_groups,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # With programmatic dependent launch (kernels/pdl.py) the step's metadata is read before the wait for
+    # the previous kernel; the workspace (which the previous launch leaves zero at its end), x and y after.
     pid_tile = tl.program_id(1)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
+        wait_then_release(USE_PDL)
         return
-    cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
-    ticket = tl.atomic_add(cnt, 1, sem="relaxed")
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                    # [BLOCK_M]
+    wait_then_release(USE_PDL)
+    cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
+    ticket = tl.atomic_add(cnt, 1, sem="relaxed")
     offs_r = tl.arange(0, BLOCK_R)
     if ticket < NUM_SLICES * SPLIT_K:
         # Shrink: one K split of one slice, partial sums into the workspace.
@@ -221,6 +226,7 @@ def lora_fused_triton(
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
     grid = (num_slices * cfg["SPLIT_K"] + num_groups, tiles)
+    pdl = bool(cfg.get("PDL", pdl_enabled(x.device)))
     _fused_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.b_offsets, tables.ranks, y, y.stride(0),
         sums, sums.stride(0), counters,
@@ -230,5 +236,6 @@ def lora_fused_triton(
         NUM_SLICES=num_slices, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
-        IEEE=pool.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IEEE=pool.dtype == torch.float32, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_options(pdl),
     )

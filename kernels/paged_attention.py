@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.host_ints import next_pow2
 from kernels.paged_common import attend_keys, check_paged_inputs
+from kernels.pdl import launch_options, pdl_enabled, wait_then_release
 
 
 @triton.jit
@@ -24,6 +25,7 @@ def _paged_decode_kernel(
     tables_ptr, tables_stride, ctx_ptr, out_ptr, out_stride_b, out_stride_h,
     block_size, group, head_dim, scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -33,9 +35,10 @@ def _paged_decode_kernel(
     g_mask = offs_g < group
     d_mask = offs_d < head_dim
     heads = kvh * group + offs_g
+    ctx = tl.load(ctx_ptr + b)                 # the step's input: read before the wait
+    wait_then_release(USE_PDL)
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)                     # [G, D]
-    ctx = tl.load(ctx_ptr + b)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
@@ -79,10 +82,11 @@ def paged_attention_decode(
         return
     group = H // KVH
     grid = (B, KVH)
+    pdl = pdl_enabled(q.device)
     _paged_decode_kernel[grid](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0), context_lens, out, out.stride(0), out.stride(1),
         block_size, group, D, scale,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, num_warps=4, num_stages=2, **launch_options(pdl),
     )

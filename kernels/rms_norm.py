@@ -10,15 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+
 from kernels.host_ints import next_pow2
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)     # weights: read before the wait
+    wait_then_release(USE_PDL)
     x = tl.load(x_ptr + t * H + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + t * H + offs, mask=mask, other=0.0)
@@ -27,7 +31,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
     y = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -54,6 +57,8 @@ def add_rms_norm(
             raise ValueError("residual and residual_out must be contiguous tensors like x")
     if T == 0:
         return
+    pdl = pdl_enabled(x.device)
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
                                residual_out if residual_out is not None else out, H, eps,
-                               HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8)
+                               HAS_RES=residual is not None, BLOCK=next_pow2(H), USE_PDL=pdl, num_warps=8,
+                               **launch_options(pdl))

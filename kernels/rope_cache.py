@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+
 from kernels.host_ints import next_pow2
 
 
@@ -31,7 +33,7 @@ def _rotate(x1, x2, c1, c2, s1, s2):
 def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
                        v_cache_ptr, num_heads, num_kv_heads, head_dim, half,
                        BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
@@ -43,6 +45,7 @@ def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     c2 = tl.load(cos_ptr + pos * head_dim + half + j, mask=jm, other=0.0).to(dt).to(tl.float32)
     s1 = tl.load(sin_ptr + pos * head_dim + j, mask=jm, other=0.0).to(dt).to(tl.float32)
     s2 = tl.load(sin_ptr + pos * head_dim + half + j, mask=jm, other=0.0).to(dt).to(tl.float32)
+    wait_then_release(USE_PDL)       # positions, slots and the tables above are the step's inputs
 
     h = tl.arange(0, BLOCK_H)
     m = (h < num_heads)[:, None] & jm[None, :]
@@ -104,6 +107,8 @@ def rope_and_cache(
         raise ValueError(f"positions and slot_mapping must be int64 [>= {T}]")
     if T == 0:
         return
+    pdl = pdl_enabled(qkv.device)
     _rope_cache_kernel[(T,)](
         qkv, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
-        BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), num_warps=4)
+        BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), USE_PDL=pdl,
+        num_warps=4, **launch_options(pdl))

@@ -5,11 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+
 from kernels.host_ints import cdiv, next_pow2
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -32,4 +35,6 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
     if T == 0:
         return
     block = min(1024, next_pow2(inter))
-    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    pdl = pdl_enabled(gate_up.device)
+    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, inter, BLOCK=block, USE_PDL=pdl, num_warps=4,
+                                              **launch_options(pdl))

@@ -7,7 +7,10 @@ nothing) then costs, for steps of up to `FUSED_MAX_TOKENS` tokens (decode of
 small batches), one fused launch (shrink and expand in one kernel), and above
 that one shrink launch over all its slices and one expand launch, where the
 pair is faster (docs/kernels.md); either adds into every slice (q/k/v, or
-gate/up) of the fused output in place. Triton kernels on CUDA; on CPU tensors
+gate/up) of the fused output in place. A decode-sized shrink splits its
+reduction and adds partial sums into zeros: each group keeps one buffer for all
+layers, zeroed by one launch at the group's layer 0 (the model applies the
+layers in order in every forward), instead of a zeroing launch per layer. Triton kernels on CUDA; on CPU tensors
 kernels/__init__.py runs their torch reference, which is for tests only: CPU
 serving uses `dense_backend.DenseLoraBackend`.
 """
@@ -18,6 +21,11 @@ import torch
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.engine.lora_backend import ALL_GROUPS, GROUP_MODULE_IDS
 from kernels import LoraBatchMeta, lora_expand, lora_fused, lora_shrink
+
+# Steps of up to this many tokens take the shrink's per-layer buffers zeroed once per step (the shrink splits
+# its reduction at these sizes); above it the shrink stores whole sums into one buffer with no zeroing.
+LAYER_BUFFER_TOKENS = 128
+MAX_GROUP_SLICES = max(len(ids) for ids in GROUP_MODULE_IDS.values())
 
 
 class PagedLoraBackend:
@@ -41,6 +49,8 @@ class PagedLoraBackend:
         self.meta: LoraBatchMeta | None = None
         self._group_modules: dict[str, list[int]] = {}
         self._shrink_buf = torch.empty(0)
+        self._layer_bufs: dict[str, torch.Tensor] = {}
+        self._layer_buf_tokens = 0
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused_max_tokens = 0
         self.active_groups = ALL_GROUPS
@@ -57,6 +67,11 @@ class PagedLoraBackend:
         # Shrink output for up to 3 slices at the largest step, fp32 as the kernels want it.
         self._shrink_buf = torch.empty(3 * self.max_num_batched_tokens * tables.max_rank, dtype=torch.float32,
                                        device=self.slots.device)
+        # Per group, every layer's shrink output for decode-sized steps: [layers, slices, T, max rank] fp32.
+        self._layer_buf_tokens = min(LAYER_BUFFER_TOKENS, self.max_num_batched_tokens)
+        self._layer_bufs = {g: torch.zeros(tables.num_layers * MAX_GROUP_SLICES * self._layer_buf_tokens
+                                           * tables.max_rank, dtype=torch.float32, device=self.slots.device)
+                            for g in GROUP_MODULE_IDS}
         if self.slots.device.type == "cuda":
             from kernels.fused import FUSED_MAX_TOKENS, fused_workspace   # Triton: imported on first use
             # Rank-r sums and counters of the fused kernel; the kernel leaves them zero after each launch.
@@ -79,22 +94,32 @@ class PagedLoraBackend:
         mods = self._group_modules[group]
         y, offsets = as_one_output(outs)
         if y is not None:
-            self._shrink_expand(layer, mods, x, y, offsets)
+            self._shrink_expand(layer, group, 0, mods, x, y, offsets)
             return
         for i, out in enumerate(outs):   # slices not side by side in memory: one pass each
-            self._shrink_expand(layer, [mods[i]], x, out, [0, out.shape[1]])
+            self._shrink_expand(layer, group, i, [mods[i]], x, out, [0, out.shape[1]])
 
-    def _shrink_expand(self, layer: int, mods: list[int], x: torch.Tensor, y: torch.Tensor,
-                       offsets: list[int]) -> None:
-        """y[:, offsets[i]:offsets[i+1]] += LoRA of slice i (x [T, in]): every kernel launch of the backend."""
+    def _shrink_expand(self, layer: int, group: str, first: int, mods: list[int], x: torch.Tensor,
+                       y: torch.Tensor, offsets: list[int]) -> None:
+        """y[:, offsets[i]:offsets[i+1]] += LoRA of slice first + i of the group (x [T, in]): every kernel
+        launch of the backend."""
         tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
         assert tables is not None and pool is not None and meta is not None
         T = x.shape[0]
         if T <= self._fused_max_tokens:
             lora_fused(x.contiguous(), pool, tables, meta, layer, mods, y, offsets, self._workspace)
             return
-        s = self._shrink_buf[: len(mods) * T * tables.max_rank].view(len(mods), T, tables.max_rank)
-        lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s)
+        R = tables.max_rank
+        if T <= self._layer_buf_tokens:
+            bufs = self._layer_bufs[group][: tables.num_layers * MAX_GROUP_SLICES * T * R]
+            bufs = bufs.view(tables.num_layers, MAX_GROUP_SLICES, T, R)
+            if layer == 0 and first == 0:
+                bufs.zero_()             # every layer's buffer of this group, once per forward
+            s = bufs[layer, first: first + len(mods)]
+            lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s, out_zeroed=True)
+        else:
+            s = self._shrink_buf[: len(mods) * T * R].view(len(mods), T, R)
+            lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s)
         lora_expand(s, pool, tables, meta, layer, mods, y, offsets)
 
 

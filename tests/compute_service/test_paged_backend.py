@@ -59,12 +59,18 @@ def test_backend_equals_adapter_rows(kind, device, dtype, tol, layout):
             slots.load("tmp", random_adapter(SPEC, 4, seed=5))
             assert slots.evict("tmp")
     T = 37
-    keys = torch.randint(0, 5, (T,), generator=gen)          # 0 = no adapter, i + 1 = adapters[i]
-    if layout == "runs":                                      # the engine's usual batch: runs of one adapter
-        keys = keys.sort().values
     choices = torch.tensor([-1] + [slots.slot_of(f"a{i}") for i in range(4)])
-    step_slots = choices[keys].to(torch.int32)
-    backend.prepare(step_slots, backend.groups_of(step_slots.tolist()))     # as the engine prepares a step
+    for _step in range(2):   # a second step: nothing of the first (e.g. its shrink sums) may leak into it
+        keys = torch.randint(0, 5, (T,), generator=gen)      # 0 = no adapter, i + 1 = adapters[i]
+        if layout == "runs":                                  # the engine's usual batch: runs of one adapter
+            keys = keys.sort().values
+        step_slots = choices[keys].to(torch.int32)
+        backend.prepare(step_slots, backend.groups_of(step_slots.tolist()))  # as the engine prepares a step
+        check_step(backend, adapters, keys, T, dev, dtype, tol, gen)
+
+
+def check_step(backend, adapters, keys, T, dev, dtype, tol, gen) -> None:
+    """Every layer and group of one prepared step, in the model's order, against the adapters' rows."""
     for layer in range(SPEC.num_layers):
         for group, (outs, mids) in GROUPS.items():
             x = torch.randn(T, IN[group], generator=gen).to(dtype)

@@ -60,6 +60,22 @@ def test_shrink_mixed_ranks_odd_hidden(h_in, ranks):
     run_shrink(case, 150, 0.1, [0], layer=0, gen=gen, config={"SPLIT_K": 2})
 
 
+def test_split_shrink_adds_into_zeros_the_caller_gives():
+    """With out_zeroed the wrapper launches no zeroing: a K split then adds into what `out` holds, so the
+    caller's zeros give the sums and anything else shows up in them (the flag really skips the zeroing)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = build_case(ranks={0: [16], 2: [5]}, h_in=96, outs=[32], num_layers=1, dtype=torch.float16, gen=gen)
+    ids = random_slot_ids(9, [0, 2], 0.2, gen)
+    meta = prepare_meta(ids, case.tables.max_slots)
+    x = torch.randn(9, 96, generator=gen).half().to(DEVICE)
+    want, defined = dense_shrink(case, x, ids, 0, [0])
+    for start, zeroed in ((float("nan"), False), (0.0, True), (1.0, True)):
+        out = torch.full((1, 9, case.tables.max_rank), start, device=DEVICE)
+        lora_shrink_triton(x, case.pool, case.tables, meta, 0, [0], out, config={"SPLIT_K": 3, "BLOCK_K": 32}, out_zeroed=zeroed)
+        err = rel_err(out.cpu()[defined], want[defined] + (start if zeroed else 0.0))
+        assert err < TOL[torch.float16], f"start {start}, out_zeroed {zeroed}: rel err {err}"
+
+
 def test_shrink_checks_inputs():
     gen = torch.Generator().manual_seed(0)
     case = build_case(ranks={0: [4]}, h_in=32, outs=[16], num_layers=1, gen=gen)

@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (Hopper and later): a kernel starts while its predecessor still runs.
+
+A decode step is a chain of ~300 small dependent launches; between two of them the GPU idles for the
+next grid's launch and ramp-up. Launched this way (`launch_options`), a kernel's programs start as soon
+as every program of the previous kernel has passed its own wait, read what no kernel of the step writes
+(weights, the step's metadata), then wait (`wait_then_release`) for the previous kernel's results.
+
+The rules every kernel launched with these options keeps:
+- it writes nothing, and reads nothing an earlier kernel of the stream writes, before its wait;
+- every program waits, on every path, before it exits: a grid whose programs all left without waiting
+  could finish before its predecessor, and the next kernel would then read that predecessor's outputs
+  too early;
+- it releases its dependents only after its wait, so a kernel's early reads run beside its direct
+  predecessor alone.
+A kernel launched without the options waits for its predecessor as usual, so launches of either kind
+mix freely (library matmuls, torch ops). On the CPU, in the interpreter, before Hopper, or with
+LORAPLEX_PDL=0 nothing changes: the kernels are compiled without the wait and launched plainly.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENV = "LORAPLEX_PDL"
+
+
+@triton.jit
+def wait_then_release(USE_PDL: tl.constexpr):
+    """Waits for the previous kernel's results, then lets the next kernel start (no-op without PDL)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched as programmatic dependent launches."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV, "1") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(use_pdl: bool) -> dict[str, bool]:
+    """Extra launch keywords for a kernel compiled with USE_PDL=use_pdl."""
+    return {"launch_pdl": True} if use_pdl else {}

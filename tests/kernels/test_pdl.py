@@ -1,0 +1,61 @@
+"""Programmatic dependent launch: when it is on, and that a chain of dependent launches under it computes
+exactly what the same chain computes with plain launches (a kernel that read its predecessor's output
+before waiting for it would read the previous replay's values instead)."""
+import pytest
+import torch
+
+from kernels.pdl import ENV, launch_options, pdl_enabled
+
+
+def test_off_on_the_cpu_and_when_asked(monkeypatch):
+    assert not pdl_enabled(torch.device("cpu"))
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+    if torch.cuda.is_available():
+        monkeypatch.setenv(ENV, "0")
+        assert not pdl_enabled(torch.device("cuda"))
+
+
+def _chain(x, w_gate_up, w_down, norm_w, normed, gate_up, act, out):
+    """One MLP-like link per round: norm -> one-row matmul -> SwiGLU -> one-row matmul, each the next's input."""
+    from kernels.dense_gemv import dense_gemv
+    from kernels.rms_norm import add_rms_norm
+    from kernels.silu_mul import silu_mul
+
+    h = x
+    for _ in range(6):
+        add_rms_norm(h, None, norm_w, 1e-5, normed)
+        dense_gemv(normed, w_gate_up, None, gate_up)
+        silu_mul(gate_up, act)
+        dense_gemv(act, w_down, None, out)
+        h = out
+
+
+@pytest.mark.gpu
+def test_graph_of_dependent_launches_matches_plain_launches(monkeypatch):
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a Hopper or later GPU")
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(3)
+    H, inter = 2048, 5632
+    w_gate_up = torch.randn(2 * inter, H, device=dev, dtype=dt, generator=gen) * H ** -0.5
+    w_down = torch.randn(H, inter, device=dev, dtype=dt, generator=gen) * inter ** -0.5
+    norm_w = torch.rand(H, device=dev, dtype=dt, generator=gen) + 0.5
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(ENV, flag)
+        x = torch.empty(1, H, device=dev, dtype=dt)
+        bufs = (torch.empty(1, H, device=dev, dtype=dt), torch.empty(1, 2 * inter, device=dev, dtype=dt),
+                torch.empty(1, inter, device=dev, dtype=dt), torch.empty(1, H, device=dev, dtype=dt))
+        x.normal_(generator=torch.Generator(device=dev).manual_seed(5))
+        _chain(x, w_gate_up, w_down, norm_w, *bufs)            # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _chain(x, w_gate_up, w_down, norm_w, *bufs)
+        outs = []
+        for seed in range(20):                                 # new inputs each replay
+            x.normal_(generator=torch.Generator(device=dev).manual_seed(100 + seed))
+            graph.replay()
+            outs.append(bufs[-1].clone())
+        results[flag] = torch.stack(outs)
+    assert torch.isfinite(results["0"]).all()
+    assert torch.equal(results["1"], results["0"])
