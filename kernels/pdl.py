@@ -14,7 +14,8 @@ The rules every kernel launched with these options keeps:
   predecessor alone.
 A kernel launched without the options waits for its predecessor as usual, so launches of either kind
 mix freely (library matmuls, torch ops). On the CPU, in the interpreter, before Hopper, or with
-LORAPLEX_PDL=0 nothing changes: the kernels are compiled without the wait and launched plainly.
+LORAPLEX_PDL=0, or with a driver older than CUDA 12.3, nothing changes: the kernels are compiled
+without the wait and launched plainly.
 """
 from __future__ import annotations
 
@@ -44,9 +45,24 @@ def pdl_enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Programmatic dependent launches captured in CUDA graphs need a driver of CUDA 12.3 or later.
+MIN_DRIVER = 12030
+
+
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.cuda.get_device_capability(index)[0] >= 9 and driver_supports()
+
+
+def driver_supports() -> bool:
+    """Whether the CUDA driver is new enough (unknown counts as yes: torch builds that cannot say)."""
+    get = getattr(torch._C, "_cuda_getDriverVersion", None)
+    if get is None:
+        return True
+    try:
+        return int(get()) >= MIN_DRIVER
+    except (RuntimeError, TypeError, ValueError):
+        return True
 
 
 def launch_options(use_pdl: bool) -> dict[str, bool]:

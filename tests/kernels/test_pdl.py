@@ -15,6 +15,16 @@ def test_off_on_the_cpu_and_when_asked(monkeypatch):
         assert not pdl_enabled(torch.device("cuda"))
 
 
+def test_driver_version_bound(monkeypatch):
+    from kernels import pdl
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12020, raising=False)
+    assert not pdl.driver_supports()
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12080, raising=False)
+    assert pdl.driver_supports()
+    monkeypatch.delattr(torch._C, "_cuda_getDriverVersion", raising=False)
+    assert pdl.driver_supports()
+
+
 def _chain(x, w_gate_up, w_down, norm_w, normed, gate_up, act, out):
     """One MLP-like link per round: norm -> one-row matmul -> SwiGLU -> one-row matmul, each the next's input."""
     from kernels.dense_gemv import dense_gemv
