@@ -51,6 +51,8 @@ MIN_DRIVER = 12030
 
 @functools.cache
 def _capable(index: int) -> bool:
+    if torch.version.hip is not None:     # the wait is NVIDIA's instruction
+        return False
     return torch.cuda.get_device_capability(index)[0] >= 9 and driver_supports()
 
 
