@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,7 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
     pdl = pdl_enabled(x.device)
     _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, out, n, k, w.stride(0),
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-                             EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps,
-                             **launch_options(pdl))
+                             EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, **launch_args(pdl))
 
 
 __all__ = ["DenseGemvConfig", "dense_gemv", "pick_gemv_config"]

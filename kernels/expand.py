@@ -18,7 +18,7 @@ import triton.language as tl
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_launch,
                             check_slices)
 from kernels.tiles import dot, segment_tile
@@ -206,5 +206,5 @@ def lora_expand_triton(
         N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=next_pow2(meta.max_slots),
         ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         EVEN_N=all(w % cfg["BLOCK_N"] == 0 for w in widths), IEEE=pool.dtype == torch.float32,
-        USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(pdl),
     )

@@ -27,7 +27,7 @@ from kernels.expand import _alignment
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_input,
                             check_launch, check_slices)
 from kernels.tiles import dot, pick4, segment_tile, shrink_tile, table_entry
@@ -236,6 +236,6 @@ def lora_fused_triton(
         NUM_SLICES=num_slices, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
-        IEEE=pool.dtype == torch.float32, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_options(pdl),
+        IEEE=pool.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_args(pdl),
     )

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kernels.host_ints import next_pow2
 from kernels.paged_common import attend_keys, check_paged_inputs
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 
 @triton.jit
@@ -88,5 +88,5 @@ def paged_attention_decode(
         block_tables, block_tables.stride(0), context_lens, out, out.stride(0), out.stride(1),
         block_size, group, D, scale,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
-        IEEE=q.dtype == torch.float32, USE_PDL=pdl, num_warps=4, num_stages=2, **launch_options(pdl),
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2, **launch_args(pdl),
     )

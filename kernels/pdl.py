@@ -1,7 +1,7 @@
 """Programmatic dependent launch (Hopper and later): a kernel starts while its predecessor still runs.
 
 A decode step is a chain of ~300 small dependent launches; between two of them the GPU idles for the
-next grid's launch and ramp-up. Launched this way (`launch_options`), a kernel's programs start as soon
+next grid's launch and ramp-up. Launched this way (`launch_args`), a kernel's programs start as soon
 as every program of the previous kernel has passed its own wait, read what no kernel of the step writes
 (weights, the step's metadata), then wait (`wait_then_release`) for the previous kernel's results.
 
@@ -67,6 +67,7 @@ def driver_supports() -> bool:
         return True
 
 
-def launch_options(use_pdl: bool) -> dict[str, bool]:
-    """Extra launch keywords for a kernel compiled with USE_PDL=use_pdl."""
-    return {"launch_pdl": True} if use_pdl else {}
+def launch_args(use_pdl: bool) -> dict[str, bool]:
+    """The USE_PDL constexpr and the matching launch keyword, together: a dependent launch always runs the
+    kernel compiled with its wait, and a kernel compiled with the wait is always launched that way."""
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl else {"USE_PDL": False}

@@ -10,9 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
-
 from kernels.host_ints import next_pow2
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 
 @triton.jit
@@ -60,5 +59,5 @@ def add_rms_norm(
     pdl = pdl_enabled(x.device)
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
                                residual_out if residual_out is not None else out, H, eps,
-                               HAS_RES=residual is not None, BLOCK=next_pow2(H), USE_PDL=pdl, num_warps=8,
-                               **launch_options(pdl))
+                               HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8,
+                               **launch_args(pdl))

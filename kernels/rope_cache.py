@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
-
 from kernels.host_ints import next_pow2
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 
 @triton.jit
@@ -110,5 +109,5 @@ def rope_and_cache(
     pdl = pdl_enabled(qkv.device)
     _rope_cache_kernel[(T,)](
         qkv, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
-        BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), USE_PDL=pdl,
-        num_warps=4, **launch_options(pdl))
+        BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D),
+        num_warps=4, **launch_args(pdl))

@@ -21,7 +21,7 @@ import triton.language as tl
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.tiles import segment_tile, shrink_tile
 
 MAX_SLICES = 4
@@ -38,8 +38,9 @@ def _shrink_kernel(
     MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
     ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr,
 ):
-    # With programmatic dependent launch (kernels/pdl.py) the step's metadata and the adapter's rows are
-    # read before the wait for the previous kernel, x after it; every path waits before it exits.
+    # With programmatic dependent launch (kernels/pdl.py) the step's metadata (segments, tokens, ranks, row
+    # offsets) is read before the wait for the previous kernel, x and A after it; every path waits before
+    # it exits.
     # Slice / rank block / K split vary fastest, so programs sharing a token tile run together and
     # the tile of x is read from DRAM once, then from L2.
     pid_sub = tl.program_id(0)
@@ -217,5 +218,5 @@ def lora_shrink_triton(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
         MAX_SEGS=next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
         ROW_ALIGN=tables.row_alignment(), IEEE=pool.dtype == torch.float32,
-        USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(pdl),
     )

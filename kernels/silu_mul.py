@@ -5,9 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enabled, wait_then_release
-
 from kernels.host_ints import cdiv, next_pow2
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 
 @triton.jit
@@ -36,5 +35,5 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
         return
     block = min(1024, next_pow2(inter))
     pdl = pdl_enabled(gate_up.device)
-    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, inter, BLOCK=block, USE_PDL=pdl, num_warps=4,
-                                              **launch_options(pdl))
+    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4,
+                                              **launch_args(pdl))

@@ -10,9 +10,10 @@ pair is faster (docs/kernels.md); either adds into every slice (q/k/v, or
 gate/up) of the fused output in place. A decode-sized shrink splits its
 reduction and adds partial sums into zeros: each group keeps one buffer for all
 layers, zeroed by one launch at the group's layer 0 (the model applies the
-layers in order in every forward), instead of a zeroing launch per layer. Triton kernels on CUDA; on CPU tensors
-kernels/__init__.py runs their torch reference, which is for tests only: CPU
-serving uses `dense_backend.DenseLoraBackend`.
+layers in order in every forward), instead of a zeroing launch per layer.
+Triton kernels on CUDA; on CPU tensors kernels/__init__.py runs their torch
+reference, which is for tests only: CPU serving uses
+`dense_backend.DenseLoraBackend`.
 """
 from __future__ import annotations
 

@@ -4,12 +4,13 @@ before waiting for it would read the previous replay's values instead)."""
 import pytest
 import torch
 
-from kernels.pdl import ENV, launch_options, pdl_enabled
+from kernels.pdl import ENV, launch_args, pdl_enabled
 
 
 def test_off_on_the_cpu_and_when_asked(monkeypatch):
     assert not pdl_enabled(torch.device("cpu"))
-    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+    assert launch_args(False) == {"USE_PDL": False}
+    assert launch_args(True) == {"USE_PDL": True, "launch_pdl": True}
     if torch.cuda.is_available():
         monkeypatch.setenv(ENV, "0")
         assert not pdl_enabled(torch.device("cuda"))
