@@ -22,7 +22,9 @@ modules, each rank holding its share by the seed's rule), at batch 1, 8, 32, 64.
 - `floor`: the per-GPU byte floor: (that rank's weight bytes without the embedding table + the step's
   distinct adapters' bytes on that rank + the batch's KV bytes on that rank at its mean length) / the
   bandwidth of a 2 GiB device-to-device copy measured in the run (bytes read + written);
-- `allreduce_ms` (TP=2): GPU time of a step's all-reduces alone (2 per layer, [batch, hidden]) in a graph.
+- `allreduce_ms` (TP=2): GPU time of a step's all-reduces alone (2 per layer, [batch, hidden]) in a graph;
+  `reduce_norm_ms`: the same all-reduces with their residual adds and RMSNorms, as the model runs them
+  (one fused launch each unless LORAPLEX_TP_ALL_REDUCE says otherwise).
 
 The JSON holds every figure plus the ratios TP2 / TP1 and measured / floor.
 """
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # copy_bandwidth: bytes read + written per second of a device copy; run_engine: wall TPOT of the decode steps
 from multi_lora import copy_bandwidth, run_engine  # noqa: E402
+from compute_service.parallel.fast_all_reduce import ENV  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256)
@@ -147,6 +150,7 @@ class Built:
         model = LlamaModel(local, weights, max_len)
         if tp > 1:
             model.all_reduce = group.all_reduce
+            model.reduce_add_norm = group.reduce_add_rms_norm
         elem = torch.empty((), dtype=dtype).element_size()
         self.elem = elem
         self.weight_bytes = sum(t.nbytes for lw in weights.layers for t in vars(lw).values()
@@ -185,7 +189,7 @@ def profile_replays(graphs, batch: int, with_lora: bool, iters: int = 10) -> dic
         if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
             per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time_total / iters
     kinds = {"matmul": ("gemm", "gemv", "nvjet", "sm90_", "cutlass", "quant_matmul"),
-             "all_reduce": ("all_reduce", "allreduce", "nccl", "one_shot"),
+             "all_reduce": ("all_reduce", "allreduce", "nccl", "one_shot", "reduce_add_rms"),
              "attention": ("attention",), "lora": ("shrink", "expand", "fused_lora", "lora"),
              "norm_rope_act": ("rms", "rope", "silu")}
     by_kind: dict[str, float] = {}
@@ -206,6 +210,26 @@ def allreduce_ms(group, hidden: int, layers: int, batch: int, dtype: torch.dtype
         for _ in range(2 * layers):
             group.all_reduce(x)
 
+    return _graph_ms(body)
+
+
+def reduce_norm_ms(group, hidden: int, layers: int, batch: int, dtype: torch.dtype) -> float | None:
+    """GPU ms of one step's all-reduces with their residual adds and RMSNorms (2 per layer), as the
+    model runs them (`reduce_add_rms_norm`: fused where it fits), captured in a graph."""
+    if group.device.type != "cuda":
+        return None
+    x = torch.randn(batch, hidden, device=group.device, dtype=dtype)
+    h, out = torch.zeros_like(x), torch.empty_like(x)
+    w = torch.ones(hidden, device=group.device, dtype=dtype)
+
+    def body() -> None:
+        for k in range(2 * layers):
+            group.reduce_add_rms_norm(x, h, w, 1e-5, out, k % 2)
+
+    return _graph_ms(body)
+
+
+def _graph_ms(body) -> float:
     body()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -278,6 +302,7 @@ def bench_config(label: str, spec, tp: int, group, dtype, batches, in_len, out_l
                                 print(f"    {us:8.1f} us  {kname[:110]}", flush=True)
                 if tp > 1:
                     r["allreduce_ms"] = allreduce_ms(group, spec.hidden_size, spec.num_layers, batch, dtype)
+                    r["reduce_norm_ms"] = reduce_norm_ms(group, spec.hidden_size, spec.num_layers, batch, dtype)
                 n_ad = batch if distinct else 0
                 kv = batch * (in_len + out_len / 2) * b.kv_per_token
                 step_s = (b.weight_bytes + n_ad * adapter_bytes(b.local, b.elem) + kv) / bw
@@ -291,7 +316,8 @@ def bench_config(label: str, spec, tp: int, group, dtype, batches, in_len, out_l
                     out["cases"].setdefault(name, {})[str(batch)] = r
                     print(f"{label:8s} {name:17s} B={batch:3d} tpot {r['tpot_ms']:7.2f} ms  gpu "
                           f"{r.get('gpu_step_ms') or 0:7.2f} ms  floor {r['floor']['step_ms']:6.2f} ms  "
-                          f"x{r['tpot_over_floor']:.2f}" + (f"  all-reduces {r['allreduce_ms']:.2f} ms"
+                          f"x{r['tpot_over_floor']:.2f}" + (f"  all-reduces {r['allreduce_ms']:.2f} ms, with add+norm "
+                                                             f"{r['reduce_norm_ms']:.2f} ms"
                                                              if r.get("allreduce_ms") else ""), flush=True)
             except Exception as e:   # keep the other cases; the error goes into the results
                 res["errors"].append(f"{label} {name} B={batch} rank {rank}: {e!r}")
@@ -353,8 +379,9 @@ def main() -> None:
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      dtype=str(dtype), input_len=in_len, output_len=out_len, lora_rank=LORA_RANK,
                      lora_modules=list(ALL), configs={}, errors=[],
-                     all_reduce="one-shot peer memory up to 1 MiB, NCCL above" if group.peer_all_reduce is not None
-                     else "NCCL" if dev.type == "cuda" else "gloo")
+                     all_reduce=(f"one-shot peer memory up to 1 MiB, NCCL above ({ENV}="
+                                 f"{os.environ.get(ENV, 'auto')}: 'auto' fuses the add + RMSNorm)")
+                     if group.peer_all_reduce is not None else "NCCL" if dev.type == "cuda" else "gloo")
 
     def save() -> None:
         if args.out and group.rank == 0:

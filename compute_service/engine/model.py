@@ -68,6 +68,9 @@ class LlamaModel:
         # Tensor parallelism: sums a row-parallel layer's partial output over the ranks in place
         # (o and down, LoRA delta included); None on one GPU.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        # Tensor parallelism on the fused path: (x, h, weight, eps, out, slot) sums x over the ranks into
+        # h and writes norm(h) to out, in one launch where it can; slots alternate 0 (o), 1 (down).
+        self.reduce_add_norm: Callable[..., None] | None = None
         # Side stream for LoRA overlapped with the base projections in captured graphs (`_project`).
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
@@ -144,8 +147,10 @@ class LlamaModel:
         from kernels.rope_cache import rope_and_cache
 
         spec, lw = self.spec, self.weights.layers[i]
-        add_rms_norm(pending if pending is not None else h, h if pending is not None else None,
-                     lw.input_norm, spec.rms_norm_eps, x, h if pending is not None else None)
+        if pending is None:
+            add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x)
+        else:
+            self._add_norm(pending, h, lw.input_norm, x, 1)
         qkv = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size])
         k_cache, v_cache = kv_caches[i]
         rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache)
@@ -153,22 +158,29 @@ class LlamaModel:
     def attention_out_mlp(self, i: int, attn: torch.Tensor, h: torch.Tensor, x: torch.Tensor,
                           lora: LoraBackend | None) -> torch.Tensor:
         """Layer i after its attention (attn [T, q]): h += o; x = norm(h); returns the MLP's delta
-        (added to h by the next layer's `attention_in` or by `final_norm`)."""
-        from kernels.rms_norm import add_rms_norm
+        (added to h by the next layer's `attention_in` or by `final_norm`; under tensor parallelism
+        this rank's partial delta, summed over the ranks there)."""
         from kernels.silu_mul import silu_mul
 
         spec, lw = self.spec, self.weights.layers[i]
         o = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size])
-        if self.all_reduce is not None:
-            self.all_reduce(o)
-        add_rms_norm(o, h, lw.post_norm, spec.rms_norm_eps, x, h)            # h += o; x = norm(h)
+        self._add_norm(o, h, lw.post_norm, x, 0)                             # h += o; x = norm(h)
         gate_up = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         silu_mul(gate_up, act)
-        down = self._project(i, "down", lw.down, act, lora, [spec.hidden_size])
+        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size])
+
+    def _add_norm(self, delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                  slot: int) -> None:
+        """h += delta (summed over the ranks under tensor parallelism); out = norm(h) * weight."""
+        from kernels.rms_norm import add_rms_norm
+
+        if self.reduce_add_norm is not None:
+            self.reduce_add_norm(delta, h, weight, self.spec.rms_norm_eps, out, slot)
+            return
         if self.all_reduce is not None:
-            self.all_reduce(down)
-        return down
+            self.all_reduce(delta)
+        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h)
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
                  widths: list[int]) -> torch.Tensor:
@@ -204,7 +216,7 @@ class LlamaModel:
         if pending is None:
             add_rms_norm(h, None, self.weights.norm, self.spec.rms_norm_eps, out)
         else:
-            add_rms_norm(pending, h, self.weights.norm, self.spec.rms_norm_eps, out, h)
+            self._add_norm(pending, h, self.weights.norm, out, 1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,11 @@ NCCL took about 22 us per all-reduce of a [1, 4096] bf16 row on 2 H200s inside a
 8B decode step (1.2-1.4 ms of a 3.7 ms step at TP=2). Here each rank copies its partial sums into a
 buffer every rank has mapped (symmetric memory, over NVLink / PCIe peer access, no multicast) and
 one kernel per rank reads all the ranks' copies and writes the sum: one launch, no protocol.
-Larger tensors (prefill) keep NCCL. Off with `LORAPLEX_TP_ALL_REDUCE=nccl`; if the set-up fails
-(no peer access, an older PyTorch), the group logs why and stays on NCCL.
+Where the sum feeds the residual add and the next RMSNorm (every decode all-reduce), one kernel of
+ours does all three (`kernels/all_reduce_norm.py`): one launch per layer boundary instead of three.
+Larger tensors (prefill) keep NCCL. `LORAPLEX_TP_ALL_REDUCE`: `auto` (default: fused where it fits),
+`oneshot` (the library's one-shot all-reduce, then the add + norm), `nccl` (NCCL only). If the set-up
+fails (no peer access, an older PyTorch), the group logs why and stays on NCCL.
 """
 from __future__ import annotations
 
@@ -18,13 +21,15 @@ import torch
 log = logging.getLogger(__name__)
 MAX_BYTES = 1 << 20                  # per call; a [64, 8192] bf16 decode row block is exactly this
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ENV = "LORAPLEX_TP_ALL_REDUCE"       # auto (default) or nccl
+ENV = "LORAPLEX_TP_ALL_REDUCE"       # auto (default), oneshot or nccl
+MODES = ("auto", "oneshot", "nccl")
+DEFAULT_SIGNAL_PAD_BYTES = 2048      # the library's default, where it cannot say
 
 
 class PeerAllReduce:
     """Symmetric buffers (one per dtype) rendezvoused on `group_name`; `__call__` sums in place."""
 
-    def __init__(self, group_name: str, device: torch.device) -> None:
+    def __init__(self, group_name: str, device: torch.device, fuse: bool = True) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")   # one-shot reads peers, no multicast
@@ -38,6 +43,9 @@ class PeerAllReduce:
             buf = symm_mem.empty(numel, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, group_name)
             self._buffers[dtype] = buf
+        # The library's one-shot copies the input into the peer buffer itself where it can (one launch).
+        self._copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+        self._norm: _FusedNorm | None = _FusedNorm(group_name, device, symm_mem) if fuse else None
 
     def takes(self, t: torch.Tensor) -> bool:
         """Small, contiguous, a whole number of 16-byte words (the kernel's vector width)."""
@@ -47,8 +55,47 @@ class PeerAllReduce:
     def __call__(self, t: torch.Tensor) -> None:
         flat = t.view(-1)
         buf = self._buffers[t.dtype][: flat.numel()]
-        buf.copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.group_name, flat)
+        if self._copy_out is not None:
+            self._copy_out(buf, flat, "sum", self.group_name, flat)
+        else:
+            buf.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.group_name, flat)
+
+    def reduce_add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                            out: torch.Tensor, slot: int) -> None:
+        """h += sum over ranks of x; out = RMSNorm(h) * weight: one fused launch where it fits, else the
+        one-shot all-reduce and then the add + norm. Consecutive calls must alternate `slot` (0, 1)."""
+        if self._norm is not None and self._norm.takes(x):
+            self._norm(x, h, weight, eps, out, slot)
+            return
+        from kernels.rms_norm import add_rms_norm
+
+        self(x)
+        add_rms_norm(x, h, weight, eps, out, h)
+
+
+class _FusedNorm:
+    """The fused all-reduce + add + RMSNorm's peer-mapped buffer (two halves) and signal pads."""
+
+    def __init__(self, group_name: str, device: torch.device, symm_mem: Any) -> None:
+        self._buf = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self._buf, group_name)
+        self.rank, self.world = handle.rank, handle.world_size
+        self.buffer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.pad_ptrs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        pad_bytes = getattr(symm_mem, "get_signal_pad_size", lambda: DEFAULT_SIGNAL_PAD_BYTES)()
+        self.max_rows = pad_bytes // 4 // self.world        # one int32 flag per (row, rank)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.dtype in DTYPES and x.is_contiguous() and x.shape[0] <= self.max_rows \
+            and x.numel() * x.element_size() <= MAX_BYTES
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+                 slot: int) -> None:
+        from kernels.all_reduce_norm import reduce_add_rms_norm
+
+        reduce_add_rms_norm(x, h, weight, eps, out, self.buffer_ptrs, self.pad_ptrs,
+                            slot * (MAX_BYTES // x.element_size()), self.rank)
 
 
 def try_peer_all_reduce(device_group: Any, device: torch.device, world: int,
@@ -58,16 +105,20 @@ def try_peer_all_reduce(device_group: Any, device: torch.device, world: int,
     the ranks take the same path, or one would wait in NCCL for peers that reduce elsewhere."""
     if device.type != "cuda" or world < 2:
         return None
-    if os.environ.get(ENV, "auto") == "nccl":
+    mode = os.environ.get(ENV, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r}: use one of {', '.join(MODES)}")
+    if mode == "nccl":
         log.info("tensor parallel: all-reduce on NCCL only (%s=nccl)", ENV)
         return None
     try:
-        fast = PeerAllReduce(device_group.group_name, device)
+        fast = PeerAllReduce(device_group.group_name, device, fuse=mode == "auto")
         probe = torch.ones(8, dtype=torch.float32, device=device)
         fast(probe)
         torch.cuda.synchronize(device)
         if not bool((probe == world).all()):
             raise RuntimeError(f"the probe summed to {probe.tolist()}, not {world}")
+        _probe_fused(fast, device, world)
     except Exception as e:   # an older PyTorch, no peer access, no symmetric memory backend: NCCL does it all
         log.warning("tensor parallel: one-shot peer all-reduce unavailable (%s: %s); all-reduces on NCCL",
                     type(e).__name__, e)
@@ -76,6 +127,19 @@ def try_peer_all_reduce(device_group: Any, device: torch.device, world: int,
     if not agree(1):
         log.warning("tensor parallel: another rank cannot use the one-shot peer all-reduce; all-reduces on NCCL")
         return None
-    log.info("tensor parallel: all-reduces up to %d KiB one-shot over peer memory, larger ones on NCCL",
-             MAX_BYTES >> 10)
+    log.info("tensor parallel: all-reduces up to %d KiB one-shot over peer memory%s, larger ones on NCCL",
+             MAX_BYTES >> 10, " (fused with the residual add and RMSNorm)" if mode == "auto" else "")
     return fast
+
+
+def _probe_fused(fast: PeerAllReduce, device: torch.device, world: int) -> None:
+    """Both halves of the fused kernel once, on rows of ones: h must come back as world + 1."""
+    if fast._norm is None:
+        return
+    for slot in (0, 1):
+        x = torch.ones(2, 64, dtype=torch.float32, device=device)
+        h = torch.ones_like(x)
+        fast.reduce_add_rms_norm(x, h, torch.ones(64, device=device), 1e-6, torch.empty_like(x), slot)
+        torch.cuda.synchronize(device)
+        if not bool((h == world + 1).all()):
+            raise RuntimeError(f"the fused probe's residual came back as {h.unique().tolist()}, not {world + 1}")

@@ -56,6 +56,20 @@ class TensorParallelGroup:
         else:
             dist.all_reduce(t, group=self.device_group)
 
+    def reduce_add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                            out: torch.Tensor, slot: int) -> None:
+        """h += sum over ranks of x (a row-parallel layer's partial output); out = RMSNorm(h) * weight.
+        Decode rows: one fused launch over peer memory; otherwise the all-reduce, then the add + norm.
+        Consecutive calls alternate `slot` (0, 1): the fused kernel's buffer halves."""
+        fast = self.peer_all_reduce
+        if fast is not None and fast.takes(x):
+            fast.reduce_add_rms_norm(x, h, weight, eps, out, slot)
+            return
+        from kernels.rms_norm import add_rms_norm      # Triton: imported on first use
+
+        self.all_reduce(x)
+        add_rms_norm(x, h, weight, eps, out, h)
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled over the control group)."""
         box = [obj]

@@ -1,4 +1,5 @@
-"""TP=2 on two GPUs over NCCL (two processes under torchrun): all-reduce correctness, greedy bf16
+"""TP=2 on two GPUs over NCCL (two processes under torchrun): all-reduce correctness (NCCL, one-shot,
+and the fused all-reduce + add + RMSNorm, eager and in a graph), greedy bf16
 tokens equal one GPU's (a divergence only at a near tie of the fp32 reference), decode steps replayed
 from CUDA graphs with and without adapters."""
 from __future__ import annotations
@@ -28,6 +29,8 @@ def test_tp2_on_two_gpus(tmp_path):
     v = json.loads(out.read_text())
     print(json.dumps(v))
     assert all(v[k] for k in v if k.startswith("all_reduce")), v
+    assert len([k for k in v if k.startswith("fused_norm")]) == 8, v      # fused only with peer access
+    assert all(v[k] for k in v if k.startswith("fused_norm")), v
     for c in v["greedy"]:
         assert c["equal_prefix"] == 24 or c["gap"] < 0.02, c
     assert sum(c["equal_prefix"] for c in v["greedy"]) >= 48, v

@@ -31,6 +31,7 @@ def main(out_path: str) -> None:
     group.all_reduce(big)
     verdict["all_reduce_large"] = bool((big == 3).all())
     verdict["peer_all_reduce"] = group.peer_all_reduce is not None
+    verdict.update(_fused_norm_checks(group))
     folder = group.broadcast_object(
         str(save_tiny_llama(Path(out_path).parent / "tiny", 8, 2, seed=5)) if rank == 0 else None)
     cfg = EngineConfig(model=folder, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=8,
@@ -74,6 +75,74 @@ def main(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(verdict, indent=1))
     del engine, slots, single, ref32
     _close(group)
+
+
+def _fused_norm_checks(group) -> dict:
+    """`reduce_add_rms_norm` (fused over peer memory where it fits) against NCCL's all-reduce and then
+    `add_rms_norm`, eagerly and replayed from a CUDA graph with new inputs; both ranks must get the same
+    bits. Four calls in a chain (h carried), slots alternating as the model uses them."""
+    import torch.distributed as dist
+
+    from kernels.rms_norm import add_rms_norm
+
+    res: dict = {}
+    dev, rank = group.device, group.rank
+
+    def inputs(rows, dtype, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        h = torch.randn(rows, 512, device=dev, generator=g).to(dtype)            # the same on every rank
+        g.manual_seed(seed * 10 + rank + 1)
+        xs = [torch.randn(rows, 512, device=dev, generator=g).to(dtype) for _ in range(4)]
+        return h, xs
+
+    def fused(h, xs, w, outs):
+        for k, x in enumerate(xs):
+            group.reduce_add_rms_norm(x, h, w, 1e-5, outs[k], k % 2)
+
+    def reference(h, xs, w, outs):
+        for k, x in enumerate(xs):
+            s = x.clone()
+            dist.all_reduce(s, group=group.device_group)
+            add_rms_norm(s, h, w, 1e-5, outs[k], h)
+
+    def same_on_every_rank(t):
+        got = [torch.empty_like(t) for _ in range(group.world_size)]
+        dist.all_gather(got, t.contiguous(), group=group.device_group)
+        return all(torch.equal(got[0], g) for g in got)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.linspace(0.5, 1.5, 512, device=dev).to(dtype)
+        for rows in (1, 5, 64):
+            h, xs = inputs(rows, dtype, rows)
+            h_ref, outs_ref = h.clone(), [torch.empty_like(h) for _ in xs]
+            reference(h_ref, xs, w, outs_ref)
+            outs = [torch.empty_like(h) for _ in xs]
+            fused(h, xs, w, outs)
+            ok = torch.equal(h, h_ref) and all(torch.equal(a, b) for a, b in zip(outs, outs_ref))
+            res[f"fused_norm_{dtype}_{rows}"] = bool(ok and same_on_every_rank(h) and same_on_every_rank(outs[-1]))
+        h, xs = inputs(5, dtype, 99)
+        outs = [torch.empty_like(h) for _ in xs]
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            fused(h.clone(), xs, w, outs)                          # compile outside the capture
+        torch.cuda.current_stream(dev).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused(h, xs, w, outs)
+        ok = True
+        for seed in (3, 4, 5):
+            h_new, xs_new = inputs(5, dtype, seed)
+            h.copy_(h_new)
+            for x, x_new in zip(xs, xs_new):
+                x.copy_(x_new)
+            graph.replay()
+            h_ref, outs_ref = h_new.clone(), [torch.empty_like(h) for _ in xs]
+            reference(h_ref, xs_new, w, outs_ref)
+            ok = ok and torch.equal(h, h_ref) and all(torch.equal(a, b) for a, b in zip(outs, outs_ref))
+        res[f"fused_norm_graph_{dtype}"] = bool(ok)
+        del graph
+    return res
 
 
 def _close(group) -> None:
