@@ -16,7 +16,8 @@ Every request has a 43-token random prompt and decodes 100 tokens greedily (EOS 
 modules, each rank holding its share by the seed's rule), at batch 1, 8, 32, 64. Per case:
 
 - `tpot_ms`: wall time per output token of rank 0's engine loop (decode steps only), host work and the
-  per-step broadcast to the follower included (what a client sees);
+  per-step broadcast to the follower included (what a client sees); TP=1 overlaps each step's host work
+  with the GPU (the single-GPU default), TP=2 cannot yet (followers take each step's tokens from rank 0);
 - `gpu_step_ms`: GPU time of one decode step, the median of 20 replays of the step's CUDA graph timed
   with CUDA events, every rank replaying in lock step (the all-reduces are inside the graph);
 - `floor`: the per-GPU byte floor: (that rank's weight bytes without the embedding table + the step's
@@ -161,7 +162,8 @@ class Built:
                               max_num_seqs=max_batch, max_num_batched_tokens=max(4096, max_batch * 64),
                               max_model_len=max_len, kv_cache_bytes=kv_tokens * self.kv_per_token,
                               max_loras=max_batch, max_lora_rank=LORA_RANK,
-                              lora_backend="kernels" if device.type == "cuda" else "auto")
+                              lora_backend="kernels" if device.type == "cuda" else "auto",
+                              async_scheduling=None if tp == 1 else False)   # as the service runs each
         loaded = LoadedModel(local, model, fingerprint, Path("/tmp/random-llama"), None)
         inner, backend = _default_lora(config, local, device, dtype)
         self.slots = ShardedSlots(inner, spec, shard) if tp > 1 else inner

@@ -114,7 +114,9 @@ class DriverRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, in_flight: Any = None) -> torch.Tensor:
+        if in_flight is not None:       # followers read each step's tokens from rank 0's message
+            raise ValueError("overlapped steps (async scheduling) are not supported with tensor parallelism")
         step = self._runner.inputs(out)
         evict = sorted(k for k in self._shipped if not self._slots.resident(k))
         self._shipped.difference_update(evict)
