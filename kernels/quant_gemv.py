@@ -16,6 +16,7 @@ Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded 
 import triton
 import triton.language as tl
 
+from kernels.pdl import wait_then_release
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_field, field_bias
 
@@ -85,12 +86,27 @@ def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, 
 
 
 @triton.jit
+def _block_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                HALVES: tl.constexpr):
+    if HALVES:
+        acc, acc_o = _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                                  GROUP, EVEN_K, ASM)
+    else:
+        acc = _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
+                           EVEN_K, ASM)
+    return acc, acc_o
+
+
+@triton.jit
 def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
-                      NUM_THREADS: tl.constexpr, ASM: tl.constexpr):
-    """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2)."""
+                      NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
+    As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
+    program has at least one block: the wrapper sizes the splits so)."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -102,14 +118,14 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     HALVES: tl.constexpr = BITS == 4 and GROUP % 128 == 0
     acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (HALVES)
-    for b in range(b_lo, b_hi):
-        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
-        if HALVES:
-            acc, acc_o = _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                                      GROUP, EVEN_K, ASM)
-        else:
-            acc = _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
-                               EVEN_K, ASM)
+    words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
+    wait_then_release(USE_PDL)
+    acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                             GROUP, BITS, EVEN_K, ASM, HALVES)
+    for b in range(b_lo + 1, b_hi):
+        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
+        acc, acc_o = _block_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                                 GROUP, BITS, EVEN_K, ASM, HALVES)
     total = tl.sum(acc, axis=1)
     if HALVES:
         total += acc_o

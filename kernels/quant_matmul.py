@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.quant_gemv import quant_gemv_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k
 from kernels.quant_split import write_out
@@ -107,12 +108,36 @@ def _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_
 
 
 @triton.jit
+def _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n, n_mask,
+              N, K, GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+              FIELD_DOTS: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """Block b's words into acc (out.T, [BN, BM]) by the path the call picked."""
+    BLOCK_K: tl.constexpr = 32 * (32 // BITS)
+    if PAIRS:
+        acc = _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr,
+                          offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
+    elif FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
+        for i in tl.static_range(32 // BITS):
+            k0 = b * BLOCK_K + i * 32
+            xt = _load_x(x_cols + k0, m_mask, k0 + offs_k < K, EVEN_K)                    # [32, BM]
+            w = dequant_field(words, s_ptr, o_ptr, k0 // GROUP, N, offs_n, n_mask, i, BITS).to(xt.dtype)
+            acc = _dot(w, xt, acc, IEEE)
+    else:               # one dot over the whole block, the [BN, BLOCK_K] tile staged in shared memory
+        xt = _load_x(x_cols + b * BLOCK_K, m_mask, b * BLOCK_K + offs_k < K, EVEN_K)     # [BK, BM]
+        w = dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP, BITS).to(xt.dtype)
+        acc = _dot(w, xt, acc, IEEE)
+    return acc
+
+
+@triton.jit
 def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, xs_ptr, num_halves,
                          T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                          FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr,
-                         PAIRS: tl.constexpr, ASM: tl.constexpr):
+                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    # As a dependent launch (kernels/pdl.py) the first block's words are read before the wait; x, the sums
+    # of x, the partials and the locks after it.
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,21 +150,14 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                              # out.T tile
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
-    for b in range(b_lo, b_hi):
-        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
-        if PAIRS:
-            acc = _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr,
-                              offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
-        elif FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
-            for i in tl.static_range(32 // BITS):
-                k0 = b * BLOCK_K + i * 32
-                xt = _load_x(x_cols + k0, m_mask, k0 + offs_k < K, EVEN_K)                    # [32, BM]
-                w = dequant_field(words, s_ptr, o_ptr, k0 // GROUP, N, offs_n, n_mask, i, BITS).to(xt.dtype)
-                acc = _dot(w, xt, acc, IEEE)
-        else:               # one dot over the whole block, the [BN, BLOCK_K] tile staged in shared memory
-            xt = _load_x(x_cols + b * BLOCK_K, m_mask, b * BLOCK_K + offs_k < K, EVEN_K)     # [BK, BM]
-            w = dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP, BITS).to(xt.dtype)
-            acc = _dot(w, xt, acc, IEEE)
+    words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
+    wait_then_release(USE_PDL)
+    acc = _mm_block(words, b_lo, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
+                    n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM)
+    for b in range(b_lo + 1, b_hi):
+        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
+        acc = _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
+                        n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0
@@ -205,18 +223,19 @@ def quant_matmul(
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
     even_k = K % block_k(w.bits) == 0
     compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"     # fences and inline assembly: not interpreted
+    pdl = launch_args(pdl_enabled(x.device))
     if cfg.block_m == 1:
         quant_gemv_kernel[grid](*buffers, *sizes, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
                                 SPLIT=split > 1, HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=compiled,
                                 NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // 128, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots, PAIRS=pairs, ASM=compiled,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128) -> QuantMatmulConfig:

@@ -70,3 +70,64 @@ def test_graph_of_dependent_launches_matches_plain_launches(monkeypatch):
         results[flag] = torch.stack(outs)
     assert torch.isfinite(results["0"]).all()
     assert torch.equal(results["1"], results["0"])
+
+
+def _packed(n, k, gen, dev):
+    from kernels.quant_pack import pack_quantized
+
+    q = torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8, generator=gen)
+    s = (torch.rand(n, k // 128, device=dev, generator=gen) * 0.02 + 0.01).half()
+    o = (-8 * s.float()).half()
+    return pack_quantized(q, s, o, 4, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_quantized_chain_as_dependent_launches_matches_plain(monkeypatch, rows):
+    """norm -> 4-bit matmul (split-K) -> SwiGLU -> 4-bit matmul, six rounds, in a graph: dependent launches
+    equal plain ones bit for bit (one row: the one-row kernel; eight: the pair-codes tensor-core kernel)."""
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a Hopper or later GPU")
+    from kernels.quant_matmul import pick_config, quant_matmul
+    from kernels.rms_norm import add_rms_norm
+    from kernels.silu_mul import silu_mul
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(4)
+    H, inter = 2048, 5632
+    w_gu, w_down = _packed(2 * inter, H, gen, dev), _packed(H, inter, gen, dev)
+    norm_w = torch.rand(H, device=dev, dtype=dt, generator=gen) + 0.5
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cfg_gu, cfg_down = pick_config(rows, 2 * inter, H, 4, sms), pick_config(rows, H, inter, 4, sms)
+    assert cfg_down.split_k > 1                                 # the locks and partials are in the chain
+    work = [(torch.zeros(16 * rows * 2 * inter, device=dev), torch.zeros(4096, dtype=torch.int32, device=dev))
+            for _ in range(2)]
+
+    def chain(x, normed, gate_up, act, out):
+        h = x
+        for _ in range(6):
+            add_rms_norm(h, None, norm_w, 1e-5, normed)
+            quant_matmul(normed, w_gu, None, gate_up, cfg_gu, *work[0])
+            silu_mul(gate_up, act)
+            quant_matmul(act, w_down, None, out, cfg_down, *work[1])
+            h = out
+
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(ENV, flag)
+        x = torch.empty(rows, H, device=dev, dtype=dt)
+        bufs = (torch.empty(rows, H, device=dev, dtype=dt), torch.empty(rows, 2 * inter, device=dev, dtype=dt),
+                torch.empty(rows, inter, device=dev, dtype=dt), torch.empty(rows, H, device=dev, dtype=dt))
+        x.normal_(generator=torch.Generator(device=dev).manual_seed(5))
+        chain(x, *bufs)                                        # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(x, *bufs)
+        outs = []
+        for seed in range(12):
+            x.normal_(generator=torch.Generator(device=dev).manual_seed(100 + seed))
+            graph.replay()
+            outs.append(bufs[-1].clone())
+        results[flag] = torch.stack(outs)
+    assert torch.isfinite(results["0"]).all() and results["0"].abs().max() > 0
+    assert torch.equal(results["1"], results["0"])
