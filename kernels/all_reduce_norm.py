@@ -13,10 +13,14 @@ Here program t (one per token row):
 The caller alternates between two halves of the buffer (`offset`), so no barrier is needed at the end:
 a rank writes a half again only two calls later, after meeting every peer at the call in between, by
 which time every peer's earlier kernel has finished reading it (each kernel waits for the one before).
-A peer that never arrives leaves the programs waiting, like any collective; the group's watchdog and
-timeouts deal with a dead rank (compute_service/parallel/group.py).
+A peer that never arrives must not hang the GPU: a program that has waited `timeout_s` for a flag gives
+up, records it in `status` and, compiled, traps, which ends this process's CUDA context, so the step's
+read-back raises and the group goes down (compute_service/parallel/group.py) instead of spinning forever.
+Under the interpreter (no timer, no trap) the bound is a count of tries and the program only records it.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,9 +30,45 @@ from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 
+INTERPRETER_TRIES = tl.constexpr(1000)      # the interpreter's bound on tries of one flag (no clock there)
+
+
 @triton.jit
-def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bufs_ptr, pads_ptr, offset, rank, H, eps,
-                                WORLD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _now_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _trap():
+    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _swap_flag(ptr, cmp, val, SEM: tl.constexpr, status_ptr, timeout_ns, COMPILED: tl.constexpr):
+    """Compare-and-swap cmp -> val at ptr (system scope) until it takes; past the timeout, records the
+    failure in status and (compiled) traps."""
+    old = tl.atomic_cas(ptr, cmp, val, sem=SEM, scope="sys")
+    expired = tl.full([], 0, tl.int32)
+    if COMPILED:
+        start = _now_ns()
+    tries = 1
+    while (old != cmp) & (expired == 0):
+        old = tl.atomic_cas(ptr, cmp, val, sem=SEM, scope="sys")
+        if COMPILED:
+            expired = (_now_ns() - start > timeout_ns).to(tl.int32)
+        else:
+            tries += 1
+            expired = (tries >= INTERPRETER_TRIES).to(tl.int32)
+    if old != cmp:
+        tl.atomic_xchg(status_ptr, 1)
+        if COMPILED:
+            _trap()
+
+
+@triton.jit
+def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bufs_ptr, pads_ptr, status_ptr, offset, rank, H,
+                                eps, timeout_ns, WORLD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                                COMPILED: tl.constexpr):
     t = tl.program_id(0)
     row = t.to(tl.int64) * H
     offs = tl.arange(0, BLOCK)
@@ -43,13 +83,11 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bufs_ptr, pads_p
     for p in tl.static_range(WORLD):
         if p != rank:
             peer_pad = tl.load(pads_ptr + p).to(tl.pointer_type(tl.int32))
-            while tl.atomic_cas(peer_pad + t * WORLD + rank, 0, 1, sem="release", scope="sys") != 0:
-                pass
+            _swap_flag(peer_pad + t * WORLD + rank, 0, 1, "release", status_ptr, timeout_ns, COMPILED)
     own_pad = tl.load(pads_ptr + rank).to(tl.pointer_type(tl.int32))
     for p in tl.static_range(WORLD):
         if p != rank:
-            while tl.atomic_cas(own_pad + t * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+            _swap_flag(own_pad + t * WORLD + p, 1, 0, "acquire", status_ptr, timeout_ns, COMPILED)
     tl.debug_barrier()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for p in tl.static_range(WORLD):
@@ -74,6 +112,8 @@ def reduce_add_rms_norm(
     pad_ptrs: torch.Tensor,     # [world] int64 on the device: every rank's signal pad (int32 flags)
     offset: int,                # elements into each buffer: the half this call uses
     rank: int,
+    status: torch.Tensor,       # [1] int32 on the device: set to 1 when a peer did not arrive in time
+    timeout_s: float = 120.0,   # how long a program waits for a peer's flag
 ) -> None:
     """Semantics (every rank calls it with its own x; all get the same bits):
         s = sum over ranks of x, in fp32 in rank order, rounded to the dtype
@@ -89,8 +129,11 @@ def reduce_add_rms_norm(
     world = buffer_ptrs.numel()
     if pad_ptrs.numel() != world or not 0 <= rank < world:
         raise ValueError(f"{world} buffers, {pad_ptrs.numel()} pads, rank {rank}")
+    if status.dtype != torch.int32 or status.numel() < 1:
+        raise ValueError("status must be an int32 tensor of at least one element")
     if T == 0:
         return
-    _reduce_add_rms_norm_kernel[(T,)](x, residual, weight, out, buffer_ptrs, pad_ptrs, offset, rank, H, eps,
-                                      WORLD=world, BLOCK=next_pow2(H), num_warps=8,
-                                      **launch_args(pdl_enabled(x.device)))
+    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"      # timer and trap: not interpreted
+    _reduce_add_rms_norm_kernel[(T,)](x, residual, weight, out, buffer_ptrs, pad_ptrs, status, offset, rank, H,
+                                      eps, int(timeout_s * 1e9), WORLD=world, BLOCK=next_pow2(H), num_warps=8,
+                                      COMPILED=compiled, **launch_args(pdl_enabled(x.device)))

@@ -29,7 +29,7 @@ DEFAULT_SIGNAL_PAD_BYTES = 2048      # the library's default, where it cannot sa
 class PeerAllReduce:
     """Symmetric buffers (one per dtype) rendezvoused on `group_name`; `__call__` sums in place."""
 
-    def __init__(self, group_name: str, device: torch.device, fuse: bool = True) -> None:
+    def __init__(self, group_name: str, device: torch.device, fuse: bool = True, timeout_s: float = 120.0) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")   # one-shot reads peers, no multicast
@@ -45,7 +45,7 @@ class PeerAllReduce:
             self._buffers[dtype] = buf
         # The library's one-shot copies the input into the peer buffer itself where it can (one launch).
         self._copy_out = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
-        self._norm: _FusedNorm | None = _FusedNorm(group_name, device, symm_mem) if fuse else None
+        self._norm: _FusedNorm | None = _FusedNorm(group_name, device, symm_mem, timeout_s) if fuse else None
 
     def takes(self, t: torch.Tensor) -> bool:
         """Small, contiguous, a whole number of 16-byte words (the kernel's vector width)."""
@@ -77,7 +77,9 @@ class PeerAllReduce:
 class _FusedNorm:
     """The fused all-reduce + add + RMSNorm's peer-mapped buffer (two halves) and signal pads."""
 
-    def __init__(self, group_name: str, device: torch.device, symm_mem: Any) -> None:
+    def __init__(self, group_name: str, device: torch.device, symm_mem: Any, timeout_s: float) -> None:
+        self.timeout_s = timeout_s          # a peer this late traps the kernel: the group goes down, no hang
+        self.status = torch.zeros(1, dtype=torch.int32, device=device)
         self._buf = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self._buf, group_name)
         self.rank, self.world = handle.rank, handle.world_size
@@ -95,11 +97,11 @@ class _FusedNorm:
         from kernels.all_reduce_norm import reduce_add_rms_norm
 
         reduce_add_rms_norm(x, h, weight, eps, out, self.buffer_ptrs, self.pad_ptrs,
-                            slot * (MAX_BYTES // x.element_size()), self.rank)
+                            slot * (MAX_BYTES // x.element_size()), self.rank, self.status, self.timeout_s)
 
 
 def try_peer_all_reduce(device_group: Any, device: torch.device, world: int,
-                        agree: Callable[[int], int]) -> PeerAllReduce | None:
+                        agree: Callable[[int], int], timeout_s: float = 120.0) -> PeerAllReduce | None:
     """The fast path for this group, or None (CPU, one rank, turned off, or not available here).
     Collective: every rank calls it at the same point; `agree` (the minimum over the ranks) makes
     the ranks take the same path, or one would wait in NCCL for peers that reduce elsewhere."""
@@ -112,7 +114,7 @@ def try_peer_all_reduce(device_group: Any, device: torch.device, world: int,
         log.info("tensor parallel: all-reduce on NCCL only (%s=nccl)", ENV)
         return None
     try:
-        fast = PeerAllReduce(device_group.group_name, device, fuse=mode == "auto")
+        fast = PeerAllReduce(device_group.group_name, device, fuse=mode == "auto", timeout_s=timeout_s)
         probe = torch.ones(8, dtype=torch.float32, device=device)
         fast(probe)
         torch.cuda.synchronize(device)

@@ -137,7 +137,7 @@ def init_group(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                                 control_timeout_s or timeout_s)
     if world > 1:
         group.channel = _open_channel(group)
-        group.peer_all_reduce = try_peer_all_reduce(device_group, device, world, group.min_int)
+        group.peer_all_reduce = try_peer_all_reduce(device_group, device, world, group.min_int, timeout_s)
     log.info("tensor parallel rank %d/%d on %s joined the group", rank, world, device)
     return group
 
