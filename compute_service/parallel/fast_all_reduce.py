@@ -24,6 +24,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ENV = "LORAPLEX_TP_ALL_REDUCE"       # auto (default), oneshot or nccl
 MODES = ("auto", "oneshot", "nccl")
 DEFAULT_SIGNAL_PAD_BYTES = 2048      # the library's default, where it cannot say
+# Rows the fused kernel takes at most: its programs wait for their peers' programs, so every program of
+# a launch must be resident at once on every rank (256 programs of 8 warps: 2 per SM on a 132-SM GPU).
+MAX_FUSED_ROWS = 256
 
 
 class PeerAllReduce:
@@ -86,7 +89,7 @@ class _FusedNorm:
         self.buffer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         self.pad_ptrs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
         pad_bytes = getattr(symm_mem, "get_signal_pad_size", lambda: DEFAULT_SIGNAL_PAD_BYTES)()
-        self.max_rows = pad_bytes // 4 // self.world        # one int32 flag per (row, rank)
+        self.max_rows = min(MAX_FUSED_ROWS, pad_bytes // 4 // self.world)   # one int32 flag per (row, rank)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.dtype in DTYPES and x.is_contiguous() and x.shape[0] <= self.max_rows \
@@ -105,11 +108,11 @@ def try_peer_all_reduce(device_group: Any, device: torch.device, world: int,
     """The fast path for this group, or None (CPU, one rank, turned off, or not available here).
     Collective: every rank calls it at the same point; `agree` (the minimum over the ranks) makes
     the ranks take the same path, or one would wait in NCCL for peers that reduce elsewhere."""
-    if device.type != "cuda" or world < 2:
-        return None
     mode = os.environ.get(ENV, "auto")
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r}: use one of {', '.join(MODES)}")
+    if device.type != "cuda" or world < 2:
+        return None
     if mode == "nccl":
         log.info("tensor parallel: all-reduce on NCCL only (%s=nccl)", ENV)
         return None
