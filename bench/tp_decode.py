@@ -364,7 +364,9 @@ def main() -> None:
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU over gloo: checks the script, no figures")
     ap.add_argument("--profile", action="store_true", help="also a per-kernel GPU time breakdown of the decode "
-                    "graph at the smallest and largest batch")
+                    "graph at the smallest and largest batch. Make it a run of its own: timings taken after a "
+                    "profile in the same process came out up to 6%% slower (2e3ca11), and with dependent "
+                    "launches the kernels' times overlap, so they do not add up to the step")
     args = ap.parse_args()
 
     from compute_service.parallel.group import init_group
