@@ -64,17 +64,16 @@ class PeerAllReduce:
             buf.copy_(flat)
             torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.group_name, flat)
 
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether `reduce_add_rms_norm` takes x: fusion on, within the one-shot's bounds and the fused
+        kernel's (elsewhere the caller all-reduces, then adds and normalises)."""
+        return self._norm is not None and self.takes(x) and self._norm.takes(x)
+
     def reduce_add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                             out: torch.Tensor, slot: int) -> None:
-        """h += sum over ranks of x; out = RMSNorm(h) * weight: one fused launch where it fits, else the
-        one-shot all-reduce and then the add + norm. Consecutive calls must alternate `slot` (0, 1)."""
-        if self._norm is not None and self._norm.takes(x):
-            self._norm(x, h, weight, eps, out, slot)
-            return
-        from kernels.rms_norm import add_rms_norm
-
-        self(x)
-        add_rms_norm(x, h, weight, eps, out, h)
+        """h += sum over ranks of x; out = RMSNorm(h) * weight, in one launch (only where `fuses(x)`).
+        Consecutive calls must alternate `slot` (0, 1)."""
+        self._norm(x, h, weight, eps, out, slot)
 
 
 class _FusedNorm:
@@ -139,10 +138,10 @@ def try_peer_all_reduce(device_group: Any, device: torch.device, world: int,
 
 def _probe_fused(fast: PeerAllReduce, device: torch.device, world: int) -> None:
     """Both halves of the fused kernel once, on rows of ones: h must come back as world + 1."""
-    if fast._norm is None:
+    x = torch.ones(2, 64, dtype=torch.float32, device=device)
+    if not fast.fuses(x):
         return
     for slot in (0, 1):
-        x = torch.ones(2, 64, dtype=torch.float32, device=device)
         h = torch.ones_like(x)
         fast.reduce_add_rms_norm(x, h, torch.ones(64, device=device), 1e-6, torch.empty_like(x), slot)
         torch.cuda.synchronize(device)

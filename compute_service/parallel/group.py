@@ -59,10 +59,11 @@ class TensorParallelGroup:
     def reduce_add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                             out: torch.Tensor, slot: int) -> None:
         """h += sum over ranks of x (a row-parallel layer's partial output); out = RMSNorm(h) * weight.
-        Decode rows: one fused launch over peer memory; otherwise the all-reduce, then the add + norm.
-        Consecutive calls alternate `slot` (0, 1): the fused kernel's buffer halves."""
+        Decode rows: one fused launch over peer memory; otherwise the all-reduce (one-shot or NCCL, as
+        `all_reduce` picks), then the add + norm. Consecutive calls alternate `slot` (0, 1): the fused
+        kernel's buffer halves."""
         fast = self.peer_all_reduce
-        if fast is not None and fast.takes(x):
+        if fast is not None and fast.fuses(x):
             fast.reduce_add_rms_norm(x, h, weight, eps, out, slot)
             return
         from kernels.rms_norm import add_rms_norm      # Triton: imported on first use
