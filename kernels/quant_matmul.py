@@ -11,10 +11,13 @@ row; field i of the words holds 32 consecutive codes of one group):
   staged in shared memory for one dot (better for small, latency-bound weights; `pick_config`).
   4 bits in groups of 128 and more with 16-bit x (the 8B checkpoints' layout; `_pairs_step`): the codes
   are not dequantized before the dots at all. One shift and one and-or turn a word into two 16-bit
-  floats BIAS + q (fields i and i + 4), exact, which go into the dots as they are; each half-block's
-  group scale and offset apply to the dot's fp32 sums, with the sums of x over the half computed once
-  per call. Per code that is one integer instruction instead of a float dequantization (H200, 8B layer
-  shapes: 27% less time per layer at 8 rows, 18% at 64).
+  floats BIAS + q (fields i and i + 4), exact; each half block's four fields are joined in registers
+  into one K=128 dot (Triton lays the join out as the dot's register operand: no trip through shared
+  memory), and the half's group scale and offset apply to the dot's fp32 sums as two FMAs per element,
+  with the sums of x over the half computed once per call. Per code that is one integer instruction
+  instead of a float dequantization (H200, 8B layer shapes: 27% less time per layer at 8 rows, 18% at 64);
+  the K=128 dots and the FMA epilogue took another 8-13% off at 16-64 rows (eight K=32 dots per block
+  each waited for its own result).
 - One-row kernel (batch-1 decode, `kernels.quant_gemv`): no tensor cores, codes * x elementwise in fp32.
 
 Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336) is
@@ -75,24 +78,32 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n, n_mask,
+def _join4(f0, f1, f2, f3):
+    """[BN, 128] from four [BN, 32] fields, column i * 32 + j = field i's column j."""
+    BN: tl.constexpr = f0.shape[0]
+    j = tl.join(tl.join(f0, f1), tl.join(f2, f3))                   # [BN, 32, 2 (u), 2 (v)]: field 2 v + u
+    return tl.reshape(tl.permute(j, (0, 3, 2, 1)), (BN, 128))
+
+
+@triton.jit
+def _pairs_step(words, b, acc, x_half, xs_ptr, num_halves, m_mask, offs_m, offs_h, s_ptr, o_ptr, offs_n, n_mask,
                 N, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """Block b of a 4-bit weight in groups of 128 or more into acc (out.T, [BN, BM]): fields 0-3 are half a
     (group g_a), fields 4-7 half b (group g_b). The codes enter the dots as BIAS + q in x's type, exact
-    (`biased_pair`: one shift and one instruction per two codes, no float math per code); each half's dots
-    sum D = sum((B + q) x) and its group applies after them, s * D + (o - B s) * sum(x), in fp32, with the
-    sums of x over each 128-wide half read from xs (computed once per call, not per program)."""
-    BF16: tl.constexpr = x_cols.dtype.element_ty == tl.bfloat16
+    (`biased_pair`: one shift and one instruction per two codes, no float math per code); each half's four
+    fields are joined in registers into one [BN, 128] operand (column i * 32 + j is field i of word j, k
+    order, so x's half-block tile is read as it lies) and go through one K=128 dot; its sum
+    D = sum((B + q) x) takes the half's group after the dot, s * D + (o - B s) * sum(x), as two FMAs per
+    element in fp32, with the sums of x over each 128-wide half read from xs (computed once per call)."""
+    BF16: tl.constexpr = x_half.dtype.element_ty == tl.bfloat16
     BIAS: tl.constexpr = pair_bias(BF16)
-    d_a = tl.zeros(acc.shape, dtype=tl.float32)
-    d_b = tl.zeros(acc.shape, dtype=tl.float32)
-    for i in tl.static_range(4):
-        k_a = b * 256 + i * 32
-        xa = _load_x(x_cols + k_a, m_mask, k_a + offs_k < K, EVEN_K)                 # [32, BM]
-        xb = _load_x(x_cols + k_a + 128, m_mask, k_a + 128 + offs_k < K, EVEN_K)
-        wa, wb = biased_pair(words, i, BF16, ASM)                                     # [BN, 32] each
-        d_a = tl.dot(wa, xa, d_a)
-        d_b = tl.dot(wb, xb, d_b)
+    a0, b0 = biased_pair(words, 0, BF16, ASM)
+    a1, b1 = biased_pair(words, 1, BF16, ASM)
+    a2, b2 = biased_pair(words, 2, BF16, ASM)
+    a3, b3 = biased_pair(words, 3, BF16, ASM)
+    k_a = b * 256
+    xa = _load_x(x_half + k_a, m_mask, k_a + offs_h < K, EVEN_K)                      # [128, BM]
+    xb = _load_x(x_half + k_a + 128, m_mask, k_a + 128 + offs_h < K, EVEN_K)
     xs_a = tl.load(xs_ptr + offs_m * num_halves + 2 * b, mask=m_mask, other=0.0)      # [BM] fp32
     xs_b = tl.load(xs_ptr + offs_m * num_halves + 2 * b + 1, mask=m_mask & (offs_m * 0 + 2 * b + 1 < num_halves),
                    other=0.0)                                                   # 0 for the padded half past K
@@ -102,8 +113,10 @@ def _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_
     s_b = tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     o_a = tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_a
     o_b = tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_b
-    acc += s_a[:, None] * d_a + o_a[:, None] * xs_a[None, :]
-    acc += s_b[:, None] * d_b + o_b[:, None] * xs_b[None, :]
+    d_a = tl.dot(_join4(a0, a1, a2, a3), xa)
+    d_b = tl.dot(_join4(b0, b1, b2, b3), xb)
+    acc = tl.fma(s_a[:, None], d_a, tl.fma(o_a[:, None], xs_a[None, :], acc))
+    acc = tl.fma(s_b[:, None], d_b, tl.fma(o_b[:, None], xs_b[None, :], acc))
     return acc
 
 
@@ -113,7 +126,7 @@ def _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k,
               FIELD_DOTS: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
     """Block b's words into acc (out.T, [BN, BM]) by the path the call picked."""
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
-    if PAIRS:
+    if PAIRS:           # x_cols: [128, BM] half-block tiles of x.T
         acc = _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr,
                           offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
     elif FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
@@ -142,7 +155,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    K_STEP: tl.constexpr = 32 if FIELD_DOTS else BLOCK_K                            # x rows per dot
+    K_STEP: tl.constexpr = 128 if PAIRS else 32 if FIELD_DOTS else BLOCK_K         # x rows per dot
     offs_k = tl.arange(0, K_STEP)
     n_mask, m_mask = offs_n < N, offs_m < T
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + tl.arange(0, 32)[None, :]   # [BN, 32]
@@ -250,11 +263,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     per launch in the sweep at 1-16 rows; one run of the default model's engine decode with them was
     13-24% slower at batch 1/8, inside that benchmark's run-to-run spread: not picked until measured.)
     On a large weight: one dot per field, 64-feature tiles, split 4 (8 for a long K), none above 32 rows
-    when the feature tiles alone fill the SMs. 4 bits in groups of 128+ (the pair-codes path; H200 sweep of
-    the 8B shapes at 2-64 rows, each within 10% of its best): split 1 where
-    the tiles fill the SMs twice (then 128-feature tiles at 17-32 rows), else 4 (8 for a long K up to 16
-    rows); 64-row tiles for 33-64 rows, split to about two programs per SM (q/k/v at 48-64 rows: 26.5 ->
-    23.0 us with split 2 instead of 4).
+    when the feature tiles alone fill the SMs. 4 bits in groups of 128+ (the pair-codes path; H200 sweeps of
+    the 8B shapes at 8-64 rows, each within 10% of its best): 64-feature tiles, split 1 where the tiles
+    fill the SMs twice, else 4 (8 for a long K up to 16 rows); 64-row tiles for 33-64 rows, split to about
+    two programs per SM (q/k/v at 48-64 rows: 26.5 -> 23.0 us with split 2 instead of 4).
     Token tiles of 16 / 32 / 64 rows (32 where a long K or few feature tiles leave SMs idle).
     Prefill rows (> 64): 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
     num_blocks = -(-K // block_k(bits))
@@ -281,8 +293,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = 1 if tiles >= 2 * num_sms else 8 if K >= 8192 and T <= 16 else 4
         if T > 32 and split > 1:        # 64-row tiles: about 2 programs per SM (q/k/v at 64 rows: split 2)
             split = pow2_floor(2 * num_sms // tiles)
-        block_n = 128 if split == 1 and block_m == 32 else 64
-        return QuantMatmulConfig(block_n, block_m, max(1, min(split, num_blocks // 3)))
+        return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
     block_m = min(block_m, 32) if K >= 8192 else block_m
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
     split = 1 if T > 32 and tiles >= num_sms else 8 if K >= 8192 else 4
