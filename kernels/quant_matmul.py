@@ -265,8 +265,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     On a large weight: one dot per field, 64-feature tiles, split 4 (8 for a long K), none above 32 rows
     when the feature tiles alone fill the SMs. 4 bits in groups of 128+ (the pair-codes path; H200 sweeps of
     the 8B shapes at 8-64 rows, each within 10% of its best): 64-feature tiles, split 1 where the tiles
-    fill the SMs twice, else 4 (8 for a long K up to 16 rows); 64-row tiles for 33-64 rows, split to about
-    two programs per SM (q/k/v at 48-64 rows: 26.5 -> 23.0 us with split 2 instead of 4).
+    fill the SMs twice, else 4 (8 for a long K up to 16 rows); above 16 rows split to about two programs per
+    SM (q/k/v at 48-64 rows: 26.5 -> 23.0 us with split 2 instead of 4; at 32 rows 21.7 -> 18.6-19.4 us).
     Token tiles of 16 / 32 / 64 rows (32 where a long K or few feature tiles leave SMs idle).
     Prefill rows (> 64): 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
     num_blocks = -(-K // block_k(bits))
@@ -291,7 +291,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
     if pair_codes_layout(bits, group_size, K):
         split = 1 if tiles >= 2 * num_sms else 8 if K >= 8192 and T <= 16 else 4
-        if T > 32 and split > 1:        # 64-row tiles: about 2 programs per SM (q/k/v at 64 rows: split 2)
+        if T > 16 and split > 1:        # 32- and 64-row tiles: about 2 programs per SM (q/k/v: split 2)
             split = pow2_floor(2 * num_sms // tiles)
         return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
     block_m = min(block_m, 32) if K >= 8192 else block_m
