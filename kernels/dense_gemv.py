@@ -31,9 +31,26 @@ class DenseGemvConfig:
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
+def _x_tile(x_ptr, offs, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr):
+    """x[offs] (0 past K); EARLY (read before the wait) bypasses L1 (`.cg`): only L2 is coherent."""
+    if EVEN_K:
+        if EARLY:
+            xv = tl.load(x_ptr + offs, cache_modifier=".cg")
+        else:
+            xv = tl.load(x_ptr + offs)
+    else:
+        if EARLY:
+            xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+        else:
+            xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
+    return xv
+
+
+@triton.jit
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+                       EVEN_K: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr):
+    """ADD: out += add (fp32, left zero), and x is read before the wait (see `dense_gemv`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
@@ -43,24 +60,24 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w,
         w = tl.load(rows, mask=n_mask[:, None], other=0.0)
     else:
         w = tl.load(rows, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    wait_then_release(USE_PDL)
-    if EVEN_K:
-        xv = tl.load(x_ptr + offs_k)
-    else:
-        xv = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    if not ADD:
+        wait_then_release(USE_PDL)
+    xv = _x_tile(x_ptr, offs_k, K, EVEN_K, ADD)
     acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(rows + k0, mask=n_mask[:, None], other=0.0)
-            xv = tl.load(x_ptr + k0 + offs_k)
         else:
-            k_mask = k0 + offs_k < K
-            w = tl.load(rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xv = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
+            w = tl.load(rows + k0, mask=n_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        xv = _x_tile(x_ptr, k0 + offs_k, K, EVEN_K, ADD)
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if ADD:
+        wait_then_release(USE_PDL)
+        total += tl.load(add_ptr + offs_n, mask=n_mask, other=0.0)
+        tl.store(add_ptr + offs_n, tl.zeros_like(total), mask=n_mask)
     tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -76,8 +93,15 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
                w: torch.Tensor,                 # [N, K], unit stride along K
                bias: torch.Tensor | None,       # [N] or None
                out: torch.Tensor,               # [N] or [1, N], contiguous, x's dtype
-               config: DenseGemvConfig | None = None) -> None:
-    """Semantics (fp32 accumulation): out[:] = (w.float() @ x.float().reshape(-1) + bias).to(out.dtype)."""
+               config: DenseGemvConfig | None = None,
+               addend: torch.Tensor | None = None) -> None:   # [N] or [1, N] float32, contiguous
+    """Semantics (fp32 accumulation): out[:] = (w.float() @ x.float().reshape(-1) + bias + addend).to(out.dtype);
+    the addend is left all zeros.
+
+    With an addend the kernel is meant to follow the launch that wrote it (the LoRA delta, written into
+    zeros): it reads x and the whole weight before waiting for that launch and waits only to add it.
+    So x must not be written by the launch just before this one (kernels/pdl.py): the caller guarantees
+    that every kernel since x was written wrote nothing this one reads but the addend."""
     k = x.shape[-1]
     n = w.shape[0]
     if x.numel() != k or x.stride(-1) != 1:
@@ -88,14 +112,17 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
         raise ValueError(f"out must be {n} contiguous elements, got {tuple(out.shape)}")
     if bias is not None and (bias.numel() != n or not bias.is_contiguous()):
         raise ValueError(f"bias must be {n} contiguous elements, got {tuple(bias.shape)}")
+    if addend is not None and (addend.numel() != n or not addend.is_contiguous() or addend.dtype != torch.float32):
+        raise ValueError(f"addend must be {n} contiguous float32 elements, got {addend.dtype} {tuple(addend.shape)}")
     if n == 0:
         return
     cfg = config or pick_gemv_config(n, k)
     grid = (triton.cdiv(n, cfg.block_n),)
     pdl = pdl_enabled(x.device)
-    _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, out, n, k, w.stride(0),
-                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-                             EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, **launch_args(pdl))
+    _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, addend if addend is not None else out, out,
+                             n, k, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+                             EVEN_K=k % cfg.block_k == 0, ADD=addend is not None, num_warps=cfg.num_warps,
+                             **launch_args(pdl))
 
 
 __all__ = ["DenseGemvConfig", "dense_gemv", "pick_gemv_config"]

@@ -179,7 +179,7 @@ def lora_fused_triton(
     pool: torch.Tensor,              # [num_pages * page_elems]
     tables: LoraRowTables, meta: LoraBatchMeta, layer: int,     # meta prepared for these T tokens
     module_indices: Sequence[int],   # dense module index per slice (1..4 slices)
-    y: torch.Tensor,                 # [T, >= slice_offsets[-1]] same dtype as pool, rows contiguous
+    y: torch.Tensor,                 # [T, >= slice_offsets[-1]] pool's dtype or float32, rows contiguous
     slice_offsets: Sequence[int],    # num_slices + 1 increasing column boundaries in y
     workspace: tuple[torch.Tensor, torch.Tensor] | None,   # fused_workspace(>= T, >= tables.max_rank, device)
     config: dict[str, int] | None = None,  # overrides of fused_config's choices (for tuning and tests)
@@ -198,13 +198,16 @@ def lora_fused_triton(
     T, K = x.shape
     num_slices = len(module_indices)
     check_input(x, pool)
-    offs = check_slices(y, slice_offsets, num_slices, pool)
+    offs = check_slices(y, slice_offsets, num_slices, pool, float32_ok=True)
     if y.shape[0] != T or meta.num_tokens != T:
         raise ValueError(f"x has {T} rows, y {y.shape[0]}, and meta was prepared for {meta.num_tokens} tokens")
     if workspace is None:
         raise ValueError("the fused kernel needs a workspace (kernels.fused.fused_workspace)")
-    if T == 0 or (meta.has_lora is False and not _capturing(x.device)):
-        return  # host-known empty batch; a graph being captured always gets the launch
+    if T == 0 or (meta.has_lora is False and not _capturing(x.device) and y.dtype != torch.float32):
+        # Host-known empty batch; a graph being captured always gets the launch, and so does a float32 y:
+        # that is a delta a base kernel adds, which reads its input before waiting for this launch
+        # (kernels/dense_gemv.py) and so must follow a launch that did not write that input.
+        return
     widths = [b - a for a, b in zip(offs, offs[1:])]
     cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device)
     if config:

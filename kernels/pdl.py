@@ -13,7 +13,14 @@ The rules every kernel launched with these options keeps:
 - it releases its dependents only after its wait, so a kernel's early reads run beside its direct
   predecessor alone.
 A kernel launched without the options waits for its predecessor as usual, so launches of either kind
-mix freely (library matmuls, torch ops). On the CPU, in the interpreter, before Hopper, or with
+mix freely (library matmuls, torch ops).
+
+One exception to the first rule, for the one-row base kernels that add a LoRA delta (`dense_gemv` and the
+4-bit one-row kernel with an `addend`): they read x before their wait, with loads that bypass L1, because
+their caller guarantees that x was written by a kernel before the launch just before them (the LoRA
+launch, which writes only the delta they add after the wait). That is safe: a kernel starts only once
+every program of its predecessor has passed that predecessor's wait, so every kernel before the
+predecessor has completed and its writes are in L2. On the CPU, in the interpreter, before Hopper, or with
 LORAPLEX_PDL=0, or with a driver older than CUDA 12.3, nothing changes: the kernels are compiled
 without the wait and launched plainly.
 """

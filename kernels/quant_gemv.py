@@ -22,18 +22,24 @@ from kernels.quant_tile import biased_field, field_bias
 
 
 @triton.jit
-def _x_field(x_row, k0, offs_j, K, EVEN_K: tl.constexpr):
-    """fp32 [32]: x[k0 : k0 + 32] (0 past K)."""
+def _x_field(x_row, k0, offs_j, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr):
+    """fp32 [32]: x[k0 : k0 + 32] (0 past K). EARLY (read before the wait, `ADD`) bypasses L1 (`.cg`)."""
     if EVEN_K:
-        xv = tl.load(x_row + k0).to(tl.float32)
+        if EARLY:
+            xv = tl.load(x_row + k0, cache_modifier=".cg").to(tl.float32)
+        else:
+            xv = tl.load(x_row + k0).to(tl.float32)
     else:
-        xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
+        if EARLY:
+            xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
     return xv
 
 
 @triton.jit
 def _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, EARLY: tl.constexpr):
     """Block b of a 4-bit weight in groups of 128 or more: fields 0-3 are group g_a, fields 4-7 group g_b."""
     g_a = (b * 256) // GROUP
     g_b = (b * 256 + 128) // GROUP
@@ -46,8 +52,8 @@ def _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs
     x_a = tl.zeros((32,), dtype=tl.float32)
     x_b = tl.zeros((32,), dtype=tl.float32)
     for i in tl.static_range(4):
-        xa = _x_field(x_row, b * 256 + i * 32, offs_j, K, EVEN_K)
-        xb = _x_field(x_row, b * 256 + 128 + i * 32, offs_j, K, EVEN_K)
+        xa = _x_field(x_row, b * 256 + i * 32, offs_j, K, EVEN_K, EARLY)
+        xb = _x_field(x_row, b * 256 + 128 + i * 32, offs_j, K, EVEN_K, EARLY)
         q_a += biased_field(words, i, 4, ASM) * xa[None, :]
         q_b += biased_field(words, i + 4, 4, ASM) * xb[None, :]
         x_a += xa
@@ -60,7 +66,8 @@ def _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs
 
 @triton.jit
 def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                 EARLY: tl.constexpr):
     """Block b, one group (or field, at groups of 32) at a time."""
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = 32 * FIELDS
@@ -74,7 +81,7 @@ def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, 
         x_g = tl.zeros((32,), dtype=tl.float32)                                   # x per column
         for f in tl.static_range(FPG):
             i = gi * FPG + f
-            xv = _x_field(x_row, b * BLOCK_K + i * 32, offs_j, K, EVEN_K)
+            xv = _x_field(x_row, b * BLOCK_K + i * 32, offs_j, K, EVEN_K, EARLY)
             if FPG == 1:
                 acc += (biased_field(words, i, BITS, ASM) * s[:, None] + o[:, None]) * xv[None, :]
             else:
@@ -88,25 +95,27 @@ def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, 
 @triton.jit
 def _block_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                HALVES: tl.constexpr):
+                HALVES: tl.constexpr, EARLY: tl.constexpr):
     if HALVES:
         acc, acc_o = _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                                  GROUP, EVEN_K, ASM)
+                                  GROUP, EVEN_K, ASM, EARLY)
     else:
         acc = _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
-                           EVEN_K, ASM)
+                           EVEN_K, ASM, EARLY)
     return acc, acc_o
 
 
 @triton.jit
-def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, add_ptr,
                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
-                      NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+                      NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
-    program has at least one block: the wrapper sizes the splits so)."""
+    program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
+    LoRA delta the launch before wrote): x and every block are read before the wait, which comes just
+    before the output (`quant_matmul`)."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -119,13 +128,16 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     HALVES: tl.constexpr = BITS == 4 and GROUP % 128 == 0
     acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (HALVES)
     words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
-    wait_then_release(USE_PDL)
+    if not ADD:
+        wait_then_release(USE_PDL)
     acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                             GROUP, BITS, EVEN_K, ASM, HALVES)
+                             GROUP, BITS, EVEN_K, ASM, HALVES, ADD)
     for b in range(b_lo + 1, b_hi):
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
         acc, acc_o = _block_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                                 GROUP, BITS, EVEN_K, ASM, HALVES)
+                                 GROUP, BITS, EVEN_K, ASM, HALVES, ADD)
+    if ADD:
+        wait_then_release(USE_PDL)
     total = tl.sum(acc, axis=1)
     if HALVES:
         total += acc_o
@@ -134,4 +146,4 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     write_out(total, bias, out_ptr, out_ptr + m.to(tl.int64) * stride_out + offs_n,
               part_ptr + m.to(tl.int64) * N + offs_n, T * N, n_mask, lock_ptr + m * tl.num_programs(0) + pid_n,
-              pid_k, split_k, SPLIT, FENCE, NUM_THREADS)
+              pid_k, split_k, SPLIT, FENCE, NUM_THREADS, add_ptr + m.to(tl.int64) * N + offs_n, ADD)

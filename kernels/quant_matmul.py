@@ -188,6 +188,7 @@ def quant_matmul(
     config: QuantMatmulConfig,
     partials: torch.Tensor | None = None,   # float32, >= split_k * T * N elements (split_k > 1 only)
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
+    addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
@@ -196,6 +197,10 @@ def quant_matmul(
     2**-9 per weight), except on the pair-codes path (4 bits, groups of 128+, K % 128 == 0, 16-bit x),
     which like the one-row kernel (block_m == 1) keeps W in fp32: the scales apply to the fp32 sums.
     `locks` must hold zeros before the call and holds zeros after it.
+    With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
+    kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
+    x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
+    the caller guarantees that no kernel since x was written wrote anything this one reads but the addend.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be [T, K] float16/bfloat16/float32 with unit stride along K, got "
@@ -214,6 +219,10 @@ def quant_matmul(
     cfg = config
     if cfg.block_n < 16 or not (cfg.block_m == 1 or cfg.block_m >= 16) or cfg.split_k < 1:
         raise ValueError(f"bad config {cfg}: block_n >= 16, block_m 1 (one row per program) or >= 16, split_k >= 1")
+    if addend is not None and (cfg.block_m != 1 or addend.dtype != torch.float32 or addend.numel() != T * N
+                               or not addend.is_contiguous()):
+        raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
+                         f"block_m {cfg.block_m}, {addend.dtype} {tuple(addend.shape)}")
     num_blocks = w.padded_in_features // block_k(w.bits)
     split = min(cfg.split_k, num_blocks)
     per_split = -(-num_blocks // split)
@@ -238,10 +247,10 @@ def quant_matmul(
     compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"     # fences and inline assembly: not interpreted
     pdl = launch_args(pdl_enabled(x.device))
     if cfg.block_m == 1:
-        quant_gemv_kernel[grid](*buffers, *sizes, GROUP=w.group_size, BITS=w.bits, BLOCK_N=cfg.block_n,
-                                SPLIT=split > 1, HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=compiled,
-                                NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
+                                BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
+                                EVEN_K=even_k, FENCE=compiled, NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
+                                ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // 128, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,

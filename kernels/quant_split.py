@@ -22,10 +22,16 @@ def _fence(NUM_THREADS: tl.constexpr):
 
 @triton.jit
 def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, pid_k, split_k,
-              SPLIT: tl.constexpr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr):
-    """out = acc + bias; under split-K via the partials (part_stride apart) and the tile's counter `lock`."""
+              SPLIT: tl.constexpr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, add_ptrs=None,
+              ADD: tl.constexpr = False):
+    """out = acc + bias (+ the fp32 addend at add_ptrs, left zero: ADD); under split-K via the partials
+    (part_stride apart) and the tile's counter `lock`."""
     if not SPLIT:
-        tl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
+        total = acc + bias
+        if ADD:
+            total += tl.load(add_ptrs, mask=mask, other=0.0)
+            tl.store(add_ptrs, tl.zeros_like(acc), mask=mask)
+        tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)   # split-K runs only for small T: int32 offsets
         if FENCE:
@@ -38,5 +44,9 @@ def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, 
             total = tl.zeros_like(acc)
             for s in range(split_k):
                 total += tl.load(part_ptrs + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=mask)
+            total += bias
+            if ADD:
+                total += tl.load(add_ptrs, mask=mask, other=0.0)
+                tl.store(add_ptrs, tl.zeros_like(acc), mask=mask)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")

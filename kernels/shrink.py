@@ -131,9 +131,11 @@ def check_input(x: torch.Tensor, pool: torch.Tensor) -> None:
         raise ValueError("x must be 2-D with contiguous rows (stride(1) == 1)")
 
 
-def check_slices(y: torch.Tensor, slice_offsets: Sequence[int], num_slices: int, pool: torch.Tensor) -> list[int]:
-    """Checks the output of expand-like kernels and returns the slice boundaries as ints."""
-    if y.dtype != pool.dtype:
+def check_slices(y: torch.Tensor, slice_offsets: Sequence[int], num_slices: int, pool: torch.Tensor,
+                 float32_ok: bool = False) -> list[int]:
+    """Checks the output of expand-like kernels and returns the slice boundaries as ints (y in the pool's
+    dtype, or float32 where the kernel takes it: `float32_ok`)."""
+    if y.dtype != pool.dtype and not (float32_ok and y.dtype == torch.float32):
         raise ValueError(f"y dtype {y.dtype} differs from pool dtype {pool.dtype}")
     if y.dim() != 2 or y.stride(1) != 1:
         raise ValueError("y must be 2-D with contiguous rows (stride(1) == 1)")

@@ -20,18 +20,28 @@ GEMV_MIN_ELEMENTS = 2**22
 GEMV_MIN_IN_FEATURES = 1024
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; one row on CUDA in 16 bits against a large weight runs the GEMV kernel."""
-    if (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `dense_linear` runs the one-row GEMV kernel for these operands."""
+    return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
             and weight.numel() >= GEMV_MIN_ELEMENTS and weight.shape[1] >= GEMV_MIN_IN_FEATURES
             and x.stride(-1) == 1
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 addend: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; one row on CUDA in 16 bits against a large weight runs the GEMV kernel.
+    `addend` (float32, one row; GEMV only, see `takes_gemv`) is added before rounding and left zero, with
+    `kernels.dense_gemv`'s condition: it follows the launch that wrote the addend."""
+    if takes_gemv(x, weight, bias):
         from kernels.dense_gemv import dense_gemv
 
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-        dense_gemv(x, weight, bias, out)
+        dense_gemv(x, weight, bias, out, addend=addend)
         return out
+    if addend is not None:
+        raise ValueError("an addend takes the one-row GEMV kernel (see takes_gemv)")
     return F.linear(x, weight, bias)
 
 
@@ -55,5 +65,10 @@ class Linear:
         """Bytes a forward reads from memory (weight and bias)."""
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.bias)                        # [T, N]
+    def takes_addend(self, x: torch.Tensor) -> bool:
+        """Whether `self(x, addend=...)` is allowed: one row on the GEMV kernel."""
+        return takes_gemv(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, N]; `addend` [T, N] float32 is added before rounding and left zero (`dense_linear`)."""
+        return dense_linear(x, self.weight, self.bias, addend)

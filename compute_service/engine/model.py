@@ -74,6 +74,12 @@ class LlamaModel:
         # Side stream for LoRA overlapped with the base projections in captured graphs (`_project`).
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
+        # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
+        # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
+        self._lora_delta: torch.Tensor | None = None
+        if self.fused and os.environ.get("LORAPLEX_LORA_FIRST", "1") != "0":
+            width = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size, spec.hidden_size)
+            self._lora_delta = torch.zeros(width, dtype=torch.float32, device=self.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
@@ -188,9 +194,18 @@ class LlamaModel:
 
         While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens) is captured, the LoRA runs on a
         side stream into a zeroed buffer concurrently with the base projection and is added after both:
-        there the LoRA kernels are bound by latency, not bytes, and the base matmul hides them."""
+        there the LoRA kernels are bound by latency, not bytes, and the base matmul hides them.
+        A step of one token whose projection runs a one-row kernel (`takes_addend`) launches the LoRA first,
+        into float32 zeros (`_lora_delta`), and the kernel adds it: that kernel reads x and its whole
+        weight before it waits for the LoRA launch (kernels/pdl.py), so the LoRA's chain of dependent
+        memory round trips runs beside the weight reads instead of after them. x was written before the
+        LoRA launch, which writes only the delta."""
         if lora is not None and group not in lora.active_groups:
             lora = None                 # no adapter of this step changes this group: the base projection alone
+        if lora is not None and self._lora_delta is not None and x.shape[0] == 1 and linear.takes_addend(x):
+            delta = self._lora_delta[: sum(widths)].view(1, -1)
+            lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
+            return linear(x, addend=delta)
         side = self._lora_stream
         if lora is None or side is None or not 1 < x.shape[0] <= LORA_OVERLAP_TOKENS \
                 or not torch.cuda.is_current_stream_capturing():

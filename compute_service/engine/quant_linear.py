@@ -95,7 +95,16 @@ class QuantLinear:
         """[N, K] dense weight (for fingerprints, sharding and tests)."""
         return self.qweight.dequantize(dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_addend(self, x: torch.Tensor) -> bool:
+        """Whether `self(x, addend=...)` is allowed: one 16-bit row on the kernel (the one-row kernel)."""
+        return (self.use_kernel and x.is_cuda and x.numel() == x.shape[-1]
+                and x.dtype in (torch.float16, torch.bfloat16))
+
+    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
+        then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition)."""
+        if addend is not None and not self.takes_addend(x):
+            raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not self.use_kernel:
             assert self._qweight is not None
@@ -117,7 +126,7 @@ class QuantLinear:
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)
-        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks)
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend)
         return out.view(*lead, n)
 
 

@@ -108,3 +108,24 @@ def test_gpu_under_graph_capture() -> None:
     g.replay()
     want = x.float() @ w.float().t()
     assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_addend_is_added_before_rounding_and_left_zero(has_bias: bool) -> None:
+    """out = round(w @ x + bias + addend); the float32 addend (a LoRA delta) is zero afterwards."""
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float16
+    for n, k, cfg in ((40, 200, DenseGemvConfig(16, 64, 2)), (33, 384, DenseGemvConfig(32, 128, 4))):
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype).to(DEVICE)
+        x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
+        bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if has_bias else None
+        add = torch.randn(1, n, generator=gen).to(DEVICE)
+        want = x.float() @ w.float().t() + (bias.float() if has_bias else 0.0) + add
+        addend = add.clone()
+        out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
+        dense_gemv(x, w, bias, out, cfg, addend=addend)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < TOL[dtype], err
+        assert not addend.any(), "the addend must be left all zeros"
+    with pytest.raises(ValueError, match="addend"):
+        dense_gemv(x, w, bias, out, cfg, addend=add.half())

@@ -12,7 +12,7 @@ SPLIT = {"SPLIT_K": 3, "BLOCK_K": 32, "BLOCK_N": 32, "GROUP_N": 64}
 
 
 def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.float16, extra_cols=3, config=None,
-              device_meta=False):
+              device_meta=False, y_dtype=None):
     slots = slots if slots is not None else sorted({s for s, _, _ in case.dense})
     ids = random_slot_ids(T, slots, frac_none, gen)
     meta = prepare_meta(ids, case.tables.max_slots) if not device_meta else None
@@ -24,7 +24,7 @@ def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.floa
     for m in mods:
         offs.append(offs[-1] + case.outs[m])
     x = torch.randn(T, case.h_in, generator=gen).to(dtype).to(DEVICE)
-    y0 = torch.randn(T, offs[-1] + extra_cols, generator=gen).to(dtype).to(DEVICE)
+    y0 = torch.randn(T, offs[-1] + extra_cols, generator=gen).to(y_dtype or dtype).to(DEVICE)
     y = y0.clone()
     ws = fused_workspace(T + 2, case.tables.max_rank, DEVICE)
     if config:
@@ -115,3 +115,15 @@ def test_fused_gpu_llama_shapes(dtype, T, h_in, outs, mods):
     case = build_case(ranks=ranks, h_in=h_in, outs=outs, num_layers=2, max_slots=16, dtype=dtype, gen=gen,
                       page_elems=2 * max(h_in, *outs))
     run_fused(case, T, 0.25, mods, layer=1, gen=gen, dtype=dtype, device_meta=True)
+
+
+@pytest.mark.parametrize("config", [None, SPLIT])
+def test_float32_delta_output(config):
+    """A float32 y (the LoRA delta of a one-token step, which the base projection's one-row kernel adds):
+    16-bit adapters and x, the sums added into y in float32 and not rounded to 16 bits."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = build_case(ranks={0: [16, 4, 1], 3: [2, 16, 9], 5: [0, 5, 16]}, h_in=72, outs=[97, 24, 17],
+                      dtype=torch.float16, gen=gen)
+    for slots in ([0], [5], [3]):
+        run_fused(case, 1, 0.0, [0, 1, 2], layer=1, gen=gen, slots=slots, dtype=torch.float16, config=config,
+                  y_dtype=torch.float32)

@@ -131,3 +131,69 @@ def test_quantized_chain_as_dependent_launches_matches_plain(monkeypatch, rows):
         results[flag] = torch.stack(outs)
     assert torch.isfinite(results["0"]).all() and results["0"].abs().max() > 0
     assert torch.equal(results["1"], results["0"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "quant"])
+def test_lora_first_chain_as_dependent_launches_matches_plain(monkeypatch, kind):
+    """norm -> fused LoRA into float32 zeros -> one-row base kernel that adds it, six rounds, in a graph: the
+    base kernel reads x and its weight before waiting for the LoRA launch (LlamaModel._project's order for
+    one-token steps). Dependent launches equal plain ones bit for bit, and the delta is left zero."""
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs a Hopper or later GPU")
+    from kernels import lora_fused
+    from kernels.dense_gemv import dense_gemv
+    from kernels.fused import fused_workspace
+    from kernels.quant_matmul import pick_config, quant_matmul
+    from kernels.rms_norm import add_rms_norm
+    from lora_case import build_case, prepare_meta
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(6)
+    H, N = 2048, 5632
+    case = build_case(ranks={0: [16]}, h_in=H, outs=[N], num_layers=1, dtype=dt, device="cuda",
+                      gen=torch.Generator().manual_seed(2))
+    meta = prepare_meta(torch.tensor([0], dtype=torch.int32), case.tables.max_slots, device="cuda")
+    ws = fused_workspace(4, case.tables.max_rank, dev)
+    w_dense = torch.randn(N, H, device=dev, dtype=dt, generator=gen) * H ** -0.5
+    w_quant = _packed(N, H, gen, dev)
+    w_back = torch.randn(H, N, device=dev, dtype=dt, generator=gen) * N ** -0.5
+    norm_w = torch.rand(H, device=dev, dtype=dt, generator=gen) + 0.5
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cfg = pick_config(1, N, H, 4, sms)
+    work = (torch.zeros(16 * N, device=dev), torch.zeros(4096, dtype=torch.int32, device=dev))
+    delta = torch.zeros(1, N, device=dev)
+
+    def chain(x, normed, y, out):
+        h = x
+        for _ in range(6):
+            add_rms_norm(h, None, norm_w, 1e-5, normed)
+            lora_fused(normed, case.pool, case.tables, meta, 0, [0], delta, [0, N], ws)
+            if kind == "dense":
+                dense_gemv(normed, w_dense, None, y, addend=delta)
+            else:
+                quant_matmul(normed, w_quant, None, y, cfg, *work, addend=delta)
+            dense_gemv(y, w_back, None, out)
+            h = out
+
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(ENV, flag)
+        x = torch.empty(1, H, device=dev, dtype=dt)
+        bufs = (torch.empty(1, H, device=dev, dtype=dt), torch.empty(1, N, device=dev, dtype=dt),
+                torch.empty(1, H, device=dev, dtype=dt))
+        x.normal_(generator=torch.Generator(device=dev).manual_seed(5))
+        chain(x, *bufs)                                        # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(x, *bufs)
+        outs = []
+        for seed in range(12):
+            x.normal_(generator=torch.Generator(device=dev).manual_seed(100 + seed))
+            graph.replay()
+            outs.append(bufs[-1].clone())
+        results[flag] = torch.stack(outs)
+        assert not delta.any(), "the delta must be left all zeros"
+    assert torch.isfinite(results["0"]).all()
+    assert torch.equal(results["1"], results["0"])
+    assert not ws[0].any() and not ws[1].any(), "the fused workspace must be left all zeros"

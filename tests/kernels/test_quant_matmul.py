@@ -182,3 +182,28 @@ def test_gpu_split_k_under_graph_capture(T: int) -> None:
         graph.replay()
         assert rel_err(out, quant_matmul_ref(x, q, s, o)) < TOL[torch.bfloat16]
     assert int(locks.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("bits,group,split,k", [(4, 128, 1, 512), (4, 128, 3, 1024), (4, 32, 2, 384),
+                                                (8, 64, 2, 384)])
+def test_one_row_addend(bits: int, group: int, split: int, k: int) -> None:
+    """One row with a float32 addend (a LoRA delta): added before rounding, split or not, and left zero."""
+    gen = torch.Generator().manual_seed(21)
+    n = 40
+    q, s, o = random_weight(n, k, bits, group, gen)
+    w = pack_quantized(q, s, o, bits, group)
+    x = torch.randn(1, k, generator=gen).half().to(DEVICE)
+    bias = torch.randn(n, generator=gen).half().to(DEVICE)
+    add = torch.randn(1, n, generator=gen).to(DEVICE)
+    addend = add.clone()
+    out = torch.full((1, n), float("nan"), dtype=torch.float16, device=DEVICE)
+    part = torch.full((split * n,), float("nan"), device=DEVICE)
+    locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    quant_matmul(x, w, bias, out, QuantMatmulConfig(16, 1, split), part, locks, addend=addend)
+    want = quant_matmul_ref(x, q, s, o, bias) + add.cpu()
+    assert rel_err(out.cpu(), want) < TOL[torch.float16]
+    assert not addend.any(), "the addend must be left all zeros"
+    assert int(locks.abs().sum()) == 0
+    with pytest.raises(ValueError, match="addend"):
+        quant_matmul(x.repeat(2, 1), w, bias, out.repeat(2, 1), QuantMatmulConfig(16, 16, 1), None, None,
+                     addend=torch.zeros(2, n, device=DEVICE))

@@ -1,0 +1,105 @@
+"""One-token steps on the GPU whose projections take the one-row kernels: the LoRA runs first, into float32
+zeros, and the base kernel adds it (`LlamaModel._project`, LORAPLEX_LORA_FIRST).
+
+The model is just large enough for gate/up and down to take the dense one-row GEMV (the others stay on the
+library GEMM), so one step mixes both orders. Each request decodes alone (steps of one token), in CUDA
+graphs with dependent launches, so the GEMV reads x and its weight before waiting for the LoRA launch: a
+missed wait shows as logits off the reference. Held against PEFT's fp32 logits, no further off than the
+earlier order (the LoRA added after the base projection, LORAPLEX_LORA_FIRST=0) is.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import add_peft_adapters, rel_err
+from loraplex.formats import read_peft
+from test_parity import reference_logits, run_collecting
+
+pytestmark = [pytest.mark.gpu]
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DIMS = dict(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+ADAPTERS = {
+    "all": dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                     "up_proj", "down_proj"]),
+    "mlp": dict(r=8, lora_alpha=8, target_modules=["up_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def mid_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.03)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+    folder = tmp_path_factory.mktemp("mid")
+    model.save_pretrained(folder, safe_serialization=True)
+    peft = add_peft_adapters(model, ADAPTERS).cuda()
+    with torch.no_grad():                       # adapters large enough to move the logits clearly
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    adapters = tmp_path_factory.mktemp("mid_adapters")
+    peft.save_pretrained(adapters)
+    return peft, folder, adapters
+
+
+def _run(folder, adapters, monkeypatch, first: str):
+    monkeypatch.setenv("LORAPLEX_LORA_FIRST", first)
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", block_size=16,
+                                    lora_backend="kernels", max_loras=4, max_num_seqs=4))
+    for name in ADAPTERS:
+        engine.add_adapter(name, read_peft(adapters / name))
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for rid, key in (("a", "all"), ("b", "mlp"), ("c", None), ("d", "all")):
+        prompt = torch.randint(0, DIMS["vocab_size"], (5,), generator=g).tolist()
+        tokens, logits = run_collecting(engine, {rid: (prompt, key)},
+                                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        out[rid] = (prompt, key, tokens[rid], logits[rid])
+    return engine, out
+
+
+def test_lora_first_matches_peft(mid_llama, monkeypatch):
+    import kernels.dense_gemv as dg
+
+    peft, folder, adapters = mid_llama
+    added = []
+    real = dg.dense_gemv
+
+    def spy(*a, **k):
+        added.append(k.get("addend") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(dg, "dense_gemv", spy)
+    engine, first = _run(folder, adapters, monkeypatch, "1")
+    assert engine.runner.model._lora_delta is not None
+    assert any(added), "no one-token projection added the LoRA delta in its GEMV"
+    assert not engine.runner.model._lora_delta.any(), "the delta buffer must be left all zeros"
+    _, after = _run(folder, adapters, monkeypatch, "0")
+    for rid, (prompt, key, tok_f, log_f) in first.items():
+        _, _, tok_a, log_a = after[rid]
+        if key is None:
+            with peft.disable_adapter():
+                ref = reference_logits(peft, prompt, tok_f).float().cpu()
+        else:
+            peft.set_adapter(key)
+            ref = reference_logits(peft, prompt, tok_f).float().cpu()
+        worst_f = worst_a = 0.0
+        for i, (lf, la) in enumerate(zip(log_f, log_a)):
+            if tok_f[: i + 1] != tok_a[: i + 1]:
+                break
+            worst_f = max(worst_f, rel_err(lf.cpu(), ref[i]))
+            worst_a = max(worst_a, rel_err(la.cpu(), ref[i]))
+        assert worst_f <= 2 * worst_a + 1e-2, (rid, key, worst_f, worst_a)
+        assert worst_f < 1e-1, (rid, key, worst_f)
