@@ -77,7 +77,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
     if ADD:
         wait_then_release(USE_PDL)
         total += tl.load(add_ptr + offs_n, mask=n_mask, other=0.0)
-        tl.store(add_ptr + offs_n, tl.zeros_like(total), mask=n_mask)
+        tl.debug_barrier()          # every thread holding a copy of an addend element has read it before
+        tl.store(add_ptr + offs_n, tl.zeros_like(total), mask=n_mask)   # one of them zeroes it
     tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 

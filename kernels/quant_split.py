@@ -30,6 +30,7 @@ def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, 
         total = acc + bias
         if ADD:
             total += tl.load(add_ptrs, mask=mask, other=0.0)
+            tl.debug_barrier()      # every thread holding a copy of an addend element has read it first
             tl.store(add_ptrs, tl.zeros_like(acc), mask=mask)
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -47,6 +48,7 @@ def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, 
             total += bias
             if ADD:
                 total += tl.load(add_ptrs, mask=mask, other=0.0)
+                tl.debug_barrier()  # as above
                 tl.store(add_ptrs, tl.zeros_like(acc), mask=mask)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")

@@ -4,8 +4,8 @@ zeros, and the base kernel adds it (`LlamaModel._project`, LORAPLEX_LORA_FIRST).
 The model is just large enough for gate/up and down to take the dense one-row GEMV (the others stay on the
 library GEMM), so one step mixes both orders. Each request decodes alone (steps of one token), in CUDA
 graphs with dependent launches, so the GEMV reads x and its weight before waiting for the LoRA launch: a
-missed wait shows as logits off the reference. Held against PEFT's fp32 logits, no further off than the
-earlier order (the LoRA added after the base projection, LORAPLEX_LORA_FIRST=0) is.
+missed wait or a lost delta shows as logits off the earlier order's (the LoRA added after the base
+projection, LORAPLEX_LORA_FIRST=0).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import add_peft_adapters, rel_err
 from loraplex.formats import read_peft
-from test_parity import reference_logits, run_collecting
+from test_parity import run_collecting
 
 pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
@@ -55,6 +55,7 @@ def mid_llama(tmp_path_factory):
 
 
 def _run(folder, adapters, monkeypatch, first: str):
+    """Each prompt decoded alone (one-token steps) with its adapter and, as a control, without one."""
     monkeypatch.setenv("LORAPLEX_LORA_FIRST", first)
     engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", block_size=16,
                                     lora_backend="kernels", max_loras=4, max_num_seqs=4))
@@ -62,18 +63,22 @@ def _run(folder, adapters, monkeypatch, first: str):
         engine.add_adapter(name, read_peft(adapters / name))
     g = torch.Generator().manual_seed(7)
     out = {}
-    for rid, key in (("a", "all"), ("b", "mlp"), ("c", None), ("d", "all")):
+    for rid, key in (("a", "all"), ("b", "mlp"), ("c", "all")):
         prompt = torch.randint(0, DIMS["vocab_size"], (5,), generator=g).tolist()
-        tokens, logits = run_collecting(engine, {rid: (prompt, key)},
-                                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        out[rid] = (prompt, key, tokens[rid], logits[rid])
+        for k in (key, None):
+            tokens, logits = run_collecting(engine, {rid: (prompt, k)},
+                                            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            out[rid, k] = (tokens[rid], logits[rid])
     return engine, out
 
 
-def test_lora_first_matches_peft(mid_llama, monkeypatch):
+def test_lora_first_matches_the_earlier_order(mid_llama, monkeypatch):
+    """LORAPLEX_LORA_FIRST=1 against =0 (the LoRA added after the base projection, the order the other GPU
+    tests hold against PEFT): the same logits within bf16 rounding while both chose the same tokens, and
+    the adapters move the logits far more than that (a dropped or half-added delta would show)."""
     import kernels.dense_gemv as dg
 
-    peft, folder, adapters = mid_llama
+    _, folder, adapters = mid_llama
     added = []
     real = dg.dense_gemv
 
@@ -87,19 +92,15 @@ def test_lora_first_matches_peft(mid_llama, monkeypatch):
     assert any(added), "no one-token projection added the LoRA delta in its GEMV"
     assert not engine.runner.model._lora_delta.any(), "the delta buffer must be left all zeros"
     _, after = _run(folder, adapters, monkeypatch, "0")
-    for rid, (prompt, key, tok_f, log_f) in first.items():
-        _, _, tok_a, log_a = after[rid]
-        if key is None:
-            with peft.disable_adapter():
-                ref = reference_logits(peft, prompt, tok_f).float().cpu()
-        else:
-            peft.set_adapter(key)
-            ref = reference_logits(peft, prompt, tok_f).float().cpu()
-        worst_f = worst_a = 0.0
+    for (rid, key), (tok_f, log_f) in first.items():
+        tok_a, log_a = after[rid, key]
+        base = first[rid, None][1]
+        compared = 0
         for i, (lf, la) in enumerate(zip(log_f, log_a)):
             if tok_f[: i + 1] != tok_a[: i + 1]:
                 break
-            worst_f = max(worst_f, rel_err(lf.cpu(), ref[i]))
-            worst_a = max(worst_a, rel_err(la.cpu(), ref[i]))
-        assert worst_f <= 2 * worst_a + 1e-2, (rid, key, worst_f, worst_a)
-        assert worst_f < 1e-1, (rid, key, worst_f)
+            assert rel_err(lf, la) < 2e-2, (rid, key, i, rel_err(lf, la))
+            if key is not None and i < len(base):
+                assert rel_err(la, base[i]) > 0.1, (rid, key, i, "the adapter should move the logits")
+            compared += 1
+        assert compared >= 3, (rid, key, tok_f, tok_a)
