@@ -41,6 +41,31 @@ def _chain(x, w_gate_up, w_down, norm_w, normed, gate_up, act, out):
         h = out
 
 
+def _graph_replays(monkeypatch, chain, x_shape, buf_shapes, replays, dt=torch.bfloat16, after=None):
+    """{flag: [replays] stacked last-buffer outputs} of `chain(x, *bufs)` captured in a CUDA graph, with
+    dependent launches on ("1") and off ("0"), new x each replay; `after()` runs after each flag's replays."""
+    dev = torch.device("cuda")
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(ENV, flag)
+        x = torch.empty(*x_shape, device=dev, dtype=dt)
+        bufs = tuple(torch.empty(*shape, device=dev, dtype=dt) for shape in buf_shapes)
+        x.normal_(generator=torch.Generator(device=dev).manual_seed(5))
+        chain(x, *bufs)                                        # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(x, *bufs)
+        outs = []
+        for seed in range(replays):                            # new inputs each replay
+            x.normal_(generator=torch.Generator(device=dev).manual_seed(100 + seed))
+            graph.replay()
+            outs.append(bufs[-1].clone())
+        results[flag] = torch.stack(outs)
+        if after is not None:
+            after()
+    return results
+
+
 @pytest.mark.gpu
 def test_graph_of_dependent_launches_matches_plain_launches(monkeypatch):
     if not pdl_enabled(torch.device("cuda")):
@@ -51,23 +76,8 @@ def test_graph_of_dependent_launches_matches_plain_launches(monkeypatch):
     w_gate_up = torch.randn(2 * inter, H, device=dev, dtype=dt, generator=gen) * H ** -0.5
     w_down = torch.randn(H, inter, device=dev, dtype=dt, generator=gen) * inter ** -0.5
     norm_w = torch.rand(H, device=dev, dtype=dt, generator=gen) + 0.5
-    results = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
-        x = torch.empty(1, H, device=dev, dtype=dt)
-        bufs = (torch.empty(1, H, device=dev, dtype=dt), torch.empty(1, 2 * inter, device=dev, dtype=dt),
-                torch.empty(1, inter, device=dev, dtype=dt), torch.empty(1, H, device=dev, dtype=dt))
-        x.normal_(generator=torch.Generator(device=dev).manual_seed(5))
-        _chain(x, w_gate_up, w_down, norm_w, *bufs)            # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            _chain(x, w_gate_up, w_down, norm_w, *bufs)
-        outs = []
-        for seed in range(20):                                 # new inputs each replay
-            x.normal_(generator=torch.Generator(device=dev).manual_seed(100 + seed))
-            graph.replay()
-            outs.append(bufs[-1].clone())
-        results[flag] = torch.stack(outs)
+    results = _graph_replays(monkeypatch, lambda x, *bufs: _chain(x, w_gate_up, w_down, norm_w, *bufs), (1, H),
+                             ((1, H), (1, 2 * inter), (1, inter), (1, H)), 20)
     assert torch.isfinite(results["0"]).all()
     assert torch.equal(results["1"], results["0"])
 
@@ -112,23 +122,7 @@ def test_quantized_chain_as_dependent_launches_matches_plain(monkeypatch, rows):
             quant_matmul(act, w_down, None, out, cfg_down, *work[1])
             h = out
 
-    results = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
-        x = torch.empty(rows, H, device=dev, dtype=dt)
-        bufs = (torch.empty(rows, H, device=dev, dtype=dt), torch.empty(rows, 2 * inter, device=dev, dtype=dt),
-                torch.empty(rows, inter, device=dev, dtype=dt), torch.empty(rows, H, device=dev, dtype=dt))
-        x.normal_(generator=torch.Generator(device=dev).manual_seed(5))
-        chain(x, *bufs)                                        # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain(x, *bufs)
-        outs = []
-        for seed in range(12):
-            x.normal_(generator=torch.Generator(device=dev).manual_seed(100 + seed))
-            graph.replay()
-            outs.append(bufs[-1].clone())
-        results[flag] = torch.stack(outs)
+    results = _graph_replays(monkeypatch, chain, (rows, H), ((rows, H), (rows, 2 * inter), (rows, inter), (rows, H)), 12)
     assert torch.isfinite(results["0"]).all() and results["0"].abs().max() > 0
     assert torch.equal(results["1"], results["0"])
 
@@ -178,24 +172,10 @@ def test_lora_first_chain_as_dependent_launches_matches_plain(monkeypatch, kind)
             dense_gemv(y, w_back, None, out)
             h = out
 
-    results = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
-        x = torch.empty(1, H, device=dev, dtype=dt)
-        bufs = (torch.empty(1, H, device=dev, dtype=dt), torch.empty(1, N, device=dev, dtype=dt),
-                torch.empty(1, H, device=dev, dtype=dt))
-        x.normal_(generator=torch.Generator(device=dev).manual_seed(5))
-        chain(x, *bufs)                                        # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain(x, *bufs)
-        outs = []
-        for seed in range(12):
-            x.normal_(generator=torch.Generator(device=dev).manual_seed(100 + seed))
-            graph.replay()
-            outs.append(bufs[-1].clone())
-        results[flag] = torch.stack(outs)
+    def delta_left_zero():
         assert not delta.any(), "the delta must be left all zeros"
+
+    results = _graph_replays(monkeypatch, chain, (1, H), ((1, H), (1, N), (1, H)), 12, after=delta_left_zero)
     assert torch.isfinite(results["0"]).all()
     assert torch.equal(results["1"], results["0"])
     assert not ws[0].any() and not ws[1].any(), "the fused workspace must be left all zeros"
