@@ -20,11 +20,13 @@ GEMV_MIN_ELEMENTS = 2**22
 GEMV_MIN_IN_FEATURES = 1024
 
 
-def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `dense_linear` runs the one-row GEMV kernel for these operands."""
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               any_size: bool = False) -> bool:
+    """Whether the one-row GEMV kernel can run these operands: one 16-bit row on CUDA; unless `any_size`,
+    also a weight large enough that the kernel beats the library GEMM on its own (`dense_linear`)."""
     return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
-            and weight.numel() >= GEMV_MIN_ELEMENTS and weight.shape[1] >= GEMV_MIN_IN_FEATURES
+            and (any_size or (weight.numel() >= GEMV_MIN_ELEMENTS and weight.shape[1] >= GEMV_MIN_IN_FEATURES))
             and x.stride(-1) == 1
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
@@ -32,9 +34,10 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  addend: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; one row on CUDA in 16 bits against a large weight runs the GEMV kernel.
-    `addend` (float32, one row; GEMV only, see `takes_gemv`) is added before rounding and left zero, with
-    `kernels.dense_gemv`'s condition: it follows the launch that wrote the addend."""
-    if takes_gemv(x, weight, bias):
+    `addend` (float32, one row) is added before rounding and left zero; it takes the GEMV kernel whatever
+    the weight's size (`takes_gemv(..., any_size=True)`), with `kernels.dense_gemv`'s condition: the call
+    follows the launch that wrote the addend, and that launch is worth hiding behind the weight's reads."""
+    if takes_gemv(x, weight, bias, any_size=addend is not None):
         from kernels.dense_gemv import dense_gemv
 
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
@@ -66,8 +69,8 @@ class Linear:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def takes_addend(self, x: torch.Tensor) -> bool:
-        """Whether `self(x, addend=...)` is allowed: one row on the GEMV kernel."""
-        return takes_gemv(x, self.weight, self.bias)
+        """Whether `self(x, addend=...)` is allowed: one 16-bit row on CUDA (the GEMV kernel runs it)."""
+        return takes_gemv(x, self.weight, self.bias, any_size=True)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
         """[T, N]; `addend` [T, N] float32 is added before rounding and left zero (`dense_linear`)."""

@@ -1,8 +1,9 @@
 """One-token steps on the GPU whose projections take the one-row kernels: the LoRA runs first, into float32
 zeros, and the base kernel adds it (`LlamaModel._project`, LORAPLEX_LORA_FIRST).
 
-The model is just large enough for gate/up and down to take the dense one-row GEMV (the others stay on the
-library GEMM), so one step mixes both orders. Each request decodes alone (steps of one token), in CUDA
+Every projection of a one-token step with an adapter takes the dense one-row GEMV then (a base-only step
+keeps the library GEMM for q/k/v and o, which are too small for the GEMV to pay on its own). Each request
+decodes alone (steps of one token), in CUDA
 graphs with dependent launches, so the GEMV reads x and its weight before waiting for the LoRA launch: a
 missed wait or a lost delta shows as logits off the earlier order's (the LoRA added after the base
 projection, LORAPLEX_LORA_FIRST=0).
