@@ -43,6 +43,10 @@ class PagedLoraBackend:
     """
 
     graph_safe = True
+    # A one-token step may run the LoRA first, into float32 zeros that the base projection's one-row kernel
+    # adds (LlamaModel._project): `apply` then always launches (the fused kernel, for any float32 output),
+    # so that kernel follows a launch that did not write its input.
+    delta_first = True
 
     def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
         self.slots = slots

@@ -52,6 +52,8 @@ class LoraBackend(Protocol):
     subset of them (the graphs key on it); by default `prepare` activates every group."""
 
     active_groups: frozenset[str]
+    # Optional `delta_first = True`: `apply` takes float32 outputs and always launches a GPU kernel for them,
+    # so the model may run a one-token step's LoRA before the base projection (LlamaModel._project).
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor, groups: frozenset[str] = ALL_GROUPS) -> None:
         """[T] int32 slot per token of the step (NO_ADAPTER = -1); called outside CUDA graphs."""

@@ -196,13 +196,15 @@ class LlamaModel:
         side stream into a zeroed buffer concurrently with the base projection and is added after both:
         there the LoRA kernels are bound by latency, not bytes, and the base matmul hides them.
         A step of one token whose projection runs a one-row kernel (`takes_addend`) launches the LoRA first,
-        into float32 zeros (`_lora_delta`), and the kernel adds it: that kernel reads x and its whole
+        into float32 zeros (`_lora_delta`; backends that say `delta_first`: they always launch a kernel for
+        a float32 output), and the kernel adds it: that kernel reads x and its whole
         weight before it waits for the LoRA launch (kernels/pdl.py), so the LoRA's chain of dependent
         memory round trips runs beside the weight reads instead of after them. x was written before the
         LoRA launch, which writes only the delta."""
         if lora is not None and group not in lora.active_groups:
             lora = None                 # no adapter of this step changes this group: the base projection alone
-        if lora is not None and self._lora_delta is not None and x.shape[0] == 1 and linear.takes_addend(x):
+        if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
+                and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
             return linear(x, addend=delta)
