@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.rms_norm import rms_norm_row
 
 
 INTERPRETER_TRIES = tl.constexpr(1000)      # the interpreter's bound on tries of one flag (no clock there)
@@ -96,10 +97,7 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bufs_ptr, pads_p
     r = tl.load(res_ptr + row + offs, mask=mask, other=0.0)
     s = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
     tl.store(res_ptr + row + offs, s, mask=mask)
-    sf = s.to(tl.float32)
-    var = tl.sum(sf * sf, axis=0) / H
-    y = (sf * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row + offs, rms_norm_row(s, w, H, eps).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def reduce_add_rms_norm(

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.addend import take_addend
+from kernels.pdl import launch_args, pdl_enabled, read_input, wait_then_release
 
 
 @dataclass(frozen=True)
@@ -28,22 +29,6 @@ class DenseGemvConfig:
     block_n: int = 16       # output features per program
     block_k: int = 512      # in features per step
     num_warps: int = 8
-
-
-@triton.jit
-def _x_tile(x_ptr, offs, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr):
-    """x[offs] (0 past K); EARLY (read before the wait) bypasses L1 (`.cg`): only L2 is coherent."""
-    if EVEN_K:
-        if EARLY:
-            xv = tl.load(x_ptr + offs, cache_modifier=".cg")
-        else:
-            xv = tl.load(x_ptr + offs)
-    else:
-        if EARLY:
-            xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-        else:
-            xv = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
-    return xv
 
 
 @triton.jit
@@ -62,23 +47,21 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
         w = tl.load(rows, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     if not ADD:
         wait_then_release(USE_PDL)
-    xv = _x_tile(x_ptr, offs_k, K, EVEN_K, ADD)
+    xv = read_input(x_ptr + offs_k, offs_k < K, EVEN_K, ADD)
     acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(rows + k0, mask=n_mask[:, None], other=0.0)
         else:
             w = tl.load(rows + k0, mask=n_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        xv = _x_tile(x_ptr, k0 + offs_k, K, EVEN_K, ADD)
+        xv = read_input(x_ptr + (k0 + offs_k), k0 + offs_k < K, EVEN_K, ADD)
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if ADD:
         wait_then_release(USE_PDL)
-        total += tl.load(add_ptr + offs_n, mask=n_mask, other=0.0)
-        tl.debug_barrier()          # every thread holding a copy of an addend element has read it before
-        tl.store(add_ptr + offs_n, tl.zeros_like(total), mask=n_mask)   # one of them zeroes it
+        total = take_addend(total, add_ptr + offs_n, n_mask)
     tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 

@@ -38,6 +38,23 @@ ENV = "LORAPLEX_PDL"
 
 
 @triton.jit
+def read_input(ptrs, mask, EVEN: tl.constexpr, EARLY: tl.constexpr):
+    """A kernel's input, 0 where `mask` is false (no mask where EVEN). EARLY: read before the wait under
+    the exception above, so it bypasses L1 (`.cg`): only L2 is sure to hold the writes of earlier kernels."""
+    if EVEN:
+        if EARLY:
+            v = tl.load(ptrs, cache_modifier=".cg")
+        else:
+            v = tl.load(ptrs)
+    else:
+        if EARLY:
+            v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
 def wait_then_release(USE_PDL: tl.constexpr):
     """Waits for the previous kernel's results, then lets the next kernel start (no-op without PDL)."""
     if USE_PDL:

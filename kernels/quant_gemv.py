@@ -16,25 +16,15 @@ Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded 
 import triton
 import triton.language as tl
 
-from kernels.pdl import wait_then_release
+from kernels.pdl import read_input, wait_then_release
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_field, field_bias
 
 
 @triton.jit
 def _x_field(x_row, k0, offs_j, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr):
-    """fp32 [32]: x[k0 : k0 + 32] (0 past K). EARLY (read before the wait, `ADD`) bypasses L1 (`.cg`)."""
-    if EVEN_K:
-        if EARLY:
-            xv = tl.load(x_row + k0, cache_modifier=".cg").to(tl.float32)
-        else:
-            xv = tl.load(x_row + k0).to(tl.float32)
-    else:
-        if EARLY:
-            xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            xv = tl.load(x_row + k0, mask=k0 + offs_j < K, other=0.0).to(tl.float32)
-    return xv
+    """fp32 [32]: x[k0 : k0 + 32] (0 past K). EARLY: read before the wait (`ADD`, kernels/pdl.py)."""
+    return read_input(x_row + k0, k0 + offs_j < K, EVEN_K, EARLY).to(tl.float32)
 
 
 @triton.jit

@@ -8,6 +8,8 @@ partials buffer are owned by the caller.
 import triton
 import triton.language as tl
 
+from kernels.addend import take_addend
+
 
 @triton.jit
 def _fence(NUM_THREADS: tl.constexpr):
@@ -29,9 +31,7 @@ def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, 
     if not SPLIT:
         total = acc + bias
         if ADD:
-            total += tl.load(add_ptrs, mask=mask, other=0.0)
-            tl.debug_barrier()      # every thread holding a copy of an addend element has read it first
-            tl.store(add_ptrs, tl.zeros_like(acc), mask=mask)
+            total = take_addend(total, add_ptrs, mask)
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)   # split-K runs only for small T: int32 offsets
@@ -47,8 +47,6 @@ def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, 
                 total += tl.load(part_ptrs + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
             total += bias
             if ADD:
-                total += tl.load(add_ptrs, mask=mask, other=0.0)
-                tl.debug_barrier()  # as above
-                tl.store(add_ptrs, tl.zeros_like(acc), mask=mask)
+                total = take_addend(total, add_ptrs, mask)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")

@@ -15,6 +15,15 @@ from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 
 @triton.jit
+def rms_norm_row(s, w, H, eps):
+    """fp32 [BLOCK]: RMSNorm of one row s (model dtype, 0 past H) times w (fp32), the normalised row
+    rounded to s's dtype before the weight, as transformers does."""
+    sf = s.to(tl.float32)
+    var = tl.sum(sf * sf, axis=0) / H
+    return (sf * tl.rsqrt(var + eps)).to(s.dtype).to(tl.float32) * w
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -27,10 +36,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
         r = tl.load(res_ptr + t * H + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + t * H + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / H
-    y = (xf * tl.rsqrt(var + eps)).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + t * H + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * H + offs, rms_norm_row(x, w, H, eps).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
