@@ -150,8 +150,7 @@ class Built:
         weights, fingerprint = build_weights(local, sharded_source(spec, shard, source), dtype, device)
         model = LlamaModel(local, weights, max_len)
         if tp > 1:
-            model.all_reduce = group.all_reduce
-            model.reduce_add_norm = group.reduce_add_rms_norm
+            model.shard_over(group)
         elem = torch.empty((), dtype=dtype).element_size()
         self.elem = elem
         self.weight_bytes = sum(t.nbytes for lw in weights.layers for t in vars(lw).values()

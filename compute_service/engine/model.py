@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,11 +65,11 @@ class LlamaModel:
         self.scale = spec.head_dim ** -0.5
         # Fused Triton ops (add + RMSNorm, RoPE + KV write, SwiGLU) on CUDA: decode is launch-bound there.
         self.fused = self.device.type == "cuda"
-        # Tensor parallelism: sums a row-parallel layer's partial output over the ranks in place
-        # (o and down, LoRA delta included); None on one GPU.
+        # Tensor parallelism (`shard_over`): sums a row-parallel layer's partial output over the ranks in
+        # place (o and down, LoRA delta included); None on one GPU.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
-        # Tensor parallelism on the fused path: (x, h, weight, eps, out, slot) sums x over the ranks into
-        # h and writes norm(h) to out, in one launch where it can; slots alternate 0 (o), 1 (down).
+        # The same on the fused path: (x, h, weight, eps, out, slot) sums x over the ranks into h and writes
+        # norm(h) to out, in one launch where it can; slots alternate 0 (o), 1 (down).
         self.reduce_add_norm: Callable[..., None] | None = None
         # Side stream for LoRA overlapped with the base projections in captured graphs (`_project`).
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
@@ -80,6 +80,12 @@ class LlamaModel:
         if self.fused and os.environ.get("LORAPLEX_LORA_FIRST", "1") != "0":
             width = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size, spec.hidden_size)
             self._lora_delta = torch.zeros(width, dtype=torch.float32, device=self.device)
+
+    def shard_over(self, group: Any) -> None:
+        """Tensor parallelism over `group` (a `compute_service.parallel.group.TensorParallelGroup` of 2+
+        ranks): this model holds one rank's shard, and its row-parallel outputs are summed over the ranks."""
+        self.all_reduce = group.all_reduce
+        self.reduce_add_norm = group.reduce_add_rms_norm
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
@@ -184,8 +190,6 @@ class LlamaModel:
         if self.reduce_add_norm is not None:
             self.reduce_add_norm(delta, h, weight, self.spec.rms_norm_eps, out, slot)
             return
-        if self.all_reduce is not None:
-            self.all_reduce(delta)
         add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h)
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,

@@ -40,8 +40,7 @@ def load_sharded(path: str | None, group: TensorParallelGroup, dtype: torch.dtyp
     weights, _ = build_weights(local, sharded_source(spec, shard, get), dtype, group.device, keep_quantized=keep)
     model = LlamaModel(local, weights, spec.max_position_embeddings)
     if group.world_size > 1:
-        model.all_reduce = group.all_reduce
-        model.reduce_add_norm = group.reduce_add_rms_norm
+        model.shard_over(group)
     log.info("rank %d/%d: %s sharded (%d of %d heads, %d of %d KV heads) in %.1f s", group.rank,
              group.world_size, p.name, local.num_heads, spec.num_heads, local.num_kv_heads, spec.num_kv_heads,
              time.perf_counter() - t0)
