@@ -17,8 +17,9 @@ class ComputeConfig:
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), float32, float16 or bfloat16"})
     quantization: str = field(default="auto", metadata={
         "help": "a quantized checkpoint (AWQ, GPTQ, compressed-tensors, GGUF Q4_0/Q4_1/Q8_0): auto (kept quantized "
-                "on a GPU, dequantized on the CPU), keep (quantized on the CPU too: a slow reference path) or none "
-                "(dequantized to --dtype everywhere)"})
+                "on a GPU when its projections take 1 GiB or more in 16 bits, else dequantized, as on the CPU), "
+                "keep (quantized on the CPU too: a slow reference path) or none (dequantized to --dtype "
+                "everywhere)"})
     max_lora_rank: int = field(default=256, metadata={"help": "largest adapter rank accepted"})
     lora_gpu_memory_fraction: float = field(
         default=0.05, metadata={"help": "adapter pool as a fraction of memory free after weights and KV cache"})

@@ -47,8 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="compute device: auto (GPU if present), cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto, float32, float16 or bfloat16")
     p.add_argument("--quantization", default="",
-                   help="a quantized checkpoint: auto (kept quantized on a GPU, dequantized on the CPU; the "
-                        "default), keep (quantized on the CPU too: slow), none (dequantized everywhere)")
+                   help="a quantized checkpoint: auto (kept quantized on a GPU when its projections take 1 GiB "
+                        "or more in 16 bits, else dequantized, as on the CPU; the default), keep (quantized "
+                        "everywhere; on the CPU slow), none (dequantized everywhere)")
     p.add_argument("--max-model-len", default="", help="longest prompt + output")
     p.add_argument("--tensor-parallel-size", default="",
                    help="processes the compute service splits the model over (> 1 on CPU only so far)")
