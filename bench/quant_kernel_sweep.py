@@ -5,6 +5,7 @@ Each time is a CUDA graph of calls over enough weight copies to exceed the L2 ca
 Every config's output is checked against dequantize-then-matmul in fp32 (rel err < 1e-2).
 
     python3 bench/quant_kernel_sweep.py --out sweep.json [--only smol]
+    python3 bench/quant_kernel_sweep.py --out ab.json --only 8b --rows 1 --compare candidate/quant_gemv.py
 """
 from __future__ import annotations
 
@@ -83,21 +84,38 @@ def compare_configs(model: str, t: int, n: int, k: int) -> list[QuantMatmulConfi
 
 
 def old_kernel(path: Path):
-    """The kernel module of an earlier commit (a copy of its kernels/quant_matmul.py), for before/after."""
+    """The kernel module of an earlier commit or a candidate, for before/after: a copy of
+    kernels/quant_matmul.py, or of kernels/quant_gemv.py (the one-row kernel alone: run through this
+    tree's wrapper and config choice, with that kernel in place of the tree's)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("old_quant_matmul", path)
+
+    import kernels.quant_matmul as tree
+    spec = importlib.util.spec_from_file_location("old_" + path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
-    return mod
+    if hasattr(mod, "quant_matmul"):
+        return mod
+
+    class OneRow:
+        pick_config = staticmethod(tree.pick_config)
+
+        @staticmethod
+        def quant_matmul(*args, **kwargs):
+            own, tree.quant_gemv_kernel = tree.quant_gemv_kernel, mod.quant_gemv_kernel
+            try:
+                tree.quant_matmul(*args, **kwargs)
+            finally:
+                tree.quant_gemv_kernel = own
+    return OneRow
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", default="smol,8b")
-    ap.add_argument("--compare", type=Path, help="an earlier kernels/quant_matmul.py: time it (its own config "
-                    "choice) and only pick_config's choice and its neighbours here")
+    ap.add_argument("--compare", type=Path, help="an earlier kernels/quant_matmul.py, or a quant_gemv.py (with --rows "
+                    "1): time it (its own config choice) and only pick_config's choice and its neighbours here")
     ap.add_argument("--rows", default="")
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
     args = ap.parse_args()
