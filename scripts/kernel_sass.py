@@ -1,0 +1,171 @@
+"""Compiles a Triton kernel for a GPU architecture on a machine without one and reports its machine code:
+registers, spills, instruction mix, and per loop the instruction count and the global loads the loop waits
+for in the same iteration they are requested in (a prefetch that does not hide latency).
+
+    python3 scripts/kernel_sass.py kernels.quant_gemv:quant_gemv_kernel \\
+        --const GROUP=128 BITS=4 BLOCK_N=64 SPLIT=1 HAS_BIAS=0 EVEN_K=1 FENCE=1 NUM_THREADS=128 ASM=1 \\
+                USE_PDL=1 ADD=0 \\
+        --ptr x_ptr=bf16 w_ptr=i32 s_ptr=fp16 o_ptr=fp16 bias_ptr=bf16 out_ptr=bf16 lock_ptr=i32 \\
+        --aligned N K stride_x stride_out words_per_row [--warps 4] [--maxnreg 168] [--dump DIR]
+
+Parameters not named in --const are runtime arguments: `*_ptr` ones pointers (fp32 unless --ptr says,
+16-byte aligned), the rest int32 (multiples of 16 where --aligned names them: Triton specializes on that,
+and without it vector loads look scalar). The waits are found statically: an instruction that reads a
+register whose latest writer in the loop body is a global load (the first use after the load stalls the
+warp until it lands; a register copy at the loop's back edge counts, which is how a value requested for
+the next iteration ends up waited for in this one).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
+
+
+def parse_sass(text: str) -> list[tuple[int, str, str]]:
+    """(address, opcode with modifiers, operands) of each instruction."""
+    return [(int(m.group(1), 16), m.group(3), m.group(4)) for m in map(LINE.search, text.splitlines()) if m]
+
+
+def loops(code: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
+    """(first, last) indices of each loop body: a branch to an earlier address closes one."""
+    index = {addr: i for i, (addr, _, _) in enumerate(code)}
+    found = []
+    for i, (_, op, args) in enumerate(code):
+        m = re.match(r"0x([0-9a-f]+)", args.strip())
+        if op.startswith("BRA") and m and int(m.group(1), 16) in index and index[int(m.group(1), 16)] < i:
+            found.append((index[int(m.group(1), 16)], i))
+    return found
+
+
+def waits(body: list[tuple[int, str, str]]) -> tuple[list[str], int, int]:
+    """The global loads of one iteration that are waited for in that same iteration (each with the first
+    instruction that reads its result), the number of loads, and how many loads are still in flight at the
+    back edge (requested for a later iteration and not read before it)."""
+    pending: dict[str, int] = {}       # register -> address of the load writing it
+    hits: dict[int, str] = {}
+    loads = 0
+    for addr, op, args in body:
+        regs = re.findall(r"\bR(\d+)\b", args)
+        writes = not op.startswith(("ST", "BAR", "BRA", "RED", "ATOM"))
+        dst, srcs = (regs[0], regs[1:]) if regs and writes else (None, regs)
+        if op.startswith("LDG"):
+            srcs = re.findall(r"\[R(\d+)", args)
+        for r in srcs:
+            if r in pending:
+                load = pending.pop(r)
+                hits.setdefault(load, f"load at {load:05x} <- read at {addr:05x} by {op} {args.strip()[:40]}")
+        if dst is not None:
+            if op.startswith("LDG"):
+                loads += 1
+                width = 4 if ".128" in op else 2 if ".64" in op else 1
+                for k in range(width):
+                    pending[str(int(dst) + k)] = addr
+            else:
+                pending.pop(dst, None)
+    return list(hits.values()), loads, len(set(pending.values()) - set(hits))
+
+
+def mix(body: list[tuple[int, str, str]], top: int = 12) -> str:
+    return " ".join(f"{op}:{n}" for op, n in Counter(op.split(".")[0] for _, op, _ in body).most_common(top))
+
+
+def load_kernel(target: str):
+    """The @triton.jit function named by "module:name" (compiled, not interpreted: TRITON_INTERPRET unset)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("TRITON_INTERPRET=1 makes @triton.jit functions interpreted: unset it to compile")
+    mod_name, _, name = target.partition(":")
+    return getattr(importlib.import_module(mod_name), name)
+
+
+def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned: set[str], warps: int = 4,
+                   stages: int = 3, maxnreg: int | None = None, arch: int = 90):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    name = kernel.fn.__name__
+    params = list(inspect.signature(kernel.fn).parameters)
+    unknown = (set(consts) | set(ptrs) | aligned) - set(params)
+    if unknown:
+        raise SystemExit(f"{name} has no parameters {sorted(unknown)}; it takes {params}")
+    sig, attrs = {}, {}
+    for i, p in enumerate(params):
+        if p in consts:
+            sig[p] = "constexpr"
+        elif p.endswith("_ptr"):
+            sig[p] = "*" + ptrs.get(p, "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[p] = "i32"
+            if p in aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(p),): v for p, v in consts.items()},
+                    attrs=attrs)
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def report(compiled, dump: Path | None) -> str:
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(bindir / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([str(bindir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        for kind in ("ttir", "ttgir", "llir", "ptx"):
+            (dump / f"kernel.{kind}").write_text(compiled.asm[kind])
+        (dump / "kernel.sass").write_text(sass)
+    code = parse_sass(sass)
+    res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
+    out = [f"registers {res.group(1)}, stack (spills) {res.group(2)} B, shared {res.group(3)} B" if res else usage,
+           f"instructions {len(code)}: {mix(code)}"]
+    for first, last in loops(code):
+        body = code[first:last + 1]
+        hits, loads, in_flight = waits(body)
+        out.append(f"loop {body[0][0]:05x}-{body[-1][0]:05x}: {len(body)} instructions ({mix(body, 8)}); "
+                   f"of its {loads} global loads {len(hits)} are waited for in the same iteration, {in_flight} "
+                   "are in flight at the back edge")
+        out += ["  " + h for h in hits]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kernel", help="module:kernel, e.g. kernels.quant_gemv:quant_gemv_kernel")
+    ap.add_argument("--const", nargs="*", default=[], metavar="NAME=INT", help="constexpr values (bools as 0/1)")
+    ap.add_argument("--ptr", nargs="*", default=[], metavar="NAME=TYPE", help="pointee types (fp32, bf16, i32 ...)")
+    ap.add_argument("--aligned", nargs="*", default=[], metavar="NAME", help="int arguments that are multiples of 16")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers a thread")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
+    ap.add_argument("--dump", type=Path, help="write the intermediate forms and the machine code here")
+    args = ap.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    consts = {k: int(v) for k, v in (c.split("=", 1) for c in args.const)}
+    ptrs = dict(p.split("=", 1) for p in args.ptr)
+    compiled = compile_kernel(load_kernel(args.kernel), consts, ptrs, set(args.aligned), args.warps, args.stages, args.maxnreg,
+                              args.arch)
+    print(report(compiled, args.dump))
+
+
+if __name__ == "__main__":
+    main()

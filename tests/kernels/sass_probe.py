@@ -1,0 +1,29 @@
+"""Two small loops for tests/kernels/test_kernel_sass.py: one reads each block as it loads it, the other
+loads each block one step ahead into one of two register sets."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sum_as_loaded(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for b in range(n_blocks):
+        acc += tl.load(x_ptr + b * BLOCK + offs)
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
+def sum_one_ahead(x_ptr, out_ptr, n_pairs, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    a = tl.load(x_ptr + offs)
+    c = tl.load(x_ptr + BLOCK + offs)
+    for p in range(n_pairs):
+        acc += a
+        a = tl.load(x_ptr + (2 * p + 2) * BLOCK + offs)
+        tl.debug_barrier()
+        acc += c
+        c = tl.load(x_ptr + (2 * p + 3) * BLOCK + offs)
+        tl.debug_barrier()
+    tl.store(out_ptr + offs, acc)

@@ -1,0 +1,44 @@
+"""scripts/kernel_sass.py compiles a kernel for Hopper with no GPU and finds, per loop, the loads the loop
+waits for in the iteration that requested them: all of them for a loop that reads each block as it loads
+it, none for one that loads each block a step ahead into one of two register sets."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def report(kernel: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "kernels"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), f"sass_probe:{kernel}",
+                          "--const", "BLOCK=512"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+def loop_lines(out: str) -> list[tuple[int, int, int]]:
+    """(loads, waited in the same iteration, in flight at the back edge) per loop."""
+    return [tuple(map(int, m)) for m in
+            re.findall(r"of its (\d+) global loads (\d+) are waited for in the same iteration, (\d+) are in flight", out)]
+
+
+@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
+def test_a_loop_that_reads_each_load_at_once_waits_for_all_of_them():
+    out = report("sum_as_loaded")
+    assert re.search(r"registers \d+, stack \(spills\) 0 B", out), out
+    loops = loop_lines(out)
+    assert loops and all(loads > 0 and waited == loads and ahead == 0 for loads, waited, ahead in loops), out
+
+
+@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
+def test_loads_issued_a_step_ahead_are_in_flight_at_the_back_edge():
+    loops = loop_lines(report("sum_one_ahead"))
+    assert len(loops) == 1 and loops[0] == (2, 0, 2), loops
