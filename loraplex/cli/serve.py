@@ -52,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "everywhere; on the CPU slow), none (dequantized everywhere)")
     p.add_argument("--max-model-len", default="", help="longest prompt + output")
     p.add_argument("--tensor-parallel-size", default="",
-                   help="processes the compute service splits the model over (> 1 on CPU only so far)")
+                   help="processes (one GPU each, or CPU processes) the compute service splits the model over "
+                        "(tensor parallelism, docs/tensor_parallel.md)")
     p.add_argument("--cache-flags", default="", help='more flags for the cache service, e.g. "--metrics-port 9101"')
     p.add_argument("--compute-flags", default="", help='more flags for the compute service, e.g. "--max-num-seqs 8"')
     p.add_argument("--gateway-flags", default="", help="more flags for the gateway")
