@@ -1,7 +1,8 @@
 """TP=2 on two GPUs over NCCL (two processes under torchrun): all-reduce correctness (NCCL, one-shot,
 and the fused all-reduce + add + RMSNorm, eager and in a graph), greedy bf16
 tokens equal one GPU's (a divergence only at a near tie of the fp32 reference), decode steps replayed
-from CUDA graphs with and without adapters."""
+from CUDA graphs with and without adapters; the same greedy check on a 4-bit base kept quantized, every
+shard on the quantized kernels."""
 from __future__ import annotations
 
 import json
@@ -35,3 +36,9 @@ def test_tp2_on_two_gpus(tmp_path):
         assert c["equal_prefix"] == 24 or c["gap"] < 0.02, c
     assert sum(c["equal_prefix"] for c in v["greedy"]) >= 48, v
     assert v["graph_steps"] > 0 and v["lora_graph_steps"] > 0, v
+    # the 4-bit base: every projection's shards kept quantized and on the kernels, tokens as for bf16
+    assert v["quant_kinds"] == dict.fromkeys(("qkv", "o", "gate_up", "down"), "QuantLinear"), v
+    assert all(v["quant_kernels"].values()), v
+    for c in v["quant_greedy"]:
+        assert c["equal_prefix"] == 24 or c["gap"] < 0.02, c
+    assert sum(c["equal_prefix"] for c in v["quant_greedy"]) >= 48, v

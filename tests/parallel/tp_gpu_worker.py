@@ -1,8 +1,10 @@
 """Run by `torchrun --nproc-per-node 2` (see test_tp_gpu.py): NCCL all-reduce correctness, then TP=2
-bf16 greedy decoding with CUDA graphs against one GPU, near-tie aware against an fp32 reference.
+bf16 greedy decoding with CUDA graphs against one GPU, near-tie aware against an fp32 reference, on a
+dense and on a 4-bit base kept quantized.
 Rank 0 writes a JSON verdict to the path in argv[1]."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import sys
@@ -42,9 +44,21 @@ def main(out_path: str) -> None:
         del engine, slots
         _close(group)
         return
+    checks = greedy_against_one_process(engine, cfg)
+    verdict.update(greedy=checks, graph_steps=engine.runner.num_graph_steps,
+                   lora_graph_steps=engine.runner.num_lora_graph_steps)
+    del engine, slots
+    verdict.update(quantized_checks(group, Path(out_path).parent))
+    Path(out_path).write_text(json.dumps(verdict, indent=1))
+    _close(group)
+
+
+def greedy_against_one_process(engine, cfg: EngineConfig) -> list[dict]:
+    """Rank 0: greedy tokens of the TP engine against the one-process engine of `cfg` in a mixed batch of
+    adapters; where they diverge, the gap of the two tokens under an fp32 reference (eager, same weights).
+    Stops the TP engine's followers."""
     single = LLMEngine(cfg)
-    ref32 = LLMEngine(EngineConfig(model=folder, device="cuda", dtype="float32", kv_cache_bytes=64 * 2**20,
-                                   max_loras=4, enforce_eager=True))
+    ref32 = LLMEngine(dataclasses.replace(cfg, dtype="float32", enforce_eager=True))
     adapters = {"a": random_adapter(single.spec, (1, 2, 3, 4, 5, 6, 7), 8, seed=1),
                 "b": random_adapter(single.spec, (1, 3, 4, 6), 16, seed=2)}
     for e in (engine, single, ref32):
@@ -70,11 +84,32 @@ def main(out_path: str) -> None:
             gap = float((row[a[n]] - row[b[n]]).abs() / row.abs().max())
             entry["gap"] = gap
         checks.append(entry)
-    verdict.update(greedy=checks, graph_steps=engine.runner.num_graph_steps,
-                   lora_graph_steps=engine.runner.num_lora_graph_steps)
-    Path(out_path).write_text(json.dumps(verdict, indent=1))
-    del engine, slots, single, ref32
-    _close(group)
+    del single, ref32
+    return checks
+
+
+def quantized_checks(group, tmp: Path) -> dict:
+    """A 4-bit checkpoint (groups of 32, `loraplex quantize`'s AWQ layout) kept quantized under TP=2: every
+    shard of every projection stays quantized (a row-parallel rank holds 32 | 64 in features: whole
+    groups) and runs the quantized kernels; greedy tokens as for bf16. Rank 1 only follows."""
+    from compute_service.engine.quant_formats.export import quantize_checkpoint
+
+    folder = None
+    if group.rank == 0:
+        dense = save_tiny_llama(tmp / "q_dense", 8, 2, seed=6, intermediate_size=128)
+        folder = str(quantize_checkpoint(dense, tmp / "q_awq", fmt="awq", group_size=32, progress=False).out)
+    folder = group.broadcast_object(folder)
+    cfg = EngineConfig(model=folder, device=group.device.type, dtype="bfloat16", block_size=16, max_num_seqs=8,
+                       kv_cache_bytes=64 * 2**20, max_loras=4, quantization="keep")
+    engine, slots = build_rank_engine(cfg, group)
+    if group.rank:
+        follow(engine.runner, slots, group)
+        return {}
+    lw = engine.loaded.model.weights.layers[0]
+    kinds = {n: type(getattr(lw, n)).__name__ for n in ("qkv", "o", "gate_up", "down")}
+    kernels = {n: bool(getattr(getattr(lw, n), "use_kernel", False)) for n in kinds}
+    checks = greedy_against_one_process(engine, cfg)
+    return {"quant_kinds": kinds, "quant_kernels": kernels, "quant_greedy": checks}
 
 
 def _fused_norm_checks(group) -> dict:

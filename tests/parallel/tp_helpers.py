@@ -14,12 +14,13 @@ from loraplex.formats.modules import module_shape
 SHAPES = {"kv2": (4, 2), "kv1": (4, 1)}
 
 
-def save_tiny_llama(folder: Path, heads: int, kv_heads: int, seed: int, qwen: bool = False) -> Path:
+def save_tiny_llama(folder: Path, heads: int, kv_heads: int, seed: int, qwen: bool = False,
+                    intermediate_size: int = 80) -> Path:
     """A random fp32 model (Qwen2 with its q/k/v biases, else Llama) with widened weights, saved."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    dims = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+    dims = dict(vocab_size=96, hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
     if qwen:
         model = Qwen2ForCausalLM(Qwen2Config(**dims, tie_word_embeddings=False, rms_norm_eps=1e-6))
