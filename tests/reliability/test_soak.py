@@ -38,8 +38,9 @@ def test_concurrent_streams_with_cancels_and_deadlines_leave_nothing_held(stack,
     assert out["codes"].get("OK") and out["codes"].get("CANCELLED") and out["codes"].get("DEADLINE_EXCEEDED")
     assert set(out["leaks"]) >= {"compute-0.kv_blocks_used", "compute-0.adapter_pins",
                                  "cache.shm_segments_beyond_adapters", "cache.blank_shm_segments_beyond_spares"}
-    if num >= 500:   # enough at once to cycle the adapter pool (preemption: how many run at once depends on
-        assert out["churn"]["adapter_evictions"] > 0, out["churn"]     # the host's load; the next test)
+    if num >= 500:   # enough at once to cycle the adapter pool; preemption depends on how many run at once,
+        # so on the host's load, and is checked by the next test
+        assert out["churn"]["adapter_evictions"] > 0, out["churn"]
 
 
 def test_streams_that_outgrow_the_kv_cache_are_preempted_and_give_alone_outputs(stack, soak_adapters):
