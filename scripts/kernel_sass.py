@@ -50,24 +50,26 @@ def loops(code: list[tuple[int, str, str]]) -> list[tuple[int, int]]:
 
 
 def waits(body: list[tuple[int, str, str]]) -> tuple[list[str], int, int]:
-    """The global loads of one iteration that are waited for in that same iteration (each with the first
-    instruction that reads its result), the number of loads, and how many loads are still in flight at the
-    back edge (requested for a later iteration and not read before it)."""
+    """The global loads into registers of one iteration that are waited for in that same iteration (each
+    with the first instruction that reads its result), the number of such loads, and how many are still in
+    flight at the back edge (requested for a later iteration and not read before it). Asynchronous copies
+    to shared memory (LDGSTS) write no register and are not counted."""
     pending: dict[str, int] = {}       # register -> address of the load writing it
     hits: dict[int, str] = {}
     loads = 0
     for addr, op, args in body:
         regs = re.findall(r"\bR(\d+)\b", args)
-        writes = not op.startswith(("ST", "BAR", "BRA", "RED", "ATOM"))
+        load = op.startswith("LDG") and not op.startswith(("LDGSTS", "LDGDEPBAR"))   # async copies: no register
+        writes = not op.startswith(("ST", "BAR", "BRA", "RED", "ATOM", "LDGSTS", "LDGDEPBAR"))
         dst, srcs = (regs[0], regs[1:]) if regs and writes else (None, regs)
-        if op.startswith("LDG"):
+        if load:
             srcs = re.findall(r"\[R(\d+)", args)
         for r in srcs:
             if r in pending:
-                load = pending.pop(r)
-                hits.setdefault(load, f"load at {load:05x} <- read at {addr:05x} by {op} {args.strip()[:40]}")
+                at = pending.pop(r)
+                hits.setdefault(at, f"load at {at:05x} <- read at {addr:05x} by {op} {args.strip()[:40]}")
         if dst is not None:
-            if op.startswith("LDG"):
+            if load:
                 loads += 1
                 width = 4 if ".128" in op else 2 if ".64" in op else 1
                 for k in range(width):

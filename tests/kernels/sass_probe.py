@@ -1,5 +1,5 @@
-"""Two small loops for tests/kernels/test_kernel_sass.py: one reads each block as it loads it, the other
-loads each block one step ahead into one of two register sets."""
+"""Small loops for tests/kernels/test_kernel_sass.py: one reads each block as it loads it, one loads each
+block a step ahead into one of two register sets, one is left to the compiler's pipeliner."""
 import triton
 import triton.language as tl
 
@@ -26,4 +26,13 @@ def sum_one_ahead(x_ptr, out_ptr, n_pairs, BLOCK: tl.constexpr):
         acc += c
         c = tl.load(x_ptr + (2 * p + 3) * BLOCK + offs)
         tl.debug_barrier()
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
+def sum_pipelined(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for b in tl.range(0, n_blocks, num_stages=3):
+        acc += tl.load(x_ptr + b * BLOCK + offs)
     tl.store(out_ptr + offs, acc)

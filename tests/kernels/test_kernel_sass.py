@@ -1,6 +1,7 @@
 """scripts/kernel_sass.py compiles a kernel for Hopper with no GPU and finds, per loop, the loads the loop
 waits for in the iteration that requested them: all of them for a loop that reads each block as it loads
-it, none for one that loads each block a step ahead into one of two register sets."""
+it, none for one that loads each block a step ahead into one of two register sets; a loop the compiler
+pipelines through shared memory has no register loads to count."""
 from __future__ import annotations
 
 import os
@@ -42,3 +43,10 @@ def test_a_loop_that_reads_each_load_at_once_waits_for_all_of_them():
 def test_loads_issued_a_step_ahead_are_in_flight_at_the_back_edge():
     loops = loop_lines(report("sum_one_ahead"))
     assert len(loops) == 1 and loops[0] == (2, 0, 2), loops
+
+
+@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
+def test_copies_to_shared_memory_are_not_counted_as_register_loads():
+    out = report("sum_pipelined")              # the compiler's pipeliner: asynchronous copies, read from shared
+    assert "LDGSTS" in out, out
+    assert loop_lines(out) and all(loads == 0 for loads, _, _ in loop_lines(out)), out
