@@ -164,8 +164,8 @@ def main() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     consts = {k: int(v) for k, v in (c.split("=", 1) for c in args.const)}
     ptrs = dict(p.split("=", 1) for p in args.ptr)
-    compiled = compile_kernel(load_kernel(args.kernel), consts, ptrs, set(args.aligned), args.warps, args.stages, args.maxnreg,
-                              args.arch)
+    compiled = compile_kernel(load_kernel(args.kernel), consts, ptrs, set(args.aligned), args.warps, args.stages,
+                              args.maxnreg, args.arch)
     print(report(compiled, args.dump))
 
 

@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
+pytestmark = pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
 
 
 def report(kernel: str) -> str:
@@ -27,11 +28,11 @@ def report(kernel: str) -> str:
 
 def loop_lines(out: str) -> list[tuple[int, int, int]]:
     """(loads, waited in the same iteration, in flight at the back edge) per loop."""
-    return [tuple(map(int, m)) for m in
-            re.findall(r"of its (\d+) global loads (\d+) are waited for in the same iteration, (\d+) are in flight", out)]
+    found = re.findall(r"of its (\d+) global loads (\d+) are waited for in the same iteration, (\d+) are in flight",
+                       out)
+    return [tuple(map(int, m)) for m in found]
 
 
-@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
 def test_a_loop_that_reads_each_load_at_once_waits_for_all_of_them():
     out = report("sum_as_loaded")
     assert re.search(r"registers \d+, stack \(spills\) 0 B", out), out
@@ -39,13 +40,11 @@ def test_a_loop_that_reads_each_load_at_once_waits_for_all_of_them():
     assert loops and all(loads > 0 and waited == loads and ahead == 0 for loads, waited, ahead in loops), out
 
 
-@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
 def test_loads_issued_a_step_ahead_are_in_flight_at_the_back_edge():
     loops = loop_lines(report("sum_one_ahead"))
     assert len(loops) == 1 and loops[0] == (2, 0, 2), loops
 
 
-@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
 def test_copies_to_shared_memory_are_not_counted_as_register_loads():
     out = report("sum_pipelined")              # the compiler's pipeliner: asynchronous copies, read from shared
     assert "LDGSTS" in out, out

@@ -36,21 +36,31 @@ def main(out_path: str) -> None:
     verdict.update(_fused_norm_checks(group))
     folder = group.broadcast_object(
         str(save_tiny_llama(Path(out_path).parent / "tiny", 8, 2, seed=5)) if rank == 0 else None)
-    cfg = EngineConfig(model=folder, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=8,
-                       kv_cache_bytes=64 * 2**20, max_loras=4)
-    engine, slots = build_rank_engine(cfg, group)
-    if rank:
-        follow(engine.runner, slots, group)
-        del engine, slots
-        _close(group)
-        return
-    checks = greedy_against_one_process(engine, cfg)
-    verdict.update(greedy=checks, graph_steps=engine.runner.num_graph_steps,
-                   lora_graph_steps=engine.runner.num_lora_graph_steps)
-    del engine, slots
-    verdict.update(quantized_checks(group, Path(out_path).parent))
-    Path(out_path).write_text(json.dumps(verdict, indent=1))
+    dense = against_one_process(group, EngineConfig(model=folder, device="cuda", dtype="bfloat16", block_size=16,
+                                                    max_num_seqs=8, kv_cache_bytes=64 * 2**20, max_loras=4))
+    quant = against_one_process(group, quantized_config(group, Path(out_path).parent))
+    if rank == 0:
+        verdict.update(greedy=dense["greedy"], graph_steps=dense["graph_steps"],
+                       lora_graph_steps=dense["lora_graph_steps"], quant_kinds=quant["kinds"],
+                       quant_kernels=quant["kernels"], quant_greedy=quant["greedy"])
+        Path(out_path).write_text(json.dumps(verdict, indent=1))
     _close(group)
+
+
+def against_one_process(group, cfg: EngineConfig) -> dict:
+    """Builds `cfg`'s TP engine on every rank. Rank 1 follows until rank 0 stops it and gets {}; rank 0 gets
+    its projections' kinds (and whether they run the quantized kernels), the greedy checks
+    (`greedy_against_one_process`) and how many decode steps replayed graphs."""
+    engine, slots = build_rank_engine(cfg, group)
+    if group.rank:
+        follow(engine.runner, slots, group)
+        return {}
+    lw = engine.loaded.model.weights.layers[0]
+    kinds = {n: type(getattr(lw, n)).__name__ for n in ("qkv", "o", "gate_up", "down")}
+    kernels = {n: bool(getattr(getattr(lw, n), "use_kernel", False)) for n in kinds}
+    greedy = greedy_against_one_process(engine, cfg)
+    return dict(kinds=kinds, kernels=kernels, greedy=greedy, graph_steps=engine.runner.num_graph_steps,
+                lora_graph_steps=engine.runner.num_lora_graph_steps)
 
 
 def greedy_against_one_process(engine, cfg: EngineConfig) -> list[dict]:
@@ -88,28 +98,18 @@ def greedy_against_one_process(engine, cfg: EngineConfig) -> list[dict]:
     return checks
 
 
-def quantized_checks(group, tmp: Path) -> dict:
-    """A 4-bit checkpoint (groups of 32, `loraplex quantize`'s AWQ layout) kept quantized under TP=2: every
-    shard of every projection stays quantized (a row-parallel rank holds 32 | 64 in features: whole
-    groups) and runs the quantized kernels; greedy tokens as for bf16. Rank 1 only follows."""
+def quantized_config(group, tmp: Path) -> EngineConfig:
+    """A 4-bit checkpoint (groups of 32, `loraplex quantize`'s AWQ layout, written by rank 0) kept quantized:
+    under TP=2 every shard of every projection stays quantized (a row-parallel rank holds 32 | 64 in
+    features: whole groups) and runs the quantized kernels."""
     from compute_service.engine.quant_formats.export import quantize_checkpoint
 
     folder = None
     if group.rank == 0:
         dense = save_tiny_llama(tmp / "q_dense", 8, 2, seed=6, intermediate_size=128)
         folder = str(quantize_checkpoint(dense, tmp / "q_awq", fmt="awq", group_size=32, progress=False).out)
-    folder = group.broadcast_object(folder)
-    cfg = EngineConfig(model=folder, device=group.device.type, dtype="bfloat16", block_size=16, max_num_seqs=8,
-                       kv_cache_bytes=64 * 2**20, max_loras=4, quantization="keep")
-    engine, slots = build_rank_engine(cfg, group)
-    if group.rank:
-        follow(engine.runner, slots, group)
-        return {}
-    lw = engine.loaded.model.weights.layers[0]
-    kinds = {n: type(getattr(lw, n)).__name__ for n in ("qkv", "o", "gate_up", "down")}
-    kernels = {n: bool(getattr(getattr(lw, n), "use_kernel", False)) for n in kinds}
-    checks = greedy_against_one_process(engine, cfg)
-    return {"quant_kinds": kinds, "quant_kernels": kernels, "quant_greedy": checks}
+    return EngineConfig(model=group.broadcast_object(folder), device=group.device.type, dtype="bfloat16",
+                        block_size=16, max_num_seqs=8, kv_cache_bytes=64 * 2**20, max_loras=4, quantization="keep")
 
 
 def _fused_norm_checks(group) -> dict:
