@@ -80,6 +80,8 @@ def compare_configs(model: str, t: int, n: int, k: int) -> list[QuantMatmulConfi
         bm = picked.block_m
         alts = [C(32, bm, 1, field_dots=False), C(64, bm, 1, field_dots=False), C(32, bm, 1), C(64, bm, 1),
                 C(64, bm, 4), C(64, bm, 8)]
+        if bm == 64:        # 4 warps spill at 64-row tiles (scripts/kernel_sass.py): the same on 8
+            alts += [C(64, bm, s, num_warps=8) for s in sorted({1, 2, picked.split_k})]
     return [picked] + [c for c in alts if c != picked]
 
 

@@ -5,20 +5,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_pack import PackedQuantWeight, block_k
+from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_tile import dequant_block
 
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, o_ptr, out_ptr, N, K, words_per_row,
-                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.program_id(1)
     n_mask = offs_n < N
     words = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + b * 32 + tl.arange(0, 32)[None, :],
                     mask=n_mask[:, None], other=0)
-    w = dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP, BITS)          # [BN, BLOCK_K] fp32
+    w = dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP, BITS, PAIRED)  # [BN, BLOCK_K] fp32
     cols = b * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (cols < K)[None, :])
@@ -37,4 +37,5 @@ def dequantize_packed(w: PackedQuantWeight,       # [N, K] packed
     block_n = 32
     grid = (triton.cdiv(N, block_n), w.padded_in_features // block_k(w.bits))
     _dequant_kernel[grid](w.words, w.scales, w.offsets, out, N, K, w.words.shape[1],
-                          GROUP=w.group_size, BITS=w.bits, BLOCK_N=block_n, num_warps=4)
+                          GROUP=w.group_size, BITS=w.bits, BLOCK_N=block_n,
+                          PAIRED=paired_layout(w.bits, w.group_size), num_warps=4)

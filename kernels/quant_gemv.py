@@ -5,12 +5,13 @@ Per code: one shift and one and-or (`biased_field`: BIAS + q as a float; one ins
 one FMA. The products (BIAS + q) x accumulate per group and the group's scale and offset apply to the
 sums: s * sum((B + q) x) + (o - B s) * sum(x).
 
-4 bits, groups of 128 and more (`_halves_step`, the 8B checkpoints' layout): a block's 8 fields are two
-halves of 128 codes, each inside one group. Both halves' scales and offsets are requested with the block's
-words, before any arithmetic; fields i and i + 4 go to two per-block sums, alternating (two independent
-FMA chains); the offsets' term is one value per row and block, (o - B s) * sum(x over the half), outside the
-per-code work. Against the per-group loop below: 7-15% less time per launch on the 8B shapes (H200 A/B,
-78.9 -> 71.0 us per layer with 64-feature programs).
+4 bits, groups of 128 and more (`_halves_step`, the 8B checkpoints' layout, packed in the paired layout of
+kernels.quant_pack): a block's words 0-15 hold one half of 128 codes, words 16-31 the other, each half inside
+one group, so a column's group scale applies to its sum over all 8 fields. Both halves' scales and offsets are
+requested with the block's words, before any arithmetic; fields 0-3 and 4-7 go to two per-block sums,
+alternating (two independent FMA chains); the offsets' term is one value per row and block, (o - B s) * sum(x
+over the half), outside the per-code work. Against the per-group loop below: 7-15% less time per launch on the
+8B shapes (H200 A/B, 78.9 -> 71.0 us per layer with 64-feature programs).
 Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded per group as it comes.
 """
 import triton
@@ -28,30 +29,61 @@ def _x_field(x_row, k0, offs_j, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr):
 
 
 @triton.jit
-def _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, EARLY: tl.constexpr):
-    """Block b of a 4-bit weight in groups of 128 or more: fields 0-3 are group g_a, fields 4-7 group g_b."""
+def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, EARLY: tl.constexpr,
+                 X32: tl.constexpr):
+    """Block b of a 4-bit weight in groups of 128 or more (the paired layout, kernels.quant_pack): words 0-15
+    hold half a (group g_a), words 16-31 half b (g_b); fields i and i + 4 of word j are codes 2
+    `_paired_word(j, i)` and the one after it (x_ptr: the token row's x). Two per-column sums (fields 0-3,
+    4-7: independent FMA chains), each column's group scale after."""
     g_a = (b * 256) // GROUP
     g_b = (b * 256 + 128) // GROUP
     s_a = tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     s_b = tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     o_a = tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     o_b = tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    q_a = tl.zeros(acc.shape, dtype=tl.float32)              # (B + q) * x per column, this block's half a
-    q_b = tl.zeros(acc.shape, dtype=tl.float32)
-    x_a = tl.zeros((32,), dtype=tl.float32)
-    x_b = tl.zeros((32,), dtype=tl.float32)
+    q_0 = tl.zeros(acc.shape, dtype=tl.float32)              # (B + q) * x per column, fields 0-3
+    q_1 = tl.zeros(acc.shape, dtype=tl.float32)              # fields 4-7
+    x_t = tl.zeros((32,), dtype=tl.float32)                  # x per column, all fields
     for i in tl.static_range(4):
-        xa = _x_field(x_row, b * 256 + i * 32, offs_j, K, EVEN_K, EARLY)
-        xb = _x_field(x_row, b * 256 + 128 + i * 32, offs_j, K, EVEN_K, EARLY)
-        q_a += biased_field(words, i, 4, ASM) * xa[None, :]
-        q_b += biased_field(words, i + 4, 4, ASM) * xb[None, :]
-        x_a += xa
-        x_b += xb
-    acc += s_a[:, None] * q_a + s_b[:, None] * q_b
+        x0, x1 = _x_pair(x_ptr, b * 128 + _paired_word(offs_j, i), K, EVEN_K, EARLY, X32)   # fields i, i + 4
+        q_0 += biased_field(words, i, 4, ASM) * x0[None, :]
+        q_1 += biased_field(words, i + 4, 4, ASM) * x1[None, :]
+        x_t += x0 + x1
+    half_a = offs_j < 16
+    acc += tl.where(half_a[None, :], s_a[:, None], s_b[:, None]) * (q_0 + q_1)
     BIAS = field_bias(4)
-    acc_o += (o_a - BIAS * s_a) * tl.sum(x_a, axis=0) + (o_b - BIAS * s_b) * tl.sum(x_b, axis=0)
+    x_a = tl.sum(tl.where(half_a, x_t, 0.0), axis=0)
+    x_b = tl.sum(tl.where(half_a, 0.0, x_t), axis=0)
+    acc_o += (o_a - BIAS * s_a) * x_a + (o_b - BIAS * s_b) * x_b
     return acc, acc_o
+
+
+@triton.jit
+def _x_pair(x_ptr, p, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr, X32: tl.constexpr):
+    """fp32 x[2 p] and x[2 p + 1] (0 past K; x_ptr the row's start). X32 (16-bit x, 4-byte aligned rows):
+    one 32-bit read for both."""
+    k = 2 * p
+    if X32:
+        v = read_input(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + p, k < K, EVEN_K, EARLY)
+        if x_ptr.dtype.element_ty == tl.bfloat16:       # a bfloat16 is the top half of its float32
+            x0 = (v << 16).to(tl.float32, bitcast=True)
+            x1 = (v & -65536).to(tl.float32, bitcast=True)
+        else:
+            x0 = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x1 = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        x0 = read_input(x_ptr + k, k < K, EVEN_K, EARLY).to(tl.float32)
+        x1 = read_input(x_ptr + k + 1, k < K, EVEN_K, EARLY).to(tl.float32)
+    return x0, x1
+
+
+@triton.jit
+def _paired_word(offs_j, i: tl.constexpr):
+    """Half the code of field i (< 4) of word j within a block, paired layout: the code is
+    h 128 + i 32 + 2 j' for j = 16 h + j', so this is h 64 + i 16 + j' = j + 48 h + 16 i, written so the
+    compiler sees runs of 16 consecutive values (one wide read of x per run)."""
+    return offs_j + (offs_j // 16) * 48 + i * 16
 
 
 @triton.jit
@@ -83,12 +115,12 @@ def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, 
 
 
 @triton.jit
-def _block_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+def _block_step(words, b, acc, acc_o, x_row, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                HALVES: tl.constexpr, EARLY: tl.constexpr):
+                HALVES: tl.constexpr, EARLY: tl.constexpr, X32: tl.constexpr):
     if HALVES:
-        acc, acc_o = _halves_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                                  GROUP, EVEN_K, ASM, EARLY)
+        acc, acc_o = _halves_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask,
+                                  offs_j, N, K, GROUP, EVEN_K, ASM, EARLY, X32)
     else:
         acc = _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
                            EVEN_K, ASM, EARLY)
@@ -100,7 +132,8 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
-                      NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr):
+                      NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
+                      X32: tl.constexpr):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
@@ -111,7 +144,8 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     offs_j = tl.arange(0, 32)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + offs_j[None, :]     # [BN, 32]
-    x_row = x_ptr + m.to(tl.int64) * stride_x + offs_j                                 # [32]
+    x_base = x_ptr + m.to(tl.int64) * stride_x
+    x_row = x_base + offs_j                                                            # [32]
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
@@ -120,12 +154,12 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
     if not ADD:
         wait_then_release(USE_PDL)
-    acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                             GROUP, BITS, EVEN_K, ASM, HALVES, ADD)
+    acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_row, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                             GROUP, BITS, EVEN_K, ASM, HALVES, ADD, X32)
     for b in range(b_lo + 1, b_hi):
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
-        acc, acc_o = _block_step(words, b, acc, acc_o, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                                 GROUP, BITS, EVEN_K, ASM, HALVES, ADD)
+        acc, acc_o = _block_step(words, b, acc, acc_o, x_row, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                                 GROUP, BITS, EVEN_K, ASM, HALVES, ADD, X32)
     if ADD:
         wait_then_release(USE_PDL)
     total = tl.sum(acc, axis=1)

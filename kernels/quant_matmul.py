@@ -1,7 +1,8 @@
 """Weight-only quantized matmul (W4A16 / W8A16): out = x @ dequant(W).T, reading the packed codes in place.
 
 Two kernels of one family, both reading `kernels.quant_pack`'s layout (per K block, 32 int32 words per
-row; field i of the words holds 32 consecutive codes of one group):
+row; field i of the words holds 32 consecutive codes of one group, or in the paired layout 4 bits in
+groups of 128+ take, 32 codes of one half block, two neighbours a word):
 
 - Tensor-core kernel (2+ rows, `_quant_matmul_kernel` here): a program owns BLOCK_N features by BLOCK_M
   tokens and a range of K blocks, and accumulates one fp32 out.T tile (features by tokens, so a decode
@@ -9,11 +10,12 @@ row; field i of the words holds 32 consecutive codes of one group):
   offset in fp32, rounded once to x's dtype, `kernels.quant_tile`) either per 32-wide field, each fed
   to a K=32 dot from the registers its words were loaded into (FIELD_DOTS), or per 256-wide block,
   staged in shared memory for one dot (better for small, latency-bound weights; `pick_config`).
-  4 bits in groups of 128 and more with 16-bit x (the 8B checkpoints' layout; `_pairs_step`): the codes
-  are not dequantized before the dots at all. One shift and one and-or turn a word into two 16-bit
-  floats BIAS + q (fields i and i + 4), exact; each half block's four fields are joined in registers
-  into one K=128 dot (Triton lays the join out as the dot's register operand: no trip through shared
-  memory), and the half's group scale and offset apply to the dot's fp32 sums as two FMAs per element,
+  4 bits in groups of 128 and more with 16-bit x (the 8B checkpoints' layout; `_pairs_step`): the codes are
+  not dequantized before the dots at all. One shift and one and-or turn a word into two 16-bit floats BIAS + q
+  (fields i and i + 4: two neighbouring codes of one half block in the paired layout of `kernels.quant_pack`,
+  side by side as the dot's register operand holds them, so no byte shuffle); each half block's 16 words give
+  one K=128 dot (Triton lays the join out as the dot's register operand: no trip through shared memory), and
+  the half's group scale and offset apply to the dot's fp32 sums as two FMAs per element,
   with the sums of x over the half computed once per call. Per code that is one integer instruction
   instead of a float dequantization (H200, 8B layer shapes: 27% less time per layer at 8 rows, 18% at 64);
   the K=128 dots and the FMA epilogue took another 8-13% off at 16-64 rows (eight K=32 dots per block
@@ -35,7 +37,7 @@ import triton.language as tl
 
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.quant_gemv import quant_gemv_kernel
-from kernels.quant_pack import PackedQuantWeight, block_k
+from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_pair, dequant_block, dequant_field, pair_bias
 
@@ -86,21 +88,34 @@ def _join4(f0, f1, f2, f3):
 
 
 @triton.jit
+def _pair_cols(words, i: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    """[BN, 32] from a half block's words [BN, 16] (paired layout): column 2 j + s is field i + 4 s of word j,
+    code i * 32 + 2 j + s of the half. The two fields come from one and-or as a register's two halves, and
+    the join puts them side by side as the dot's 16-bit operand holds them: no byte shuffle."""
+    lo, hi = biased_pair(words, i, BF16, ASM)
+    return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.jit
+def _half_operand(words, BF16: tl.constexpr, ASM: tl.constexpr):
+    """[BN, 128] BIAS + q of a half block in k order, from its 16 words a row (paired layout)."""
+    return _join4(_pair_cols(words, 0, BF16, ASM), _pair_cols(words, 1, BF16, ASM),
+                  _pair_cols(words, 2, BF16, ASM), _pair_cols(words, 3, BF16, ASM))
+
+
+@triton.jit
 def _pairs_step(words, b, acc, x_half, xs_ptr, num_halves, m_mask, offs_m, offs_h, s_ptr, o_ptr, offs_n, n_mask,
                 N, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """Block b of a 4-bit weight in groups of 128 or more into acc (out.T, [BN, BM]): fields 0-3 are half a
-    (group g_a), fields 4-7 half b (group g_b). The codes enter the dots as BIAS + q in x's type, exact
-    (`biased_pair`: one shift and one instruction per two codes, no float math per code); each half's four
-    fields are joined in registers into one [BN, 128] operand (column i * 32 + j is field i of word j, k
-    order, so x's half-block tile is read as it lies) and go through one K=128 dot; its sum
+    """Block b of a 4-bit weight in groups of 128 or more (paired layout) into acc (out.T, [BN, BM]): words
+    (`_load_words`) is the block's two halves, a (group g_a) and b (g_b), 16 words a row each. The codes
+    enter the dots as BIAS + q in x's type, exact (`biased_pair`: one shift and one instruction per two
+    neighbouring codes, no float math per code, no shuffle); each half's 16 words become one [BN, 128]
+    operand in k order (`_half_operand`, so x's half-block tile is read as it lies) for one K=128 dot; its sum
     D = sum((B + q) x) takes the half's group after the dot, s * D + (o - B s) * sum(x), as two FMAs per
     element in fp32, with the sums of x over each 128-wide half read from xs (computed once per call)."""
     BF16: tl.constexpr = x_half.dtype.element_ty == tl.bfloat16
     BIAS: tl.constexpr = pair_bias(BF16)
-    a0, b0 = biased_pair(words, 0, BF16, ASM)
-    a1, b1 = biased_pair(words, 1, BF16, ASM)
-    a2, b2 = biased_pair(words, 2, BF16, ASM)
-    a3, b3 = biased_pair(words, 3, BF16, ASM)
+    words_a, words_b = words
     k_a = b * 256
     xa = _load_x(x_half + k_a, m_mask, k_a + offs_h < K, EVEN_K)                      # [128, BM]
     xb = _load_x(x_half + k_a + 128, m_mask, k_a + 128 + offs_h < K, EVEN_K)
@@ -113,17 +128,30 @@ def _pairs_step(words, b, acc, x_half, xs_ptr, num_halves, m_mask, offs_m, offs_
     s_b = tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     o_a = tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_a
     o_b = tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_b
-    d_a = tl.dot(_join4(a0, a1, a2, a3), xa)
-    d_b = tl.dot(_join4(b0, b1, b2, b3), xb)
+    d_a = tl.dot(_half_operand(words_a, BF16, ASM), xa)
+    d_b = tl.dot(_half_operand(words_b, BF16, ASM), xb)
     acc = tl.fma(s_a[:, None], d_a, tl.fma(o_a[:, None], xs_a[None, :], acc))
     acc = tl.fma(s_b[:, None], d_b, tl.fma(o_b[:, None], xs_b[None, :], acc))
     return acc
 
 
 @triton.jit
+def _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS: tl.constexpr):
+    """Block b's words: [BN, 32] int32, or PAIRS its two halves' [BN, 16] (paired layout: words 0-15 hold
+    the first 128 codes)."""
+    if PAIRS:
+        rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + b * 32 + tl.arange(0, 16)[None, :]
+        words = (tl.load(rows, mask=n_mask[:, None], other=0), tl.load(rows + 16, mask=n_mask[:, None], other=0))
+    else:
+        rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + b * 32 + tl.arange(0, 32)[None, :]
+        words = tl.load(rows, mask=n_mask[:, None], other=0)
+    return words
+
+
+@triton.jit
 def _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n, n_mask,
               N, K, GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-              FIELD_DOTS: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+              FIELD_DOTS: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr):
     """Block b's words into acc (out.T, [BN, BM]) by the path the call picked."""
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
     if PAIRS:           # x_cols: [128, BM] half-block tiles of x.T
@@ -137,7 +165,7 @@ def _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k,
             acc = _dot(w, xt, acc, IEEE)
     else:               # one dot over the whole block, the [BN, BLOCK_K] tile staged in shared memory
         xt = _load_x(x_cols + b * BLOCK_K, m_mask, b * BLOCK_K + offs_k < K, EVEN_K)     # [BK, BM]
-        w = dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP, BITS).to(xt.dtype)
+        w = dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP, BITS, PAIRED).to(xt.dtype)
         acc = _dot(w, xt, acc, IEEE)
     return acc
 
@@ -148,7 +176,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                          FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr,
-                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr):
     # As a dependent launch (kernels/pdl.py) the first block's words are read before the wait; x, the sums
     # of x, the partials and the locks after it.
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
@@ -158,19 +186,18 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     K_STEP: tl.constexpr = 128 if PAIRS else 32 if FIELD_DOTS else BLOCK_K         # x rows per dot
     offs_k = tl.arange(0, K_STEP)
     n_mask, m_mask = offs_n < N, offs_m < T
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + tl.arange(0, 32)[None, :]   # [BN, 32]
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + offs_k[:, None]                 # [BK, BM]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                              # out.T tile
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
-    words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                # [BN, 32] int32
+    words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b_lo, PAIRS)
     wait_then_release(USE_PDL)
     acc = _mm_block(words, b_lo, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
-                    n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM)
+                    n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     for b in range(b_lo + 1, b_hi):
-        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
+        words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS)
         acc = _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
-                        n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM)
+                        n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0
@@ -237,6 +264,7 @@ def quant_matmul(
         return
     pairs = (cfg.block_m > 1 and cfg.pair_codes and cfg.field_dots and x.dtype != torch.float32
              and pair_codes_layout(w.bits, w.group_size, K))
+    paired = paired_layout(w.bits, w.group_size)    # without the pair-codes path: one dot per block
     x_sums = out
     if pairs:       # sum of x over each 128-wide half block, once per call (`_pairs_step`)
         x_sums = torch.sum(x.reshape(T, K // 128, 128), dim=-1, dtype=torch.float32)      # [T, K / 128]
@@ -250,14 +278,16 @@ def quant_matmul(
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=compiled, NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
-                                ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+                                ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                X32=x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0,
+                                **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // 128, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
                                    NUM_THREADS=32 * cfg.num_warps,
-                                   FIELD_DOTS=cfg.field_dots, PAIRS=pairs, ASM=compiled,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+                                   FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=compiled,
+                                   PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128) -> QuantMatmulConfig:

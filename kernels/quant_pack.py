@@ -12,6 +12,13 @@ Packed form, read in place by `kernels.quant_matmul`:
   (bits [bits*i, bits*(i+1))) of word j of block b holds code k = b * block_k + i * 32 + j. Unpacking field
   i of a block's 32 words gives 32 consecutive codes, all inside one group (the group size is a multiple of
   32), so the kernel needs one scale and one offset per row per field and no reshuffle in registers;
+- 4 bits in groups of 128 or more (`paired_layout`): the block's codes are placed so that fields i and
+  i + 4 of a word, 16 bits apart, are two neighbouring codes of one half block (one group): field
+  i' + 4 s (i' < 4, s < 2) of word 16 h + j' (h < 2, j' < 16) holds code k = b * 256 + h * 128 + i' * 32
+  + 2 j' + s. Words 0-15 of a block hold its first 128 codes, words 16-31 the next 128. One and-or of
+  `word >> 4 i'` gives two neighbouring codes as the two 16-bit halves of a register, which is how the
+  tensor cores take a 16-bit operand: no byte shuffle between the unpacking and the dot
+  (`kernels.quant_matmul._pairs_step`);
 - `scales`, `offsets` float16 [ceil(Kp / G), N]: group-major, so a tile of rows reads them contiguously.
 """
 from __future__ import annotations
@@ -52,6 +59,11 @@ class PackedQuantWeight:
         return self.words.nbytes + self.scales.nbytes + self.offsets.nbytes
 
 
+def paired_layout(bits: int, group_size: int) -> bool:
+    """Whether a weight is packed in the paired layout (module docstring): 4 bits, groups of 128 or more."""
+    return bits == 4 and group_size % 128 == 0
+
+
 def check_packable(n: int, k: int, bits: int, group_size: int) -> None:
     if bits not in (4, 8):
         raise ValueError(f"packed quantized weights hold 4 or 8 bits, got {bits}")
@@ -77,7 +89,9 @@ def pack_quantized(q: torch.Tensor,         # uint8 [N, K], codes in [0, 2**bits
         r1 = min(n, r0 + rows)
         codes = torch.zeros(r1 - r0, kp, dtype=torch.int64, device=q.device)
         codes[:, :k] = q[r0:r1]
-        codes = codes.view(r1 - r0, kp // blk, fields, SUB_K)              # [rows, block, field i, word j]
+        if paired_layout(bits, group_size):     # k = h 128 + i' 32 + 2 j' + s -> field s 4 + i', word h 16 + j'
+            codes = codes.view(r1 - r0, kp // blk, 2, 4, 16, 2).permute(0, 1, 5, 3, 2, 4)
+        codes = codes.reshape(r1 - r0, kp // blk, fields, SUB_K)           # [rows, block, field i, word j]
         w = (codes << shifts).sum(dim=2)                                   # [rows, block, 32], in [0, 2**32)
         words[r0:r1] = torch.where(w >= 2**31, w - 2**32, w).view(r1 - r0, -1).to(torch.int32)
     num_groups = -(-kp // group_size)
@@ -96,7 +110,10 @@ def unpack_quantized(p: PackedQuantWeight) -> tuple[torch.Tensor, torch.Tensor, 
     fields = 32 // bits
     words = p.words.view(n, -1, 1, SUB_K)                                 # [n, block, 1, 32] int32
     shifts = (torch.arange(fields, device=words.device, dtype=torch.int32) * bits).view(1, 1, fields, 1)
-    codes = ((words >> shifts) & (2**bits - 1)).view(n, -1)[:, :k]        # [n, K]; the mask drops sign bits
+    codes = (words >> shifts) & (2**bits - 1)                             # [n, block, field, word]; no sign bits
+    if paired_layout(bits, p.group_size):       # field s 4 + i', word h 16 + j' -> k = h 128 + i' 32 + 2 j' + s
+        codes = codes.view(n, -1, 2, 4, 2, 16).permute(0, 1, 4, 3, 5, 2)
+    codes = codes.reshape(n, -1)[:, :k]
     ng = k // p.group_size
     return (codes.to(torch.uint8).contiguous(), p.scales[:ng].t().contiguous(),
             p.offsets[:ng].t().contiguous())

@@ -1,8 +1,9 @@
 """Device-side helpers of the quantized matmul kernels: turning packed words into floats.
 
-Layout (kernels.quant_pack): a block of 32 int32 words per row holds BLOCK_K = 32 * (32 // BITS) codes;
-field i of word j holds code k = i * 32 + j of the block. A code becomes a float with no conversion
-instruction: OR-ing it under the mantissa of a power of two B gives B + code exactly.
+Layout (kernels.quant_pack): a block of 32 int32 words per row holds BLOCK_K = 32 * (32 // BITS) codes; field
+i of word j holds code k = i * 32 + j of the block, except in the paired layout (4 bits, groups of 128+),
+where field i' + 4 s of word 16 h + j' holds code h * 128 + i' * 32 + 2 j' + s. A code becomes a float with no
+conversion instruction: OR-ing it under the mantissa of a power of two B gives B + code exactly.
 """
 import triton
 import triton.language as tl
@@ -77,17 +78,27 @@ def pair_bias(BF16: tl.constexpr):
 
 
 @triton.jit
-def dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP: tl.constexpr, BITS: tl.constexpr):
+def dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP: tl.constexpr, BITS: tl.constexpr,
+                  PAIRED: tl.constexpr = False):
     """fp32 [BLOCK_N, BLOCK_K]: the weights of block b (words [BLOCK_N, 32]) in k order,
     q * scale + offset with one rounding (q * scale is exact in fp32: an 8-bit integer times a float16).
 
     Built as [BLOCK_N, fields, 32] (field i is k = i * 32 + j), so the reshape is k order with no shuffle
-    of codes between fields; the group of field i is (b * BLOCK_K + i * 32) // GROUP."""
+    of codes between fields; the group of field i is (b * BLOCK_K + i * 32) // GROUP. PAIRED (the paired
+    layout, `kernels.quant_pack`): the group of word j is (b * 256 + (j // 16) * 128) // GROUP, and the
+    [BLOCK_N, 2 (s), 4 (i'), 2 (h), 16 (j')] codes are permuted into k order."""
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_N: tl.constexpr = words.shape[0]
     fi = tl.arange(0, FIELDS)
     codes = (words[:, None, :] >> (fi * BITS)[None, :, None]) & ((1 << BITS) - 1)
     q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0            # 2**23 + code - 2**23
+    if PAIRED:
+        half = tl.arange(0, 32) // 16
+        g_off = ((b * 256 + half * 128) // GROUP).to(tl.int64)[None, :] * N + offs_n[:, None]      # [BN, 32]
+        s = tl.load(s_ptr + g_off, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + g_off, mask=n_mask[:, None], other=0.0).to(tl.float32)
+        w = tl.reshape(q * s[:, None, :] + o[:, None, :], (BLOCK_N, 2, 4, 2, 16))
+        return tl.reshape(tl.permute(w, (0, 3, 2, 4, 1)), (BLOCK_N, 256))
     g_off = ((b * (32 * FIELDS) + fi * 32) // GROUP).to(tl.int64)[None, :] * N + offs_n[:, None]   # [BN, F]
     s = tl.load(s_ptr + g_off, mask=n_mask[:, None], other=0.0).to(tl.float32)
     o = tl.load(o_ptr + g_off, mask=n_mask[:, None], other=0.0).to(tl.float32)
