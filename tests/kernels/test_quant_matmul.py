@@ -122,6 +122,45 @@ def test_pack_round_trip_and_dequantize(bits: int, group: int, k: int) -> None:
         assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("group", [128, 256])
+def test_paired_layout_holds_neighbouring_codes(group: int) -> None:
+    """4 bits in groups of 128+: fields i' and i' + 4 of word 16 h + j' are codes h 128 + i' 32 + 2 j' and the
+    one after it (what lets the tensor-core kernel feed one and-or to its dot with no shuffle); other
+    layouts keep field i of word j = code i 32 + j."""
+    k = 512
+    q = (torch.arange(k) % 251).to(torch.uint8).view(1, k) % 16         # code k is k's residue: unique per block
+    ones = torch.ones(1, k // group, dtype=torch.float16)
+    words = pack_quantized(q, ones, ones * 0, 4, group).words[0].long() & 0xFFFFFFFF
+    for b in range(2):
+        for h in range(2):
+            for jj in range(16):
+                w = int(words[b * 32 + 16 * h + jj])
+                for i in range(4):
+                    kk = b * 256 + h * 128 + i * 32 + 2 * jj
+                    assert (w >> (4 * i)) & 15 == int(q[0, kk]) and (w >> (4 * i + 16)) & 15 == int(q[0, kk + 1])
+    plain = pack_quantized(q, torch.ones(1, k // 32, dtype=torch.float16),
+                           torch.zeros(1, k // 32, dtype=torch.float16), 4, 32).words[0].long()
+    assert all((int(plain[j]) >> (4 * i)) & 15 == int(q[0, i * 32 + j]) for i in range(8) for j in range(32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_one_row_x_not_4_byte_aligned(dtype: torch.dtype) -> None:
+    """The one-row kernel reads two 16-bit x per 32-bit load only from 4-byte aligned rows: x as a view
+    2 bytes into its storage (and a row stride of K + 1) takes the 16-bit loads, with the same result."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 48, 512
+    q, s, o = random_weight(n, k, 4, 128, gen)
+    w = pack_quantized(q, s, o, 4, 128)
+    x = torch.randn(2, k + 1, generator=gen).to(dtype).to(DEVICE)[:, 1:]
+    assert x.data_ptr() % 4 != 0 or x.element_size() == 4
+    for rows in (x[:1], x):
+        out = torch.full((rows.shape[0], n), float("nan"), dtype=dtype, device=DEVICE)
+        cfg = QuantMatmulConfig(16, 1, 2)
+        part = torch.full((cfg.split_k * rows.shape[0] * n,), float("nan"), device=DEVICE)
+        quant_matmul(rows, w, None, out, cfg, part, torch.zeros(64, dtype=torch.int32, device=DEVICE))
+        assert rel_err(out.cpu(), quant_matmul_ref(rows.cpu(), q.cpu(), s.cpu(), o.cpu())) < TOL[dtype]
+
+
 def test_checks_inputs() -> None:
     gen = torch.Generator().manual_seed(0)
     q, s, o = random_weight(16, 512, 4, 32, gen)
