@@ -1,8 +1,8 @@
 """Weight-only quantized matmul (W4A16 / W8A16): out = x @ dequant(W).T, reading the packed codes in place.
 
 Two kernels of one family, both reading `kernels.quant_pack`'s layout (per K block, 32 int32 words per
-row; field i of the words holds 32 consecutive codes of one group, or in the paired layout 4 bits in
-groups of 128+ take, 32 codes of one half block, two neighbours a word):
+row; field i of the words holds 32 consecutive codes of one group, or, in the paired layout of 4 bits in
+groups of 128+, 32 codes of one half block, two neighbours a word):
 
 - Tensor-core kernel (2+ rows, `_quant_matmul_kernel` here): a program owns BLOCK_N features by BLOCK_M
   tokens and a range of K blocks, and accumulates one fp32 out.T tile (features by tokens, so a decode
