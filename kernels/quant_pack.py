@@ -87,11 +87,11 @@ def pack_quantized(q: torch.Tensor,         # uint8 [N, K], codes in [0, 2**bits
     rows = max(1, 2**26 // kp)                  # int64 temporaries of at most 512 MiB per chunk of rows
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        codes = torch.zeros(r1 - r0, kp, dtype=torch.int64, device=q.device)
+        codes = torch.zeros(r1 - r0, kp, dtype=torch.uint8, device=q.device)
         codes[:, :k] = q[r0:r1]
         if paired_layout(bits, group_size):     # k = h 128 + i' 32 + 2 j' + s -> field s 4 + i', word h 16 + j'
             codes = codes.view(r1 - r0, kp // blk, 2, 4, 16, 2).permute(0, 1, 5, 3, 2, 4)
-        codes = codes.reshape(r1 - r0, kp // blk, fields, SUB_K)           # [rows, block, field i, word j]
+        codes = codes.reshape(r1 - r0, kp // blk, fields, SUB_K).to(torch.int64)   # [rows, block, field i, word j]
         w = (codes << shifts).sum(dim=2)                                   # [rows, block, 32], in [0, 2**32)
         words[r0:r1] = torch.where(w >= 2**31, w - 2**32, w).view(r1 - r0, -1).to(torch.int32)
     num_groups = -(-kp // group_size)
