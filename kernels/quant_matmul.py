@@ -55,9 +55,10 @@ class QuantMatmulConfig:
 
 
 def pair_codes_layout(bits: int, group_size: int, K: int) -> bool:
-    """Whether a weight's layout suits the pair-codes path (`_pairs_step`): 4 bits, groups of 128 or more
-    (each half block of 128 codes in one group), and K a multiple of 128 (whole halves of x to sum)."""
-    return bits == 4 and group_size % 128 == 0 and K % 128 == 0
+    """Whether a weight's layout suits the pair-codes path (`_pairs_step`): the paired layout (4 bits, groups
+    of 128 or more: each half block of 128 codes in one group), and K a multiple of 128 (whole halves of x
+    to sum)."""
+    return paired_layout(bits, group_size) and K % 128 == 0
 
 
 @triton.jit
