@@ -40,23 +40,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "default_model_quant.json")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated batch sizes")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     res: dict = dict(device=torch.cuda.get_device_name(0), commit=args.commit, torch=torch.__version__,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      model="SmolLM2-135M-Instruct.Q4_1.gguf", prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN,
                      cases={})
     outputs = {}
     for mode in ("keep", "none"):
-        engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", quantization=mode, max_num_seqs=64,
+        engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", quantization=mode, max_num_seqs=max(batches),
                                         max_model_len=512))
-        for batch in BATCHES:
+        for batch in batches:
             tok_s, out = decode_tok_s(engine, batch, seed=batch)
             res["cases"].setdefault(mode, {})[str(batch)] = dict(tok_per_s=tok_s)
             outputs[(mode, batch)] = out
             print(f"{mode:5s} B={batch:3d} {tok_s:9.0f} tok/s", flush=True)
         del engine
         torch.cuda.empty_cache()
-    for batch in BATCHES:
+    for batch in batches:
         a, b = outputs[("keep", batch)], outputs[("none", batch)]
         same_prefix = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
         res["cases"]["keep"][str(batch)].update(

@@ -72,6 +72,18 @@ def test_split_k_and_tiles(bits: int, split: int) -> None:
     check(3, 50, 640, bits, 32, torch.float32, False, row)
 
 
+def test_few_rows_of_a_small_weight_take_the_one_row_kernel() -> None:
+    """2-8 rows of a small weight (T * N <= 8192) run the one-row kernel, a program per row (faster than the
+    tensor-core tiles at the default SmolLM2's sizes); more rows, or a large weight, the tensor cores."""
+    assert pick_config(8, 960, 576, 4, 132, 32).block_m == 1
+    assert pick_config(1, 576, 1536, 4, 132, 32).split_k == 6
+    assert pick_config(8, 576, 1536, 4, 132, 32) == QuantMatmulConfig(32, 1, 4)     # split shrinks with rows
+    assert pick_config(16, 960, 576, 4, 132, 32).block_m == 16
+    assert pick_config(4, 3072, 576, 4, 132, 32).block_m == 16
+    assert pick_config(2, 6144, 4096, 4, 132, 128).block_m == 16
+    check(6, 576, 1536, 4, 32, torch.float16, True)        # through pick_config: 6 rows, split-K
+
+
 @pytest.mark.parametrize("group,k", [(128, 640), (256, 768), (512, 1024)])
 @pytest.mark.parametrize("split", [1, 3])
 def test_pair_codes_path(group: int, k: int, split: int) -> None:
