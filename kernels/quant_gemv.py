@@ -87,7 +87,7 @@ def _paired_word(offs_j, i: tl.constexpr):
 
 
 @triton.jit
-def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+def _groups_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                  GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                  EARLY: tl.constexpr):
     """Block b, one group (or field, at groups of 32) at a time."""
@@ -95,6 +95,7 @@ def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, 
     BLOCK_K: tl.constexpr = 32 * FIELDS
     FPG: tl.constexpr = FIELDS if GROUP >= BLOCK_K else GROUP // 32             # fields per group
     BIAS = field_bias(BITS)
+    x_row = x_base + offs_j
     for gi in tl.static_range(FIELDS // FPG):
         g = (b * BLOCK_K + gi * FPG * 32) // GROUP
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -115,14 +116,14 @@ def _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, 
 
 
 @triton.jit
-def _block_step(words, b, acc, acc_o, x_row, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+def _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                HALVES: tl.constexpr, EARLY: tl.constexpr, X32: tl.constexpr):
-    if HALVES:
+                PAIRED: tl.constexpr, EARLY: tl.constexpr, X32: tl.constexpr):
+    if PAIRED:
         acc, acc_o = _halves_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask,
                                   offs_j, N, K, GROUP, EVEN_K, ASM, EARLY, X32)
     else:
-        acc = _groups_step(words, b, acc, x_row, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
+        acc = _groups_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
                            EVEN_K, ASM, EARLY)
     return acc, acc_o
 
@@ -133,37 +134,36 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
-                      X32: tl.constexpr):
+                      PAIRED: tl.constexpr, X32: tl.constexpr):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
     LoRA delta the launch before wrote): x and every block are read before the wait, which comes just
-    before the output (`quant_matmul`)."""
+    before the output (`quant_matmul`). PAIRED: the weight is in the paired layout
+    (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + offs_j[None, :]     # [BN, 32]
     x_base = x_ptr + m.to(tl.int64) * stride_x
-    x_row = x_base + offs_j                                                            # [32]
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
-    HALVES: tl.constexpr = BITS == 4 and GROUP % 128 == 0
-    acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (HALVES)
+    acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (PAIRED)
     words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
     if not ADD:
         wait_then_release(USE_PDL)
-    acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_row, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                             GROUP, BITS, EVEN_K, ASM, HALVES, ADD, X32)
+    acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                             GROUP, BITS, EVEN_K, ASM, PAIRED, ADD, X32)
     for b in range(b_lo + 1, b_hi):
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
-        acc, acc_o = _block_step(words, b, acc, acc_o, x_row, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                                 GROUP, BITS, EVEN_K, ASM, HALVES, ADD, X32)
+        acc, acc_o = _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                                 GROUP, BITS, EVEN_K, ASM, PAIRED, ADD, X32)
     if ADD:
         wait_then_release(USE_PDL)
     total = tl.sum(acc, axis=1)
-    if HALVES:
+    if PAIRED:
         total += acc_o
     bias = 0.0
     if HAS_BIAS:

@@ -280,7 +280,7 @@ def quant_matmul(
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=compiled, NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                X32=paired and x.element_size() == 2 and x.data_ptr() % 4 == 0
+                                PAIRED=paired, X32=paired and x.element_size() == 2 and x.data_ptr() % 4 == 0
                                 and x.stride(0) % 2 == 0,
                                 **pdl)
     else:

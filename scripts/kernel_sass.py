@@ -4,7 +4,7 @@ for in the same iteration they are requested in (a prefetch that does not hide l
 
     python3 scripts/kernel_sass.py kernels.quant_gemv:quant_gemv_kernel \\
         --const GROUP=128 BITS=4 BLOCK_N=64 SPLIT=1 HAS_BIAS=0 EVEN_K=1 FENCE=1 NUM_THREADS=128 ASM=1 \\
-                USE_PDL=1 ADD=0 \\
+                USE_PDL=1 ADD=0 PAIRED=1 X32=1 \\
         --ptr x_ptr=bf16 w_ptr=i32 s_ptr=fp16 o_ptr=fp16 bias_ptr=bf16 out_ptr=bf16 lock_ptr=i32 \\
         --aligned N K stride_x stride_out words_per_row [--warps 4] [--maxnreg 168] [--dump DIR]
 
