@@ -2,7 +2,8 @@
 
 1. Starts the real system (`loraplex serve`: cache, compute, gateway) on a model
    (the default SmolLM2, any GGUF/HF folder, or a random model made here with a
-   real tokenizer) and an adapter root of random PEFT adapters written here
+   real tokenizer; with --quantize-bits a round-to-nearest 4- or 8-bit copy of it,
+   made by `loraplex quantize`'s code) and an adapter root of random PEFT adapters written here
    (ranks cycling over --ranks, all seven projections), and waits for health.
 2. Warms every adapter (one short request each) and, per case, runs a short
    warm-up of the same requests, then drives the case through the gateway with
@@ -24,6 +25,8 @@
     python3 bench/serve_load.py --make-random-model /tmp/llama8b --shape 8b --lora-root /tmp/lora8b \
         --num-adapters 32 --arrivals burst --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 \
         --out bench/results/serve_load_8b.json --plot bench/results/serve_load_8b.png
+    python3 bench/serve_load.py --make-random-model /tmp/llama8b --shape 8b --quantize-bits 4 \
+        --lora-root /tmp/lora8b --num-adapters 32 --arrivals burst --out bench/results/serve_load_8b_w4.json
     python3 bench/serve_load.py --cpu --out /tmp/cpu.json          # CPU figures (smaller default cases)
     .venv/bin/python bench/serve_load.py --smoke --out /tmp/s.json  # checks the script on CPU in < 1 min
 """
@@ -94,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "engine alike (default: the service's own default, on with a GPU)")
     ap.add_argument("--quantization", default="auto", choices=("auto", "keep", "none"),
                     help="the base model's quantization, served and engine alike")
+    ap.add_argument("--quantize-bits", type=int, choices=(4, 8),
+                    help="serve a round-to-nearest copy of the model at these bits (`loraplex quantize`, into a "
+                         "sibling folder of --make-random-model or a temp dir; kept and reused)")
+    ap.add_argument("--quantize-group-size", type=int, default=128, help="group size of --quantize-bits")
     ap.add_argument("--step-trace", type=Path, help="where the compute service writes its step trace "
                     "(default: a temp file)")
     ap.add_argument("--serve-flags", default="", help="more `loraplex serve` flags")
@@ -365,6 +372,9 @@ def main(argv: list[str] | None = None) -> dict:
             make_random_model(args.make_random_model, args.shape,
                               device="cuda" if not args.cpu and _has_cuda() else "cpu")
         model = str(args.make_random_model)
+    source = model
+    if args.quantize_bits:
+        model = quantized_copy(model, args, tmp)
     lora_root = args.lora_root or tmp / "adapters"
     args.step_trace = args.step_trace or tmp / "steps.json"
     ranks = write_adapters(lora_root, model, args.num_adapters, args.ranks) if args.num_adapters else {}
@@ -374,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     res: dict = dict(environment(args), commit=args.commit or git_commit(),
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      model=model or "SmolLM2-135M-Instruct (default)", adapters=ranks,
+                     quantized_from=(source or "SmolLM2-135M-Instruct (default)") if args.quantize_bits else None,
                      flags={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                      setup_s=time.perf_counter() - t_start, served={}, engine={}, ratios={}, errors=[])
 
@@ -392,6 +403,26 @@ def main(argv: list[str] | None = None) -> dict:
         plot(res, args.plot)
     print(json.dumps(res["ratios"], indent=1))
     return res
+
+
+def quantized_copy(model: str, args: argparse.Namespace, tmp: Path) -> str:
+    """`model` (a path, or "" for the default) quantized round-to-nearest by `loraplex quantize`'s code into
+    `<random model dir>-w<bits>g<group>` (reused when complete) or a temp folder; returns its path."""
+    from compute_service.engine.quant_formats.export import quantize_checkpoint
+    from loraplex.model_files import resolve_model_path
+
+    tag = f"w{args.quantize_bits}g{args.quantize_group_size}"
+    base = args.make_random_model if args.make_random_model and not args.smoke else None
+    out = base.with_name(f"{base.name}-{tag}") if base else tmp / f"model-{tag}"
+    if not ((out / "config.json").is_file() and (out / "model.safetensors").is_file()):
+        t0 = time.perf_counter()
+        device = "cuda" if not (args.cpu or args.smoke) and _has_cuda() else "cpu"
+        r = quantize_checkpoint(resolve_model_path(model), out, bits=args.quantize_bits,
+                                group_size=args.quantize_group_size, device=device, progress=False)
+        print(f"quantized {model or 'the default model'} -> {out}: {r.num_quantized} projections "
+              f"({r.quantized_bytes / 2**30:.2f} GiB), {len(r.not_converted)} kept dense, "
+              f"{time.perf_counter() - t0:.0f}s", flush=True)
+    return str(out)
 
 
 def _has_cuda() -> bool:

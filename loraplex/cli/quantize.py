@@ -29,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="output layout (default compressed-tensors)")
     p.add_argument("--symmetric", action="store_true",
                    help="symmetric quantization (zero point at mid-range; default asymmetric, min-max)")
+    p.add_argument("--device", default="auto",
+                   help="where to round and pack, e.g. cpu or cuda (default auto: the first GPU if there is one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -45,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
     if error is None:
         try:
             result = quantize_checkpoint(args.model, args.out, bits=args.bits, group_size=args.group_size,
-                                         fmt=args.format, symmetric=args.symmetric, progress=not args.quiet)
-        except (ModelLoadError, ValueError, OSError) as exc:
+                                         fmt=args.format, symmetric=args.symmetric, progress=not args.quiet,
+                                         device=_device(args.device))
+        except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
             error = str(exc)
     if error is not None:
         print(f"loraplex quantize: {error}", file=sys.stderr)
@@ -57,3 +60,11 @@ def run(args: argparse.Namespace) -> int:
     if result.not_converted:
         print(f"  kept dense (group size does not divide their in features): {', '.join(result.not_converted)}")
     return 0
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)

@@ -73,17 +73,22 @@ def test_workloads_assign_adapters_and_poisson_arrivals_grow():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steps", ["plain", "overlapped"])
+@pytest.mark.parametrize("steps", ["plain", "overlapped", "quantized"])
 def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path, steps):
-    """"overlapped": `loraplex serve` and the in-process engine with --async-scheduling."""
+    """"overlapped": `loraplex serve` and the in-process engine with --async-scheduling; "quantized": both
+    on a 4-bit copy of the tiny model (--quantize-bits, kept quantized)."""
     out = tmp_path / "serve_load.json"
-    flags = ["--async-scheduling"] if steps == "overlapped" else []
+    flags = {"plain": [], "overlapped": ["--async-scheduling"],
+             "quantized": ["--quantize-bits", "4", "--quantize-group-size", "32", "--quantization", "keep"]}[steps]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--smoke", "--out", str(out), *flags],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["served_exit_code"] == 0
     assert res["flags"]["output_len"] == 8 and len(res["adapters"]) == 4
+    if steps == "quantized":
+        assert res["model"].endswith("model-w4g32") and res["quantized_from"].endswith("tiny-model")
+        assert json.loads((Path(res["model"]) / "config.json").read_text())["quantization_config"]
     assert res["first_request"]["output_tokens"] == 8 and res["adapters_first_use"]["num_requests"] == 4
     for workload in ("base", "shared", "distinct"):
         for conc in ("1", "4"):

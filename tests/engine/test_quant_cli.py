@@ -40,6 +40,22 @@ def test_quantize_errors_are_clear(tiny_models, tmp_path, capsys):
     assert cli.main(["quantize", str(src), str(tmp_path / "full"), "--quiet"]) == 1
     assert "not empty" in capsys.readouterr().err
     assert cli.main(["quantize", str(src), str(tmp_path / "c"), "--group-size", "0"]) == 2
+    assert cli.main(["quantize", str(src), str(tmp_path / "d"), "--device", "tpu9", "--quiet"]) == 1
+    assert "loraplex quantize: " in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
+@pytest.mark.gpu
+def test_quantize_on_the_gpu_writes_what_the_cpu_writes(tiny_models, tmp_path):
+    """`--device cuda` rounds and packs each projection on the GPU: the same tensors as on the CPU."""
+    import torch
+    from safetensors.torch import load_file
+
+    _, src = tiny_models["llama"]
+    for dev in ("cpu", "cuda"):
+        assert cli.main(["quantize", str(src), str(tmp_path / dev), "--group-size", "16", "--device", dev,
+                         "--quiet"]) == 0
+    cpu, gpu = (load_file(str(tmp_path / dev / "model.safetensors")) for dev in ("cpu", "cuda"))
+    assert cpu.keys() == gpu.keys() and all(torch.equal(cpu[k], gpu[k]) for k in cpu)
 
 
 def test_quantize_reads_gguf_too(tiny_models, tmp_path, capsys):

@@ -40,8 +40,10 @@ class QuantizeResult:
 
 def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int = 128,
                         fmt: str = "compressed-tensors", symmetric: bool = False,
-                        progress: bool = True) -> QuantizeResult:
-    """Writes `out` (a new or empty folder): config.json, model.safetensors, the tokenizer files."""
+                        progress: bool = True, device: str | torch.device = "cpu") -> QuantizeResult:
+    """Writes `out` (a new or empty folder): config.json, model.safetensors, the tokenizer files.
+    `device`: where each projection is rounded and packed (a GPU makes an 8B model in seconds rather than
+    minutes; the result is the same), one projection at a time."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -72,9 +74,10 @@ def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int 
             result.not_converted.append(prefix)
             result.dense_bytes += w.nbytes
             continue
-        qw = quantize_rtn(w, bits, group_size, symmetric=symmetric)
+        qw = quantize_rtn(w.to(device), bits, group_size, symmetric=symmetric)
         part = (awq.tensors(prefix, qw) if fmt == "awq"
                 else compressed_tensors.tensors(prefix, qw, symmetric))
+        part = {name: t.cpu() for name, t in part.items()}
         tensors.update(part)
         result.num_quantized += 1
         result.quantized_bytes += sum(t.nbytes for t in part.values())
