@@ -28,10 +28,13 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`python -m loraplex.cli.main serve --listen 127.0.0.1:<free port> <flags>`."""
+    """`python -m loraplex.cli.main serve --listen 127.0.0.1:<free port> <flags>`; the HTTP API on a free port
+    too unless the flags name one (serve's default, 8000, would clash with another run on the host)."""
 
     def __init__(self, flags: list[str], timeout_s: float) -> None:
         self.address = f"127.0.0.1:{free_port()}"
+        if not any(f == "--http-listen" or f.startswith("--http-listen=") for f in flags):
+            flags = ["--http-listen", "127.0.0.1:0", *flags]
         self.lines: deque[str] = deque(maxlen=400)
         ready_line = f"gateway listening on {self.address}"
         env = dict(os.environ, PYTHONUNBUFFERED="1",
