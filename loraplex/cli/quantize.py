@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
                                          device=_device(args.device))
         except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
             error = str(exc)
+            if "out of memory" in error.lower():
+                error += f" (quantizing on {args.device}: --device cpu quantizes in host memory instead)"
     if error is not None:
         print(f"loraplex quantize: {error}", file=sys.stderr)
         return 1

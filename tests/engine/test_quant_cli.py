@@ -44,6 +44,21 @@ def test_quantize_errors_are_clear(tiny_models, tmp_path, capsys):
     assert "loraplex quantize: " in capsys.readouterr().err and not (tmp_path / "d").exists()
 
 
+def test_quantize_out_of_device_memory_says_how_to_go_on(tiny_models, tmp_path, capsys, monkeypatch):
+    import torch
+
+    from compute_service.engine.quant_formats import export
+
+    def full(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB")
+
+    monkeypatch.setattr(export, "quantize_checkpoint", full)
+    _, src = tiny_models["llama"]
+    assert cli.main(["quantize", str(src), str(tmp_path / "o"), "--device", "cpu", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "CUDA out of memory" in err and "--device cpu quantizes in host memory instead" in err
+
+
 @pytest.mark.gpu
 def test_quantize_on_the_gpu_writes_what_the_cpu_writes(tiny_models, tmp_path):
     """`--device cuda` rounds and packs each projection on the GPU: the same tensors as on the CPU."""
