@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
 def quantized_copy(model: str, args: argparse.Namespace, tmp: Path) -> str:
     """`model` (a path, or "" for the default) quantized round-to-nearest by `loraplex quantize`'s code into
     `<random model dir>-w<bits>g<group>` (reused when complete) or a temp folder; returns its path."""
+    from compute_service.build import resolve_device
     from compute_service.engine.quant_formats.export import quantize_checkpoint
     from loraplex.model_files import resolve_model_path
 
@@ -416,9 +417,9 @@ def quantized_copy(model: str, args: argparse.Namespace, tmp: Path) -> str:
     out = base.with_name(f"{base.name}-{tag}") if base else tmp / f"model-{tag}"
     if not ((out / "config.json").is_file() and (out / "model.safetensors").is_file()):
         t0 = time.perf_counter()
-        device = "cuda" if not (args.cpu or args.smoke) and _has_cuda() else "cpu"
         r = quantize_checkpoint(resolve_model_path(model), out, bits=args.quantize_bits,
-                                group_size=args.quantize_group_size, device=device, progress=False)
+                                group_size=args.quantize_group_size, device=resolve_device(args.device),
+                                progress=False)
         print(f"quantized {model or 'the default model'} -> {out}: {r.num_quantized} projections "
               f"({r.quantized_bytes / 2**30:.2f} GiB), {len(r.not_converted)} kept dense, "
               f"{time.perf_counter() - t0:.0f}s", flush=True)

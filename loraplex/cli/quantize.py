@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--symmetric", action="store_true",
                    help="symmetric quantization (zero point at mid-range; default asymmetric, min-max)")
     p.add_argument("--device", default="auto",
-                   help="where to round and pack, e.g. cpu or cuda (default auto: the first GPU if there is one)")
+                   help="where to round and pack: auto, cpu or cuda[:N] (default auto: a GPU if there is one)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         print("loraplex quantize: --group-size must be positive", file=sys.stderr)
         return 2
     # The engine's modules load torch: imported here, so `loraplex --help` stays fast.
+    from compute_service.build import resolve_device
     from compute_service.engine.errors import ModelLoadError
     from compute_service.engine.quant_formats.export import quantize_checkpoint
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = quantize_checkpoint(args.model, args.out, bits=args.bits, group_size=args.group_size,
                                          fmt=args.format, symmetric=args.symmetric, progress=not args.quiet,
-                                         device=_device(args.device))
+                                         device=resolve_device(args.device))
         except (ModelLoadError, ValueError, OSError, RuntimeError) as exc:
             error = str(exc)
             if "out of memory" in error.lower():
@@ -62,11 +63,3 @@ def run(args: argparse.Namespace) -> int:
     if result.not_converted:
         print(f"  kept dense (group size does not divide their in features): {', '.join(result.not_converted)}")
     return 0
-
-
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
