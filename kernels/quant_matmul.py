@@ -319,7 +319,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         return 1 << (max(1, v).bit_length() - 1)
 
     if T == 1 or (N * K < 4 * 2**20 and T * N <= 8192):     # one row, or a few rows of a small weight
-        bn = 64 if bits == 4 and group_size % 128 == 0 else 32
+        bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
         if num_blocks < 6:      # short K: no split
             return QuantMatmulConfig(bn, 1, 1)
         per_sm = 256 * num_sms // bn            # 8 programs of 32 features (4 of 64) per SM, over the T rows
