@@ -5,7 +5,7 @@ imported); the 4-bit engine is the same model with every layer's projection (qkv
 replaced by a QuantLinear of `quantize_rtn(weight, 4, 128)` made on the GPU; embedding and LM head stay
 bf16. Both engines run in one process, CUDA graphs on.
 
-1. Kernels: each 8B layer shape at T = 1, 8, 32, 64, 512 rows, the quantized matmul (as QuantLinear runs
+1. Kernels: each 8B layer shape at T = 1, 8, 32, 64, 128, 256, 512 rows, the quantized matmul (as QuantLinear runs
    it) against bf16 `F.linear`, each timed as a CUDA graph of calls over enough weight copies to exceed
    the L2 cache (CUDA events, median of replays), with its byte floor (weights + x + out over the
    measured copy bandwidth). `--sweep` also tries tile/split configs at T = 1 and 8 and records the best.
@@ -41,11 +41,11 @@ from multi_lora import (  # noqa: E402  (bench helpers: the 8B shape, engine bui
     copy_bandwidth, floor, run_engine)
 
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
-from compute_service.engine.quant_linear import DENSE_MIN_TOKENS, QuantLinear  # noqa: E402
+from compute_service.engine.quant_linear import QuantLinear  # noqa: E402
 from compute_service.engine.quantized import QuantizedWeight, quantize_rtn  # noqa: E402
 
 LAYER_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-KERNEL_ROWS = (1, 8, 32, 64, 128, 512)
+KERNEL_ROWS = (1, 8, 32, 64, 128, 256, 512)
 CASES = [("base", 0, (), False), ("distinct_r16_all", 16, ALL, True), ("distinct_r64_qkv", 64, QKV, True)]
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 GIB = 2**30
@@ -95,12 +95,13 @@ def kernel_table(dev: torch.device, bw: float, shapes: dict, rows: tuple, sweep:
                      bf16_us=graph_time_us([lambda w=w: F.linear(x, w) for w in dense], dev),
                      quant_floor_us=(q_one.nbytes + io) / bw * 1e6, bf16_floor_us=(bf16_bytes + io) / bw * 1e6)
             if t > 64 and q_one.use_kernel:                     # both prefill paths, to place the switch
+                own = q_one.dense_min_tokens
                 for key, switch in (("fused_us", 1 << 30), ("dense_us", 0)):
                     for lin in quant:
                         lin.dense_min_tokens = switch
                     r[key] = graph_time_us([lambda lin=lin: lin(x) for lin in quant], dev)
                 for lin in quant:
-                    lin.dense_min_tokens = DENSE_MIN_TOKENS
+                    lin.dense_min_tokens = own
             r["speedup"] = r["bf16_us"] / r["quant_us"]
             r["quant_over_floor"] = r["quant_us"] / r["quant_floor_us"]
             if sweep and t <= 8 and q_one.use_kernel:

@@ -6,6 +6,9 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
 
     python3 bench/quant_kernel_sweep.py --out sweep.json [--only smol]
     python3 bench/quant_kernel_sweep.py --out ab.json --only 8b --rows 1 --compare candidate/quant_gemv.py
+    python3 bench/quant_kernel_sweep.py --out big.json --only 8b --rows 96,128,192,256   # where dense takes over
+
+Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages].
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
-from kernels.quant_matmul import QuantMatmulConfig, pick_config, quant_matmul  # noqa: E402
+from kernels.quant_matmul import QuantMatmulConfig, dense_min_rows, pick_config, quant_matmul  # noqa: E402
 from kernels.quant_pack import pack_quantized  # noqa: E402
 
 SHAPES = {"8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 128,
@@ -57,8 +60,13 @@ def configs(model: str, t: int) -> list[QuantMatmulConfig]:
     if t <= 64:
         return ([C(bn, bm, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for bm in (32, 64) for s in (1, 2)]
                 + [C(64, 64, 1, field_dots=False), C(128, 64, 1, num_warps=8, field_dots=False)])
-    return [C(bn, bm, 1, num_warps=w, field_dots=fd) for bn, bm, w, fd in
-            ((64, 64, 4, True), (128, 64, 8, True), (128, 128, 8, True), (128, 64, 8, False), (128, 128, 8, False))]
+    if small:       # more than 64 rows: the block dequantization's tiles
+        return [C(bn, bm, sp, num_warps=w, field_dots=fd) for bn, bm, sp, w, fd in
+                ((32, 64, 1, 4, False), (32, 64, 4, 4, False), (32, 128, 1, 4, False), (64, 64, 1, 4, False),
+                 (64, 64, 1, 4, True), (64, 128, 1, 8, True))]
+    return ([C(64, 64, 1, num_stages=st) for st in (2, 3, 4)]      # more than 64 rows: the pair-codes tiles
+            + [C(bn, bm, sp, num_warps=w) for bn, bm, sp, w in
+               ((64, 64, 2, 4), (32, 64, 1, 4), (128, 64, 1, 8), (64, 128, 1, 4), (64, 128, 1, 8), (128, 128, 1, 8))])
 
 
 def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
@@ -142,6 +150,9 @@ def main() -> None:
                 x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
                 want = x.float() @ w0.t()
                 r: dict = {"bf16_us": graph_us([lambda d=d: F.linear(x, d) for d in dense])}
+                pc = pick_config(t, n, k, 4, 132, group)
+                r["pick_config"] = [pc.block_n, pc.block_m, pc.split_k, pc.num_warps, int(pc.field_dots), pc.num_stages]
+                r["dense_min_rows"] = dense_min_rows(n, k, 4, group)        # QuantLinear dequantizes from here
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                 r["dense_path_us"] = graph_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
                                                for i, w in enumerate(ws)])
@@ -168,7 +179,8 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001  a config the compiler refuses: recorded, skipped
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
                         continue
-                    found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots)],
+                    found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots),
+                                           cfg.num_stages],
                                       us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
                 found.sort(key=lambda c: c["us"])

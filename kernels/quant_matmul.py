@@ -292,6 +292,14 @@ def quant_matmul(
                                    PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
+def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
+    """Rows from which dequantizing the weight once and running a library GEMM beats this kernel (QuantLinear's
+    switch). H100 sweeps: 65 for most layouts (the fused kernel was 30-40% slower on o and down at 128 rows);
+    H200 sweeps of the 8B shapes on the pair-codes path: 256 (a layer at 128 rows 232 us against 357, at 192
+    rows 343 against 379, at 256 rows even, 390 against 389; bench/results/quant_kernel_big_rows.json)."""
+    return 256 if pair_codes_layout(bits, group_size, K) and N * K >= 4 * 2**20 else 65
+
+
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
@@ -312,7 +320,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     fill the SMs twice, else 4 (8 for a long K up to 16 rows); above 16 rows split to about two programs per
     SM (q/k/v at 48-64 rows: 26.5 -> 23.0 us with split 2 instead of 4; at 32 rows 21.7 -> 18.6-19.4 us).
     Token tiles of 16 / 32 / 64 rows (32 where a long K or few feature tiles leave SMs idle).
-    Prefill rows (> 64): 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
+    More than 64 rows of a large weight on the pair-codes path: the same 64 x 64 tiles and split rule (H200,
+    8B shapes at 96-256 rows: the fastest of 64/128-row token tiles, 64/128-feature tiles, 4/8 warps and 2-4
+    stages; QuantLinear runs it below `dense_min_rows`).
+    Other layouts above 64 rows: 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
     num_blocks = -(-K // block_k(bits))
 
     def pow2_floor(v: int) -> int:
@@ -324,7 +335,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
             return QuantMatmulConfig(bn, 1, 1)
         per_sm = 256 * num_sms // bn            # 8 programs of 32 features (4 of 64) per SM, over the T rows
         return QuantMatmulConfig(bn, 1, min(pow2_floor(min(per_sm // (triton.cdiv(N, bn) * T), 16)), num_blocks))
-    if T > 64:
+    pairs = pair_codes_layout(bits, group_size, K)
+    if T > 64 and not pairs:
         return QuantMatmulConfig(128, 64, 1, num_warps=8)
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64
     if N * K < 4 * 2**20:
@@ -333,7 +345,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         block_m = min(block_m, 32) if triton.cdiv(N, 32) < 64 else block_m
         return QuantMatmulConfig(32, block_m, 1, field_dots=False)
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
-    if pair_codes_layout(bits, group_size, K):
+    if pairs:
         split = 1 if tiles >= 2 * num_sms else 8 if K >= 8192 and T <= 16 else 4
         if T > 16 and split > 1:        # 32- and 64-row tiles: about 2 programs per SM (q/k/v: split 2)
             split = pow2_floor(2 * num_sms // tiles)
@@ -344,4 +356,4 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
 
 
-__all__ = ["QuantMatmulConfig", "pick_config", "quant_matmul"]
+__all__ = ["QuantMatmulConfig", "dense_min_rows", "pick_config", "quant_matmul"]

@@ -6,9 +6,10 @@ the activations' dtype) and CUDA graphs do not change.
 
 CUDA: the codes are packed at construction (`kernels.quant_pack`: int32 words, group-major
 scales) and only the packed form is kept on the GPU; a call runs `kernels.quant_matmul`
-(fused dequantize + matmul, split-K for decode), or for prompts of `dense_min_tokens`
-tokens and more, dequantizes the weight once into a temporary and runs a library GEMM,
-which is faster there. Nothing in a call syncs with the host, so decode steps capture
+(fused dequantize + matmul, split-K for decode), or for `dense_min_tokens` rows and more
+(`kernels.quant_matmul.dense_min_rows`: 65, or 256 for a large 4-bit weight in groups of
+128+), dequantizes the weight once into a temporary and runs a library GEMM, which is
+faster there. Nothing in a call syncs with the host, so decode steps capture
 into CUDA graphs. `qweight` and `dequantize()` rebuild the canonical form from the packed one.
 
 CPU (and CUDA for a group size the packed layout cannot hold, e.g. 16 or 96):
@@ -22,36 +23,37 @@ import torch.nn.functional as F
 
 from compute_service.engine.quantized import QuantizedWeight
 
-# Rows at and above which dequantize + library GEMM beats the fused kernel (H100, 8B shapes: the fused
-# kernel wins up to 64 rows, the GEMM path from 128 rows on, 2-4x).
-DENSE_MIN_TOKENS = 65
-
-
 class QuantLinear:
     """Quantized weight [N, K] (canonical form, see `quantized.py`), optional bias [N] in the model dtype."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device, *,
-                 use_kernel: bool | None = None, dense_min_tokens: int = DENSE_MIN_TOKENS) -> None:
+                 use_kernel: bool | None = None, dense_min_tokens: int | None = None) -> None:
+        """`dense_min_tokens`: rows from which a call dequantizes + runs a GEMM (default: the kernel's rule,
+        `kernels.quant_matmul.dense_min_rows`)."""
         self.device = torch.device(device)
         self.bias = None if bias is None else bias.to(self.device).contiguous()
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
         if self.use_kernel and use_kernel is None and not _packable(qweight):
             self.use_kernel = False     # a group size the packed layout cannot hold: dequantize per call
-        self.dense_min_tokens = dense_min_tokens
         self._bits, self._group_size = qweight.bits, qweight.group_size
         self._shape = qweight.shape
         self._qweight: QuantizedWeight | None = None
         if not self.use_kernel:
             self._qweight = qweight.to(self.device)
             return
-        from kernels.quant_pack import pack_quantized   # imported late: the interpreter flag must be set first
+        from kernels.quant_matmul import dense_min_rows  # imported late: the interpreter flag must be set first
+        from kernels.quant_pack import pack_quantized
 
         q = qweight.to(self.device)
+        n, k = self._shape
+        self.dense_min_tokens = (dense_min_tokens if dense_min_tokens is not None
+                                 else dense_min_rows(n, k, qweight.bits, qweight.group_size))
         self.packed = pack_quantized(q.q, q.scales, q.offsets, q.bits, q.group_size)
         del q
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 4)
-        # One zero counter per output tile of a split-K launch (16-feature tiles of up to 64 tokens suffice).
+        # One zero counter per output tile of a split-K launch (16-feature tiles of up to 64 tokens, or 64-feature
+        # tiles of up to 256, suffice).
         self.locks = torch.zeros(4 * -(-self._shape[0] // 16), dtype=torch.int32, device=self.device)
 
     @property

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.quant_dequant import dequantize_packed
-from kernels.quant_matmul import QuantMatmulConfig, pick_config, quant_matmul
+from kernels.quant_matmul import QuantMatmulConfig, dense_min_rows, pick_config, quant_matmul
 from kernels.quant_pack import block_k, pack_quantized, unpack_quantized
 from kernels.reference import quant_matmul_ref
 
@@ -101,6 +101,19 @@ def test_groups_spanning_whole_blocks(bits: int, group: int) -> None:
 
 def test_prefill_tile() -> None:
     check(70, 24, 256, 4, 128, torch.float16, True)
+
+
+def test_many_rows_of_a_large_pair_codes_weight() -> None:
+    """Above 64 rows a large 4-bit weight in groups of 128+ keeps the pair-codes tiles (64 x 64, the decode
+    split rule) up to dense_min_rows; other layouts take the prefill tile, and dense from 65 rows."""
+    assert pick_config(128, 28672, 4096, 4, 132) == QuantMatmulConfig(64, 64, 1)
+    assert pick_config(128, 4096, 4096, 4, 132) == QuantMatmulConfig(64, 64, 2)      # 128 tiles: split 2
+    assert pick_config(255, 4096, 14336, 4, 132) == QuantMatmulConfig(64, 64, 1)
+    assert pick_config(128, 4096, 4096, 4, 132, 32) == QuantMatmulConfig(128, 64, 1, num_warps=8)
+    assert dense_min_rows(28672, 4096, 4, 128) == 256 and dense_min_rows(4096, 4096, 4, 256) == 256
+    assert dense_min_rows(4096, 4096, 4, 32) == 65 and dense_min_rows(4096, 4096, 8, 128) == 65
+    assert dense_min_rows(960, 576, 4, 128) == 65                           # a small weight
+    check(100, 40, 512, 4, 128, torch.float16, True, QuantMatmulConfig(64, 64, 2))   # 2 token tiles, split
 
 
 def test_split_k_is_deterministic() -> None:
@@ -196,7 +209,7 @@ def test_checks_inputs() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize("T", [1, 7, 32, 64, 300])
+@pytest.mark.parametrize("T", [1, 7, 32, 64, 130, 300])
 def test_gpu_8b_layer_shapes(n: int, k: int, T: int) -> None:
     check(T, n, k, 4, 128, torch.bfloat16, T == 7)
 
