@@ -90,6 +90,8 @@ def compare_configs(model: str, t: int, n: int, k: int) -> list[QuantMatmulConfi
                 C(64, bm, 4), C(64, bm, 8)]
         if bm == 64:        # 4 warps spill at 64-row tiles (scripts/kernel_sass.py): the same on 8
             alts += [C(64, bm, s, num_warps=8) for s in sorted({1, 2, picked.split_k})]
+        if t > 64:          # 128-token tiles
+            alts += [C(64, 128, s) for s in (1, 2)]
     return [picked] + [c for c in alts if c != picked]
 
 

@@ -93,6 +93,25 @@ def test_pair_codes_path(group: int, k: int, split: int) -> None:
     check(7, 24, k, 4, group, torch.float16, False, QuantMatmulConfig(32, 32, split))
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_pair_codes_zero_and_negative_scales(split: int) -> None:
+    """The pair-codes path divides its running sum by each half's scale: groups with a zero scale (every weight
+    equal to its offset), negative scales (GGUF Q4_0's) and a zero group between them must still give the
+    reference, and a tiny scale must not overflow."""
+    gen = torch.Generator().manual_seed(11)
+    q, s, o = random_weight(40, 768, 4, 128, gen)
+    s[:, 1] = 0
+    s[::2, 2] = -s[::2, 2]
+    s[5, 3], o[5, 4], s[5, 4] = 6e-8, 0, 0                  # the smallest float16 scale, then an all-zero group
+    w = pack_quantized(q, s, o, 4, 128)
+    x = torch.randn(20, 768, generator=gen).half().to(DEVICE)
+    out = torch.full((20, 40), float("nan"), dtype=torch.float16, device=DEVICE)
+    cfg = QuantMatmulConfig(16, 16, split)
+    quant_matmul(x, w, None, out, cfg, torch.empty(split * 20 * 40, device=DEVICE),
+                 torch.zeros(16, dtype=torch.int32, device=DEVICE))
+    assert rel_err(out, quant_matmul_ref(x, q, s, o, None)) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("bits,group", [(4, 256), (4, 512), (8, 256)])
 def test_groups_spanning_whole_blocks(bits: int, group: int) -> None:
     check(6, 40, 1024, bits, group, torch.float16, True, QuantMatmulConfig(16, 16, 2))
