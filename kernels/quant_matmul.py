@@ -15,11 +15,13 @@ groups of 128+, 32 codes of one half block, two neighbours a word):
   (fields i and i + 4: two neighbouring codes of one half block in the paired layout of `kernels.quant_pack`,
   side by side as the dot's register operand holds them, so no byte shuffle); each half block's 16 words give
   one K=128 dot (Triton lays the join out as the dot's register operand: no trip through shared memory), and
-  the half's group scale and offset apply to the dot's fp32 sums as two FMAs per element,
-  with the sums of x over the half computed once per call. Per code that is one integer instruction
-  instead of a float dequantization (H200, 8B layer shapes: 27% less time per layer at 8 rows, 18% at 64);
-  the K=128 dots and the FMA epilogue took another 8-13% off at 16-64 rows (eight K=32 dots per block
-  each waited for its own result).
+  the half's group scale applies to the dot's fp32 sums as one FMA per element; the offsets' part (with the
+  BIAS it cancels), sum over halves of (o - BIAS s) * sum(x), is one 3xTF32 dot after the loop, with the sums
+  of x over each half computed once per call. Per code that is one integer instruction instead of a float
+  dequantization (H200, 8B layer shapes: 27% less time per layer at 8 rows, 18% at 64); the K=128 dots and
+  the FMA epilogue took another 8-13% off at 16-64 rows (eight K=32 dots per block each waited for its own
+  result), and the offsets after the loop 11% at 64 rows and 14% at 128 (2f67efe -> next commit: the loop
+  waits for 4 loads a block instead of 40, 397 instructions instead of 607, 171 registers instead of 253).
 - One-row kernel (batch-1 decode, `kernels.quant_gemv`): no tensor cores, codes * x elementwise in fp32.
 
 Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336) is
@@ -105,35 +107,45 @@ def _half_operand(words, BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _pairs_step(words, b, acc, x_half, xs_ptr, num_halves, m_mask, offs_m, offs_h, s_ptr, o_ptr, offs_n, n_mask,
-                N, K, GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+def _pairs_step(words, b, acc, x_half, m_mask, offs_h, s_ptr, offs_n, n_mask, N, K, GROUP: tl.constexpr,
+                EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """Block b of a 4-bit weight in groups of 128 or more (paired layout) into acc (out.T, [BN, BM]): words
     (`_load_words`) is the block's two halves, a (group g_a) and b (g_b), 16 words a row each. The codes
     enter the dots as BIAS + q in x's type, exact (`biased_pair`: one shift and one instruction per two
     neighbouring codes, no float math per code, no shuffle); each half's 16 words become one [BN, 128]
     operand in k order (`_half_operand`, so x's half-block tile is read as it lies) for one K=128 dot; its sum
-    D = sum((B + q) x) takes the half's group after the dot, s * D + (o - B s) * sum(x), as two FMAs per
-    element in fp32, with the sums of x over each 128-wide half read from xs (computed once per call)."""
+    D = sum((B + q) x) takes the half's group scale after the dot, one FMA per element in fp32. The offsets'
+    part, sum over halves of (o - B s) * sum(x), is one dot after the loop (`_offsets_term`)."""
     BF16: tl.constexpr = x_half.dtype.element_ty == tl.bfloat16
-    BIAS: tl.constexpr = pair_bias(BF16)
     words_a, words_b = words
     k_a = b * 256
     xa = _load_x(x_half + k_a, m_mask, k_a + offs_h < K, EVEN_K)                      # [128, BM]
     xb = _load_x(x_half + k_a + 128, m_mask, k_a + 128 + offs_h < K, EVEN_K)
-    xs_a = tl.load(xs_ptr + offs_m * num_halves + 2 * b, mask=m_mask, other=0.0)      # [BM] fp32
-    xs_b = tl.load(xs_ptr + offs_m * num_halves + 2 * b + 1, mask=m_mask & (offs_m * 0 + 2 * b + 1 < num_halves),
-                   other=0.0)                                                   # 0 for the padded half past K
-    g_a = (b * 256) // GROUP
-    g_b = (b * 256 + 128) // GROUP
-    s_a = tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    s_b = tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    o_a = tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_a
-    o_b = tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s_b
+    s_a = tl.load(s_ptr + ((b * 256) // GROUP) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    s_b = tl.load(s_ptr + ((b * 256 + 128) // GROUP) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     d_a = tl.dot(_half_operand(words_a, BF16, ASM), xa)
     d_b = tl.dot(_half_operand(words_b, BF16, ASM), xb)
-    acc = tl.fma(s_a[:, None], d_a, tl.fma(o_a[:, None], xs_a[None, :], acc))
-    acc = tl.fma(s_b[:, None], d_b, tl.fma(o_b[:, None], xs_b[None, :], acc))
+    acc = tl.fma(s_a[:, None], d_a, acc)
+    acc = tl.fma(s_b[:, None], d_b, acc)
     return acc
+
+
+@triton.jit
+def _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N,
+                  GROUP: tl.constexpr, HALVES: tl.constexpr, BF16: tl.constexpr):
+    """[BN, BM]: sum over the halves h of blocks b_lo..b_hi - 1 of (o - BIAS s)[g(h), n] * xs[t, h] (xs: the
+    sums of x over each 128-wide half), the part of `_pairs_step`'s sums its FMAs leave out, as one dot in
+    three TF32 passes (about fp32's precision, as the term cancels most of BIAS * s * sum(x) in the dots'
+    sums). HALVES: a power of two >= 16 and >= 2 (b_hi - b_lo)."""
+    h = 2 * b_lo + tl.arange(0, HALVES)
+    valid = (h < 2 * b_hi) & (h < num_halves)
+    go = ((h * 128) // GROUP)[None, :] * N + offs_n[:, None]                                 # [BN, HALVES]
+    mask = n_mask[:, None] & valid[None, :]
+    o = (tl.load(o_ptr + go, mask=mask, other=0.0).to(tl.float32)
+         - pair_bias(BF16) * tl.load(s_ptr + go, mask=mask, other=0.0).to(tl.float32))
+    xs = tl.load(xs_ptr + offs_m[None, :] * num_halves + h[:, None], mask=valid[:, None] & m_mask[None, :],
+                 other=0.0)                                                                  # [HALVES, BM]
+    return tl.dot(o, xs, input_precision="tf32x3")
 
 
 @triton.jit
@@ -156,8 +168,7 @@ def _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k,
     """Block b's words into acc (out.T, [BN, BM]) by the path the call picked."""
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
     if PAIRS:           # x_cols: [128, BM] half-block tiles of x.T
-        acc = _pairs_step(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr,
-                          offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
+        acc = _pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
     elif FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
         for i in tl.static_range(32 // BITS):
             k0 = b * BLOCK_K + i * 32
@@ -177,7 +188,8 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                          FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr,
-                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr):
+                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr,
+                         HALVES: tl.constexpr):
     # As a dependent launch (kernels/pdl.py) the first block's words are read before the wait; x, the sums
     # of x, the partials and the locks after it.
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
@@ -199,6 +211,9 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
         words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS)
         acc = _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
                         n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
+    if PAIRS:           # the offsets' part
+        acc += _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
+                             HALVES, x_ptr.dtype.element_ty == tl.bfloat16)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0
@@ -223,7 +238,8 @@ def quant_matmul(
         out[:] = (x.float() @ W.to(x.dtype).float().T + (bias.float() if bias is not None else 0)).to(x.dtype)
     The tensor-core kernel (block_m >= 16) rounds W to x's dtype once before its dot (bf16: relative
     2**-9 per weight), except on the pair-codes path (4 bits, groups of 128+, K % 128 == 0, 16-bit x),
-    which like the one-row kernel (block_m == 1) keeps W in fp32: the scales apply to the fp32 sums.
+    which like the one-row kernel (block_m == 1) keeps W in fp32: the scales apply to the fp32 sums (its
+    offsets' part as a 3xTF32 dot, about fp32's precision).
     `locks` must hold zeros before the call and holds zeros after it.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
@@ -289,7 +305,8 @@ def quant_matmul(
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=compiled,
-                                   PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+                                   PAIRED=paired, HALVES=max(16, triton.next_power_of_2(2 * per_split)),
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
 def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
