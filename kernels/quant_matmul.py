@@ -20,7 +20,7 @@ groups of 128+, 32 codes of one half block, two neighbours a word):
   of x over each half computed once per call. Per code that is one integer instruction instead of a float
   dequantization (H200, 8B layer shapes: 27% less time per layer at 8 rows, 18% at 64); the K=128 dots and
   the FMA epilogue took another 8-13% off at 16-64 rows (eight K=32 dots per block each waited for its own
-  result), and the offsets after the loop 11% at 64 rows and 14% at 128 (2f67efe -> next commit: the loop
+  result), and the offsets after the loop 11% at 64 rows and 14% at 128 (2f67efe -> 1e45111: the loop
   waits for 4 loads a block instead of 40, 397 instructions instead of 607, 171 registers instead of 253).
 - One-row kernel (batch-1 decode, `kernels.quant_gemv`): no tensor cores, codes * x elementwise in fp32.
 
