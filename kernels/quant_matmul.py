@@ -132,20 +132,24 @@ def _pairs_step(words, b, acc, x_half, m_mask, offs_h, s_ptr, offs_n, n_mask, N,
 
 @triton.jit
 def _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N,
-                  GROUP: tl.constexpr, HALVES: tl.constexpr, BF16: tl.constexpr):
-    """[BN, BM]: sum over the halves h of blocks b_lo..b_hi - 1 of (o - BIAS s)[g(h), n] * xs[t, h] (xs: the
-    sums of x over each 128-wide half), the part of `_pairs_step`'s sums its FMAs leave out, as one dot in
-    three TF32 passes (about fp32's precision, as the term cancels most of BIAS * s * sum(x) in the dots'
-    sums). HALVES: a power of two >= 16 and >= 2 (b_hi - b_lo)."""
-    h = 2 * b_lo + tl.arange(0, HALVES)
-    valid = (h < 2 * b_hi) & (h < num_halves)
-    go = ((h * 128) // GROUP)[None, :] * N + offs_n[:, None]                                 # [BN, HALVES]
-    mask = n_mask[:, None] & valid[None, :]
-    o = (tl.load(o_ptr + go, mask=mask, other=0.0).to(tl.float32)
-         - pair_bias(BF16) * tl.load(s_ptr + go, mask=mask, other=0.0).to(tl.float32))
-    xs = tl.load(xs_ptr + offs_m[None, :] * num_halves + h[:, None], mask=valid[:, None] & m_mask[None, :],
-                 other=0.0)                                                                  # [HALVES, BM]
-    return tl.dot(o, xs, input_precision="tf32x3")
+                  GROUP: tl.constexpr, BF16: tl.constexpr, acc):
+    """acc + [BN, BM]: the sum over the halves h of blocks b_lo..b_hi - 1 of (o - BIAS s)[g(h), n] * xs[t, h]
+    (xs: the sums of x over each 128-wide half), the part of `_pairs_step`'s sums its FMAs leave out, as dots
+    in three TF32 passes (about fp32's precision, as the term cancels most of BIAS * s * sum(x) in the dots'
+    sums), 16 halves a dot: a loop over K's halves, so its registers stay those of a short K (sm_90: 173 a thread
+    at 64-row tiles, against 225 for dots of 32 halves and 234 for one dot of 128)."""
+    HALVES: tl.constexpr = 16
+    for h0 in range(2 * b_lo, 2 * b_hi, HALVES):
+        h = h0 + tl.arange(0, HALVES)
+        valid = (h < 2 * b_hi) & (h < num_halves)
+        go = ((h * 128) // GROUP)[None, :] * N + offs_n[:, None]                             # [BN, HALVES]
+        mask = n_mask[:, None] & valid[None, :]
+        o = (tl.load(o_ptr + go, mask=mask, other=0.0).to(tl.float32)
+             - pair_bias(BF16) * tl.load(s_ptr + go, mask=mask, other=0.0).to(tl.float32))
+        xs = tl.load(xs_ptr + offs_m[None, :] * num_halves + h[:, None], mask=valid[:, None] & m_mask[None, :],
+                     other=0.0)                                                              # [HALVES, BM]
+        acc = tl.dot(o, xs, acc, input_precision="tf32x3")
+    return acc
 
 
 @triton.jit
@@ -188,8 +192,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                          FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr,
-                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr,
-                         HALVES: tl.constexpr):
+                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr):
     # As a dependent launch (kernels/pdl.py) the first block's words are read before the wait; x, the sums
     # of x, the partials and the locks after it.
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
@@ -212,8 +215,8 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
         acc = _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
                         n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     if PAIRS:           # the offsets' part
-        acc += _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
-                             HALVES, x_ptr.dtype.element_ty == tl.bfloat16)
+        acc = _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
+                            x_ptr.dtype.element_ty == tl.bfloat16, acc)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0
@@ -305,8 +308,7 @@ def quant_matmul(
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=compiled,
-                                   PAIRED=paired, HALVES=max(16, triton.next_power_of_2(2 * per_split)),
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+                                   PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
 def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:

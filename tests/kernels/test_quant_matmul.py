@@ -84,11 +84,12 @@ def test_few_rows_of_a_small_weight_take_the_one_row_kernel() -> None:
     check(6, 576, 1536, 4, 32, torch.float16, True)        # through pick_config: 6 rows, split-K
 
 
-@pytest.mark.parametrize("group,k", [(128, 640), (256, 768), (512, 1024)])
+@pytest.mark.parametrize("group,k", [(128, 640), (256, 768), (512, 1024), (128, 4608)])
 @pytest.mark.parametrize("split", [1, 3])
 def test_pair_codes_path(group: int, k: int, split: int) -> None:
-    """4 bits in groups of 128 and more, 16-bit x: the codes enter the dots as they are and each group's
-    scale and offset apply after them (`_pairs_step`); padded K, a partial token tile and split-K."""
+    """4 bits in groups of 128 and more, 16-bit x: the codes enter the dots as they are, each group's scale
+    applies after them (`_pairs_step`) and the offsets' part after the loop (`_offsets_term`,
+    in dots of 16 halves: K = 4608 unsplit has 36); padded K, a partial token tile and split-K."""
     check(19, 40, k, 4, group, torch.float16, True, QuantMatmulConfig(16, 16, split))
     check(7, 24, k, 4, group, torch.float16, False, QuantMatmulConfig(32, 32, split))
 
