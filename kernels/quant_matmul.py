@@ -16,7 +16,7 @@ groups of 128+, 32 codes of one half block, two neighbours a word):
   side by side as the dot's register operand holds them, so no byte shuffle); each half block's 16 words give
   one K=128 dot (Triton lays the join out as the dot's register operand: no trip through shared memory), and
   the half's group scale applies to the dot's fp32 sums as one FMA per element; the offsets' part (with the
-  BIAS it cancels), sum over halves of (o - BIAS s) * sum(x), is one 3xTF32 dot after the loop, with the sums
+  BIAS it cancels), sum over halves of (o - BIAS s) * sum(x), is 3xTF32 dots after the loop, with the sums
   of x over each half computed once per call. Per code that is one integer instruction instead of a float
   dequantization (H200, 8B layer shapes: 27% less time per layer at 8 rows, 18% at 64); the K=128 dots and
   the FMA epilogue took another 8-13% off at 16-64 rows (eight K=32 dots per block each waited for its own
@@ -115,7 +115,7 @@ def _pairs_step(words, b, acc, x_half, m_mask, offs_h, s_ptr, offs_n, n_mask, N,
     neighbouring codes, no float math per code, no shuffle); each half's 16 words become one [BN, 128]
     operand in k order (`_half_operand`, so x's half-block tile is read as it lies) for one K=128 dot; its sum
     D = sum((B + q) x) takes the half's group scale after the dot, one FMA per element in fp32. The offsets'
-    part, sum over halves of (o - B s) * sum(x), is one dot after the loop (`_offsets_term`)."""
+    part, sum over halves of (o - B s) * sum(x), is dots after the loop (`_offsets_term`)."""
     BF16: tl.constexpr = x_half.dtype.element_ty == tl.bfloat16
     words_a, words_b = words
     k_a = b * 256
