@@ -6,6 +6,7 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
 
     python3 bench/quant_kernel_sweep.py --out sweep.json [--only smol]
     python3 bench/quant_kernel_sweep.py --out ab.json --only 8b --rows 1 --compare candidate/quant_gemv.py
+    (the candidate is timed before and after the tree's configs, old_us the better of the two, old_err its error)
     python3 bench/quant_kernel_sweep.py --out big.json --only 8b --rows 96,128,192,256   # where dense takes over
 
 Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages].
@@ -158,14 +159,17 @@ def main() -> None:
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                 r["dense_path_us"] = graph_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
                                                for i, w in enumerate(ws)])
+                old_calls: list = []
                 if old is not None:
                     ocfg = old.pick_config(t, n, k, 4, 132)
-                    part = torch.empty(ocfg.split_k * t * n, device=dev)
-                    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
-                    outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-                    calls = [lambda w=w, o=outs[i % 2]: old.quant_matmul(x, w, None, o, ocfg, part, locks)
-                             for i, w in enumerate(ws)]
-                    r["old_us"] = graph_us(calls)
+                    opart = torch.empty(ocfg.split_k * t * n, device=dev)
+                    olocks = torch.zeros(4096, dtype=torch.int32, device=dev)
+                    oouts = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+                    old_calls = [lambda w=w, o=oouts[i % 2]: old.quant_matmul(x, w, None, o, ocfg, opart, olocks)
+                                 for i, w in enumerate(ws)]
+                    old_calls[0]()
+                    r["old_err"] = ((oouts[0].float() - want).norm() / want.norm()).item()
+                    r["old_us_first"] = graph_us(old_calls)
                 found = []
                 cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k) if old is not None
                         else configs(model, t))
@@ -185,6 +189,9 @@ def main() -> None:
                                            cfg.num_stages],
                                       us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
+                if old_calls:       # again after the tree's configs (a case's first timing sometimes runs slow)
+                    r["old_us_last"] = graph_us(old_calls)
+                    r["old_us"] = min(r["old_us_first"], r["old_us_last"])
                 found.sort(key=lambda c: c["us"])
                 r["configs"] = found
                 res["cases"][f"{model}/{name}/{t}"] = r
