@@ -53,7 +53,7 @@ def want_weight(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tens
     return q.float() * s.float().repeat_interleave(g, 1) + off.repeat_interleave(g, 1)
 
 
-@pytest.mark.parametrize("bits,order", [(4, None), (8, None), (4, AWQ_ORDER)])
+@pytest.mark.parametrize("bits,order", [(4, None), (8, None), (2, None), (4, AWQ_ORDER)])
 def test_packing_matches_the_hand_packed_definition(bits, order):
     codes = random_codes(bits, (5, 32), seed=bits)
     words = torch.from_numpy(hand_pack(codes.numpy(), bits, order))
