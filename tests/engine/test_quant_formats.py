@@ -66,6 +66,12 @@ def test_packing_matches_the_hand_packed_definition(bits, order):
         assert (int(words[0, 0]) >> 4) & 0xF == int(codes[0, 2])
 
 
+def test_packing_refuses_codes_that_do_not_fit():
+    for bad in (16, -1):
+        with pytest.raises(ValueError, match="does not fit in 4 bits"):
+            pack_int32(torch.tensor([[0, 1, 2, 3, 4, 5, 6, bad]], dtype=torch.int32), 4, dim=1)
+
+
 def test_awq_reader_follows_the_gemm_layout():
     q, z = random_codes(4, (N, K), 1), random_codes(4, (N, K // G), 2)
     s = random_scales((N, K // G), 3)

@@ -54,18 +54,26 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int, order: Sequence[int] 
 
 
 def pack_int32(codes: torch.Tensor, bits: int, dim: int, order: Sequence[int] | None = None) -> torch.Tensor:
-    """uint8 codes (< 2**bits) -> int32 words, `32 // bits` times shorter along `dim` (which it must divide)."""
+    """uint8 codes (< 2**bits) -> int32 words, `32 // bits` times shorter along `dim` (which it must divide).
+
+    `unpack_int32`'s inverse, on bytes as well: each byte is OR-ed from its codes, and four bytes are one word."""
     per = _check(bits, order)
     c = codes.movedim(dim, -1)
     if c.shape[-1] % per:
         raise ValueError(f"{c.shape[-1]} codes along dim {dim} do not fill whole {per}-code words")
-    if c.numel() and int(c.max()) >= 1 << bits:
+    if c.numel() and (int(c.max()) >= 1 << bits or int(c.min()) < 0):
         raise ValueError(f"a code does not fit in {bits} bits")
-    fields = c.reshape(*c.shape[:-1], c.shape[-1] // per, per).to(torch.int64)   # [..., W, per]
+    fields = c.reshape(*c.shape[:-1], c.shape[-1] // per, per).to(torch.uint8)  # [..., W, per]
     if order is not None:
         fields = fields[..., list(order)]
-    word = torch.zeros_like(fields[..., 0])
-    for i in range(per):
-        word |= fields[..., i] << (bits * i)
-    word = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)  # the same 32 bits, signed
+    sub = 8 // bits
+    f = fields.reshape(*fields.shape[:-1], 4, sub)                              # [..., W, 4 bytes, codes a byte]
+    b = f[..., 0].clone()
+    for i in range(1, sub):
+        b |= f[..., i] << (bits * i)
+    if sys.byteorder == "little":
+        word = b.contiguous().view(torch.int32)[..., 0]                          # [..., W]
+    else:
+        word = sum(b[..., j].to(torch.int64) << (8 * j) for j in range(4))
+        word = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
     return word.movedim(-1, dim).contiguous()
