@@ -166,7 +166,7 @@ def _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n, n_mask,
+def _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask,
               N, K, GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
               FIELD_DOTS: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr):
     """Block b's words into acc (out.T, [BN, BM]) by the path the call picked."""
@@ -208,12 +208,12 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b_lo, PAIRS)
     wait_then_release(USE_PDL)
-    acc = _mm_block(words, b_lo, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
-                    n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
+    acc = _mm_block(words, b_lo, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
+                    EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     for b in range(b_lo + 1, b_hi):
         words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS)
-        acc = _mm_block(words, b, acc, x_cols, xs_ptr, num_halves, m_mask, offs_m, offs_k, s_ptr, o_ptr, offs_n,
-                        n_mask, N, K, GROUP, BITS, EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
+        acc = _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
+                        EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     if PAIRS:           # the offsets' part
         acc = _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
                             x_ptr.dtype.element_ty == tl.bfloat16, acc)
@@ -311,12 +311,16 @@ def quant_matmul(
                                    PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
+# Weights of fewer codes (N * K) are latency-bound: their own tiles in pick_config, dense from 65 rows.
+SMALL_WEIGHT = 4 * 2**20
+
+
 def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
     """Rows from which dequantizing the weight once and running a library GEMM beats this kernel (QuantLinear's
     switch). H100 sweeps: 65 for most layouts (the fused kernel was 30-40% slower on o and down at 128 rows);
-    H200 sweeps of the 8B shapes on the pair-codes path: 256 (a layer at 128 rows 232 us against 357, at 192
-    rows 343 against 379, at 256 rows even, 390 against 389; bench/results/quant_kernel_big_rows.json)."""
-    return 256 if pair_codes_layout(bits, group_size, K) and N * K >= 4 * 2**20 else 65
+    H200 sweep of the 8B shapes on the pair-codes path: 256 (a layer at 128 rows 229 us against 354, at 192
+    rows 341 against 379, at 256 rows even, 393 against 392; bench/results/quant_kernel_big_rows.json)."""
+    return 256 if pair_codes_layout(bits, group_size, K) and N * K >= SMALL_WEIGHT else 65
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128) -> QuantMatmulConfig:
@@ -348,7 +352,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     def pow2_floor(v: int) -> int:
         return 1 << (max(1, v).bit_length() - 1)
 
-    if T == 1 or (N * K < 4 * 2**20 and T * N <= 8192):     # one row, or a few rows of a small weight
+    if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
         if num_blocks < 6:      # short K: no split
             return QuantMatmulConfig(bn, 1, 1)
@@ -358,7 +362,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     if T > 64 and not pairs:
         return QuantMatmulConfig(128, 64, 1, num_warps=8)
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64
-    if N * K < 4 * 2**20:
+    if N * K < SMALL_WEIGHT:
         if num_blocks >= 6:     # longer K: split 4
             return QuantMatmulConfig(32, min(block_m, 32), 4, field_dots=False)
         block_m = min(block_m, 32) if triton.cdiv(N, 32) < 64 else block_m
