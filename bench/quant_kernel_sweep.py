@@ -79,10 +79,10 @@ def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
     return [C(bn, bm, s, num_warps=w, field_dots=False) for bn in (16, 32) for w in (2, 4, 8) for s in (1, 4)]
 
 
-def compare_configs(model: str, t: int, n: int, k: int) -> list[QuantMatmulConfig]:
+def compare_configs(model: str, t: int, n: int, k: int, group: int) -> list[QuantMatmulConfig]:
     """`pick_config`'s choice first, then near alternatives."""
     C = QuantMatmulConfig
-    picked = pick_config(t, n, k, 4, 132)
+    picked = pick_config(t, n, k, 4, 132, group)
     if t == 1:
         alts = [C(32, 1, s) for s in (1, 2, 4, 8)]
     else:
@@ -153,7 +153,7 @@ def main() -> None:
                 x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
                 want = x.float() @ w0.t()
                 r: dict = {"bf16_us": graph_us([lambda d=d: F.linear(x, d) for d in dense])}
-                pc = pick_config(t, n, k, 4, 132, group)
+                pc = pick_config(t, n, k, 4, 132, group)     # QuantLinear's choice for this shape
                 r["pick_config"] = [pc.block_n, pc.block_m, pc.split_k, pc.num_warps, int(pc.field_dots), pc.num_stages]
                 r["dense_min_rows"] = dense_min_rows(n, k, 4, group)        # QuantLinear dequantizes from here
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
@@ -161,7 +161,7 @@ def main() -> None:
                                                for i, w in enumerate(ws)])
                 old_calls: list = []
                 if old is not None:
-                    ocfg = old.pick_config(t, n, k, 4, 132)
+                    ocfg = old.pick_config(t, n, k, 4, 132, group)
                     opart = torch.empty(ocfg.split_k * t * n, device=dev)
                     olocks = torch.zeros(4096, dtype=torch.int32, device=dev)
                     oouts = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
@@ -171,7 +171,7 @@ def main() -> None:
                     r["old_err"] = ((oouts[0].float() - want).norm() / want.norm()).item()
                     r["old_us_first"] = graph_us(old_calls)
                 found = []
-                cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k) if old is not None
+                cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k, group) if old is not None
                         else configs(model, t))
                 for cfg in cfgs:
                     outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
