@@ -20,6 +20,12 @@ with RESOURCE_EXHAUSTED (a client that stops reading cannot grow the
 gateway's memory). Failures: a request's own error (its gRPC code and
 message) reaches that request only; when the call breaks, every request on it
 fails with UNAVAILABLE naming the replica, and the next start opens a new call.
+The call's end is also watched through its done callback: now and then (3 of
+about 170 runs of a replica stopped under CPU load) a call gets its status
+while a read it started never completes, and its reader blocks for good; the
+requests on it (and every later start on that call) would wait forever. A call
+that ended and whose reader has not seen it after `END_GRACE_S` counts as
+broken all the same.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BUFFERED_TOKENS = 4096
+END_GRACE_S = 1.0    # after a call's end, how long its reader has to hand over the messages it still holds
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -131,6 +138,20 @@ class _CallReader:
         self.inbox: deque[compute_pb2.StreamTokensResponse] = deque()
         self.posted = False       # a drain is scheduled on the event loop
         self.thread = threading.Thread(target=self._run, name=f"tokens-read-{session.address}", daemon=True)
+        self.reported = False     # the thread posted the call's end
+        call.add_done_callback(self._ended)
+
+    def _ended(self, call: grpc.Future) -> None:
+        """On gRPC's thread when the call gets its status: the reader has END_GRACE_S to report the end."""
+        reason = f"{call.code().name}: {call.details()}"     # type: ignore[attr-defined]
+        self._post(lambda: self.loop.call_later(END_GRACE_S, self._stuck, reason))
+
+    def _stuck(self, reason: str) -> None:
+        if self.reported or self.session._reader is not self:
+            return
+        log.warning("the token stream to %s ended (%s) but its reader did not return within %.1f s; "
+                    "failing its requests", self.session.address, reason, END_GRACE_S)
+        self.session._broken(self, reason)
 
     def _run(self) -> None:
         reason = "the compute service ended the token stream"
@@ -146,6 +167,7 @@ class _CallReader:
             reason = f"{code.name}: {details}"
         except Exception as exc:  # noqa: BLE001 - reported as the call's break
             reason = f"{type(exc).__name__}: {exc}"
+        self.reported = True
         self._post(lambda: self.session._broken(self, reason))
 
     def _post(self, callback: object) -> None:
@@ -159,6 +181,13 @@ class _CallReader:
         inbox, demux = self.inbox, self.session._demux
         while inbox:
             demux(inbox.popleft())
+
+
+def _until_none(outbox: queue.SimpleQueue[compute_pb2.StreamTokensRequest | None],
+                ) -> Iterator[compute_pb2.StreamTokensRequest]:
+    """A call's requests: what the writer puts in `outbox`, until None."""
+    while (msg := outbox.get()) is not None:
+        yield msg
 
 
 class ReplicaSession:
@@ -221,12 +250,12 @@ class ReplicaSession:
             self._channel = grpc.insecure_channel(self.address, options=self._channel_options)
         stub = compute_pb2_grpc.ComputeStub(self._channel)
         outbox: queue.SimpleQueue[compute_pb2.StreamTokensRequest | None] = queue.SimpleQueue()
+        self._attach(stub.StreamTokens(_until_none(outbox)), outbox)
 
-        def requests() -> Iterator[compute_pb2.StreamTokensRequest]:
-            while (msg := outbox.get()) is not None:
-                yield msg
-
-        reader = _CallReader(self, stub.StreamTokens(requests()), asyncio.get_running_loop())
+    def _attach(self, call: grpc.Future,
+                outbox: queue.SimpleQueue[compute_pb2.StreamTokensRequest | None]) -> None:
+        """Makes `call` (whose requests come from `outbox`) the session's call: its reader and writer start."""
+        reader = _CallReader(self, call, asyncio.get_running_loop())
         self._reader, self._outbox = reader, outbox
         self._writer = asyncio.create_task(self._write(outbox), name=f"tokens-write-{self.address}")
         reader.thread.start()
