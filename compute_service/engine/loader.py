@@ -69,7 +69,7 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)
     if device.type == "cuda" and hasattr(get, "work_device"):
-        get.work_device = device                          # dequantize on the GPU, not on the host's threads
+        get.work_device = device        # dequantize / unpack on the GPU, not on the host's threads
     t1 = time.perf_counter()
     keep = keeps_quantized(quantization, device, spec)
     _log_quantization_choice(get, quantization, keep, device, dtype)

@@ -73,6 +73,25 @@ def test_quantize_on_the_gpu_writes_what_the_cpu_writes(tiny_models, tmp_path):
     assert cpu.keys() == gpu.keys() and all(torch.equal(cpu[k], gpu[k]) for k in cpu)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
+def test_gpu_load_unpacks_on_the_gpu_to_what_the_host_unpacks(tiny_models, tmp_path, fmt):
+    """On a GPU the readers unpack there (`work_device`): the same codes, scales, offsets and fingerprint as a
+    load that unpacks on the host."""
+    import torch
+
+    _, src = tiny_models["llama"]
+    out = tmp_path / fmt
+    assert cli.main(["quantize", str(src), str(out), "--format", fmt, "--group-size", "32", "--quiet"]) == 0
+    host, gpu = load_model(out, quantization="keep"), load_model(out, quantization="keep", device="cuda")
+    assert host.fingerprint == gpu.fingerprint
+    for a, b in zip(host.model.weights.layers, gpu.model.weights.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            qa, qb = getattr(a, name).qweight, getattr(b, name).qweight
+            assert all(torch.equal(x, y.cpu()) for x, y in ((qa.q, qb.q), (qa.scales, qb.scales),
+                                                            (qa.offsets, qb.offsets))), name
+
+
 def test_quantize_reads_gguf_too(tiny_models, tmp_path, capsys):
     model, _ = tiny_models["llama_tied"]
     path = write_tiny_gguf(model, tmp_path / "t.gguf", {"0.mlp.up_proj": "Q8_0"})

@@ -186,10 +186,30 @@ def test_quantized_source_serves_dense_names_and_keeps_embeddings_dense():
     qw = QuantizedWeight(random_codes(4, (N, K), 15), random_scales((N, K // G), 16),
                          torch.zeros(N, K // G, dtype=torch.float16), 4, G)
     parts = {"model.layers.0.mlp.up_proj": qw, "model.embed_tokens": qw}
-    src = QuantizedSource({"model.norm.weight": torch.ones(3)}.get, parts.get, "test")
+    src = QuantizedSource({"model.norm.weight": torch.ones(3)}.get, lambda raw: parts.get, "test")
     assert torch.equal(src("model.layers.0.mlp.up_proj.weight"), qw.dequantize())
     assert torch.equal(src("model.norm.weight"), torch.ones(3)) and src("model.missing.weight") is None
     assert src.quantized("model.embed_tokens") is None and src.quantized("model.layers.0.mlp.up_proj") is qw
+
+
+def test_quantized_source_readers_work_on_the_work_device():
+    """A reader gets the checkpoint's tensors on `work_device` once it is set (the loader sets a GPU there);
+    dense tensors by name stay where the checkpoint reads them."""
+    raw = {"p.qweight": torch.zeros(2, 2, dtype=torch.int32), "model.norm.weight": torch.ones(3)}
+    seen: list[torch.device] = []
+
+    def make_reader(on_device):
+        def read(prefix):
+            seen.append(on_device(prefix + ".qweight").device)
+            return None
+        return read
+
+    src = QuantizedSource(raw.get, make_reader, "test")
+    src.quantized("p")
+    src.work_device = torch.device("meta")
+    src.quantized("p")
+    assert seen == [torch.device("cpu"), torch.device("meta")]
+    assert src("model.norm.weight").device == torch.device("cpu")
 
 
 def test_quantization_modes():

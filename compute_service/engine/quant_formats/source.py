@@ -5,6 +5,11 @@ projection's `.weight` comes back dequantized in float32, so every dense consume
 `--quantization none` load, tensor-parallel sharding, the fingerprint) works unchanged.
 `source.quantized(prefix)` gives the projection `prefix` (e.g. `model.layers.0.self_attn.q_proj`)
 in the canonical quantized form, or None where the checkpoint keeps it dense.
+
+`work_device` (set by the loader on a GPU) is where a reader works: the packed words, scales and zero
+points go there as read, and the unpacking, the zero points' offsets and the fusion of parts run there
+instead of on the host's cores (which unpack an 8B checkpoint's 7 G codes in ~30 s on 2 cores; see
+docs/quantization.md, "Loading and writing").
 """
 from __future__ import annotations
 
@@ -23,10 +28,15 @@ _DENSE_ALWAYS = ("model.embed_tokens", "lm_head")      # gathered / the head: ke
 class QuantizedSource:
     """Tensor source by HF name over a quantized checkpoint (see the module docstring)."""
 
-    def __init__(self, raw: RawSource, read: Reader, format_name: str) -> None:
+    def __init__(self, raw: RawSource, make_reader: Callable[[RawSource], Reader], format_name: str) -> None:
         self._raw = raw
-        self._read = read
         self.format_name = format_name
+        self.work_device: torch.device | None = None     # where readers unpack (None: where `raw` puts tensors)
+        self._read = make_reader(self._raw_on_work_device)
+
+    def _raw_on_work_device(self, name: str) -> torch.Tensor | None:
+        t = self._raw(name)
+        return t if t is None or self.work_device is None else t.to(self.work_device)
 
     def __call__(self, name: str) -> torch.Tensor | None:
         t = self._raw(name)
@@ -50,4 +60,4 @@ def hf_quantized_source(qcfg: dict[str, Any], raw: RawSource) -> QuantizedSource
     if method not in modules:
         raise UnsupportedModelError(f"quantization_config quant_method {method!r} is not supported; "
                                     f"supported: {sorted(modules)} (or load the unquantized model)")
-    return QuantizedSource(raw, modules[method].reader(qcfg, raw), method)
+    return QuantizedSource(raw, lambda on_device: modules[method].reader(qcfg, on_device), method)
