@@ -58,7 +58,9 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
         if qw is not None:
             layer: Linear | QuantLinear = QuantLinear(qw, cast_opt(bias), device)
         else:
-            layer = Linear(cast(torch.cat([need(p + ".weight", shape) for p, shape in parts])), cast_opt(bias))
+            # each part cast first: a source with a work device gives its dequantized parts there, others
+            # stay on the host (GGUF: Q8_0 gate, F16 up)
+            layer = Linear(torch.cat([cast(need(p + ".weight", shape)) for p, shape in parts]), cast_opt(bias))
         if summary is not None:
             summary.add(" + ".join(p.removeprefix("model.") for p, _ in parts), layer, why_dense)
         return layer
@@ -66,7 +68,7 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
     def first_columns(parts: list[tuple[str, tuple[int, int]]]) -> torch.Tensor:
         """[N, :8] as the source's dense tensors (before the cast), whether or not the layer is kept quantized:
         a dequantization of one's own could differ in a bit (GGUF Q4_0 gives -0.0 where q * d - 8 * d is +0.0)."""
-        return torch.cat([need(p + ".weight", shape)[:, :8] for p, shape in parts])
+        return torch.cat([need(p + ".weight", shape)[:, :8].cpu() for p, shape in parts])
 
     s = spec
     hid, q, kv, inter = s.hidden_size, s.q_size, s.kv_size, s.intermediate_size

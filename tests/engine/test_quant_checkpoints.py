@@ -120,6 +120,21 @@ def test_gguf_q4_q8_projections_kept_quantized(tiny_models, tmp_path, caplog):
     assert rel_err(prefill_logits(kept, TOKENS), prefill_logits(dense, TOKENS)) < 1e-5
 
 
+@pytest.mark.gpu
+def test_gpu_load_of_mixed_fused_parts(tiny_models, tmp_path):
+    """On a GPU, block types dequantize there and other types on the host: fused parts that mix them (layer 1's
+    Q8_0 gate and F32 up, kept dense) load, with the host load's weights and fingerprint."""
+    model, _ = tiny_models["llama_tied"]
+    path = write_tiny_gguf(model, tmp_path / "tiny.gguf", GGUF_TYPES)
+    for mode in ("keep", "none"):
+        host, gpu = load_model(path, quantization=mode), load_model(path, quantization=mode, device="cuda")
+        assert host.fingerprint == gpu.fingerprint
+        for (i, name, a), (_, _, b) in zip(layers_of(host), layers_of(gpu)):
+            wa = a.dequantize() if isinstance(a, QuantLinear) else a.weight
+            wb = b.dequantize() if isinstance(b, QuantLinear) else b.weight
+            assert torch.equal(wa, wb.cpu()), (mode, i, name)
+
+
 def test_a_dense_gguf_is_not_reported_as_quantized(tiny_models, tmp_path, caplog):
     model, _ = tiny_models["llama_tied"]
     path = write_tiny_gguf(model, tmp_path / "f32.gguf", {})

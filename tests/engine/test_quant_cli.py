@@ -74,15 +74,16 @@ def test_quantize_on_the_gpu_writes_what_the_cpu_writes(tiny_models, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
-def test_gpu_load_unpacks_on_the_gpu_to_what_the_host_unpacks(tiny_models, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,flags", [("awq", []), ("compressed-tensors", []),
+                                       ("compressed-tensors", ["--symmetric", "--bits", "8"])])
+def test_gpu_load_unpacks_on_the_gpu_to_what_the_host_unpacks(tiny_models, tmp_path, fmt, flags):
     """On a GPU the readers unpack there (`work_device`): the same codes, scales, offsets and fingerprint as a
     load that unpacks on the host."""
     import torch
 
     _, src = tiny_models["llama"]
     out = tmp_path / fmt
-    assert cli.main(["quantize", str(src), str(out), "--format", fmt, "--group-size", "32", "--quiet"]) == 0
+    assert cli.main(["quantize", str(src), str(out), "--format", fmt, "--group-size", "32", "--quiet", *flags]) == 0
     host, gpu = load_model(out, quantization="keep"), load_model(out, quantization="keep", device="cuda")
     assert host.fingerprint == gpu.fingerprint
     for a, b in zip(host.model.weights.layers, gpu.model.weights.layers):

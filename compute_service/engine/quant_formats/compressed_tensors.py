@@ -59,7 +59,7 @@ def reader(cfg: dict[str, Any], raw: Callable[[str], torch.Tensor | None]
         s = need(raw, prefix + ".weight_scale")                                       # [N, K/G]
         zp = raw(prefix + ".weight_zero_point")
         if zp is None:
-            z = torch.full(s.shape, 1 << (bits - 1), dtype=torch.int32)
+            z = torch.full(s.shape, 1 << (bits - 1), dtype=torch.int32, device=s.device)
         elif zp.dtype == torch.int32 and zp.shape[0] != n:
             z = unpack_int32(zp, bits, dim=0)[:n].int()                                # [N, K/G] unsigned
         else:                                                                          # stored unpacked, signed
