@@ -53,6 +53,7 @@ from serve_load_client import ClientPool, Request  # noqa: E402
 from serve_load_proc import ServeProcess  # noqa: E402
 from serve_load_setup import SHAPES, make_prompts, make_random_model, write_adapters  # noqa: E402
 from serve_load_stats import plot, ratios, step_figures, summarize  # noqa: E402
+from startup_stages import stages  # noqa: E402
 
 WORKLOADS = ("base", "shared", "distinct")
 ARRIVALS = ("burst", "poisson")
@@ -173,6 +174,7 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
     pool = None
     try:
         res["served_start_s"] = svc.start_s
+        res["served_start_stages"] = stages("".join(svc.startup_lines))     # the compute service's own figures
         with Client(svc.address, timeout=600) as client:
             info = client.model_info()
         res["model_info"] = dict(name=info.model_name, vocab_size=info.vocab_size, num_layers=info.num_layers,

@@ -36,6 +36,7 @@ class ServeProcess:
         if not any(f == "--http-listen" or f.startswith("--http-listen=") for f in flags):
             flags = ["--http-listen", "127.0.0.1:0", *flags]
         self.lines: deque[str] = deque(maxlen=400)
+        self.startup_lines: list[str] = []      # every line up to the ready line (the services' start-up logs)
         ready_line = f"gateway listening on {self.address}"
         env = dict(os.environ, PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
@@ -49,6 +50,8 @@ class ServeProcess:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.lines.append(line)
+                if not ready.is_set():
+                    self.startup_lines.append(line)
                 if line.startswith(ready_line):
                     ready.set()
             ready.set()

@@ -33,6 +33,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from startup_stages import stages  # noqa: E402
+
 LENGTHS = (34, 300, 1500)
 NUM_ADAPTERS = 2 * len(LENGTHS) + 2
 
@@ -97,31 +101,6 @@ async def measure(address: str, names: list[str]) -> dict:
             res["warm"][n] = await ttft(c, prompt(n), busy)
         res["later_base_34"] = await ttft(c, prompt(34), None)
     return res
-
-
-STAGE_PATTERNS = {          # the compute service's start-up log lines, as seconds of each stage
-    "runtime_s": r"runtime built in ([\d.]+) s",
-    "plan_s": r"launch classes in ([\d.]+) s",
-    "pool_summed_s": r"Triton programs compiled in \d+ processes \(([\d.]+) s summed\)",
-    "pool_recording_s": r"recording took ([\d.]+) s",
-    "pool_tail_s": r"the last programs ([\d.]+) s more",
-    "compile_pass_s": r"kernels compiled in ([\d.]+) s",
-    "graphs_s": r"CUDA graphs in ([\d.]+) s",
-    "engine_pass_s": r"real requests through the engine in ([\d.]+) s",
-    "compute_serving_s": r"SERVING ([\d.]+) s after start",
-}
-
-
-def stages(log_text: str) -> dict:
-    """Seconds of each start-up stage the compute service logged (a stage it did not log is left out), and
-    whether the warm-up plan came from the cache."""
-    out: dict = {}
-    for name, pattern in STAGE_PATTERNS.items():
-        m = re.search(pattern, log_text)
-        if m:
-            out[name] = float(m.group(1))
-    out["plan_cached"] = "plan from cache" in log_text
-    return out
 
 
 def run_once(args: argparse.Namespace, cache_dir: Path, lora_root: Path, names: list[str], log_path: Path) -> dict:

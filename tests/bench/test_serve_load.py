@@ -85,6 +85,7 @@ def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path, step
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["served_exit_code"] == 0
+    assert "model_s" in res["served_start_stages"] and res["served_start_stages"]["compute_serving_s"] > 0
     assert res["flags"]["output_len"] == 8 and len(res["adapters"]) == 4
     if steps == "quantized":
         assert res["model"].endswith("model-w4g32") and res["quantized_from"].endswith("tiny-model")

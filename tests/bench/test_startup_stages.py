@@ -1,4 +1,5 @@
-"""bench/startup.py reads each start-up stage's seconds from the compute service's log lines."""
+"""bench/startup_stages.py (bench/startup.py, bench/serve_load.py) reads each start-up stage's seconds from the
+compute service's log lines."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _startup():
-    spec = importlib.util.spec_from_file_location("startup_bench", ROOT / "bench" / "startup.py")
+    spec = importlib.util.spec_from_file_location("startup_stages", ROOT / "bench" / "startup_stages.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -29,7 +30,7 @@ CUDA graphs in 1.9 s
 
 def test_a_cold_start_s_stages():
     got = _startup().stages(COLD)
-    assert got == {"runtime_s": 1.2, "plan_s": 9.0, "pool_summed_s": 102.7, "pool_recording_s": 3.1,
+    assert got == {"runtime_s": 1.2, "cuda_context_s": 0.3, "model_s": 0.7, "plan_s": 9.0, "pool_summed_s": 102.7, "pool_recording_s": 3.1,
                    "pool_tail_s": 2.7, "compile_pass_s": 9.2, "graphs_s": 1.9, "engine_pass_s": 0.2,
                    "compute_serving_s": 24.2, "plan_cached": False}
 
@@ -39,3 +40,8 @@ def test_a_warm_start_has_no_plan_or_pool_stage():
     got = _startup().stages(warm + "\nwarm-up: plan from cache /x.json (12 launch classes)")
     assert got["plan_cached"] and "plan_s" not in got and "pool_summed_s" not in got
     assert got["compile_pass_s"] == 9.2 and got["compute_serving_s"] == 24.2
+
+
+def test_a_cpu_start_has_no_cuda_context():
+    got = _startup().stages("runtime built in 0.9 s (model 0.6 s, engine and KV cache 0.2 s, adapter pool 0.1 s)")
+    assert got["runtime_s"] == 0.9 and got["model_s"] == 0.6 and "cuda_context_s" not in got
