@@ -60,7 +60,8 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
         else:
             # each part cast first: a source with a work device gives its dequantized parts there, others
             # stay on the host (GGUF: Q8_0 gate, F16 up)
-            layer = Linear(torch.cat([cast(need(p + ".weight", shape)) for p, shape in parts]), cast_opt(bias))
+            dense = [cast(need(p + ".weight", shape)) for p, shape in parts]
+            layer = Linear(dense[0] if len(dense) == 1 else torch.cat(dense), cast_opt(bias))
         if summary is not None:
             summary.add(" + ".join(p.removeprefix("model.") for p, _ in parts), layer, why_dense)
         return layer
