@@ -10,6 +10,9 @@
 #   cold             bench/cold_adapter.py, and bench/cold_adapter_burst.py with 0 and 4 conversion workers
 #   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
 #   swap             bench/adapter_swap.py
+#   quant-decode     bench/quant_decode.py (issue 16's engine benchmark: 4-bit 8B against bf16, batch 1-64)
+#   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
+#                    with the model made in /tmp; both JSONs hold served_start_stages)
 set -u
 stage=${1:?stage}; commit=${2:?commit}; out=${3:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -42,5 +45,16 @@ case "$stage" in
         --out "$out/host_step${flag:+_plain}.json" 2>&1 | tail -1
     done ;;
   swap) python3 bench/adapter_swap.py --commit "$commit" --out "$out/adapter_swap.json" 2>&1 | tail -12 ;;
+  quant-decode)
+    python3 bench/quant_decode.py --commit "$commit" --out "$out/quant_decode.json" --plot "$out/quant_decode.png" \
+      2>&1 | tail -30 | tee "$out/quant_decode.log" ;;
+  serve-8b-w4)
+    common="--make-random-model /tmp/llama8b --shape 8b --lora-root /tmp/lora8b --num-adapters 32 --arrivals burst
+            --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 --commit $commit"
+    python3 bench/serve_load.py $common --quantize-bits 4 --out "$out/serve_load_8b_w4.json" \
+      --plot "$out/serve_load_8b_w4.png" > "$out/serve_8b_w4.log" 2>&1
+    python3 bench/serve_load.py $common --out "$out/serve_load_8b_w4_bf16.json" \
+      --plot "$out/serve_load_8b_w4_bf16.png" > "$out/serve_8b_bf16.log" 2>&1
+    tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
