@@ -28,9 +28,8 @@ class EngineConfig:
       tokens (capped at `max_num_batched_tokens`) replay CUDA graphs between
       their attentions (`prefill_graphs.py`); 0 = always eager.
     quantization: a quantized checkpoint's projections: "auto" = kept quantized on
-      CUDA when they take `quant_formats.AUTO_KEEP_MIN_BYTES` (1 GiB) or more in 16
-      bits, else dequantized (always on CPU); "keep" = kept quantized everywhere (on
-      CPU a slow reference path); "none" = dequantized to `dtype` everywhere.
+      CUDA, dequantized on CPU; "keep" = kept quantized everywhere (on CPU a slow
+      reference path); "none" = dequantized to `dtype` everywhere.
     """
 
     model: str | None = None

@@ -71,7 +71,7 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
     if device.type == "cuda" and hasattr(get, "work_device"):
         get.work_device = device        # dequantize / unpack on the GPU, not on the host's threads
     t1 = time.perf_counter()
-    keep = keeps_quantized(quantization, device, spec)
+    keep = keeps_quantized(quantization, device)
     _log_quantization_choice(get, quantization, keep, device, dtype)
     weights, fingerprint = build_weights(spec, get, dtype, device, keep_quantized=keep)
     if device.type == "cuda":
@@ -93,10 +93,7 @@ def _log_quantization_choice(get: Any, mode: str, keep: bool, device: torch.devi
                  "on each call, a slow reference path", fmt)
     elif not keep:
         why = ("--quantization none" if mode == "none" else
-               "--quantization auto on the CPU; keep holds it quantized there, a slow reference path"
-               if device.type == "cpu" else
-               "--quantization auto: a model this small decodes faster in 16 bits (its projections are bound "
-               "by launch latency, not bytes); --quantization keep holds it quantized")
+               "--quantization auto on the CPU; keep holds it quantized there, a slow reference path")
         log.info("%s checkpoint: quantized projections dequantized to %s (%s)", fmt,
                  str(dtype).removeprefix("torch."), why)
 

@@ -36,7 +36,7 @@ def load_sharded(path: str | None, group: TensorParallelGroup, dtype: torch.dtyp
     spec, get, template = read_model_source(p)
     shard = shard_for(spec, group.world_size, group.rank)
     local = local_spec(spec, shard)
-    keep = keeps_quantized(quantization, group.device, spec)
+    keep = keeps_quantized(quantization, group.device)
     weights, _ = build_weights(local, sharded_source(spec, shard, get), dtype, group.device, keep_quantized=keep)
     model = LlamaModel(local, weights, spec.max_position_embeddings)
     if group.world_size > 1:

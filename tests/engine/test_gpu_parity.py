@@ -75,17 +75,22 @@ def _smollm2_path() -> Path:
     return default_model_path()
 
 
-def test_smollm2_bf16_greedy_32_tokens():
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_smollm2_bf16_greedy_32_tokens(quantization):
     """Our bf16 greedy tokens, teacher-forced through transformers in fp32 and bf16: every token we chose is
-    the fp32 argmax, or within the bf16 tolerance of it (where the reference itself is tied in bf16)."""
+    the fp32 argmax, or within the bf16 tolerance of it (where the reference itself is tied in bf16). Under
+    `auto` (the default) the GGUF's Q4_1 projections run 4-bit on the quantized kernels, whose weights are
+    the same values as the dequantized reference's; `none` dequantizes them to bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = _smollm2_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ref32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).cuda()
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
-    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_model_len=1024),
-                       tokenizer=tok)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_model_len=1024,
+                                    quantization=quantization), tokenizer=tok)
+    from compute_service.engine.quant_linear import QuantLinear
+    assert isinstance(engine.runner.model.weights.layers[0].qkv, QuantLinear) == (quantization == "auto")
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "List three prime numbers and explain why they are prime."]
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
@@ -102,7 +107,7 @@ def test_smollm2_bf16_greedy_32_tokens():
                        "text": tok.decode(out)})
         assert len(out) == 32
         assert bool((margin <= tol).all()), (report[-1], margin.tolist(), tol.tolist())
-    _record("smollm2_bf16_greedy", report)
+    _record(f"smollm2_bf16_greedy_{quantization}", report)
     assert sum(r["argmax_equal"] for r in report) >= 0.9 * 32 * len(ids), report
 
 
