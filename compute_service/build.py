@@ -22,6 +22,7 @@ from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.llm_engine import LLMEngine
 from compute_service.engine.loader import LoadedModel, load_model
+from compute_service.engine.quant_formats.summary import describe_projections
 from compute_service.runner import EngineRunner
 from loraplex.formats import AdapterError, ModelSpec
 from loraplex.v1 import common_pb2
@@ -50,7 +51,8 @@ class Runtime:
             max_model_len=self.engine.max_model_len, max_lora_rank=self.slots.max_lora_rank,
             lora_module_ids=[0, 1, 2, 3, 4, 5, 6, 7], dtype=str(loaded.model.dtype).removeprefix("torch."),
             device=str(self.device), tokenizer=str(loaded.path),
-            eos_token_id=spec.eos_token_id if spec.eos_token_id is not None else 0)
+            eos_token_id=spec.eos_token_id if spec.eos_token_id is not None else 0,
+            weights=describe_projections(loaded.model.weights, loaded.model.dtype))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -133,3 +133,19 @@ def test_quantization_setting_reaches_the_compute_service():
     assert compute[compute.index("--quantization") + 1] == "keep"
     _, compute = service_args(cli.build_parser().parse_args(["serve"]), "")
     assert "--quantization" not in compute
+
+
+def test_describe_projections_reports_what_is_kept_quantized(tiny_models, tmp_path):
+    """GetModelInfo's `weights`: kinds and counts of quantized projections, the dense rest, the bytes."""
+    from compute_service.engine.quant_formats.summary import describe_projections
+
+    _, src = tiny_models["llama"]
+    out = tmp_path / "ct"
+    assert cli.main(["quantize", str(src), str(out), "--format", "compressed-tensors", "--group-size", "32",
+                     "--quiet"]) == 0
+    kept, dense = load_model(out, quantization="keep"), load_model(out, quantization="none")
+    text = describe_projections(kept.model.weights, kept.model.dtype)
+    assert text.startswith("4-bit group 32: 6 of 8 projections, 2 dense in float32 ("), text
+    mib = [float(v) for v in text.split("(")[1].split(" MiB")[0:1]]
+    assert 0 < mib[0] < float(text.split("; ")[1].split(" MiB")[0])       # smaller than in float32
+    assert describe_projections(dense.model.weights, dense.model.dtype) == "float32"

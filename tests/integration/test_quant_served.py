@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPT = [5, 6, 7, 8, 9]
 
 
-async def generate(cache_address: str, compute_address: str, adapter) -> dict[str, list[int]]:
+async def generate(cache_address: str, compute_address: str, adapter) -> dict[str, object]:
     async with CacheClient(cache_address) as client:
         await client.put_adapter(adapter, 5)
     async with grpc.aio.insecure_channel(compute_address) as ch:
@@ -33,6 +33,7 @@ async def generate(cache_address: str, compute_address: str, adapter) -> dict[st
                 request_id=rid, input_ids=PROMPT, adapter=ref,
                 sampling=common_pb2.SamplingParams(max_tokens=8, ignore_eos=True))
             out[rid] = [t async for m in stub.GenerateTokens(req) for t in m.token_ids]
+        out["weights"] = (await stub.GetModelInfo(compute_pb2.ComputeModelInfoRequest())).model.weights
         return out
 
 
@@ -63,7 +64,9 @@ def test_quantized_tiny_model_serves_base_and_adapter(tmp_path):
     ref.add_adapter("a", adapter)
     want = ref.generate([PROMPT, PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                         [None, "a"])
+    weights = got.pop("weights")
     assert got == {"base": want[0], "lora": want[1]}, output
+    assert str(weights).startswith("4-bit group 16: 8 of 8 projections ("), weights   # GetModelInfo says it
     assert want[0] != want[1]
     assert codes == [0, 0], output
     assert "awq checkpoint kept quantized on the CPU (--quantization keep)" in output

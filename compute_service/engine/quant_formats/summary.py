@@ -1,10 +1,14 @@
-"""One log line about what a load kept quantized: format, bits and group sizes, dense layers, bytes."""
+"""What a load kept quantized: format, bits and group sizes, dense layers, bytes (the start-up log line), and
+the short form GetModelInfo reports (`describe_projections`)."""
 from __future__ import annotations
 
 import logging
 from collections import Counter
 
+import torch
+
 from compute_service.engine.linear import Linear
+from compute_service.engine.model import ModelWeights
 from compute_service.engine.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -42,3 +46,24 @@ class QuantSummary:
                  total, ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items())) or "none",
                  f"; dense: {dense}" if dense else "", (self.quantized_bytes + self.dense_bytes) / 2**20,
                  self.quantized_bytes / 2**20, self.dense_bytes / 2**20, self.bf16_bytes / 2**20)
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def describe_projections(weights: ModelWeights, dtype: torch.dtype) -> str:
+    """How the base projections are held, for GetModelInfo's `weights`: the dtype's name when every one is
+    dense, else e.g. "4-bit group 32: 120 of 120 projections (63.3 MiB; 202.5 MiB in bfloat16)" (a tensor-
+    parallel rank's own shards)."""
+    summary = QuantSummary("")
+    for i, layer in enumerate(weights.layers):
+        for name in PROJECTIONS:
+            summary.add(f"{i}.{name}", getattr(layer, name))
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not summary.num_quantized:
+        return dtype_name
+    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(summary.kinds.items()))
+    total = summary.num_quantized + len(summary.dense)
+    dense = f", {len(summary.dense)} dense in {dtype_name}" if summary.dense else ""
+    return (f"{kinds} of {total} projections{dense} ({(summary.quantized_bytes + summary.dense_bytes) / 2**20:.1f} "
+            f"MiB; {summary.bf16_bytes * dtype.itemsize / 2 / 2**20:.1f} MiB in {dtype_name})")
