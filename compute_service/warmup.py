@@ -245,6 +245,7 @@ def _compile_in_processes(pool: CompilePool, tasks: list[tuple[Callable[..., Non
     report.pool = pool.wait()
     log.info("warm-up: %s; recording took %.1f s, the last programs %.1f s more", report.pool.describe(),
              recorded_s, report.pool.wait_s)
+    log.info("warm-up: compile time by kernel: %s", report.pool.costliest())
 
 
 def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int],

@@ -51,6 +51,14 @@ def test_each_program_goes_to_a_worker_once_and_a_failure_is_counted_not_raised(
     assert not pool.started
 
 
+def test_the_costliest_kernels_are_named_with_their_program_counts_and_seconds():
+    from compute_service.compile_pool import PoolReport
+
+    report = PoolReport(kernel_s={"_a": [1.0, 2.5], "_b": [6.0], "_c": [0.5, 0.5, 0.5], "_d": [0.1]})
+    assert report.costliest(2) == "_b: 1 programs, 6.0 s (the longest 6.0 s), _a: 2 programs, 3.5 s (the longest 2.5 s)"
+    assert PoolReport().costliest() == "none"
+
+
 def test_a_pool_without_a_target_refuses_programs():
     with pytest.raises(RuntimeError, match="target"):
         CompilePool(1).submit("kernels.silu_mul", "_silu_mul_kernel", "{}")
@@ -103,6 +111,7 @@ def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny
     pool = report.pool
     assert pool is not None and pool.processes == 4
     assert pool.programs > 10 and pool.compiled == pool.programs and pool.failed == 0, pool.errors
+    assert sum(len(ts) for ts in pool.kernel_s.values()) == pool.compiled and "programs" in pool.costliest()
     cubins = list(Path(cache).rglob("*.cubin"))
     assert len(cubins) == pool.programs                 # the warm-up compiled no program again
     assert compiled_kernels() == pool.programs          # and every program it runs was handed over
