@@ -9,7 +9,9 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     (the candidate is timed before and after the tree's configs, old_us the better of the two, old_err its error)
     python3 bench/quant_kernel_sweep.py --out big.json --only 8b --rows 96,128,192,256   # where dense takes over
 
-Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages].
+Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages]. Cases on the
+pair-codes path (4 bits, groups of 128+, 2+ rows) also record `x_sums_us`: the launch that sums x per
+128-wide half on every call, alone (part of every pair-codes time here).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
-from kernels.quant_matmul import QuantMatmulConfig, dense_min_rows, pick_config, quant_matmul  # noqa: E402
+from kernels.quant_matmul import (QuantMatmulConfig, dense_min_rows, pair_codes_layout, pick_config,  # noqa: E402
+                                  quant_matmul)
 from kernels.quant_pack import pack_quantized  # noqa: E402
 
 SHAPES = {"8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 128,
@@ -159,6 +162,9 @@ def main() -> None:
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                 r["dense_path_us"] = graph_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
                                                for i, w in enumerate(ws)])
+                if pair_codes_layout(4, group, k) and t > 1:     # the pair-codes path's launch for the sums of x
+                    r["x_sums_us"] = graph_us([lambda: torch.sum(x.reshape(t, k // 128, 128), dim=-1,
+                                                                 dtype=torch.float32)] * 16)
                 old_calls: list = []
                 if old is not None:
                     ocfg = old.pick_config(t, n, k, 4, 132, group)
