@@ -1,5 +1,5 @@
-"""The default model (SmolLM2-135M, GGUF Q4_1) on the GPU: kept 4-bit (`--quantization keep`; `auto` runs this model in bf16) against
-dequantized to bf16 (`none`), in-process engine, CUDA graphs on, greedy, `ignore_eos`.
+"""The default model (SmolLM2-135M, GGUF Q4_1) on the GPU: kept 4-bit (`--quantization keep`, what `auto` does on a
+GPU) against dequantized to bf16 (`none`), in-process engine, CUDA graphs on, greedy, `ignore_eos`.
 
 Decode tok/s at batch 1 / 8 / 64 after a warm-up run of the same shape, and how often the two engines'
 greedy tokens agree (the 4-bit engine uses the file's exact Q4_1 values; bf16 rounds them).
