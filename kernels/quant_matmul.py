@@ -287,7 +287,7 @@ def quant_matmul(
     paired = paired_layout(w.bits, w.group_size)    # without the pair-codes path: one dot per block
     x_sums = out
     if pairs:       # sum of x over each 128-wide half block, once per call (`_pairs_step`)
-        x_sums = torch.sum(x.reshape(T, K // 128, 128), dim=-1, dtype=torch.float32)      # [T, K / 128]
+        x_sums = half_sums(x)
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
@@ -309,6 +309,12 @@ def quant_matmul(
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=compiled,
                                    PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+
+
+def half_sums(x: torch.Tensor) -> torch.Tensor:
+    """[T, K / 128] float32: the sums of x [T, K] over each 128-wide half block (the pair-codes path's offsets
+    term, `_offsets_term`)."""
+    return torch.sum(x.reshape(x.shape[0], -1, 128), dim=-1, dtype=torch.float32)
 
 
 # Weights of fewer codes (N * K) are latency-bound: their own tiles in pick_config, dense from 65 rows.
@@ -379,4 +385,4 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
 
 
-__all__ = ["QuantMatmulConfig", "dense_min_rows", "pick_config", "quant_matmul"]
+__all__ = ["QuantMatmulConfig", "dense_min_rows", "half_sums", "pick_config", "quant_matmul"]
