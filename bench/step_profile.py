@@ -7,10 +7,16 @@ For each case it decodes a few warm-up steps, then profiles `--steps` engine ste
 - the GPU timeline per step: wall span, busy time and idle time, and the largest idle gaps with the
   kernels on either side (a gap before the graph's first kernel is the host still launching it; a gap
   after the token read-back is the host between two steps).
+- the device time kernels spent running beside each other (`overlap_us`: summed kernel time minus busy
+  time), which is what the dependent launches of kernels/pdl.py buy;
+- with `--trace N`, the first N kernels of the last profiled step with start and end (us from the
+  step's first kernel), to read which launches ran beside which.
+`--bits 4` runs the 4-bit base of bench/quant_decode.py (every projection quantized on the GPU, group 128).
 Under the profiler the host runs slower, so gaps are larger than in an unprofiled run: compare cases
 and modes with each other, not with bench/multi_lora.py's figures.
 
     python3 bench/step_profile.py --cases base:1,distinct_r16_qkv:32 [--no-async-scheduling] [--out p.json]
+    python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1 --trace 80 --out p.json
     .venv/bin/python bench/step_profile.py --smoke          # checks the script on CPU (CPU ops, no timeline)
 """
 from __future__ import annotations
@@ -54,14 +60,26 @@ def timeline(events: list, steps: int, top: int) -> dict:
         if e > end:
             end, prev = e, name
     span = end - events[0][1]
+    summed = sum(e - s for _, s, e in events)
     top_gaps = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]
     return dict(span_us=span / steps, busy_us=busy / steps, idle_us=(span - busy) / steps,
+                overlap_us=(summed - busy) / steps,
                 gaps=[dict(after=a, before=b, us_per_step=t / steps, per_step=c / steps)
                       for (a, b), (c, t) in top_gaps])
 
 
+def last_step(events: list, steps: int, first: int) -> list[dict]:
+    """The first `first` kernels of the last of `steps` equal steps (the events split evenly by count, in
+    start order), start and end in us from that step's first kernel."""
+    events = sorted(events, key=lambda e: e[1])
+    per = len(events) // steps if steps else 0
+    step = events[len(events) - per:] if per else []
+    t0 = step[0][1] if step else 0.0
+    return [dict(kernel=n, start_us=round(s - t0, 2), end_us=round(e - t0, 2)) for n, s, e in step[:first]]
+
+
 def profile_case(engine, name: str, batch: int, rows, distinct: bool, loaded: set, steps: int, dev: torch.device,
-                 top: int) -> dict:
+                 top: int, trace: int = 0) -> dict:
     from compute_service.engine import SamplingParams
 
     keys = case_keys(engine, name, batch, rows, distinct, loaded)
@@ -86,6 +104,8 @@ def profile_case(engine, name: str, batch: int, rows, distinct: bool, loaded: se
     res = dict(case=name, batch=batch, steps=steps, kernels=kernel_table(events, steps, top))
     if dev.type == "cuda":
         res["timeline"] = timeline(events, steps, top)
+    if trace:
+        res["trace"] = last_step(events, steps, trace)
     return res
 
 
@@ -93,13 +113,16 @@ def report(r: dict) -> None:
     tl = r.get("timeline")
     head = f"== {r['case']} B={r['batch']}"
     if tl:
-        head += (f": GPU span {tl['span_us']:.0f} us/step, busy {tl['busy_us']:.0f}, idle {tl['idle_us']:.0f}")
+        head += (f": GPU span {tl['span_us']:.0f} us/step, busy {tl['busy_us']:.0f}, idle {tl['idle_us']:.0f}, "
+                 f"kernels beside each other {tl['overlap_us']:.0f}")
     print(head, flush=True)
     for k in r["kernels"]:
         print(f"   {k['us_per_step']:8.1f} us/step {k['launches_per_step']:6.1f}/step  {k['kernel']}")
     for g in (tl or {}).get("gaps", []):
         print(f"   idle {g['us_per_step']:7.1f} us/step ({g['per_step']:.1f}/step) after {g['after']} -> before "
               f"{g['before']}")
+    for k in r.get("trace", []):
+        print(f"   {k['start_us']:9.2f} {k['end_us']:9.2f}  {k['kernel']}")
 
 
 def main() -> None:
@@ -110,6 +133,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=14, help="kernels and gaps listed per case")
     ap.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                     help="overlapped decode steps or plain ones (default: the engine's, on with a GPU)")
+    ap.add_argument("--bits", type=int, choices=(4, 8), help="quantize every projection (bench/quant_decode.py)")
+    ap.add_argument("--trace", type=int, default=0, help="print / keep the last step's first N kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -124,13 +149,16 @@ def main() -> None:
     hf = build_hf(dims, dev, dtype)
     engine, _ = build_engine(hf, dev, dtype, max(b for _, b in wanted), 43, 100, [(64, 2)], args.async_scheduling)
     del hf
+    if args.bits:
+        from quant_decode import quantize_layers
+        quantize_layers(engine.runner.model, args.bits, 32 if args.smoke else 128)
     res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                     async_scheduling=engine.overlap, cases=[])
+                     async_scheduling=engine.overlap, bits=args.bits or 16, cases=[])
     loaded: set[str] = set()
     for name, batch in wanted:
         _, rank, modules, distinct = by_name[name]
         rows = adapter_rows(dims, rank, modules, dev, dtype) if rank else None
-        r = profile_case(engine, name, batch, rows, distinct, loaded, args.steps, dev, args.top)
+        r = profile_case(engine, name, batch, rows, distinct, loaded, args.steps, dev, args.top, args.trace)
         res["cases"].append(r)
         report(r)
     if args.out:

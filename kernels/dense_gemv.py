@@ -14,6 +14,7 @@ against 0.95-1.50x for this kernel (H200, `bench/results/dense_gemv.json`; the L
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.addend import take_addend
-from kernels.pdl import launch_args, pdl_enabled, read_input, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, read_early, read_input, wait_then_release
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,15 @@ class DenseGemvConfig:
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       EVEN_K: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr):
-    """ADD: out += add (fp32, left zero), and x is read before the wait (see `dense_gemv`)."""
+                       EVEN_K: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr, FENCE: tl.constexpr,
+                       NUM_THREADS: tl.constexpr):
+    """ADD: out += add (fp32, left zero), and x is read before the wait, after `read_early`'s fence (see
+    `dense_gemv`; FENCE: compiled, not interpreted)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]          # [BN, BK]
+    read_early(ADD and FENCE, NUM_THREADS)
     # The first weight tile does not depend on the previous kernel: it is read before the wait.
     if EVEN_K:
         w = tl.load(rows, mask=n_mask[:, None], other=0.0)
@@ -47,14 +51,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
         w = tl.load(rows, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     if not ADD:
         wait_then_release(USE_PDL)
-    xv = read_input(x_ptr + offs_k, offs_k < K, EVEN_K, ADD)
+    xv = read_input(x_ptr + offs_k, offs_k < K, EVEN_K)
     acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(rows + k0, mask=n_mask[:, None], other=0.0)
         else:
             w = tl.load(rows + k0, mask=n_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        xv = read_input(x_ptr + (k0 + offs_k), k0 + offs_k < K, EVEN_K, ADD)
+        xv = read_input(x_ptr + (k0 + offs_k), k0 + offs_k < K, EVEN_K)
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -105,8 +109,9 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
     pdl = pdl_enabled(x.device)
     _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, addend if addend is not None else out, out,
                              n, k, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-                             EVEN_K=k % cfg.block_k == 0, ADD=addend is not None, num_warps=cfg.num_warps,
-                             **launch_args(pdl))
+                             EVEN_K=k % cfg.block_k == 0, ADD=addend is not None,
+                             FENCE=os.environ.get("TRITON_INTERPRET", "0") != "1", NUM_THREADS=32 * cfg.num_warps,
+                             num_warps=cfg.num_warps, **launch_args(pdl))
 
 
 __all__ = ["DenseGemvConfig", "dense_gemv", "pick_gemv_config"]

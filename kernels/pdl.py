@@ -16,11 +16,13 @@ A kernel launched without the options waits for its predecessor as usual, so lau
 mix freely (library matmuls, torch ops).
 
 One exception to the first rule, for the one-row base kernels that add a LoRA delta (`dense_gemv` and the
-4-bit one-row kernel with an `addend`): they read x before their wait, with loads that bypass L1, because
-their caller guarantees that x was written by a kernel before the launch just before them (the LoRA
-launch, which writes only the delta they add after the wait). That is safe: a kernel starts only once
-every program of its predecessor has passed that predecessor's wait, so every kernel before the
-predecessor has completed and its writes are in L2. On the CPU, in the interpreter, before Hopper, or with
+4-bit one-row kernel with an `addend`): they read x before their wait, because their caller guarantees
+that x was written by a kernel before the launch just before them (the LoRA launch, which writes only the
+delta they add after the wait). That is safe: a kernel starts only once every program of its predecessor
+has passed that predecessor's wait, so every kernel before the predecessor has completed and its writes
+are in L2. L1 is not coherent, so such a kernel first runs `read_early` (a GPU-scope fence by every
+thread: a memory barrier and an invalidation of the SM's L1), after which its loads read what L2 holds
+and may then be served by L1. On the CPU, in the interpreter, before Hopper, or with
 LORAPLEX_PDL=0, or with a driver older than CUDA 12.3, nothing changes: the kernels are compiled
 without the wait and launched plainly.
 """
@@ -38,20 +40,36 @@ ENV = "LORAPLEX_PDL"
 
 
 @triton.jit
-def read_input(ptrs, mask, EVEN: tl.constexpr, EARLY: tl.constexpr):
-    """A kernel's input, 0 where `mask` is false (no mask where EVEN). EARLY: read before the wait under
-    the exception above, so it bypasses L1 (`.cg`): only L2 is sure to hold the writes of earlier kernels."""
+def read_input(ptrs, mask, EVEN: tl.constexpr):
+    """A kernel's input, 0 where `mask` is false (no mask where EVEN)."""
     if EVEN:
-        if EARLY:
-            v = tl.load(ptrs, cache_modifier=".cg")
-        else:
-            v = tl.load(ptrs)
+        v = tl.load(ptrs)
     else:
-        if EARLY:
-            v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            v = tl.load(ptrs, mask=mask, other=0.0)
+        v = tl.load(ptrs, mask=mask, other=0.0)
     return v
+
+
+@triton.jit
+def gpu_fence(NUM_THREADS: tl.constexpr):
+    """Every thread of the program runs one GPU-scope fence, `fence.acq_rel.gpu` (on sm_90 a memory barrier,
+    `MEMBAR.ALL.GPU`, then an invalidation of the SM's L1, `CCTL.IVALL`). Applied to a tensor of one element
+    per thread: applied to a tile, each thread would fence once per element it holds (8-32 fences of a few
+    hundred cycles each, measured ~7 us per launch at 8 tokens). Inline assembly: callers run it only when
+    compiled (Triton's interpreter runs programs one after another and has no caches)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r", [tl.arange(0, NUM_THREADS)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def read_early(ON: tl.constexpr, NUM_THREADS: tl.constexpr):
+    """Lets the program read inputs before its wait under the exception above: after this fence no load of
+    this SM is served by an L1 line an earlier kernel left, and x is then read through L1 like any input.
+    (Before 2026-11-28 such reads bypassed L1 instead, `.cg`: the one-row 4-bit kernel reads x once per
+    block of codes, each read then an L2 round trip, and its gate/up launch with an addend took 45.6 us
+    against 33.7 without one; 34.1 with this fence, H200.) Call it before the program's first load (the
+    barrier waits for loads in flight). ON false (the interpreter): nothing."""
+    if ON:
+        gpu_fence(NUM_THREADS)
 
 
 @triton.jit

@@ -17,21 +17,20 @@ Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded 
 import triton
 import triton.language as tl
 
-from kernels.pdl import read_input, wait_then_release
+from kernels.pdl import read_early, read_input, wait_then_release
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_field, field_bias
 
 
 @triton.jit
-def _x_field(x_row, k0, offs_j, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr):
-    """fp32 [32]: x[k0 : k0 + 32] (0 past K). EARLY: read before the wait (`ADD`, kernels/pdl.py)."""
-    return read_input(x_row + k0, k0 + offs_j < K, EVEN_K, EARLY).to(tl.float32)
+def _x_field(x_row, k0, offs_j, K, EVEN_K: tl.constexpr):
+    """fp32 [32]: x[k0 : k0 + 32] (0 past K)."""
+    return read_input(x_row + k0, k0 + offs_j < K, EVEN_K).to(tl.float32)
 
 
 @triton.jit
 def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, EARLY: tl.constexpr,
-                 X32: tl.constexpr):
+                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, X32: tl.constexpr):
     """Block b of a 4-bit weight in groups of 128 or more (the paired layout, kernels.quant_pack): words 0-15
     hold half a (group g_a), words 16-31 half b (g_b); fields i and i + 4 of word j are codes 2
     `_paired_word(j, i)` and the one after it (x_ptr: the token row's x). Two per-column sums (fields 0-3,
@@ -46,7 +45,7 @@ def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs
     q_1 = tl.zeros(acc.shape, dtype=tl.float32)              # fields 4-7
     x_t = tl.zeros((32,), dtype=tl.float32)                  # x per column, all fields
     for i in tl.static_range(4):
-        x0, x1 = _x_pair(x_ptr, b * 128 + _paired_word(offs_j, i), K, EVEN_K, EARLY, X32)   # fields i, i + 4
+        x0, x1 = _x_pair(x_ptr, b * 128 + _paired_word(offs_j, i), K, EVEN_K, X32)   # fields i, i + 4
         q_0 += biased_field(words, i, 4, ASM) * x0[None, :]
         q_1 += biased_field(words, i + 4, 4, ASM) * x1[None, :]
         x_t += x0 + x1
@@ -60,12 +59,12 @@ def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs
 
 
 @triton.jit
-def _x_pair(x_ptr, p, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr, X32: tl.constexpr):
+def _x_pair(x_ptr, p, K, EVEN_K: tl.constexpr, X32: tl.constexpr):
     """fp32 x[2 p] and x[2 p + 1] (0 past K; x_ptr the row's start). X32 (16-bit x, 4-byte aligned rows):
     one 32-bit read for both."""
     k = 2 * p
     if X32:
-        v = read_input(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + p, k < K, EVEN_K, EARLY)
+        v = read_input(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + p, k < K, EVEN_K)
         if x_ptr.dtype.element_ty == tl.bfloat16:       # a bfloat16 is the top half of its float32
             x0 = (v << 16).to(tl.float32, bitcast=True)
             x1 = (v & -65536).to(tl.float32, bitcast=True)
@@ -73,8 +72,8 @@ def _x_pair(x_ptr, p, K, EVEN_K: tl.constexpr, EARLY: tl.constexpr, X32: tl.cons
             x0 = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             x1 = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        x0 = read_input(x_ptr + k, k < K, EVEN_K, EARLY).to(tl.float32)
-        x1 = read_input(x_ptr + k + 1, k < K, EVEN_K, EARLY).to(tl.float32)
+        x0 = read_input(x_ptr + k, k < K, EVEN_K).to(tl.float32)
+        x1 = read_input(x_ptr + k + 1, k < K, EVEN_K).to(tl.float32)
     return x0, x1
 
 
@@ -88,8 +87,7 @@ def _paired_word(offs_j, i: tl.constexpr):
 
 @triton.jit
 def _groups_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                 EARLY: tl.constexpr):
+                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """Block b, one group (or field, at groups of 32) at a time."""
     FIELDS: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = 32 * FIELDS
@@ -104,7 +102,7 @@ def _groups_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N,
         x_g = tl.zeros((32,), dtype=tl.float32)                                   # x per column
         for f in tl.static_range(FPG):
             i = gi * FPG + f
-            xv = _x_field(x_row, b * BLOCK_K + i * 32, offs_j, K, EVEN_K, EARLY)
+            xv = _x_field(x_row, b * BLOCK_K + i * 32, offs_j, K, EVEN_K)
             if FPG == 1:
                 acc += (biased_field(words, i, BITS, ASM) * s[:, None] + o[:, None]) * xv[None, :]
             else:
@@ -118,13 +116,13 @@ def _groups_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N,
 @triton.jit
 def _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                PAIRED: tl.constexpr, EARLY: tl.constexpr, X32: tl.constexpr):
+                PAIRED: tl.constexpr, X32: tl.constexpr):
     if PAIRED:
         acc, acc_o = _halves_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask,
-                                  offs_j, N, K, GROUP, EVEN_K, ASM, EARLY, X32)
+                                  offs_j, N, K, GROUP, EVEN_K, ASM, X32)
     else:
         acc = _groups_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K, GROUP, BITS,
-                           EVEN_K, ASM, EARLY)
+                           EVEN_K, ASM)
     return acc, acc_o
 
 
@@ -139,7 +137,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
     LoRA delta the launch before wrote): x and every block are read before the wait, which comes just
-    before the output (`quant_matmul`). PAIRED: the weight is in the paired layout
+    before the output (`quant_matmul`), after `read_early`'s fence. PAIRED: the weight is in the paired layout
     (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,15 +149,16 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (PAIRED)
+    read_early(ADD and FENCE, NUM_THREADS)                   # ADD: x is read before the wait
     words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
     if not ADD:
         wait_then_release(USE_PDL)
     acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                             GROUP, BITS, EVEN_K, ASM, PAIRED, ADD, X32)
+                             GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
     for b in range(b_lo + 1, b_hi):
         words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
         acc, acc_o = _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                                 GROUP, BITS, EVEN_K, ASM, PAIRED, ADD, X32)
+                                 GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
     if ADD:
         wait_then_release(USE_PDL)
     total = tl.sum(acc, axis=1)

@@ -9,17 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels.addend import take_addend
-
-
-@triton.jit
-def _fence(NUM_THREADS: tl.constexpr):
-    """Every thread of the program runs one GPU-scope fence (a no-op in Triton's interpreter, which runs
-    programs one after another): its partial stores are visible GPU-wide before the tile's count moves,
-    and the last program's loads of the partials happen after it saw the count. The fence is applied to a
-    tensor of one element per thread: applied to the tile, each thread would fence once per element it
-    holds (8-32 fences of a few hundred cycles each, measured ~7 us per launch at 8 tokens)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r", [tl.arange(0, NUM_THREADS)],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+from kernels.pdl import gpu_fence
 
 
 @triton.jit
@@ -35,13 +25,13 @@ def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, 
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)   # split-K runs only for small T: int32 offsets
-        if FENCE:
-            _fence(NUM_THREADS)
+        if FENCE:                                  # the partial stores are visible GPU-wide before the count moves
+            gpu_fence(NUM_THREADS)
         tl.debug_barrier()                         # every thread's partial is stored before the count
         done = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if done == split_k - 1:                    # the last program of this tile reduces it, in split order
-            if FENCE:
-                _fence(NUM_THREADS)
+            if FENCE:                              # its loads of the partials come after it saw the count
+                gpu_fence(NUM_THREADS)
             total = tl.zeros_like(acc)
             for s in range(split_k):
                 total += tl.load(part_ptrs + s * part_stride, mask=mask, other=0.0, cache_modifier=".cg")

@@ -76,14 +76,16 @@ def test_step_profile_smoke_and_timeline(tmp_path):
     is checked on a hand-made trace, since the CPU mode has no GPU timeline."""
     out = tmp_path / "p.json"
     proc = _run(["bench/step_profile.py", "--smoke", "--cases", "base:1,distinct_r16_qkv:2", "--steps", "2",
-                 "--out", str(out)])
+                 "--bits", "4", "--trace", "5", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
+    assert res["bits"] == 4
     assert [(c["case"], c["batch"]) for c in res["cases"]] == [("base", 1), ("distinct_r16_qkv", 2)]
     assert all(c["kernels"] and c["kernels"][0]["us_per_step"] > 0 for c in res["cases"])
+    assert all(len(c["trace"]) == 5 and c["trace"][0]["start_us"] == 0.0 for c in res["cases"])
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from step_profile import timeline
+    from step_profile import last_step, timeline
 
     trace = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 30.0, 40.0), ("d", 41.0, 50.0), ("c", 80.0, 100.0)]
     tl = timeline(trace, steps=2, top=5)
@@ -91,6 +93,8 @@ def test_step_profile_smoke_and_timeline(tmp_path):
     assert tl["gaps"][0] == dict(after="d", before="c", us_per_step=15.0, per_step=0.5)
     assert tl["gaps"][1] == dict(after="b", before="c", us_per_step=5.0, per_step=0.5)
     assert len(tl["gaps"]) == 2                                 # the 1 us gap before d is below the 3 us cut
+    assert tl["overlap_us"] == 2.5                              # a and b ran side by side for 5 us
+    assert last_step(trace[:4], steps=2, first=1) == [dict(kernel="c", start_us=0.0, end_us=10.0)]
 
 
 def _results(script: str, args: list[str], out: Path) -> dict:
