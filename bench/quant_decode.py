@@ -41,13 +41,13 @@ from multi_lora import (  # noqa: E402  (bench helpers: the 8B shape, engine bui
     copy_bandwidth, floor, run_engine)
 
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
+from compute_service.engine.model import LAYER_PROJECTIONS  # noqa: E402
 from compute_service.engine.quant_linear import QuantLinear  # noqa: E402
 from compute_service.engine.quantized import QuantizedWeight, quantize_rtn  # noqa: E402
 
 LAYER_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 KERNEL_ROWS = (1, 8, 32, 64, 128, 256, 512)
 CASES = [("base", 0, (), False), ("distinct_r16_all", 16, ALL, True), ("distinct_r64_qkv", 64, QKV, True)]
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
 GIB = 2**30
 RESERVE_BYTES = 2 * GIB            # activations, graph pools, workspaces (kept out of the KV / adapter budget)
 ADAPTER_POOL_FRACTION = 0.05       # the engine's default lora_gpu_memory_fraction
@@ -140,7 +140,7 @@ def sweep_configs(quant: list, x: torch.Tensor, n: int, k: int, dev: torch.devic
 def quantize_layers(model, bits: int, group: int) -> None:
     """Every layer's projections replaced by QuantLinear (round to nearest, on the weights' device)."""
     for lw in model.weights.layers:
-        for name in PROJECTIONS:
+        for name in LAYER_PROJECTIONS:
             lin = getattr(lw, name)
             setattr(lw, name, QuantLinear(quantize_rtn(lin.weight, bits, group), lin.bias, lin.weight.device))
             del lin
@@ -150,7 +150,7 @@ def quantize_layers(model, bits: int, group: int) -> None:
 
 def decode_bytes(model) -> dict:
     w = model.weights
-    layers = sum(getattr(lw, p).nbytes for lw in w.layers for p in PROJECTIONS)
+    layers = sum(getattr(lw, p).nbytes for lw in w.layers for p in LAYER_PROJECTIONS)
     norms = sum(lw.input_norm.nbytes + lw.post_norm.nbytes for lw in w.layers) + w.norm.nbytes
     return dict(layers=layers, norms=norms, lm_head=w.lm_head.nbytes, embed_row=w.embed.shape[1] * w.embed.element_size(),
                 embed_table=w.embed.nbytes)

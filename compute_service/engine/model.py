@@ -38,6 +38,9 @@ class LayerWeights:
     down: Linear                         # [H, I]
 
 
+LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")     # LayerWeights' projections (its Linear fields), in order
+
+
 @dataclass
 class ModelWeights:
     embed: torch.Tensor                  # [V, H]

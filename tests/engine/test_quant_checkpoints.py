@@ -15,6 +15,7 @@ import torch
 
 from compute_service.engine import load_model
 from compute_service.engine.linear import Linear
+from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.engine.quant_formats.export import quantize_checkpoint
 from compute_service.engine.quant_linear import QuantLinear
 from compute_service.engine.quantized import quantize_rtn
@@ -48,7 +49,7 @@ def folders(tiny_models, tmp_path_factory):
 
 def layers_of(loaded):
     return [(i, name, getattr(lw, name)) for i, lw in enumerate(loaded.model.weights.layers)
-            for name in ("qkv", "o", "gate_up", "down")]
+            for name in LAYER_PROJECTIONS]
 
 
 @pytest.mark.parametrize("name", list(KINDS) + ["gptq", "gptq_v2"])
@@ -177,3 +178,12 @@ def test_compressed_tensors_own_reader_reads_our_folders(folders, name):
         with torch.no_grad():
             ref = hf(torch.tensor([TOKENS])).logits[0]
         assert rel_err(prefill_logits(kept, TOKENS), ref) < 1e-4
+
+
+def test_layer_projections_name_every_linear_of_a_layer():
+    """Loaders, summaries and benchmarks walk a layer's projections by LAYER_PROJECTIONS."""
+    import dataclasses
+
+    from compute_service.engine.model import LayerWeights
+    linear = tuple(f.name for f in dataclasses.fields(LayerWeights) if f.type in ("Linear", Linear))
+    assert linear == LAYER_PROJECTIONS

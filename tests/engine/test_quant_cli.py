@@ -8,6 +8,7 @@ import pytest
 
 from compute_service.config import ComputeConfig
 from compute_service.engine import load_model
+from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.engine.quant_linear import QuantLinear
 from loraplex.cli import main as cli
 from loraplex.settings import SettingsError, settings_from_args
@@ -88,7 +89,7 @@ def test_gpu_load_unpacks_on_the_gpu_to_what_the_host_unpacks(tiny_models, tmp_p
     assert host.fingerprint == gpu.fingerprint
     kept = 0
     for a, b in zip(host.model.weights.layers, gpu.model.weights.layers):
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in LAYER_PROJECTIONS:
             pa, pb = getattr(a, name), getattr(b, name)
             assert isinstance(pb, QuantLinear) == isinstance(pa, QuantLinear), name
             if not isinstance(pa, QuantLinear):     # kept dense by the writer (the group does not divide K)

@@ -7,6 +7,7 @@ import pytest
 
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams, load_model, load_tokenizer
 from compute_service.engine.linear import Linear
+from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.engine.quant_linear import QuantLinear
 
 pytestmark = pytest.mark.slow
@@ -23,13 +24,13 @@ def test_default_gguf_kept_quantized_generates_the_dequantized_text(caplog):
         kept = load_model(None, quantization="keep")
     dense = load_model(None, quantization="none")
     assert kept.fingerprint == dense.fingerprint
-    layers = [getattr(lw, n) for lw in kept.model.weights.layers for n in ("qkv", "o", "gate_up", "down")]
+    layers = [getattr(lw, n) for lw in kept.model.weights.layers for n in LAYER_PROJECTIONS]
     assert len(layers) == 120 and all(isinstance(x, QuantLinear) and (x.bits, x.group_size) == (4, 32)
                                       for x in layers)
     assert "quantized base (gguf): 120 of 120 projections kept quantized (4-bit group 32: 120)" in caplog.text
     quantized_bytes = sum(x.nbytes for x in layers)
     dense_bytes = sum(getattr(lw, n).nbytes for lw in dense.model.weights.layers
-                      for n in ("qkv", "o", "gate_up", "down"))
+                      for n in LAYER_PROJECTIONS)
     assert quantized_bytes * 6 < dense_bytes        # 0.625 bytes a weight (codes, scales, offsets) vs float32's 4
     assert kept.model.weights.embed.dtype == dense.model.weights.embed.dtype and isinstance(
         dense.model.weights.layers[0].qkv, Linear)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from compute_service.engine.model import LAYER_PROJECTIONS
+
 pytestmark = pytest.mark.gpu
 
 
@@ -37,7 +39,7 @@ def test_tp2_on_two_gpus(tmp_path):
     assert sum(c["equal_prefix"] for c in v["greedy"]) >= 48, v
     assert v["graph_steps"] > 0 and v["lora_graph_steps"] > 0, v
     # the 4-bit base: every projection's shards kept quantized and on the kernels, tokens as for bf16
-    assert v["quant_kinds"] == dict.fromkeys(("qkv", "o", "gate_up", "down"), "QuantLinear"), v
+    assert v["quant_kinds"] == dict.fromkeys(LAYER_PROJECTIONS, "QuantLinear"), v
     assert all(v["quant_kernels"].values()), v
     for c in v["quant_greedy"]:
         assert c["equal_prefix"] == 24 or c["gap"] < 0.02, c

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from compute_service.engine import LLMEngine
+from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.engine.quant_formats.export import quantize_checkpoint
 from test_tp_cpu import REQUESTS, TOL, adapters_for, config, free_port, run_mixed
 from tp_helpers import save_tiny_llama
@@ -33,7 +34,7 @@ def worker(rank: int, port: int, folder: str, results) -> None:
     try:
         engine, slots = build_rank_engine(quantized_config(folder), group)
         lw = engine.loaded.model.weights.layers[0]
-        results[f"kinds{rank}"] = {n: type(getattr(lw, n)).__name__ for n in ("qkv", "o", "gate_up", "down")}
+        results[f"kinds{rank}"] = {n: type(getattr(lw, n)).__name__ for n in LAYER_PROJECTIONS}
         if rank:
             follow(engine.runner, slots, group)
             return

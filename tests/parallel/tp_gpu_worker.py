@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
+from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.parallel.engine import build_rank_engine
 from compute_service.parallel.group import init_group
 from compute_service.parallel.schedule import follow
@@ -56,7 +57,7 @@ def against_one_process(group, cfg: EngineConfig) -> dict:
         follow(engine.runner, slots, group)
         return {}
     lw = engine.loaded.model.weights.layers[0]
-    kinds = {n: type(getattr(lw, n)).__name__ for n in ("qkv", "o", "gate_up", "down")}
+    kinds = {n: type(getattr(lw, n)).__name__ for n in LAYER_PROJECTIONS}
     kernels = {n: bool(getattr(getattr(lw, n), "use_kernel", False)) for n in kinds}
     greedy = greedy_against_one_process(engine, cfg)
     return dict(kinds=kinds, kernels=kernels, greedy=greedy, graph_steps=engine.runner.num_graph_steps,

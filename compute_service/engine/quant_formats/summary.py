@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 
 from compute_service.engine.linear import Linear
-from compute_service.engine.model import ModelWeights
+from compute_service.engine.model import LAYER_PROJECTIONS, ModelWeights
 from compute_service.engine.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -48,16 +48,13 @@ class QuantSummary:
                  self.quantized_bytes / 2**20, self.dense_bytes / 2**20, self.bf16_bytes / 2**20)
 
 
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
 def describe_projections(weights: ModelWeights, dtype: torch.dtype) -> str:
     """How the base projections are held, for GetModelInfo's `weights`: the dtype's name when every one is
     dense, else e.g. "4-bit group 32: 120 of 120 projections (63.3 MiB; 202.5 MiB in bfloat16)" (a tensor-
     parallel rank's own shards)."""
     summary = QuantSummary("")
     for i, layer in enumerate(weights.layers):
-        for name in PROJECTIONS:
+        for name in LAYER_PROJECTIONS:
             summary.add(f"{i}.{name}", getattr(layer, name))
     dtype_name = str(dtype).removeprefix("torch.")
     if not summary.num_quantized:
