@@ -20,14 +20,12 @@ Under the interpreter (no timer, no trap) the bound is a count of tries and the 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.host_ints import next_pow2
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.rms_norm import rms_norm_row
 
 
@@ -131,7 +129,6 @@ def reduce_add_rms_norm(
         raise ValueError("status must be an int32 tensor of at least one element")
     if T == 0:
         return
-    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"      # timer and trap: not interpreted
     _reduce_add_rms_norm_kernel[(T,)](x, residual, weight, out, buffer_ptrs, pad_ptrs, status, offset, rank, H,
                                       eps, int(timeout_s * 1e9), WORLD=world, BLOCK=next_pow2(H), num_warps=8,
-                                      COMPILED=compiled, **launch_args(pdl_enabled(x.device)))
+                                      COMPILED=compiled(), **launch_args(pdl_enabled(x.device)))

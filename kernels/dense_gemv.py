@@ -14,7 +14,6 @@ against 0.95-1.50x for this kernel (H200, `bench/results/dense_gemv.json`; the L
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.addend import take_addend
-from kernels.pdl import launch_args, pdl_enabled, read_early, read_input, wait_then_release
+from kernels.pdl import compiled, launch_args, pdl_enabled, read_early, read_input, wait_then_release
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
     _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, addend if addend is not None else out, out,
                              n, k, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
                              EVEN_K=k % cfg.block_k == 0, ADD=addend is not None,
-                             FENCE=os.environ.get("TRITON_INTERPRET", "0") != "1", NUM_THREADS=32 * cfg.num_warps,
+                             FENCE=compiled(), NUM_THREADS=32 * cfg.num_warps,
                              num_warps=cfg.num_warps, **launch_args(pdl))
 
 

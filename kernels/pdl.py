@@ -65,9 +65,9 @@ def read_early(ON: tl.constexpr, NUM_THREADS: tl.constexpr):
     """Lets the program read inputs before its wait under the exception above: after this fence no load of
     this SM is served by an L1 line an earlier kernel left, and x is then read through L1 like any input.
     (Before 2026-11-28 such reads bypassed L1 instead, `.cg`: the one-row 4-bit kernel reads x once per
-    block of codes, each read then an L2 round trip, and its gate/up launch with an addend took 45.6 us
-    against 33.7 without one; 34.1 with this fence, H200.) Call it before the program's first load (the
-    barrier waits for loads in flight). ON false (the interpreter): nothing."""
+    block of codes, each read then an L2 round trip, and its gate/up launch with an addend took 46.3 us
+    against 34.3 without one; 34.6 with this fence, H200, bench/results/read_early_ab.json.) Call it before
+    the program's first load (the barrier waits for loads in flight). ON false (the interpreter): nothing."""
     if ON:
         gpu_fence(NUM_THREADS)
 
@@ -80,9 +80,15 @@ def wait_then_release(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+def compiled() -> bool:
+    """Whether Triton compiles the kernels (not its interpreter, TRITON_INTERPRET=1, which runs no inline
+    assembly: fences, timers, traps): what launches pass as their COMPILED / FENCE / ASM flags."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` are launched as programmatic dependent launches."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get(ENV, "1") == "0":
+    if device.type != "cuda" or not compiled() or os.environ.get(ENV, "1") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

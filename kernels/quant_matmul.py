@@ -30,14 +30,13 @@ For many rows, `kernels.quant_dequant.dequantize_packed` writes the dense weight
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.quant_gemv import quant_gemv_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_split import write_out
@@ -292,12 +291,12 @@ def quant_matmul(
                partials if split > 1 else out, locks if split > 1 else out)
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
     even_k = K % block_k(w.bits) == 0
-    compiled = os.environ.get("TRITON_INTERPRET", "0") != "1"     # fences and inline assembly: not interpreted
+    asm = compiled()                                   # fences and inline assembly: not interpreted
     pdl = launch_args(pdl_enabled(x.device))
     if cfg.block_m == 1:
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
-                                EVEN_K=even_k, FENCE=compiled, NUM_THREADS=32 * cfg.num_warps, ASM=compiled,
+                                EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=paired and x.element_size() == 2 and x.data_ptr() % 4 == 0
                                 and x.stride(0) % 2 == 0,
@@ -305,9 +304,9 @@ def quant_matmul(
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // 128, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
-                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=compiled,
+                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
                                    NUM_THREADS=32 * cfg.num_warps,
-                                   FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=compiled,
+                                   FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
                                    PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 

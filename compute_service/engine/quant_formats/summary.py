@@ -38,13 +38,25 @@ class QuantSummary:
     def num_quantized(self) -> int:
         return sum(self.kinds.values())
 
+    @property
+    def num_projections(self) -> int:
+        return self.num_quantized + len(self.dense)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.quantized_bytes + self.dense_bytes
+
+    @property
+    def kinds_text(self) -> str:
+        """e.g. "4-bit group 32: 120" ("" when none was kept quantized)."""
+        return ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items()))
+
     def log(self) -> None:
-        total = self.num_quantized + len(self.dense)
         dense = ", ".join(self.dense[:6]) + (f" and {len(self.dense) - 6} more" if len(self.dense) > 6 else "")
         log.info("quantized base (%s): %d of %d projections kept quantized (%s)%s; projection weights %.1f MiB "
                  "(%.1f MiB quantized + %.1f MiB dense) vs %.1f MiB in bf16", self.format_name, self.num_quantized,
-                 total, ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items())) or "none",
-                 f"; dense: {dense}" if dense else "", (self.quantized_bytes + self.dense_bytes) / 2**20,
+                 self.num_projections, self.kinds_text or "none",
+                 f"; dense: {dense}" if dense else "", self.total_bytes / 2**20,
                  self.quantized_bytes / 2**20, self.dense_bytes / 2**20, self.bf16_bytes / 2**20)
 
 
@@ -59,8 +71,6 @@ def describe_projections(weights: ModelWeights, dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
     if not summary.num_quantized:
         return dtype_name
-    kinds = ", ".join(f"{k}: {v}" for k, v in sorted(summary.kinds.items()))
-    total = summary.num_quantized + len(summary.dense)
     dense = f", {len(summary.dense)} dense in {dtype_name}" if summary.dense else ""
-    return (f"{kinds} of {total} projections{dense} ({(summary.quantized_bytes + summary.dense_bytes) / 2**20:.1f} "
+    return (f"{summary.kinds_text} of {summary.num_projections} projections{dense} ({summary.total_bytes / 2**20:.1f} "
             f"MiB; {summary.bf16_bytes * dtype.itemsize / 2 / 2**20:.1f} MiB in {dtype_name})")
