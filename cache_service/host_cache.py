@@ -137,7 +137,7 @@ class HostCache:
             raise NotFoundError(f"task id {task_id} is at version {current}, not {version}")
         source = self.backend.source(task_id) or self._local_sources.get(task_id)
         if source is not None and source.kind in RELOADABLE and current is None:
-            self._reload(source)
+            self._reload(source, unless="cached")
             reader = self.backend.get(task_id, version)
             if reader is not None:
                 return reader
@@ -146,9 +146,25 @@ class HostCache:
         raise NotFoundError(f"task id {task_id} is not in the host cache (evicted, or never loaded): "
                             "resend its weights and config")
 
-    def _reload(self, source: SourceEntry) -> PutOutcome:
-        """Loads `source` again; callers arriving while it loads share that load."""
-        return self._loads.run((source.task_id, source.path), lambda: self._load_source(source))
+    def _reload(self, source: SourceEntry, *, unless: str = "") -> str:
+        """Loads `source` again (-> the version now cached); callers arriving while it loads share that load.
+
+        A caller that saw a miss can reach here just after another caller's load of the same source finished:
+        `unless` re-checks inside the flight and keeps what is cached instead of converting it a second time:
+        "cached" when the task id is cached at all, "fresh" when it is cached from the files now on disk."""
+        def load() -> str:
+            version = self._cached_version(source, unless) if unless else None
+            return version if version is not None else self._load_source(source).record.version
+        return self._loads.run((source.task_id, source.path), load)
+
+    def _cached_version(self, source: SourceEntry, unless: str) -> str | None:
+        cached = self.backend.has(source.task_id)
+        if cached is None or unless == "cached":
+            return cached
+        known = self.backend.source(source.task_id)
+        if known is None or known.path != source.path or not known.signature:
+            return None
+        return cached if disk.signature(Path(source.path)) == known.signature else None
 
     def _load_source(self, source: SourceEntry) -> PutOutcome:
         path = Path(source.path)
@@ -196,8 +212,7 @@ class HostCache:
         if load_mode == "auto" and cached is not None and source.signature:
             if disk.signature(Path(source.path)) == source.signature:
                 return source.task_id, cached
-        outcome = self._reload(source)
-        return source.task_id, outcome.record.version
+        return source.task_id, self._reload(source, unless="fresh" if load_mode == "auto" else "")
 
     def load_path(self, path: str, task_id: int | None, name: str, replace: bool) -> PutOutcome:
         """Loads an adapter from a path under the adapter root and registers it."""

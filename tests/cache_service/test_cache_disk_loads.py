@@ -106,6 +106,31 @@ def test_concurrent_requests_for_a_new_name_share_one_conversion(cache, tmp_path
     assert len(cache.backend.segment_names()) == 1
 
 
+def stale_first_look(cache, monkeypatch):
+    """The backend's next `get` and `has` each answer a miss once: a caller that looked just before another
+    caller's load of the same adapter stored it, and reaches the load just after that load finished."""
+    for method in ("get", "has"):
+        real, looks = getattr(cache.backend, method), []
+
+        def stale(task_id, *args, real=real, looks=looks):
+            looks.append(task_id)
+            return None if len(looks) == 1 else real(task_id, *args)
+        monkeypatch.setattr(cache.backend, method, stale)
+
+
+@pytest.mark.parametrize("how", ["name", "task id"])
+def test_a_caller_that_saw_the_miss_late_keeps_the_load_that_just_finished(cache, tmp_path, monkeypatch, how):
+    write_adapter(tmp_path / "late", seed=5)
+    task_id, version = cache.resolve_name("late")
+    stale_first_look(cache, monkeypatch)
+    if how == "name":
+        assert cache.resolve_name("late") == (task_id, version)
+    else:
+        with cache.get(task_id) as reader:
+            assert reader.record.version == version
+    assert cache.metrics.registry.get_sample_value("loraplex_adapter_load_seconds_count", {"tier": "host"}) == 1
+
+
 def test_concurrent_requests_for_a_bad_adapter_all_get_the_refusal(cache, tmp_path):
     tensors = write_adapter(tmp_path / "badburst", seed=4)
     tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"][0, 0] = float("inf")
