@@ -68,8 +68,7 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
         raise ModelLoadError(f"model path {str(p)!r} does not exist (want a HF folder with config.json or a .gguf file)")
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)
-    if device.type == "cuda" and hasattr(get, "work_device"):
-        get.work_device = device        # dequantize / unpack on the GPU, not on the host's threads
+    unpack_on(get, device)
     t1 = time.perf_counter()
     keep = keeps_quantized(quantization, device)
     _log_quantization_choice(get, quantization, keep, device, dtype)
@@ -82,6 +81,13 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
     log.info("model %s: header read in %.1f s, weights converted and placed on %s in %.1f s", p.name, t1 - t0,
              device, time.perf_counter() - t1)
     return LoadedModel(spec, model, fingerprint, p, template)
+
+
+def unpack_on(get: Any, device: torch.device) -> None:
+    """A GPU load dequantizes / unpacks a quantized checkpoint's tensors (and GGUF block types) on the GPU,
+    not on the host's threads: sources that can (`work_device`) are told the device."""
+    if device.type == "cuda" and hasattr(get, "work_device"):
+        get.work_device = device
 
 
 def _log_quantization_choice(get: Any, mode: str, keep: bool, device: torch.device, dtype: torch.dtype) -> None:

@@ -14,7 +14,7 @@ from compute_service.config import ComputeConfig
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.kv_cache import cuda_kv_budget
 from compute_service.engine.llm_engine import LLMEngine, _default_lora
-from compute_service.engine.loader import LoadedModel, default_model_path, read_model_source
+from compute_service.engine.loader import LoadedModel, default_model_path, read_model_source, unpack_on
 from compute_service.engine.model import LlamaModel
 from compute_service.engine.quant_formats import keeps_quantized
 from compute_service.engine.spec import ModelSpec
@@ -30,10 +30,12 @@ def load_sharded(path: str | None, group: TensorParallelGroup, dtype: torch.dtyp
                  quantization: str = "auto") -> tuple[LoadedModel, ModelSpec, Shard]:
     """The rank's slices of a HF safetensors folder or a GGUF file (each rank reads only its slices
     where the source can, else one whole tensor at a time, keeping its slice: `sharded_source`). A
-    quantized checkpoint's shards stay quantized as `quantization` says (see `quant_formats`)."""
+    quantized checkpoint's shards stay quantized as `quantization` says (see `quant_formats`); on a GPU
+    its tensors are unpacked there, as a single-GPU load does."""
     p = default_model_path() if path is None else Path(path)
     t0 = time.perf_counter()
     spec, get, template = read_model_source(p)
+    unpack_on(get, group.device)
     shard = shard_for(spec, group.world_size, group.rank)
     local = local_spec(spec, shard)
     keep = keeps_quantized(quantization, group.device)

@@ -134,7 +134,8 @@ def whole_fingerprint(spec: ModelSpec, get: TensorSource) -> str:
     h.add("embed", need("model.embed_tokens.weight")[:8])
     for i in sorted({0, spec.num_layers - 1}) if spec.num_layers else []:
         p = f"model.layers.{i}.self_attn."
-        h.add(f"qkv{i}", torch.cat([need(p + f"{m}_proj.weight")[:, :8] for m in "qkv"]))
+        # on the host: a GPU load's source gives quantized projections on the GPU, dense ones where it reads them
+        h.add(f"qkv{i}", torch.cat([need(p + f"{m}_proj.weight")[:, :8].cpu() for m in "qkv"]))
     h.add("norm", need("model.norm.weight"))
     if not spec.tie_word_embeddings:
         h.add("lm_head", need("lm_head.weight")[:8])
