@@ -38,7 +38,8 @@ from compute_service.engine.attention import DecodeMetadata, step_metadata
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
 from compute_service.compile_pool import CompilePool, PoolReport, default_processes, pool_applies, recording
-from compute_service.warmup_plan import GroupShape, LaunchClass, WarmupPlan, group_shapes, lora_class_fn
+from compute_service.warmup_plan import (GroupShape, LaunchClass, WarmupPlan, describe_quantized, group_shapes, joined,
+                                         lora_class_fn, quant_class_fn)
 from compute_service.warmup_plan_cache import (PlanCache, PlanKey, PlanLookup, cached_plan, local_parts,
                                                plan_cache_applies, plan_cache_dir)
 
@@ -262,7 +263,8 @@ def _plan(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int],
     def classify() -> Callable[[int], LaunchClass]:
         if on_miss is not None:
             on_miss()
-        return lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, dtype, rt.device)
+        return joined(lora_class_fn(_spare_backend(rt), engine.spec, mnbt, slot_ids, dtype, rt.device),
+                      quant_class_fn(engine.runner.model, dtype, rt.device))
 
     return cached_plan(mnbt, decode_buckets, launched, classify, cache)
 
@@ -286,6 +288,7 @@ def _plan_cache(rt: Runtime, slot_ids: list[int], adapter_ranks: list[int], deco
                   decode_buckets=tuple(decode_buckets), launched_tokens=tuple(map(launched, range(1, mnbt + 1))),
                   adapters=tuple(zip(slot_ids, adapter_ranks)), dtype=str(engine.runner.model.dtype),
                   backend=f"{type(engine.runner.lora).__module__}.{type(engine.runner.lora).__qualname__}",
+                  quantized=describe_quantized(engine.runner.model),
                   pool=(tables.max_slots, tables.num_layers, tables.num_modules, tables.max_rank, tables.row_align,
                         layout.page_elems))
     return PlanCache(plan_cache_dir(), key.digest())

@@ -10,7 +10,9 @@ it runs the LoRA backend's `prepare` and every group's `apply` for each T from
 produce. One step per group then compiles everything a step of any size can
 launch. The other kernels (norm, RoPE + KV write, SwiGLU, decode attention) do
 not depend on T beyond Triton's divisibility-by-16 specialisation of integer
-arguments, which the class includes. Where nothing compiles (CPU, the Triton
+arguments, which the class includes; a quantized base's projections do (their
+kernels pick tiles and K splits from T), so their launch keys join the class,
+recorded the same way (`quant_class_fn`). Where nothing compiles (CPU, the Triton
 interpreter) every T falls in one class. The plan is kept on disk between starts
 (`warmup_plan_cache.py`), so a restart of the same code on the same GPU with the
 same settings skips the dry runs.
@@ -105,6 +107,56 @@ def lora_class_fn(backend: Any, spec: ModelSpec, max_tokens: int, slot_ids: list
                 backend.apply(layer, g.name, xs[g.name][:t], list(ys[g.name][:t].split(list(g.widths), dim=-1)))
         return tuple(rec.keys)
     return launch_keys
+
+
+def quantized_projections(model: Any) -> list[Any]:
+    """One of each distinct quantized base projection on the kernels (`QuantLinear`): shape, bits, group size
+    and the row count from which it dequantizes and calls the library GEMM."""
+    from compute_service.engine.model import LAYER_PROJECTIONS
+    from compute_service.engine.quant_linear import QuantLinear
+
+    seen: dict[tuple[int, ...], Any] = {}
+    for layer in model.weights.layers:
+        for name in LAYER_PROJECTIONS:
+            p = getattr(layer, name)
+            if isinstance(p, QuantLinear) and p.use_kernel:
+                seen.setdefault((p.out_features, p.in_features, p.bits, p.group_size, p.dense_min_tokens), p)
+    return list(seen.values())
+
+
+def describe_quantized(model: Any) -> str:
+    """The quantized projections' parts a plan depends on (`quantized_projections`); '' for a dense model."""
+    return ";".join(f"{p.out_features}x{p.in_features}:{p.bits}b:g{p.group_size}:d{p.dense_min_tokens}"
+                    for p in quantized_projections(model))
+
+
+def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Callable[[int], LaunchClass]:
+    """T -> the launch keys of the quantized base projections at T rows: their kernels pick tiles and K splits
+    from T (`kernels.quant_matmul.pick_config`), so a step of T tokens can need programs no other T compiled.
+    From `dense_min_tokens` rows a projection dequantizes and calls the library GEMM, the same launches at
+    every T: one class of its own, without a dry run."""
+    projections = quantized_projections(model)
+    if not projections or not LaunchRecorder.available() or device.type != "cuda":
+        return lambda t: ()
+    rows = max(p.dense_min_tokens for p in projections)
+    xs = {k: torch.zeros(rows, k, dtype=dtype, device=device) for k in {p.in_features for p in projections}}
+
+    def launch_keys(t: int) -> LaunchClass:
+        keys: list[str] = []
+        for p in projections:
+            if t >= p.dense_min_tokens:
+                keys.append(f"dequantize+GEMM {p.out_features}x{p.in_features}")
+                continue
+            with LaunchRecorder() as rec:
+                p(xs[p.in_features][:t])
+            keys.extend(rec.keys)
+        return tuple(keys)
+    return launch_keys
+
+
+def joined(*class_fns: Callable[[int], LaunchClass]) -> Callable[[int], LaunchClass]:
+    """T -> the launch keys of every class function, one after another (a step runs all of them)."""
+    return lambda t: tuple(key for fn in class_fns for key in fn(t))
 
 
 @dataclass

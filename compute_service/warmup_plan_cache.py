@@ -51,6 +51,7 @@ class PlanKey:
     adapters: tuple[tuple[int, int], ...]    # the synthetic adapters' (slot id, rank)
     dtype: str
     backend: str                             # the LoRA backend's class
+    quantized: str                           # the quantized base projections (`warmup_plan.describe_quantized`)
     pool: tuple[int, ...]                    # the pool geometry the kernels see (slots, layers, modules, rank, ...)
 
     def digest(self) -> str:

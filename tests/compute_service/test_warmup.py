@@ -5,6 +5,7 @@ import asyncio
 import os
 import random
 import signal
+import types
 
 import grpc
 import pytest
@@ -124,16 +125,22 @@ def test_health_is_not_serving_and_compute_refused_until_warm_up_finished(tiny_m
     assert after == health_pb2.HealthCheckResponse.SERVING and len(tokens) == 3
 
 
-@pytest.mark.gpu
-def test_no_request_compiles_a_kernel_after_warm_up(tiny_model_dir):
-    """Requests of every size, with and without adapters, mixed, decode: Triton compiles nothing new."""
-    _, rt = _runtime(tiny_model_dir, device="cuda", max_num_batched_tokens=256, max_num_seqs=16)
+def _warm_runtime_with_adapters(model_dir, **kw):
+    """A CUDA runtime warmed up (eager: no graphs), Triton's compiled programs counted, three adapters added."""
+    _, rt = _runtime(model_dir, device="cuda", max_num_batched_tokens=256, max_num_seqs=16, **kw)
     report = warm_up(rt, "full")
     before = compiled_kernels()
     assert before and before == report.compiled_kernels
-    engine = rt.engine
     for i in range(3):
-        engine.add_adapter(f"a{i}", random_adapter(engine.spec, (8, 16, 64)[i], seed=i, dtype=torch.bfloat16))
+        rt.engine.add_adapter(f"a{i}", random_adapter(rt.engine.spec, (8, 16, 64)[i], seed=i, dtype=torch.bfloat16))
+    return rt, before
+
+
+@pytest.mark.gpu
+def test_no_request_compiles_a_kernel_after_warm_up(tiny_model_dir):
+    """Requests of every size, with and without adapters, mixed, decode: Triton compiles nothing new."""
+    rt, before = _warm_runtime_with_adapters(tiny_model_dir)
+    engine = rt.engine
     rng = random.Random(0)
     for wave in range(6):
         n = rng.randint(1, 16)
@@ -145,6 +152,47 @@ def test_no_request_compiles_a_kernel_after_warm_up(tiny_model_dir):
     torch.cuda.synchronize()
     assert compiled_kernels() == before
 
+
+@pytest.mark.gpu
+def test_no_step_size_compiles_a_kernel_after_warm_up_on_a_4bit_base(tiny_model_dir, tmp_path):
+    """A 4-bit base on the kernels (q/k/v, o, gate/up; down's 80 in features are no multiple of the group):
+    their tiles and K splits follow the step's token count, and every count from 1 to past the GEMM switch,
+    with and without an adapter, compiles nothing new after the warm-up."""
+    from compute_service.engine.quant_formats.export import quantize_checkpoint
+    from compute_service.warmup_plan import quantized_projections
+
+    folder = quantize_checkpoint(tiny_model_dir, tmp_path / "w4", bits=4, group_size=32, progress=False).out
+    rt, before = _warm_runtime_with_adapters(folder, quantization="keep")
+    engine = rt.engine
+    assert len(quantized_projections(engine.runner.model)) >= 3
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for t in range(1, 80):
+        engine.generate([[(7 * t + i) % engine.spec.vocab_size for i in range(t)]], params, [(None, "a1")[t % 2]])
+    torch.cuda.synchronize()
+    assert compiled_kernels() == before
+
+
+
+def test_quantized_projections_are_told_apart_by_what_their_launches_depend_on():
+    """The warm-up's dry runs visit one projection of each shape / bits / group / GEMM switch, and the plan's
+    cache key names them; a dense model has none."""
+    from compute_service.engine.quant_linear import QuantLinear
+    from compute_service.engine.quantized import quantize_rtn
+    from compute_service.warmup_plan import describe_quantized, joined, quantized_projections
+
+    def quant(n, k, group=32, **kw):
+        kw.setdefault("use_kernel", True)
+        return QuantLinear(quantize_rtn(torch.randn(n, k), 4, group), None, torch.device("cpu"), **kw)
+    a, b, c = quant(64, 64), quant(96, 64), quant(64, 64, dense_min_tokens=9)
+    layers = [types.SimpleNamespace(qkv=a, o=quant(64, 64), gate_up=b, down=c),
+              types.SimpleNamespace(qkv=quant(64, 64), o=a, gate_up=quant(96, 64), down=torch.nn.Linear(64, 64))]
+    model = types.SimpleNamespace(weights=types.SimpleNamespace(layers=layers))
+    assert quantized_projections(model) == [a, b, c]
+    assert describe_quantized(model) == "64x64:4b:g32:d65;96x64:4b:g32:d65;64x64:4b:g32:d9"
+    dense = types.SimpleNamespace(weights=types.SimpleNamespace(layers=[types.SimpleNamespace(
+        qkv=quant(64, 64, use_kernel=False), o=None, gate_up=None, down=None)]))
+    assert quantized_projections(dense) == [] and describe_quantized(dense) == ""
+    assert joined(lambda t: ("x",) * t, lambda t: (), lambda t: (t,))(2) == ("x", "x", 2)
 
 
 def test_start_up_line_names_the_compiled_programs_or_says_there_are_none():

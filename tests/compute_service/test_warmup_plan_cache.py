@@ -25,7 +25,7 @@ def _key(**changes) -> PlanKey:
                   device_name="NVIDIA H100 80GB HBM3", num_sms=132, capability=(9, 0), spec="ModelSpec(...)",
                   max_num_batched_tokens=MAX_TOKENS, decode_buckets=tuple(BUCKETS),
                   launched_tokens=tuple(range(1, MAX_TOKENS + 1)), adapters=((0, 8), (1, 64)), dtype="torch.bfloat16",
-                  backend="PagedLoraBackend", pool=(64, 30, 7, 64, 64, 4608))
+                  backend="PagedLoraBackend", quantized="6144x4096:4b:g128:d256", pool=(64, 30, 7, 64, 64, 4608))
     return dataclasses.replace(key, **changes)
 
 
