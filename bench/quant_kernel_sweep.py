@@ -86,8 +86,9 @@ def compare_configs(model: str, t: int, n: int, k: int, group: int) -> list[Quan
     """`pick_config`'s choice first, then near alternatives."""
     C = QuantMatmulConfig
     picked = pick_config(t, n, k, 4, 132, group)
-    if t == 1:
-        alts = [C(32, 1, s) for s in (1, 2, 4, 8)]
+    if t == 1:      # and the wider programs per thread (more rows a thread: x's work shared by more codes)
+        alts = ([C(32, 1, s) for s in (1, 2, 4, 8)] + [C(64, 1, s, num_warps=2) for s in sorted({1, picked.split_k})]
+                + [C(128, 1, s) for s in sorted({1, picked.split_k})])
     else:
         bm = picked.block_m
         alts = [C(32, bm, 1, field_dots=False), C(64, bm, 1, field_dots=False), C(32, bm, 1), C(64, bm, 1),
