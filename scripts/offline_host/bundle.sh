@@ -17,7 +17,8 @@ $py -m pip download -q -d "$out/wheels" --only-binary=:all: --no-deps --python-v
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   grpcio==1.85.1 grpcio-reflection==1.85.1 grpcio-health-checking==1.85.1 "protobuf>=6.31" "redis>=5.0" \
   "prometheus-client>=0.20" "gguf>=0.10" "starlette==1.10.0" "uvicorn==0.54.0" h11 click anyio sniffio \
-  "pytest>=8" pluggy iniconfig "pytest-timeout>=2.3" "hypothesis>=6.100" sortedcontainers
+  "pytest>=8" pluggy iniconfig "pytest-timeout>=2.3" "hypothesis>=6.100" sortedcontainers \
+  "pytest-xdist>=3.5" "execnet>=2.1"
 $py -m pip download -q -d "$out/tools" --only-binary=:all: --no-deps --python-version 3.12 \
   --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 "py-spy==0.4.3"
 gguf=$($py -c "from loraplex.model_files import default_model_path; print(default_model_path())")
