@@ -201,9 +201,11 @@ def read_gguf(path: Path) -> tuple[ModelSpec, GGUFSource, str | None]:
               if k not in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores")}
     num_tokens = header.array_lengths.get("tokenizer.ggml.tokens", len(fields.pop("tokenizer.ggml.tokens", [])))
     tensors = header.tensors
-    if "rope_freqs.weight" in tensors:
-        raise UnsupportedModelError(f"{path.name}: GGUF with rope_freqs (Llama-3.1 scaling) is not supported; "
-                                    "use the HF safetensors folder instead")
-    spec = spec_from_gguf_fields(fields, num_tokens, "output.weight" in tensors, path.stem)
+    freqs = tensors.get("rope_freqs.weight")
+    try:
+        spec = spec_from_gguf_fields(fields, num_tokens, "output.weight" in tensors, path.stem,
+                                     None if freqs is None else np.asarray(freqs.data, dtype=np.float64).ravel())
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path.name}: {e}") from None
     by_hf = {h: t for t in tensors.values() if (h := _hf_name(t.name)) is not None}
     return spec, GGUFSource(spec, by_hf), fields.get("tokenizer.chat_template")

@@ -1,6 +1,7 @@
 """ModelSpec: the shape of a Llama-family decoder, read from a HF config or GGUF metadata."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -137,17 +138,28 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2"}
 
 
-def spec_from_gguf_fields(fields: dict[str, Any], num_vocab_tokens: int, has_output: bool, name: str) -> ModelSpec:
-    """Builds a ModelSpec from GGUF metadata (keys like `llama.block_count`)."""
+def spec_from_gguf_fields(fields: dict[str, Any], num_vocab_tokens: int, has_output: bool, name: str,
+                          rope_freqs: Sequence[float] | None = None) -> ModelSpec:
+    """Builds a ModelSpec from GGUF metadata (keys like `llama.block_count`) and the file's `rope_freqs`
+    tensor if it has one (per-frequency divisors of the angles: Llama 3.1 and later), read back with any
+    linear scaling as the Llama-3 scaling that gives the same angles (`rope.llama3_scaling_from_divisors`)."""
+    from compute_service.engine.rope import llama3_scaling_from_divisors
+
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCH:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCH)}")
     try:
         heads = int(fields[f"{arch}.attention.head_count"])
         hidden = int(fields[f"{arch}.embedding_length"])
-        scaling = None
-        if f"{arch}.rope.scaling.type" in fields and fields[f"{arch}.rope.scaling.type"] not in ("none", "linear"):
-            raise UnsupportedModelError(f"GGUF rope scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported")
+        head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
+        theta = float(fields.get(f"{arch}.rope.freq_base", 10000.0))
+        kind = fields.get(f"{arch}.rope.scaling.type", "none")
+        if kind not in ("none", "linear"):
+            raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported (none, linear and Llama-3 "
+                                        "rope_freqs are)")
+        linear = float(fields.get(f"{arch}.rope.scaling.factor", 1.0)) if kind == "linear" else 1.0
+        divisors = [linear * f for f in (rope_freqs if rope_freqs is not None else [1.0] * (head_dim // 2))]
+        scaling = llama3_scaling_from_divisors(divisors, head_dim, theta)
         eos = fields.get("tokenizer.ggml.eos_token_id")
         return ModelSpec(
             architecture=_GGUF_ARCH[arch],
@@ -155,11 +167,11 @@ def spec_from_gguf_fields(fields: dict[str, Any], num_vocab_tokens: int, has_out
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(fields.get(f"{arch}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             intermediate_size=int(fields[f"{arch}.feed_forward_length"]),
             vocab_size=int(fields.get(f"{arch}.vocab_size", num_vocab_tokens)),
             rms_norm_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
-            rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=theta,
             max_position_embeddings=int(fields.get(f"{arch}.context_length", 4096)),
             tie_word_embeddings=not has_output,
             qkv_bias=arch == "qwen2",

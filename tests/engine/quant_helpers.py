@@ -58,8 +58,11 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.down_proj": "ffn_down"}
 
 
-def write_tiny_gguf(model, path: Path, types: dict[str, str]) -> Path:
-    """A tied tiny Llama as GGUF; `types` maps `{layer}.{projection}` to Q4_0 / Q4_1 / Q8_0 (others F32)."""
+def write_tiny_gguf(model, path: Path, types: dict[str, str], rope_freqs: np.ndarray | None = None,
+                    fields: dict[str, object] | None = None) -> Path:
+    """A tiny Llama as GGUF (its own output.weight when untied); `types` maps `{layer}.{projection}` to Q4_0 /
+    Q4_1 / Q8_0 (others F32); `rope_freqs`: the per-frequency divisors tensor of Llama 3.1+ files; `fields`:
+    extra metadata (key -> float or str)."""
     import gguf
 
     cfg = model.config
@@ -67,11 +70,18 @@ def write_tiny_gguf(model, path: Path, types: dict[str, str]) -> Path:
     for add, value in ((w.add_block_count, cfg.num_hidden_layers), (w.add_embedding_length, cfg.hidden_size),
                        (w.add_feed_forward_length, cfg.intermediate_size), (w.add_head_count, cfg.num_attention_heads),
                        (w.add_head_count_kv, cfg.num_key_value_heads), (w.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-                       (w.add_context_length, cfg.max_position_embeddings), (w.add_vocab_size, cfg.vocab_size)):
+                       (w.add_context_length, cfg.max_position_embeddings), (w.add_vocab_size, cfg.vocab_size),
+                       (w.add_rope_freq_base, (cfg.rope_parameters or {}).get("rope_theta", 10000.0))):
         add(value)
+    for key, value in (fields or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
     sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for i in range(cfg.num_hidden_layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", sd[f"model.layers.{i}.input_layernorm.weight"])
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[f"model.layers.{i}.post_attention_layernorm.weight"])
