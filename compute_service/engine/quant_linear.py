@@ -37,6 +37,8 @@ class QuantLinear:
             self.use_kernel = False     # a group size the packed layout cannot hold: dequantize per call
         self._bits, self._group_size = qweight.bits, qweight.group_size
         self._shape = qweight.shape
+        # act-order: the codes are stored by group, the kernels read x in that order (one gather a call)
+        self._perm = None if qweight.perm is None else qweight.perm.to(self.device)
         self._qweight: QuantizedWeight | None = None
         if not self.use_kernel:
             self._qweight = qweight.to(self.device)
@@ -64,7 +66,12 @@ class QuantLinear:
         from kernels.quant_pack import unpack_quantized
 
         q, s, o = unpack_quantized(self.packed)
-        return QuantizedWeight(q, s, o, self._bits, self._group_size)
+        return QuantizedWeight(q, s, o, self._bits, self._group_size, self._perm)
+
+    @property
+    def act_order(self) -> bool:
+        """Whether the codes are stored in an act-order channel order (each call gathers x first)."""
+        return self._perm is not None
 
     @property
     def bits(self) -> int:
@@ -84,8 +91,10 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a forward reads: packed codes, scales, offsets (and bias)."""
+        """Bytes a forward reads: packed codes, scales, offsets (and bias, and an act-order permutation)."""
         bias = 0 if self.bias is None else self.bias.nbytes
+        if self._perm is not None:
+            bias += self._perm.nbytes
         if self.use_kernel:
             return self.packed.nbytes + bias
         n, k = self._shape
@@ -98,8 +107,10 @@ class QuantLinear:
         return self.qweight.dequantize(dtype)
 
     def takes_addend(self, x: torch.Tensor) -> bool:
-        """Whether `self(x, addend=...)` is allowed: one 16-bit row on the kernel (the one-row kernel)."""
-        return (self.use_kernel and x.is_cuda and x.numel() == x.shape[-1]
+        """Whether `self(x, addend=...)` is allowed: one 16-bit row on the kernel (the one-row kernel), with
+        x in the model's order (not act-order: x is gathered by a launch of its own first, which the one-row
+        kernel's early reads of x must not race)."""
+        return (self.use_kernel and self._perm is None and x.is_cuda and x.numel() == x.shape[-1]
                 and x.dtype in (torch.float16, torch.bfloat16))
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +127,9 @@ class QuantLinear:
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1:
+        if self._perm is not None:
+            x2 = x2.index_select(1, self._perm)
+        elif x2.stride(-1) != 1:
             x2 = x2.contiguous()
         t, (n, k) = x2.shape[0], self._shape
         if t >= self.dense_min_tokens:

@@ -8,6 +8,10 @@ Q4_0's `d * (q - 8)` (offset = -8 d), Q8_0's `d * q` with signed q (codes q + 12
 offset = -128 d), AWQ / GPTQ / compressed-tensors `(q - z) * s` (offset = -z s,
 rounded once to float16). Loaders produce this form; `QuantLinear` packs it for
 its device. `quantize_rtn` makes one from a dense weight (round to nearest).
+
+Act-order checkpoints (GPTQ `desc_act`, compressed-tensors `actorder`) assign input channels to groups
+out of order (`g_idx`); their codes are kept with the channels sorted by group (`perm`: stored column j
+is input channel perm[j]), so groups are contiguous for the kernels, which read x[perm].
 """
 from __future__ import annotations
 
@@ -27,9 +31,13 @@ class QuantizedWeight:
     offsets: torch.Tensor    # float16 [N, K // group_size]
     bits: int                # 4 or 8
     group_size: int          # K % group_size == 0
+    perm: torch.Tensor | None = None   # int64 [K]: stored column j is input channel perm[j] (act-order)
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
+        if self.perm is not None and (tuple(self.perm.shape) != (k,) or self.perm.dtype != torch.int64):
+            raise ValueError(f"quantized weight: perm must be int64 [{k}], got {self.perm.dtype} "
+                             f"{tuple(self.perm.shape)}")
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"quantized weight: bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.q.dtype != torch.uint8:
@@ -47,31 +55,43 @@ class QuantizedWeight:
         return (self.q.shape[0], self.q.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] in `dtype`, computed in float32 (the definition the kernels are tested against)."""
+        """[N, K] in `dtype` (input channels in the model's order), computed in float32 (the definition the
+        kernels are tested against)."""
         n, k = self.shape
         g = self.group_size
         w = self.q.view(n, k // g, g).float() * self.scales.float()[..., None] + self.offsets.float()[..., None]
-        return w.view(n, k).to(dtype)
+        w = w.view(n, k)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
 
     def rows(self, start: int, end: int) -> QuantizedWeight:
         """Output features [start, end) (a column-parallel shard, or one of a fused projection's parts)."""
         return QuantizedWeight(self.q[start:end], self.scales[start:end], self.offsets[start:end],
-                               self.bits, self.group_size)
+                               self.bits, self.group_size, self.perm)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(self.q.to(device), self.scales.to(device), self.offsets.to(device),
-                               self.bits, self.group_size)
+                               self.bits, self.group_size, None if self.perm is None else self.perm.to(device))
+
+    def same_input_order(self, other: QuantizedWeight) -> bool:
+        if self.perm is None or other.perm is None:
+            return self.perm is None and other.perm is None
+        return bool(torch.equal(self.perm, other.perm.to(self.perm.device)))
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Stacks along output features (q/k/v, gate/up fusion); all parts share bits and group size."""
+        """Stacks along output features (q/k/v, gate/up fusion); all parts share bits, group size and input
+        order."""
         first = parts[0]
         for p in parts[1:]:
             if (p.bits, p.group_size, p.shape[1]) != (first.bits, first.group_size, first.shape[1]):
                 raise ValueError("quantized weights to fuse differ in bits, group size or in features: "
                                  f"{[(p.bits, p.group_size, p.shape[1]) for p in parts]}")
+            if not p.same_input_order(first):
+                raise ValueError("quantized weights to fuse differ in their act-order input channel order")
         return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
-                               torch.cat([p.offsets for p in parts]), first.bits, first.group_size)
+                               torch.cat([p.offsets for p in parts]), first.bits, first.group_size, first.perm)
 
 
 def quantize_rtn(w: torch.Tensor, bits: int = 4, group_size: int = 128, *,

@@ -117,7 +117,8 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
 def _fused_quantized(quantized: Callable[[str], QuantizedWeight | None], parts: list[tuple[str, tuple[int, int]]],
                      device: torch.device) -> tuple[QuantizedWeight | None, str]:
     """The parts' quantized weights stacked, or (None, why) to build it dense: some part is stored dense,
-    they differ in bits or group size, or (on CUDA) the kernel cannot hold the group size."""
+    they differ in bits, group size or act-order input order, or (on CUDA) the kernel cannot hold the group
+    size."""
     qws = [quantized(prefix) for prefix, _ in parts]
     for qw, (prefix, shape) in zip(qws, parts):
         if qw is not None and qw.shape != shape:
@@ -128,6 +129,8 @@ def _fused_quantized(quantized: Callable[[str], QuantizedWeight | None], parts: 
     if any(qw is None for qw in qws) or len(kinds) > 1:
         return None, "fused parts stored " + "/".join(
             "dense" if qw is None else f"{qw.bits}-bit g{qw.group_size}" for qw in qws)
+    if not all(qw.same_input_order(qws[0]) for qw in qws if qw is not None):
+        return None, "fused parts in different act-order input orders"
     fused = QuantizedWeight.cat([qw for qw in qws if qw is not None])
     if device.type == "cuda":
         from kernels.quant_pack import check_packable

@@ -63,7 +63,8 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
     is read a slice at a time; others are read whole, then sliced.
     A source of a quantized checkpoint (`quantized(prefix)`, see `quant_formats/source.py`) keeps
     that view too, sliced the same way: whole rows of codes, or whole groups of in features (a
-    column range that cuts a group gives None, and the projection is read dense); with
+    column range that cuts a group, or any range of an act-order weight, gives None, and the projection
+    is read dense); with
     `quantized_rows` / `quantized_columns` (GGUF) only the slice is read.
     """
     rows = {"q_proj": shard.q, "k_proj": shard.kv, "v_proj": shard.kv, "gate_proj": shard.inter,
@@ -109,7 +110,7 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
             return qw.rows(*rows[proj])
         a, b = cols[proj]
         g = qw.group_size
-        if a % g or b % g:
+        if a % g or b % g or qw.perm is not None:     # act-order: a rank's channels are spread over the groups
             return None
         return QuantizedWeight(qw.q[:, a:b].contiguous(), qw.scales[:, a // g: b // g].contiguous(),
                                qw.offsets[:, a // g: b // g].contiguous(), qw.bits, g)

@@ -20,26 +20,55 @@ def projection_weights(model) -> dict[str, torch.Tensor]:
             for i in range(model.config.num_hidden_layers) for p in PROJECTIONS}
 
 
-def write_gptq_folder(model, src: Path, out: Path, bits: int, group_size: int, fmt: str = "gptq") -> Path:
-    """A GPTQ folder (symmetric, sequential packing; `gptq` stores z - 1) of `model`'s projections."""
+# Projections that read the same input (and so get the same act-order channel order from GPTQ).
+SAME_INPUT = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_proj": "qkv",
+              "mlp.gate_proj": "gate_up", "mlp.up_proj": "gate_up"}
+
+
+def gptq_tensors(w: torch.Tensor, bits: int, group_size: int, order: torch.Tensor,
+                 fmt: str = "gptq") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One projection's GPTQ tensors (symmetric; names from `.qweight`) with its input channels quantized in
+    `order` (groups of consecutive channels in that order: act-order unless it is arange), and the weight as
+    the file defines it, channels in the model's order."""
+    k = w.shape[1]
+    qw = quantize_rtn(w[:, order], bits, group_size, symmetric=True)      # groups along `order`
+    q = torch.empty_like(qw.q).index_copy_(1, order, qw.q)                   # codes in the model's order
+    g_idx = torch.empty(k, dtype=torch.int32).index_copy_(0, order, (torch.arange(k) // group_size).int())
+    z = torch.full(qw.scales.shape, 1 << (bits - 1), dtype=torch.int32) - (1 if fmt == "gptq" else 0)
+    return ({".qweight": pack_int32(q.t(), bits, dim=0),                                # [K/f, N]
+             ".qzeros": pack_int32(z.t().to(torch.uint8), bits, dim=1),                 # [K/G, N/f]
+             ".scales": qw.scales.t().contiguous(),                                     # [K/G, N]
+             ".g_idx": g_idx},
+            torch.empty(w.shape).index_copy_(1, order, qw.dequantize()))
+
+
+def write_gptq_folder(model, src: Path, out: Path, bits: int, group_size: int, fmt: str = "gptq",
+                      act_order: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A GPTQ folder (symmetric, sequential packing; `gptq` stores z - 1) of `model`'s projections, and each
+    projection's weight as the file defines it (dequantized, input channels in the model's order).
+    `act_order`: channels quantized in a random order per input (as desc_act does by the Hessian), groups of
+    consecutive channels in that order, the codes stored in the model's order with g_idx naming the groups."""
     from safetensors.torch import load_file, save_file
 
     tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
                if not any(k == p + ".weight" for p in projection_weights(model))}
+    orders: dict[str, torch.Tensor] = {}
+    defined = {}
     for prefix, w in projection_weights(model).items():
-        qw = quantize_rtn(w, bits, group_size, symmetric=True)
-        z = torch.full(qw.scales.shape, 1 << (bits - 1), dtype=torch.int32) - (1 if fmt == "gptq" else 0)
-        tensors[prefix + ".qweight"] = pack_int32(qw.q.t(), bits, dim=0)                  # [K/f, N]
-        tensors[prefix + ".qzeros"] = pack_int32(z.t().to(torch.uint8), bits, dim=1)      # [K/G, N/f]
-        tensors[prefix + ".scales"] = qw.scales.t().contiguous()                          # [K/G, N]
-        tensors[prefix + ".g_idx"] = (torch.arange(w.shape[1]) // group_size).to(torch.int32)
+        k = w.shape[1]
+        layer, proj = prefix.rsplit(".", 2)[0], prefix.split(".", 3)[3]
+        key = f"{layer}.{SAME_INPUT.get(proj, proj)}"
+        gen = torch.Generator().manual_seed(len(orders) + 7)
+        order = orders.setdefault(key, torch.randperm(k, generator=gen) if act_order else torch.arange(k))
+        part, defined[prefix] = gptq_tensors(w, bits, group_size, order, fmt)
+        tensors.update({prefix + name: t for name, t in part.items()})
     out.mkdir(parents=True)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": True,
-                                  "desc_act": False, "checkpoint_format": fmt}
+                                  "desc_act": act_order, "checkpoint_format": fmt}
     (out / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return out, defined
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

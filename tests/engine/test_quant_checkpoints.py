@@ -17,10 +17,11 @@ from compute_service.engine import load_model
 from compute_service.engine.linear import Linear
 from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.engine.quant_formats.export import quantize_checkpoint
+from compute_service.engine.quant_formats.summary import describe_projections
 from compute_service.engine.quant_linear import QuantLinear
 from compute_service.engine.quantized import quantize_rtn
 from helpers import TINY_DIMS, rel_err
-from quant_helpers import GGUF_TYPES, projection_weights, write_gptq_folder, write_tiny_gguf
+from quant_helpers import GGUF_TYPES, gptq_tensors, projection_weights, write_gptq_folder, write_tiny_gguf
 from test_loader import prefill_logits
 
 G = 16          # divides the tiny model's 64 hidden and 80 intermediate features
@@ -32,18 +33,23 @@ KINDS = {       # name -> (model kind, writer arguments)
 TOKENS = torch.randint(0, TINY_DIMS["vocab_size"], (13,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
+GPTQ = {"gptq": ("gptq", False), "gptq_v2": ("gptq_v2", False), "gptq-act-order": ("gptq", True)}
+
+
 @pytest.fixture(scope="module")
 def folders(tiny_models, tmp_path_factory):
-    """name -> (transformers model, quantized folder, writer arguments)."""
+    """name -> (transformers model, quantized folder, writer arguments, each projection's weight as written)."""
     out = {}
     for name, (kind, kw) in KINDS.items():
         model, src = tiny_models[kind]
+        written = {prefix: quantize_rtn(w, kw["bits"], G, symmetric=kw["symmetric"]).dequantize()
+                   for prefix, w in projection_weights(model).items()}
         out[name] = (model, quantize_checkpoint(src, tmp_path_factory.mktemp(name) / "q", group_size=G,
-                                                progress=False, **kw).out, kw)
+                                                progress=False, **kw).out, kw, written)
     model, src = tiny_models["llama"]
-    for fmt in ("gptq", "gptq_v2"):
-        kw = dict(bits=4, symmetric=True)
-        out[fmt] = (model, write_gptq_folder(model, src, tmp_path_factory.mktemp(fmt) / "q", 4, G, fmt), kw)
+    for name, (fmt, act_order) in GPTQ.items():
+        folder, written = write_gptq_folder(model, src, tmp_path_factory.mktemp(name) / "q", 4, G, fmt, act_order)
+        out[name] = (model, folder, dict(bits=4, symmetric=True), written)
     return out
 
 
@@ -52,20 +58,21 @@ def layers_of(loaded):
             for name in LAYER_PROJECTIONS]
 
 
-@pytest.mark.parametrize("name", list(KINDS) + ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("name", list(KINDS) + list(GPTQ))
 def test_loads_kept_quantized_with_the_written_codes(folders, name):
-    model, folder, kw = folders[name]
+    """(Act-order: the codes kept sorted by group, `perm` naming each stored column's input channel.)"""
+    model, folder, kw, weights = folders[name]
     kept, dense = load_model(folder, quantization="keep"), load_model(folder, quantization="none")
     fused = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
              "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-    weights = projection_weights(model)
     for i, proj, layer in layers_of(kept):
         assert isinstance(layer, QuantLinear) and layer.bits == kw["bits"] and layer.group_size == G
-        written = torch.cat([quantize_rtn(weights[f"model.layers.{i}.{p}"], kw["bits"], G,
-                                          symmetric=kw["symmetric"]).dequantize() for p in fused[proj]])
+        assert (layer.qweight.perm is not None) == name.endswith("act-order"), (i, proj)
+        written = torch.cat([weights[f"model.layers.{i}.{p}"] for p in fused[proj]])
         assert torch.equal(layer.dequantize(), written), (i, proj)
         assert torch.equal(getattr(dense.model.weights.layers[i], proj).weight, written), (i, proj)
     assert kept.fingerprint == dense.fingerprint
+    assert ("act-order" in describe_projections(kept.model.weights, torch.float32)) == name.endswith("act-order")
     assert all(isinstance(layer, Linear) for _, _, layer in layers_of(dense))
     a, b = prefill_logits(kept, TOKENS), prefill_logits(dense, TOKENS)
     assert rel_err(a, b) < 1e-5
@@ -75,7 +82,7 @@ def test_loads_kept_quantized_with_the_written_codes(folders, name):
 
 
 def test_auto_dequantizes_on_the_cpu(folders, caplog):
-    _, folder, _ = folders["awq"]
+    _, folder, _, _ = folders["awq"]
     with caplog.at_level("INFO"):
         loaded = load_model(folder)
     assert all(isinstance(layer, Linear) for _, _, layer in layers_of(loaded))
@@ -154,7 +161,7 @@ def test_compressed_tensors_own_reader_reads_our_folders(folders, name):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file
 
-    model, folder, kw = folders[name]
+    model, folder, kw, _ = folders[name]
     cfg = json.loads((folder / "config.json").read_text())["quantization_config"]
     args = QuantizationArgs(**cfg["config_groups"]["group_0"]["weights"])
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
@@ -178,6 +185,49 @@ def test_compressed_tensors_own_reader_reads_our_folders(folders, name):
         with torch.no_grad():
             ref = hf(torch.tensor([TOKENS])).logits[0]
         assert rel_err(prefill_logits(kept, TOKENS), ref) < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_act_order_runs_on_the_kernels_with_x_gathered(rows):
+    """The packed path (Triton's interpreter here) reads x in the stored (by group) order: one row, a few
+    rows, and rows past the switch to dequantize + GEMM (set to 4 here) all equal x @ W^T, W as the GPTQ
+    tensors define it."""
+    from compute_service.engine.quant_formats import gptq
+
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 128, generator=gen)
+    tensors, want_w = gptq_tensors(w, 4, 32, torch.randperm(128, generator=gen))
+    qw = gptq.reader({"bits": 4, "group_size": 32, "desc_act": True}, {"p" + k: v for k, v in tensors.items()}.get)("p")
+    assert qw.perm is not None and torch.equal(qw.dequantize(), want_w)
+    kernel = QuantLinear(qw, None, torch.device("cpu"), use_kernel=True, dense_min_tokens=4)
+    x = torch.randn(rows, 128, generator=gen)
+    assert rel_err(kernel(x), x @ want_w.t()) < 1e-5
+    assert torch.equal(kernel.dequantize(), want_w) and not kernel.takes_addend(x[:1])
+
+
+def test_act_order_fused_parts_in_different_orders_load_dense(folders, tmp_path):
+    """q/k/v (gate/up) read the same input, so GPTQ gives them one channel order; a checkpoint where they
+    differ cannot share one gather: that fused projection is dequantized, the others stay quantized."""
+    from safetensors.torch import load_file, save_file
+
+    _, folder, _, weights = folders["gptq-act-order"]
+    other = tmp_path / "q"
+    other.mkdir()
+    (other / "config.json").write_text((folder / "config.json").read_text())
+    stored = load_file(str(folder / "model.safetensors"))
+    prefix = "model.layers.0.self_attn.k_proj"       # its g_idx and codes moved to another channel order
+    k = weights[prefix].shape[1]
+    new = torch.randperm(k, generator=torch.Generator().manual_seed(11))
+    g_idx = stored[prefix + ".g_idx"].long()
+    from compute_service.engine.quant_formats.packing import pack_int32, unpack_int32
+    q = unpack_int32(stored[prefix + ".qweight"], 4, dim=0)                       # [K, N] by channel
+    stored[prefix + ".qweight"] = pack_int32(q[new].contiguous(), 4, dim=0)
+    stored[prefix + ".g_idx"] = g_idx[new].int()
+    save_file(stored, str(other / "model.safetensors"))
+    kept = load_model(other, quantization="keep")
+    assert isinstance(kept.model.weights.layers[0].qkv, Linear)
+    assert isinstance(kept.model.weights.layers[0].gate_up, QuantLinear)
+    assert isinstance(kept.model.weights.layers[1].qkv, QuantLinear)
 
 
 def test_layer_projections_name_every_linear_of_a_layer():

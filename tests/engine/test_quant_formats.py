@@ -103,14 +103,21 @@ def test_gptq_reader_handles_both_zero_conventions(bits, fmt):
     assert torch.equal(qw.q, q) and torch.equal(qw.dequantize(), want_weight(q, s, z))
 
 
-def test_gptq_act_order_is_refused_with_a_clear_message():
+def test_gptq_act_order_follows_g_idx_and_an_unbalanced_one_is_refused():
+    """w[n, k] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n] with channels in any group order; a g_idx that
+    does not give every group G channels is refused with a clear message."""
     q = random_codes(4, (N, K), 7)
+    s = random_scales((K // G, N), 8)
+    g_idx = (torch.arange(K).flip(0) // G).to(torch.int32)
     raw = {"p.qweight": torch.from_numpy(hand_pack(q.numpy(), 4)).t().contiguous(),
-           "p.qzeros": torch.zeros(K // G, N // 8, dtype=torch.int32),
-           "p.scales": random_scales((K // G, N), 8),
-           "p.g_idx": (torch.arange(K).flip(0) // G).to(torch.int32)}
+           "p.qzeros": torch.zeros(K // G, N // 8, dtype=torch.int32), "p.scales": s, "p.g_idx": g_idx}
     read = gptq.reader({"bits": 4, "group_size": G, "desc_act": True}, raw.get)
-    with pytest.raises(UnsupportedModelError, match="act-order"):
+    z = torch.ones(N, K // G, dtype=torch.int32)                     # `gptq` stores z - 1 (zeros here)
+    want = (q.float() - z.float()[:, g_idx.long()]) * s.t().float()[:, g_idx.long()]
+    qw = read("p")
+    assert qw.perm is not None and torch.allclose(qw.dequantize(), want, rtol=2e-3, atol=0)
+    raw["p.g_idx"] = torch.zeros(K, dtype=torch.int32)
+    with pytest.raises(UnsupportedModelError, match="act-order layout"):
         read("p")
     with pytest.raises(UnsupportedModelError, match="marlin"):
         gptq.reader({"bits": 4, "checkpoint_format": "marlin"}, raw.get)

@@ -37,3 +37,29 @@ def test_safetensors_slices_equal_whole_slices_and_skip_whole_reads(tmp_path):
         assert torch.equal(local("model.embed_tokens.weight"), get("model.embed_tokens.weight"))
     assert all("proj" not in n for n in whole_reads), whole_reads
     assert shard_for(spec, 2, 0).kv == shard_for(spec, 2, 1).kv == (0, spec.head_dim)   # one KV head, replicated
+
+
+def test_act_order_shards_keep_rows_quantized_and_read_columns_dense(tmp_path):
+    """A column-parallel rank keeps whole rows of an act-order weight (its channel order with them); a
+    row-parallel rank's range of input channels is spread over every group there, so it reads that
+    projection dense."""
+    from compute_service.engine.quantized import QuantizedWeight, quantize_rtn
+
+    folder = save_tiny_llama(tmp_path, 4, 2, seed=4, intermediate_size=128)
+    spec, get, _ = read_model_source(folder)
+    perm = torch.randperm(spec.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def quantized(prefix):
+        qw = quantize_rtn(get(prefix + ".weight"), 4, 16)
+        return QuantizedWeight(qw.q, qw.scales, qw.offsets, 4, 16, perm) if prefix.endswith("o_proj") or \
+            prefix.endswith("q_proj") else qw
+
+    get.quantized = quantized
+    shard = shard_for(spec, 2, 1)
+    local = sharded_source(spec, shard, get)
+    p = "model.layers.0."
+    q = local.quantized(p + "self_attn.q_proj")
+    assert q is not None and torch.equal(q.perm, perm) and q.shape == (shard.q[1] - shard.q[0], spec.hidden_size)
+    assert local.quantized(p + "self_attn.o_proj") is None
+    down = local.quantized(p + "mlp.down_proj")                # in order: whole groups of its channels
+    assert down is not None and down.perm is None and down.shape[1] == (shard.inter[1] - shard.inter[0])

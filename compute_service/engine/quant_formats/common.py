@@ -12,9 +12,11 @@ log = logging.getLogger(__name__)
 
 
 def from_zero_points(name: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                     bits: int) -> QuantizedWeight:
+                     bits: int, perm: torch.Tensor | None = None) -> QuantizedWeight:
     """Codes q [N, K], scales [N, K/G] (any float dtype), integer zero points z [N, K/G] -> the canonical
-    weight with offsets = float16(-z * s), so w = (q - z) * s up to that one rounding."""
+    weight with offsets = float16(-z * s), so w = (q - z) * s up to that one rounding. `perm` (act-order,
+    `act_order_perm`): group j // G of the scales is the group of input channel perm[j]; the codes are
+    stored in that order."""
     n, k = q.shape
     if scales.dim() != 2 or scales.shape[0] != n or k % scales.shape[1]:
         raise ModelLoadError(f"{name}: scales of shape {tuple(scales.shape)} do not fit a [{n}, {k}] weight")
@@ -24,7 +26,10 @@ def from_zero_points(name: str, q: torch.Tensor, scales: torch.Tensor, zeros: to
     if scales.dtype != torch.float16 and not torch.equal(s16.to(scales.dtype), scales):
         _report_rounding(name, scales)
     offsets = (-zeros.float() * s16.float()).to(torch.float16)
-    return QuantizedWeight(q.contiguous(), s16.contiguous(), offsets.contiguous(), bits, k // scales.shape[1])
+    if perm is not None:
+        q = q.index_select(1, perm.to(q.device))
+    return QuantizedWeight(q.contiguous(), s16.contiguous(), offsets.contiguous(), bits, k // scales.shape[1],
+                           None if perm is None else perm.to(q.device))
 
 
 _FP16 = torch.finfo(torch.float16)
@@ -52,15 +57,22 @@ def _report_rounding(name: str, scales: torch.Tensor) -> None:
     _reported.add(key)
 
 
-def check_g_idx(name: str, g_idx: torch.Tensor | None, k: int, group_size: int) -> None:
-    """Act-order (g_idx not k // G) permutes input channels across groups: refused."""
+def act_order_perm(name: str, g_idx: torch.Tensor | None, k: int, group_size: int) -> torch.Tensor | None:
+    """None for groups in order (no g_idx, or g_idx = k // G); for act-order (desc_act / actorder), the input
+    channels sorted by group (int64 [K], stable): stored in that order, each group's G channels are
+    contiguous. A g_idx that does not give every group exactly G channels is refused."""
     if g_idx is None:
-        return
-    want = torch.arange(k, dtype=torch.int64) // group_size
-    if g_idx.numel() != k or not torch.equal(g_idx.to(torch.int64).cpu(), want):
-        raise UnsupportedModelError(
-            f"{name}: this checkpoint uses act-order (desc_act / actorder: g_idx is not k // group_size), "
-            "which is not supported; quantize without act-order, or load the unquantized model")
+        return None
+    g = g_idx.to(torch.int64).cpu().flatten()
+    if g.numel() != k or k % group_size:
+        raise ModelLoadError(f"{name}: g_idx has {g.numel()} entries for {k} input channels")
+    if torch.equal(g, torch.arange(k, dtype=torch.int64) // group_size):
+        return None
+    counts = torch.bincount(g, minlength=k // group_size) if bool((g >= 0).all()) else None
+    if counts is None or counts.numel() != k // group_size or bool((counts != group_size).any()):
+        raise UnsupportedModelError(f"{name}: g_idx does not put {group_size} input channels in each of the "
+                                    f"{k // group_size} groups; this act-order layout is not supported")
+    return torch.sort(g, stable=True).indices
 
 
 def need(raw, name: str) -> torch.Tensor:  # type: ignore[no-untyped-def]

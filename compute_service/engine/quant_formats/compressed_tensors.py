@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from compute_service.engine.errors import ModelLoadError, UnsupportedModelError
-from compute_service.engine.quant_formats.common import check_g_idx, from_zero_points, need
+from compute_service.engine.quant_formats.common import act_order_perm, from_zero_points, need
 from compute_service.engine.quant_formats.packing import pack_int32, unpack_int32
 from compute_service.engine.quantized import QuantizedWeight, integer_zeros
 
@@ -64,9 +64,8 @@ def reader(cfg: dict[str, Any], raw: Callable[[str], torch.Tensor | None]
             z = unpack_int32(zp, bits, dim=0)[:n].int()                                # [N, K/G] unsigned
         else:                                                                          # stored unpacked, signed
             z = zp.int() + (1 << (bits - 1))
-        if s.shape[1]:
-            check_g_idx(prefix, raw(prefix + ".weight_g_idx"), k, k // s.shape[1])
-        return from_zero_points(prefix, q, s, z, bits)
+        perm = act_order_perm(prefix, raw(prefix + ".weight_g_idx"), k, k // s.shape[1]) if s.shape[1] else None
+        return from_zero_points(prefix, q, s, z, bits, perm)
 
     return read
 

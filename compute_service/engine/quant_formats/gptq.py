@@ -5,7 +5,8 @@ Per projection `P` (K in, N out features, group size G, b bits, f = 32 / b codes
   P.qzeros   int32 [K/G, N/f]  zero points packed along N, sequentially; the original format
                                (`checkpoint_format: gptq`) stores z - 1, `gptq_v2` stores z
   P.scales   fp16  [K/G, N]
-  P.g_idx    int32 [K]         group of each input channel (act-order when not k // G: refused)
+  P.g_idx    int32 [K]         group of each input channel (act-order when not k // G: kept sorted
+                               by group, `common.act_order_perm`)
   w[n, k] = (q[k, n] - z[k // G, n]) * s[k // G, n]
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from compute_service.engine.errors import UnsupportedModelError
-from compute_service.engine.quant_formats.common import check_g_idx, from_zero_points, need
+from compute_service.engine.quant_formats.common import act_order_perm, from_zero_points, need
 from compute_service.engine.quant_formats.packing import unpack_int32
 from compute_service.engine.quantized import QuantizedWeight
 
@@ -47,7 +48,7 @@ def reader(cfg: dict[str, Any], raw: Callable[[str], torch.Tensor | None]
         g = k // s.shape[0] if s.shape[0] else k
         if group_size > 0 and g != group_size:
             raise UnsupportedModelError(f"{prefix}: scales imply group size {g}, the config says {group_size}")
-        check_g_idx(prefix, raw(prefix + ".g_idx"), k, g)
-        return from_zero_points(prefix, q, s.t(), z.t(), bits)
+        perm = act_order_perm(prefix, raw(prefix + ".g_idx"), k, g)
+        return from_zero_points(prefix, q, s.t(), z.t(), bits, perm)
 
     return read

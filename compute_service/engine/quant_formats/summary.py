@@ -28,7 +28,7 @@ class QuantSummary:
     def add(self, name: str, layer: Linear | QuantLinear, why_dense: str = "") -> None:
         self.bf16_bytes += 2 * layer.in_features * layer.out_features
         if isinstance(layer, QuantLinear):
-            self.kinds[f"{layer.bits}-bit group {layer.group_size}"] += 1
+            self.kinds[f"{layer.bits}-bit group {layer.group_size}" + (" act-order" if layer.act_order else "")] += 1
             self.quantized_bytes += layer.nbytes
         else:
             self.dense.append(f"{name} ({why_dense})" if why_dense else name)
