@@ -114,3 +114,23 @@ def test_gpu_close_to_fp32_reference(n: int, k: int, bits: int) -> None:
     x = torch.randn(3, k, generator=g).to(dev)
     assert rel_err(lin(x), F.linear(x, w)) < 1e-5                     # float32 model: IEEE products
     assert lin.nbytes == n * k * bits // 8 + 2 * n * (k // 128) * 2
+
+
+@pytest.mark.gpu
+def test_gpu_act_order_weight_reads_x_in_its_order() -> None:
+    """An act-order weight (codes stored by group, `perm`) on the GPU kernels: the one-row, tile and
+    dequantize + GEMM paths all equal x @ W^T with W in the model's channel order."""
+    dev = torch.device("cuda")
+    g = fresh(5)
+    n, k = 512, 1024
+    qw = quantize_rtn((torch.randn(n, k, generator=g) * 0.02).to(dev), 4, 128)
+    perm = torch.randperm(k, generator=g).to(dev)
+    qw = QuantizedWeight(qw.q, qw.scales, qw.offsets, 4, 128, perm)
+    lin = QuantLinear(qw, None, dev)
+    assert lin.use_kernel and lin.act_order and not lin.takes_addend(torch.zeros(1, k, device=dev,
+                                                                                dtype=torch.bfloat16))
+    w = qw.dequantize(torch.float32)
+    assert torch.equal(lin.dequantize(), w)
+    for t in (1, 8, 64, lin.dense_min_tokens):
+        x = torch.randn(t, k, generator=g).to(dev, torch.bfloat16)
+        assert rel_err(lin(x), F.linear(x.float(), w)) < 1e-2, t
