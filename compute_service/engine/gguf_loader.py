@@ -137,7 +137,7 @@ class GGUFSource:
         # per-block numpy path, which took most of a SmolLM2 load (0.91 of 1.3 s on 2 cores); other types
         # as before. With a GPU the products run there: on the host's threads they took 0.8 s of a SmolLM2
         # load alone, and 8.6 s beside the other services starting (an H200 host of 16 cores).
-        qw = block_weight(data, tensor_type) if data.ndim == 2 else None
+        qw = block_weight(data, tensor_type, exact_only=True) if data.ndim == 2 else None
         if qw is not None and self.work_device is not None:
             wt = qw.to(self.work_device).dequantize(torch.float32)
             return (_unpermute(wt, heads) if heads is not None else wt).contiguous()

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from compute_service.engine.quant_formats.export import PROJECTIONS
+from compute_service.engine.quant_formats.gguf import K_TYPES, KEPT_TYPES
 from compute_service.engine.quant_formats.packing import pack_int32
 from compute_service.engine.quantized import quantize_rtn
 
@@ -87,10 +88,25 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.down_proj": "ffn_down"}
 
 
+def random_blocks(tensor_type: int, rows: int, blocks: int, seed: int) -> np.ndarray:
+    """Raw rows of a GGUF tensor of one of `quant_formats.gguf.KEPT_TYPES`: random codes (and K-quant
+    sub-block scales), float16 scales d (and minimums: Q4_1's m, the K-quants' dmin) of all signs."""
+    _, nbytes, _ = KEPT_TYPES[tensor_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, blocks)) * 0.02).astype(np.float16)
+    raw[..., :2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    if tensor_type in (3, *K_TYPES):                                # a float16 minimum (dmin) after d
+        mins = (rng.standard_normal((rows, blocks)) * 0.1).astype(np.float16)
+        raw[..., 2:4] = mins[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    return raw.reshape(rows, blocks * nbytes)
+
+
 def write_tiny_gguf(model, path: Path, types: dict[str, str], rope_freqs: np.ndarray | None = None,
                     fields: dict[str, object] | None = None) -> Path:
     """A tiny Llama as GGUF (its own output.weight when untied); `types` maps `{layer}.{projection}` to Q4_0 /
-    Q4_1 / Q8_0 (others F32); `rope_freqs`: the per-frequency divisors tensor of Llama 3.1+ files; `fields`:
+    Q4_1 / Q8_0 (quantized from the model) or Q4_K / Q5_K (random super-blocks; in features a multiple of
+    256), others F32; `rope_freqs`: the per-frequency divisors tensor of Llama 3.1+ files; `fields`:
     extra metadata (key -> float or str)."""
     import gguf
 
@@ -121,10 +137,13 @@ def write_tiny_gguf(model, path: Path, types: dict[str, str], rope_freqs: np.nda
             kind = types.get(f"{i}.{hf}")
             if kind is None:
                 w.add_tensor(f"blk.{i}.{short}.weight", np.ascontiguousarray(t))
+                continue
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            if int(qtype) in K_TYPES:       # the package cannot quantize to these: random super-blocks instead
+                data = random_blocks(int(qtype), t.shape[0], t.shape[1] // 256, seed=100 * i + len(hf))
             else:
-                qtype = getattr(gguf.GGMLQuantizationType, kind)
-                w.add_tensor(f"blk.{i}.{short}.weight", gguf.quants.quantize(np.ascontiguousarray(t), qtype),
-                             raw_dtype=qtype)
+                data = gguf.quants.quantize(np.ascontiguousarray(t), qtype)
+            w.add_tensor(f"blk.{i}.{short}.weight", data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

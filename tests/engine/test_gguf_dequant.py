@@ -7,23 +7,29 @@ import numpy as np
 import pytest
 import torch
 
-from compute_service.engine.quant_formats.gguf import KEPT_TYPES, block_weight
+from compute_service.engine.quant_formats.gguf import EXACT_TYPES, K_TYPES, KEPT_TYPES, block_weight
+from quant_helpers import random_blocks
 
 
-def random_blocks(tensor_type: int, rows: int, blocks: int, seed: int) -> np.ndarray:
-    """Raw rows of a tensor of `tensor_type`: random codes, float16 scales (and Q4_1 minimums) of all signs."""
-    _, nbytes, _ = KEPT_TYPES[tensor_type]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
-    scales = (rng.standard_normal((rows, blocks)) * 0.02).astype(np.float16)
-    raw[..., :2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
-    if tensor_type == 3:                                            # Q4_1: a float16 minimum after d
-        mins = (rng.standard_normal((rows, blocks)) * 0.1).astype(np.float16)
-        raw[..., 2:4] = mins[..., None].view(np.uint8).reshape(rows, blocks, 2)
-    return raw.reshape(rows, blocks * nbytes)
+@pytest.mark.parametrize("tensor_type", sorted(K_TYPES))
+def test_k_quants_in_the_canonical_form_equal_the_gguf_package_to_float16_scales(tensor_type):
+    """Q4_K / Q5_K: groups of 32 whose scale and offset are the sub-block's d sc and -dmin m rounded to
+    float16 once; every weight within that rounding of the package's (relative 2^-11 of |d sc q| + |dmin m|).
+    A wrong nibble, fifth bit or 6-bit scale field would be off by whole code steps."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    data = random_blocks(tensor_type, rows=19, blocks=3, seed=tensor_type)
+    want = np.asarray(dequantize(data, GGMLQuantizationType(tensor_type)), dtype=np.float32)
+    qw = block_weight(data, tensor_type)
+    assert qw.group_size == 32 and qw.bits == KEPT_TYPES[tensor_type][2] and qw.shape == want.shape == (19, 768)
+    assert int(qw.q.max()) == (31 if tensor_type == 13 else 15)
+    got = qw.dequantize(torch.float32).numpy()
+    bound = (np.abs(qw.scales.float().numpy()).repeat(32, 1) * 31 + np.abs(qw.offsets.float().numpy()).repeat(32, 1))
+    assert (np.abs(got - want) <= bound * 2.0 ** -10).all()
+    assert block_weight(data, tensor_type, exact_only=True) is None
 
 
-@pytest.mark.parametrize("tensor_type", sorted(KEPT_TYPES))
+@pytest.mark.parametrize("tensor_type", sorted(EXACT_TYPES))
 def test_canonical_dequantization_equals_the_gguf_package(tensor_type):
     from gguf import GGMLQuantizationType, dequantize
 
@@ -51,7 +57,7 @@ def test_default_model_loads_the_same_weights_as_the_gguf_package():
     by_name = {t.name: t for t in GGUFReader(str(path)).tensors}
     checked = 0
     for hf_name, t in source._by_hf.items():           # noqa: SLF001 - every tensor the loader can return
-        if int(t.tensor_type) not in KEPT_TYPES:
+        if int(t.tensor_type) not in EXACT_TYPES:
             continue
         want = np.asarray(dequantize(by_name[t.name].data, by_name[t.name].tensor_type), dtype=np.float32)
         heads = source._heads(hf_name)                  # noqa: SLF001
@@ -72,7 +78,7 @@ def test_dequantizing_on_the_gpu_gives_the_host_s_bits(tiny_models, tmp_path):
     from quant_helpers import GGUF_TYPES, write_tiny_gguf
 
     _, source, _ = read_gguf(write_tiny_gguf(tiny_models["llama_tied"][0], tmp_path / "tiny.gguf", GGUF_TYPES))
-    names = [n for n, t in source._by_hf.items() if int(t.tensor_type) in KEPT_TYPES]   # noqa: SLF001
+    names = [n for n, t in source._by_hf.items() if int(t.tensor_type) in EXACT_TYPES]   # noqa: SLF001
     host = {n: source(n) for n in names}
     source.work_device = torch.device("cuda")
     assert any(source._heads(n) for n in names)                                       # noqa: SLF001

@@ -128,6 +128,30 @@ def test_gguf_q4_q8_projections_kept_quantized(tiny_models, tmp_path, caplog):
     assert rel_err(prefill_logits(kept, TOKENS), prefill_logits(dense, TOKENS)) < 1e-5
 
 
+def test_gguf_k_quant_projections_kept_quantized(tmp_path):
+    """Q4_K / Q5_K projections (the usual Q4_K_M / Q5_K_M files' types) stay quantized: groups of 32, 4-bit
+    and 8-bit codes (Q5_K's 5-bit codes in bytes), equal to the file's dequantization to float16 rounding of
+    their scales; the model's logits are the dense load's to that rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                         max_position_embeddings=128)).eval()
+    types = {f"{i}.{p}": kind for i in range(2) for p, kind in (
+        ("self_attn.q_proj", "Q4_K"), ("self_attn.k_proj", "Q4_K"), ("self_attn.v_proj", "Q4_K"),
+        ("self_attn.o_proj", "Q5_K"), ("mlp.gate_proj", "Q4_K"), ("mlp.up_proj", "Q4_K"), ("mlp.down_proj", "Q8_0"))}
+    path = write_tiny_gguf(model, tmp_path / "k.gguf", types)
+    kept, dense = load_model(path, quantization="keep"), load_model(path, quantization="none")
+    got = {name: (layer.bits, layer.group_size) for _, name, layer in layers_of(kept) if isinstance(layer, QuantLinear)}
+    assert got == {"qkv": (4, 32), "o": (8, 32), "gate_up": (4, 32), "down": (8, 32)}
+    for i, name, layer in layers_of(kept):
+        want = getattr(dense.model.weights.layers[i], name).weight
+        assert rel_err(layer.dequantize(), want) < 1e-3, (i, name)
+    assert kept.fingerprint == dense.fingerprint
+    assert rel_err(prefill_logits(kept, TOKENS), prefill_logits(dense, TOKENS)) < 1e-3
+
+
 @pytest.mark.gpu
 def test_gpu_load_of_mixed_fused_parts(tiny_models, tmp_path):
     """On a GPU, block types dequantize there and other types on the host: fused parts that mix them (layer 1's
