@@ -235,3 +235,34 @@ def test_gptq_per_channel_group_minus_one():
            "p.scales": s.t().contiguous()}
     qw = gptq.reader({"bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"}, raw.get)("p")
     assert qw.group_size == K and torch.equal(qw.dequantize(), want_weight(q, s, z))
+
+
+def test_gptq_dynamic_overrides_set_bits_and_group_size_per_module():
+    """GPTQ's `dynamic` rules: the first pattern matching a module's name decides its bits and group size
+    ("+:" or bare), or leaves it unquantized ("-:", its weight stored dense)."""
+    from quant_helpers import gptq_tensors
+
+    from compute_service.engine.quant_formats.gptq import module_overrides
+
+    dynamic = {"-:.*down_proj": {}, "+:.*layers\\.0\\..*v_proj": {"bits": 8, "group_size": 32},
+               ".*o_proj": {"bits": 8}}
+    assert module_overrides(dynamic, "model.layers.1.mlp.down_proj") is None
+    assert module_overrides(dynamic, "model.layers.0.self_attn.v_proj") == {"bits": 8, "group_size": 32}
+    assert module_overrides(dynamic, "model.layers.1.self_attn.v_proj") == {}
+    gen = torch.Generator().manual_seed(3)
+    raw = {}
+    for prefix, bits, group in (("model.layers.0.self_attn.q_proj", 4, 16), ("model.layers.0.self_attn.v_proj", 8, 32),
+                                ("model.layers.0.self_attn.o_proj", 8, 16)):
+        w = torch.randn(32, 64, generator=gen)
+        tensors, want = gptq_tensors(w, bits, group, torch.arange(64))
+        raw.update({prefix + k: v for k, v in tensors.items()})
+        raw[prefix + ".want"] = want
+    read = gptq.reader({"bits": 4, "group_size": 16, "dynamic": dynamic}, raw.get)
+    for prefix, bits, group in (("model.layers.0.self_attn.q_proj", 4, 16), ("model.layers.0.self_attn.v_proj", 8, 32),
+                                ("model.layers.0.self_attn.o_proj", 8, 16)):
+        qw = read(prefix)
+        assert (qw.bits, qw.group_size) == (bits, group) and torch.equal(qw.dequantize(), raw[prefix + ".want"])
+    assert read("model.layers.0.mlp.down_proj") is None
+    with pytest.raises(UnsupportedModelError, match="3-bit weights .*from `dynamic`"):
+        gptq.reader({"bits": 4, "group_size": 16, "dynamic": {".*q_proj": {"bits": 3}}}, raw.get)(
+            "model.layers.0.self_attn.q_proj")

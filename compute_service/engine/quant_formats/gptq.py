@@ -11,6 +11,7 @@ Per projection `P` (K in, N out features, group size G, b bits, f = 32 / b codes
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -24,22 +25,44 @@ FORMAT = "gptq"
 _FORMATS = {"gptq": 1, "gptq_v2": 0}     # checkpoint format -> what was subtracted from the zero points
 
 
+def _check_bits(bits: int, where: str = "") -> int:
+    if bits not in (4, 8):
+        raise UnsupportedModelError(f"GPTQ {bits}-bit weights{where} are not supported (4 and 8 bits are)")
+    return bits
+
+
+def module_overrides(dynamic: dict[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The config's `dynamic` rules for one module: the first pattern that matches its name from the start
+    decides; "-:pattern" leaves the module unquantized (None), "+:pattern" or a bare pattern gives its
+    overrides (bits, group_size, ...); {} when none matches."""
+    for pattern, overrides in dynamic.items():
+        if pattern.startswith("-:"):
+            if re.match(pattern[2:], prefix):
+                return None
+        elif re.match(pattern.removeprefix("+:"), prefix):
+            return dict(overrides or {})
+    return {}
+
+
 def reader(cfg: dict[str, Any], raw: Callable[[str], torch.Tensor | None]
            ) -> Callable[[str], QuantizedWeight | None]:
-    """prefix -> the projection's canonical weight, or None where the checkpoint keeps it dense."""
-    bits = int(cfg.get("bits", 4))
-    if bits not in (4, 8):
-        raise UnsupportedModelError(f"GPTQ {bits}-bit weights are not supported (4 and 8 bits are)")
+    """prefix -> the projection's canonical weight, or None where the checkpoint keeps it dense. Per-module
+    `dynamic` overrides of bits and group size are followed."""
+    default_bits = _check_bits(int(cfg.get("bits", 4)))
     fmt = str(cfg.get("checkpoint_format") or cfg.get("format") or "gptq").lower()
     if fmt not in _FORMATS:
         raise UnsupportedModelError(f"GPTQ checkpoint format {fmt!r} is not supported ({sorted(_FORMATS)} are)")
-    zero_shift, mask = _FORMATS[fmt], (1 << bits) - 1
-    group_size = int(cfg.get("group_size", 128))
+    zero_shift = _FORMATS[fmt]
+    dynamic = dict(cfg.get("dynamic") or {})
 
     def read(prefix: str) -> QuantizedWeight | None:
         packed = raw(prefix + ".qweight")
-        if packed is None:
+        if packed is None:          # stored dense (a "-:" rule of `dynamic`, or a module never quantized)
             return None
+        overrides = module_overrides(dynamic, prefix) or {}
+        bits = _check_bits(int(overrides.get("bits", default_bits)), f" ({prefix}, from `dynamic`)")
+        group_size = int(overrides.get("group_size", cfg.get("group_size", 128)))
+        mask = (1 << bits) - 1
         q = unpack_int32(packed, bits, dim=0).t()                                 # [N, K]
         z = (unpack_int32(need(raw, prefix + ".qzeros"), bits, dim=1).int() + zero_shift) & mask
         s = need(raw, prefix + ".scales")                                          # [K/G, N]
