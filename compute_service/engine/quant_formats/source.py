@@ -51,10 +51,13 @@ class QuantizedSource:
         return self._read(prefix)
 
 
-def hf_quantized_source(qcfg: dict[str, Any], raw: RawSource) -> QuantizedSource:
-    """The reader for a HF folder's `quantization_config` (AWQ, GPTQ, compressed-tensors)."""
-    from compute_service.engine.quant_formats import awq, compressed_tensors, gptq
+def hf_quantized_source(qcfg: dict[str, Any], raw: RawSource) -> Any:
+    """The reader for a HF folder's `quantization_config` (AWQ, GPTQ, compressed-tensors), or for FP8 weights
+    the source that dequantizes them at load (`fp8.Fp8Source`)."""
+    from compute_service.engine.quant_formats import awq, compressed_tensors, fp8, gptq
 
+    if fp8.is_fp8(qcfg):
+        return fp8.Fp8Source(raw, qcfg)
     method = str(qcfg.get("quant_method", "")).lower()
     modules = {m.FORMAT: m for m in (awq, gptq, compressed_tensors)}
     if method not in modules:
