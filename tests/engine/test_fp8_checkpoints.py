@@ -87,3 +87,15 @@ def test_fp8_and_int_groups_mixed_are_refused():
     int_only = copy.deepcopy(CONFIGS["ct-channel"])
     int_only["config_groups"]["group_0"]["weights"] = {"num_bits": 4, "type": "int"}
     assert not is_fp8(int_only)         # the int reader's own check refuses naive-quantized int weights
+
+
+@pytest.mark.gpu
+def test_gpu_load_dequantizes_fp8_there_with_the_host_s_weights(checkpoint):
+    """On a GPU the FP8 weights are dequantized there (`work_device`): the same float32 products as the host's,
+    so the same weights (cast alike) and fingerprint."""
+    folder, _ = checkpoint
+    host, gpu = load_model(folder), load_model(folder, device="cuda")
+    assert host.fingerprint == gpu.fingerprint
+    for a, b in zip(host.model.weights.layers, gpu.model.weights.layers):
+        for name in LAYER_PROJECTIONS:
+            assert torch.equal(getattr(a, name).weight, getattr(b, name).weight.cpu()), name
