@@ -2,8 +2,9 @@
 
 Llama-3-8B shape with random bf16 weights built on the GPU as in bench/multi_lora.py (its helpers are
 imported); the 4-bit engine is the same model with every layer's projection (qkv, o, gate_up, down)
-replaced by a QuantLinear of `quantize_rtn(weight, 4, 128)` made on the GPU; embedding and LM head stay
-bf16. Both engines run in one process, CUDA graphs on.
+replaced by a QuantLinear of `quantize_rtn(weight, 4, 128)` made on the GPU (`--group-size 32`: what a
+Q4_0 / Q4_1 / Q4_K GGUF runs); embedding and LM head stay bf16. Both engines run in one process, CUDA
+graphs on.
 
 1. Kernels: each 8B layer shape at T = 1, 8, 32, 64, 128, 256, 512 rows, the quantized matmul (as QuantLinear runs
    it) against bf16 `F.linear`, each timed as a CUDA graph of calls over enough weight copies to exceed
@@ -70,10 +71,10 @@ def graph_time_us(fns: list, dev: torch.device, iters: int = 20) -> float:
     return median_replay_ms(graph, iters) * 1e3 / len(fns)
 
 
-def random_qweight(n: int, k: int, dev: torch.device, gen: torch.Generator) -> QuantizedWeight:
+def random_qweight(n: int, k: int, dev: torch.device, gen: torch.Generator, group: int = 128) -> QuantizedWeight:
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)
-    s = (torch.rand(n, k // 128, device=dev, generator=gen) * 0.002 + 1e-4).half()
-    return QuantizedWeight(q, s, (-8 * s.float()).half(), 4, 128)
+    s = (torch.rand(n, k // group, device=dev, generator=gen) * 0.002 + 1e-4).half()
+    return QuantizedWeight(q, s, (-8 * s.float()).half(), 4, group)
 
 
 def kernel_table(dev: torch.device, bw: float, shapes: dict, rows: tuple, sweep: bool, res: dict) -> None:
@@ -85,9 +86,11 @@ def kernel_table(dev: torch.device, bw: float, shapes: dict, rows: tuple, sweep:
         bf16_bytes = n * k * 2
         n_dense = max(1, -(-256 * 2**20 // bf16_bytes)) if dev.type == "cuda" else 1
         dense = [torch.randn(n, k, device=dev, generator=gen).mul_(0.02).to(torch.bfloat16) for _ in range(n_dense)]
-        q_one = QuantLinear(random_qweight(n, k, dev, gen), None, dev)
+        group = res["group_size"]
+        q_one = QuantLinear(random_qweight(n, k, dev, gen, group), None, dev)
         n_quant = max(1, -(-256 * 2**20 // q_one.nbytes)) if dev.type == "cuda" else 1
-        quant = [q_one] + [QuantLinear(random_qweight(n, k, dev, gen), None, dev) for _ in range(n_quant - 1)]
+        quant = [q_one] + [QuantLinear(random_qweight(n, k, dev, gen, group), None, dev)
+                           for _ in range(n_quant - 1)]
         for t in rows:
             x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
             io = (t * k + t * n) * 2
@@ -244,6 +247,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also try tile/split configs in the kernel table")
     ap.add_argument("--no-engine", action="store_true", help="kernel table only")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, no figures")
+    ap.add_argument("--group-size", type=int, help="quantization group (default 128, the smoke run 32); 32 is "
+                    "what Q4_0 / Q4_1 / Q4_K GGUF files run")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -253,7 +258,7 @@ def main() -> None:
     res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", commit=args.commit,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      torch=torch.__version__, dims=dims, input_len=in_len, output_len=out_len, bits=4,
-                     group_size=32 if args.smoke else 128, engine={}, errors=[])
+                     group_size=args.group_size or (32 if args.smoke else 128), engine={}, errors=[])
 
     def save() -> None:
         if args.out:
@@ -306,7 +311,7 @@ def plot(res: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch (concurrent requests)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"Llama-3-8B shape, 4-bit g128 vs bf16, {res['device']}")
+    ax.set_title(f"Llama-3-8B shape, 4-bit g{res['group_size']} vs bf16, {res['device']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     kern = res.get("kernels", {})
@@ -318,7 +323,7 @@ def plot(res: dict, out: Path) -> None:
     kx.axhline(1.0, color="k", alpha=0.5)
     kx.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"T={t}" for t in rows])
     kx.set_ylabel("bf16 F.linear time / 4-bit kernel time")
-    kx.set_title("Layer matmuls (8B shapes), 4-bit g128 vs bf16")
+    kx.set_title(f"Layer matmuls (8B shapes), 4-bit g{res['group_size']} vs bf16")
     kx.grid(True, axis="y", alpha=0.3)
     kx.legend(fontsize=8)
     fig.tight_layout()
