@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -149,3 +150,47 @@ def write_tiny_gguf(model, path: Path, types: dict[str, str], rope_freqs: np.nda
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_stored_folder(model, src: Path, out: Path, qcfg: dict,
+                        stored: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]):
+    """A HF folder of `model` whose projections are stored as `stored(weight)` gives them (tensors by suffix of
+    the projection's name, and the weight they define), with `qcfg` as its quantization_config; and a copy of
+    `model` holding the defined weights (the reference its logits should match)."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    reference = copy.deepcopy(model)
+    sd = reference.state_dict()
+    for prefix, w in projection_weights(model).items():
+        part, defined = stored(w)
+        del tensors[prefix + ".weight"]
+        tensors.update({prefix + suffix: t for suffix, t in part.items()})
+        sd[prefix + ".weight"].copy_(defined)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out, reference
+
+
+def check_loads_dequantized(folder: Path, reference, tokens: list[int], caplog, says: str) -> None:
+    """In both `keep` and `none` modes every projection loads dense, the logits are the reference model's, and
+    the start-up log says `says` and that the weights were dequantized at load."""
+    from compute_service.engine import load_model
+    from compute_service.engine.linear import Linear
+    from compute_service.engine.model import LAYER_PROJECTIONS
+    from helpers import rel_err
+    from test_loader import prefill_logits
+
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0]
+    for mode in ("keep", "none"):
+        with caplog.at_level("INFO"):
+            loaded = load_model(folder, quantization=mode)
+        assert all(isinstance(getattr(lw, n), Linear) for lw in loaded.model.weights.layers for n in LAYER_PROJECTIONS)
+        assert rel_err(prefill_logits(loaded, tokens), want) < 1e-5, mode
+    assert says in caplog.text and "dequantized at load" in caplog.text

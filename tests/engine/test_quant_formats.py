@@ -169,8 +169,8 @@ def test_compressed_tensors_activation_quantization_is_refused():
            "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8}}}}
     with pytest.raises(UnsupportedModelError, match="int-quantized"):
         hf_quantized_source(cfg, {}.get)
-    with pytest.raises(UnsupportedModelError, match="bitsandbytes"):
-        hf_quantized_source({"quant_method": "bitsandbytes"}, {}.get)
+    with pytest.raises(UnsupportedModelError, match="hqq"):
+        hf_quantized_source({"quant_method": "hqq"}, {}.get)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])

@@ -12,14 +12,12 @@ model dtype, which follows the original model more closely than FP8 activations 
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 
 from compute_service.engine.errors import ModelLoadError, UnsupportedModelError
-
-log = logging.getLogger(__name__)
+from compute_service.engine.quant_formats.dequantized import DequantizingSource
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _CT_FLOAT_FORMATS = {"float-quantized", "naive-quantized"}
@@ -55,33 +53,21 @@ def _expand(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return s.repeat_interleave(-(-n // a), 0)[:n].repeat_interleave(-(-k // b), 1)[:, :k]
 
 
-class Fp8Source:
-    """Tensor source by HF name over an FP8 checkpoint: FP8 weights come back dequantized in float32
-    (on `work_device` where the loader set one); nothing is kept quantized (`quantized` gives None)."""
-
-    format_name = None              # no projection stays quantized: a dense checkpoint to the loader
-
-    def __init__(self, raw: Callable[[str], torch.Tensor | None], qcfg: dict[str, Any]) -> None:
-        self._raw = raw
-        self.work_device: torch.device | None = None
-        log.info("FP8 checkpoint (%s): weights dequantized at load to the model dtype (no FP8 kernels; "
-                 "activation scales unused)", qcfg.get("quant_method"))
-
-    def __call__(self, name: str) -> torch.Tensor | None:
-        t = self._raw(name)
-        if t is None or t.dtype not in FP8_DTYPES:
-            return t
-        prefix = name.removesuffix(".weight")
-        scale = self._raw(prefix + ".weight_scale_inv")
-        if scale is None:
-            scale = self._raw(prefix + ".weight_scale")
-        if scale is None:
-            raise ModelLoadError(f"FP8 weight {name!r} has no {prefix}.weight_scale_inv or .weight_scale")
-        if self.work_device is not None:
-            t, scale = t.to(self.work_device), scale.to(self.work_device)
-        if t.dim() != 2:
-            return t.float() * scale.float()
-        return t.float() * _expand(scale.float(), *t.shape)
-
-    def quantized(self, prefix: str) -> None:
+def dequantize(name: str, t: torch.Tensor, raw: Callable[[str], torch.Tensor | None],
+               place: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """An FP8 weight as float32 (its value times the scale of its block); None for tensors stored otherwise."""
+    if t.dtype not in FP8_DTYPES:
         return None
+    prefix = name.removesuffix(".weight")
+    scale = raw(prefix + ".weight_scale_inv")
+    if scale is None:
+        scale = raw(prefix + ".weight_scale")
+    if scale is None:
+        raise ModelLoadError(f"FP8 weight {name!r} has no {prefix}.weight_scale_inv or .weight_scale")
+    t = place(t).float()
+    return t * scale.float() if t.dim() != 2 else t * _expand(scale.float(), *t.shape)
+
+
+def fp8_source(raw: Callable[[str], torch.Tensor | None], qcfg: dict[str, Any]) -> DequantizingSource:
+    return DequantizingSource(raw, dequantize,
+                              f"FP8 checkpoint ({qcfg.get('quant_method')}; activation scales unused)")

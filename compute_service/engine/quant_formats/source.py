@@ -52,12 +52,14 @@ class QuantizedSource:
 
 
 def hf_quantized_source(qcfg: dict[str, Any], raw: RawSource) -> Any:
-    """The reader for a HF folder's `quantization_config` (AWQ, GPTQ, compressed-tensors), or for FP8 weights
-    the source that dequantizes them at load (`fp8.Fp8Source`)."""
-    from compute_service.engine.quant_formats import awq, compressed_tensors, fp8, gptq
+    """The reader for a HF folder's `quantization_config` (AWQ, GPTQ, compressed-tensors), or for FP8 and
+    bitsandbytes weights the source that dequantizes them at load (`dequantized.DequantizingSource`)."""
+    from compute_service.engine.quant_formats import awq, bnb, compressed_tensors, fp8, gptq
 
     if fp8.is_fp8(qcfg):
-        return fp8.Fp8Source(raw, qcfg)
+        return fp8.fp8_source(raw, qcfg)
+    if bnb.is_bnb(qcfg):
+        return bnb.bnb_source(raw, qcfg)
     method = str(qcfg.get("quant_method", "")).lower()
     modules = {m.FORMAT: m for m in (awq, gptq, compressed_tensors)}
     if method not in modules:
