@@ -1,6 +1,7 @@
 """A quantized checkpoint served for real on the CPU: `loraplex quantize` writes a 4-bit AWQ folder of a
-tiny Llama, `loraplex compute --quantization keep` (with a host cache service) serves it kept quantized,
-and a base and an adapter request stream the tokens the in-process engine gives on the same folder."""
+tiny Llama (or a GPTQ act-order one is written), `loraplex compute --quantization keep` (with a host cache
+service) serves it kept quantized, and a base and an adapter request stream the tokens the in-process engine
+gives on the same folder."""
 from __future__ import annotations
 
 import asyncio
@@ -37,13 +38,27 @@ async def generate(cache_address: str, compute_address: str, adapter) -> dict[st
         return out
 
 
-def test_quantized_tiny_model_serves_base_and_adapter(tmp_path):
-    dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=11)
-    folder = tmp_path / "awq"
+def make_checkpoint(kind: str, dense, folder) -> None:
+    """`loraplex quantize`'s AWQ folder, or a GPTQ act-order folder (channels quantized in a random order per
+    input, `g_idx` naming their groups) written from the format's definition."""
+    if kind == "gptq-act-order":
+        from transformers import AutoModelForCausalLM
+
+        from engine.quant_helpers import write_gptq_folder
+        write_gptq_folder(AutoModelForCausalLM.from_pretrained(str(dense)), dense, folder, 4, 16, act_order=True)
+        return
     made = subprocess.run([sys.executable, "-m", "loraplex.cli.main", "quantize", str(dense), str(folder),
                            "--format", "awq", "--group-size", "16", "--quiet"], capture_output=True, text=True,
                           timeout=300)
     assert made.returncode == 0, made.stderr
+
+
+@pytest.mark.parametrize("kind,fmt,group", [("awq", "awq", "4-bit group 16"),
+                                            ("gptq-act-order", "gptq", "4-bit group 16 act-order")])
+def test_quantized_tiny_model_serves_base_and_adapter(tmp_path, kind, fmt, group):
+    dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=11)
+    folder = tmp_path / kind
+    make_checkpoint(kind, dense, folder)
     limits = {"max_model_len": 96, "kv_cache_bytes": 1 << 20, "dtype": "float32", "quantization": "keep"}
     ref = LLMEngine(EngineConfig(model=str(folder), lora_backend="torch", **limits))  # type: ignore[arg-type]
     assert isinstance(ref.loaded.model.weights.layers[0].gate_up, QuantLinear)
@@ -66,8 +81,8 @@ def test_quantized_tiny_model_serves_base_and_adapter(tmp_path):
                         [None, "a"])
     weights = got.pop("weights")
     assert got == {"base": want[0], "lora": want[1]}, output
-    assert str(weights).startswith("4-bit group 16: 8 of 8 projections ("), weights   # GetModelInfo says it
+    assert str(weights).startswith(f"{group}: 8 of 8 projections ("), weights        # GetModelInfo says it
     assert want[0] != want[1]
     assert codes == [0, 0], output
-    assert "awq checkpoint kept quantized on the CPU (--quantization keep)" in output
-    assert "quantized base (awq): 8 of 8 projections kept quantized (4-bit group 16: 8)" in output
+    assert f"{fmt} checkpoint kept quantized on the CPU (--quantization keep)" in output
+    assert f"quantized base ({fmt}): 8 of 8 projections kept quantized ({group}: 8)" in output
