@@ -92,15 +92,13 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         """Bytes a forward reads: packed codes, scales, offsets (and bias, and an act-order permutation)."""
-        bias = 0 if self.bias is None else self.bias.nbytes
-        if self._perm is not None:
-            bias += self._perm.nbytes
+        extra = (0 if self.bias is None else self.bias.nbytes) + (0 if self._perm is None else self._perm.nbytes)
         if self.use_kernel:
-            return self.packed.nbytes + bias
+            return self.packed.nbytes + extra
         n, k = self._shape
         qw = self._qweight
         assert qw is not None
-        return n * k * self.bits // 8 + qw.scales.nbytes + qw.offsets.nbytes + bias
+        return n * k * self.bits // 8 + qw.scales.nbytes + qw.offsets.nbytes + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] dense weight (for fingerprints, sharding and tests)."""

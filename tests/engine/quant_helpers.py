@@ -50,27 +50,19 @@ def write_gptq_folder(model, src: Path, out: Path, bits: int, group_size: int, f
     projection's weight as the file defines it (dequantized, input channels in the model's order).
     `act_order`: channels quantized in a random order per input (as desc_act does by the Hessian), groups of
     consecutive channels in that order, the codes stored in the model's order with g_idx naming the groups."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
-               if not any(k == p + ".weight" for p in projection_weights(model))}
     orders: dict[str, torch.Tensor] = {}
-    defined = {}
-    for prefix, w in projection_weights(model).items():
+
+    def stored(prefix: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         k = w.shape[1]
         layer, proj = prefix.rsplit(".", 2)[0], prefix.split(".", 3)[3]
-        key = f"{layer}.{SAME_INPUT.get(proj, proj)}"
         gen = torch.Generator().manual_seed(len(orders) + 7)
-        order = orders.setdefault(key, torch.randperm(k, generator=gen) if act_order else torch.arange(k))
-        part, defined[prefix] = gptq_tensors(w, bits, group_size, order, fmt)
-        tensors.update({prefix + name: t for name, t in part.items()})
-    out.mkdir(parents=True)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": True,
-                                  "desc_act": act_order, "checkpoint_format": fmt}
-    (out / "config.json").write_text(json.dumps(cfg))
-    save_file(tensors, str(out / "model.safetensors"))
-    return out, defined
+        order = orders.setdefault(f"{layer}.{SAME_INPUT.get(proj, proj)}",
+                                  torch.randperm(k, generator=gen) if act_order else torch.arange(k))
+        return gptq_tensors(w, bits, group_size, order, fmt)
+
+    qcfg = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": True, "desc_act": act_order,
+            "checkpoint_format": fmt}
+    return write_stored_folder(model, src, out, qcfg, stored)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -108,7 +100,7 @@ def write_tiny_gguf(model, path: Path, types: dict[str, str], rope_freqs: np.nda
     """A tiny Llama as GGUF (its own output.weight when untied); `types` maps `{layer}.{projection}` to Q4_0 /
     Q4_1 / Q8_0 (quantized from the model) or Q4_K / Q5_K (random super-blocks; in features a multiple of
     256), others F32; `rope_freqs`: the per-frequency divisors tensor of Llama 3.1+ files; `fields`:
-    extra metadata (key -> float or str)."""
+    extra metadata (key -> str, int (uint32) or float)."""
     import gguf
 
     cfg = model.config
@@ -120,7 +112,8 @@ def write_tiny_gguf(model, path: Path, types: dict[str, str], rope_freqs: np.nda
                        (w.add_rope_freq_base, (cfg.rope_parameters or {}).get("rope_theta", 10000.0))):
         add(value)
     for key, value in (fields or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+        (w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32)(
+            key, value)
     sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
@@ -153,28 +146,38 @@ def write_tiny_gguf(model, path: Path, types: dict[str, str], rope_freqs: np.nda
 
 
 def write_stored_folder(model, src: Path, out: Path, qcfg: dict,
-                        stored: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]):
-    """A HF folder of `model` whose projections are stored as `stored(weight)` gives them (tensors by suffix of
-    the projection's name, and the weight they define), with `qcfg` as its quantization_config; and a copy of
-    `model` holding the defined weights (the reference its logits should match)."""
-    import copy
-
+                        stored: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+                        ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A HF folder of `model` (saved at `src`) whose projections are stored as `stored(prefix, weight)` gives
+    them (tensors by suffix of the projection's name, and the weight they define), with `qcfg` as its
+    quantization_config; and the defined weights by projection prefix."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(src / "model.safetensors"))
-    reference = copy.deepcopy(model)
-    sd = reference.state_dict()
+    defined = {}
     for prefix, w in projection_weights(model).items():
-        part, defined = stored(w)
+        part, defined[prefix] = stored(prefix, w)
         del tensors[prefix + ".weight"]
         tensors.update({prefix + suffix: t for suffix, t in part.items()})
-        sd[prefix + ".weight"].copy_(defined)
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = qcfg
     (out / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, str(out / "model.safetensors"))
-    return out, reference
+    return out, defined
+
+
+def with_weights(model, defined: dict[str, torch.Tensor]):
+    """A copy of `model` whose projections hold `defined` (by prefix): the reference a checkpoint that stores
+    those weights should match."""
+    import copy
+
+    reference = copy.deepcopy(model)
+    sd = reference.state_dict()
+    with torch.no_grad():
+        for prefix, w in defined.items():
+            sd[prefix + ".weight"].copy_(w)
+    return reference
 
 
 def check_loads_dequantized(folder: Path, reference, tokens: list[int], caplog, says: str) -> None:

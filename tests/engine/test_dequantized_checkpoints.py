@@ -17,7 +17,7 @@ from compute_service.engine import UnsupportedModelError, load_model
 from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.engine.quant_formats import bnb
 from helpers import TINY_DIMS
-from quant_helpers import check_loads_dequantized, write_stored_folder
+from quant_helpers import check_loads_dequantized, with_weights, write_stored_folder
 
 TOKENS = torch.randint(0, TINY_DIMS["vocab_size"], (13,), generator=torch.Generator().manual_seed(8)).tolist()
 FP8_MAX = 448.0
@@ -92,9 +92,11 @@ CASES = {**{name: (cfg, fp8_tensors, "FP8 checkpoint") for name, cfg in FP8_CONF
 
 
 def folder_of(name: str, tiny_models, tmp_path):
+    """(the folder of the tiny Llama stored as case `name`, the model with the weights it defines)."""
     model, src = tiny_models["llama"]
     cfg, stored, _ = CASES[name]
-    return write_stored_folder(model, src, tmp_path / name, cfg, lambda w: stored(w, name))
+    folder, defined = write_stored_folder(model, src, tmp_path / name, cfg, lambda _, w: stored(w, name))
+    return folder, with_weights(model, defined)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

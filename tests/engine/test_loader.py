@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from compute_service.engine import ModelLoadError, UnsupportedModelError, load_m
 from compute_service.engine.attention import AttentionMetadata
 from compute_service.engine.kv_cache import allocate_kv_cache
 from helpers import TINY_DIMS, rel_err
+from quant_helpers import write_tiny_gguf
 
 
 def prefill_logits(loaded, tokens: list[int]) -> torch.Tensor:
@@ -39,47 +39,9 @@ def test_fingerprint_depends_on_weights_not_dtype(tiny_models):
     assert llama.model.weights.embed.dtype == torch.float32
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter permutation of q/k rows (halves -> interleaved pairs)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def test_gguf_loads_with_llama_cpp_layout(tiny_models, tmp_path):
-    import gguf
-
     model, _ = tiny_models["llama_tied"]
-    cfg = model.config
-    path = tmp_path / "tiny.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_eos_token_id(2)
-    sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for i in range(cfg.num_hidden_layers):
-        for hf, gg in names.items():
-            t = sd[f"model.layers.{i}.{hf}.weight"]
-            if gg == "attn_q":
-                t = _permute(t, cfg.num_attention_heads)
-            elif gg == "attn_k":
-                t = _permute(t, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
+    path = write_tiny_gguf(model, tmp_path / "tiny.gguf", {}, fields={"tokenizer.ggml.eos_token_id": 2})
     loaded = load_model(path)
     assert loaded.spec.tie_word_embeddings and loaded.spec.eos_token_ids == (2,)
     tokens = torch.randint(0, TINY_DIMS["vocab_size"], (11,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -250,16 +250,15 @@ def test_gptq_dynamic_overrides_set_bits_and_group_size_per_module():
     assert module_overrides(dynamic, "model.layers.0.self_attn.v_proj") == {"bits": 8, "group_size": 32}
     assert module_overrides(dynamic, "model.layers.1.self_attn.v_proj") == {}
     gen = torch.Generator().manual_seed(3)
+    modules = (("model.layers.0.self_attn.q_proj", 4, 16), ("model.layers.0.self_attn.v_proj", 8, 32),
+               ("model.layers.0.self_attn.o_proj", 8, 16))
     raw = {}
-    for prefix, bits, group in (("model.layers.0.self_attn.q_proj", 4, 16), ("model.layers.0.self_attn.v_proj", 8, 32),
-                                ("model.layers.0.self_attn.o_proj", 8, 16)):
-        w = torch.randn(32, 64, generator=gen)
-        tensors, want = gptq_tensors(w, bits, group, torch.arange(64))
+    for prefix, bits, group in modules:
+        tensors, want = gptq_tensors(torch.randn(32, 64, generator=gen), bits, group, torch.arange(64))
         raw.update({prefix + k: v for k, v in tensors.items()})
         raw[prefix + ".want"] = want
     read = gptq.reader({"bits": 4, "group_size": 16, "dynamic": dynamic}, raw.get)
-    for prefix, bits, group in (("model.layers.0.self_attn.q_proj", 4, 16), ("model.layers.0.self_attn.v_proj", 8, 32),
-                                ("model.layers.0.self_attn.o_proj", 8, 16)):
+    for prefix, bits, group in modules:
         qw = read(prefix)
         assert (qw.bits, qw.group_size) == (bits, group) and torch.equal(qw.dequantize(), raw[prefix + ".want"])
     assert read("model.layers.0.mlp.down_proj") is None
