@@ -8,6 +8,7 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     python3 bench/quant_kernel_sweep.py --out ab.json --only 8b --rows 1 --compare candidate/quant_gemv.py
     (the candidate is timed before and after the tree's configs, old_us the better of the two, old_err its error)
     python3 bench/quant_kernel_sweep.py --out big.json --only 8b --rows 96,128,192,256   # where dense takes over
+    python3 bench/quant_kernel_sweep.py --out g32.json --only 8b --group-size 32     # an 8B's Q4_0 / Q4_K GGUF
 
 Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages]. Cases on the
 pair-codes path (4 bits, groups of 128+, 2+ rows) also record `x_sums_us`: the launch that sums x per
@@ -135,6 +136,8 @@ def main() -> None:
                     "1): time it (its own config choice) and only pick_config's choice and its neighbours here")
     ap.add_argument("--rows", default="")
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
+    ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
+                    "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -142,6 +145,8 @@ def main() -> None:
     old = old_kernel(args.compare) if args.compare else None
     for model in args.only.split(","):
         shapes, group, rows = SHAPES[model]
+        group = args.group_size or group
+        res.setdefault("group_size", {})[model] = group
         for name, (n, k) in shapes.items():
             ws = []
             while sum(w.nbytes for w in ws) < SPAN:

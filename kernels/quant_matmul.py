@@ -283,6 +283,9 @@ def quant_matmul(
         return
     pairs = (cfg.block_m > 1 and cfg.pair_codes and cfg.field_dots and x.dtype != torch.float32
              and pair_codes_layout(w.bits, w.group_size, K))
+    if pairs and split > 1 and cfg.num_warps > 4:
+        raise ValueError(f"bad config {cfg}: the pair-codes tiles on more than 4 warps run without split-K only "
+                         "(split-K there made an illegal memory access on an H200; not diagnosed)")
     paired = paired_layout(w.bits, w.group_size)    # without the pair-codes path: one dot per block
     x_sums = out
     if pairs:       # sum of x over each 128-wide half block, once per call (`_pairs_step`)
@@ -351,7 +354,12 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     More than 64 rows of a large weight on the pair-codes path: the same 64 x 64 tiles and split rule (H200,
     8B shapes at 96-256 rows: the fastest of 64/128-row token tiles, 64/128-feature tiles, 4/8 warps and 2-4
     stages; QuantLinear runs it below `dense_min_rows`).
-    Other layouts above 64 rows: 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there)."""
+    Other layouts above 64 rows: 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there).
+    Other layouts on a large weight (groups of 32 or 64, 8 bits; H200 sweep of the 8B shapes at group 32,
+    `bench/results/quant_kernel_sweep_8b_g32.json`): 33-64 rows with K < 8192 take one dot per 256-wide block
+    with no split, 64-feature tiles, or 128 on 8 warps where those alone fill the SMs (64 rows: q/k/v 60.9 ->
+    33.1 us, o 42.2 -> 33.6, gate/up 188.5 -> 108.4); 8-32 rows split 2 where the tiles fill the SMs twice
+    (gate/up at 32 rows 112.0 -> 99.3)."""
     num_blocks = -(-K // block_k(bits))
 
     def pow2_floor(v: int) -> int:
@@ -378,9 +386,12 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         if T > 16 and split > 1:        # 32- and 64-row tiles: about 2 programs per SM (q/k/v: split 2)
             split = pow2_floor(2 * num_sms // tiles)
         return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
+    if T > 32 and K < 8192:     # 33-64 rows: one dot per 256-wide block, no split
+        wide = triton.cdiv(N, 128) >= num_sms
+        return QuantMatmulConfig(128 if wide else 64, 64, 1, num_warps=8 if wide else 4, field_dots=False)
     block_m = min(block_m, 32) if K >= 8192 else block_m
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
-    split = 1 if T > 32 and tiles >= num_sms else 8 if K >= 8192 else 4
+    split = 1 if T > 32 and tiles >= num_sms else 2 if tiles >= 2 * num_sms else 8 if K >= 8192 else 4
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
 
 

@@ -133,6 +133,12 @@ def test_many_rows_of_a_large_pair_codes_weight() -> None:
     assert pick_config(128, 4096, 4096, 4, 132) == QuantMatmulConfig(64, 64, 2)      # 128 tiles: split 2
     assert pick_config(255, 4096, 14336, 4, 132) == QuantMatmulConfig(64, 64, 1)
     assert pick_config(128, 4096, 4096, 4, 132, 32) == QuantMatmulConfig(128, 64, 1, num_warps=8)
+    # 33-64 rows of a large weight in groups of 32: one dot per block, no split (wide tiles where they fill the SMs)
+    assert pick_config(64, 6144, 4096, 4, 132, 32) == QuantMatmulConfig(64, 64, 1, field_dots=False)
+    assert pick_config(48, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(128, 64, 1, num_warps=8, field_dots=False)
+    assert pick_config(32, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(64, 32, 2)
+    assert pick_config(64, 4096, 14336, 4, 132, 32) == QuantMatmulConfig(64, 32, 8)     # long K: as before
+    check(40, 128, 512, 4, 32, torch.float16, True, QuantMatmulConfig(64, 64, 1, field_dots=False))
     assert dense_min_rows(28672, 4096, 4, 128) == 256 and dense_min_rows(4096, 4096, 4, 256) == 256
     assert dense_min_rows(4096, 4096, 4, 32) == 65 and dense_min_rows(4096, 4096, 8, 128) == 65
     assert dense_min_rows(960, 576, 4, 128) == 65                           # a small weight
@@ -224,6 +230,10 @@ def test_checks_inputs() -> None:
         quant_matmul(x.t().contiguous().t(), w, None, out, cfg)
     with pytest.raises(ValueError, match="split-K 2 needs"):
         quant_matmul(x, w, None, out, QuantMatmulConfig(16, 16, 2))
+    q2, s2, o2 = random_weight(16, 512, 4, 128, gen)       # the pair-codes layout: 8 warps only without split-K
+    with pytest.raises(ValueError, match="without split-K"):
+        quant_matmul(x, pack_quantized(q2, s2, o2, 4, 128), None, out, QuantMatmulConfig(16, 16, 2, num_warps=8),
+                     torch.empty(64, device=DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="group size"):
         pack_quantized(q[:, :48], s[:, :3], o[:, :3], 4, 16)
     with pytest.raises(ValueError, match="group size"):
@@ -235,6 +245,14 @@ def test_checks_inputs() -> None:
 @pytest.mark.parametrize("T", [1, 7, 32, 64, 130, 300])
 def test_gpu_8b_layer_shapes(n: int, k: int, T: int) -> None:
     check(T, n, k, 4, 128, torch.bfloat16, T == 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("T", [1, 8, 32, 48, 64])
+def test_gpu_8b_layer_shapes_in_groups_of_32(n: int, k: int, T: int) -> None:
+    """What a Q4_0 / Q4_K GGUF of an 8B runs (no pair codes), through pick_config's choice."""
+    check(T, n, k, 4, 32, torch.bfloat16, T == 8)
 
 
 @pytest.mark.gpu
@@ -287,7 +305,7 @@ def test_one_row_addend(bits: int, group: int, split: int, k: int) -> None:
     part = torch.full((split * n,), float("nan"), device=DEVICE)
     locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     quant_matmul(x, w, bias, out, QuantMatmulConfig(16, 1, split), part, locks, addend=addend)
-    want = quant_matmul_ref(x, q, s, o, bias) + add.cpu()
+    want = quant_matmul_ref(x, q, s, o, bias).cpu() + add.cpu()
     assert rel_err(out.cpu(), want) < TOL[torch.float16]
     assert not addend.any(), "the addend must be left all zeros"
     assert int(locks.abs().sum()) == 0

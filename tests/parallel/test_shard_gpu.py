@@ -19,8 +19,10 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
 def test_a_rank_unpacks_its_shards_on_its_gpu(tmp_path, monkeypatch, fmt):
-    dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=4)
-    folder = quantize_checkpoint(dense, tmp_path / "q", fmt=fmt, group_size=16, progress=False).out
+    # groups of 32 (the kernel's smallest: a GPU load keeps smaller ones dense, a host load keeps them quantized);
+    # 128 intermediate features so down's 64-feature shard holds whole groups
+    dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=4, intermediate_size=128)
+    folder = quantize_checkpoint(dense, tmp_path / "q", fmt=fmt, group_size=32, progress=False).out
     sources, read_model_source = [], tp_engine.read_model_source
 
     def read_and_keep(p):
@@ -31,7 +33,8 @@ def test_a_rank_unpacks_its_shards_on_its_gpu(tmp_path, monkeypatch, fmt):
     for rank in range(2):
         loads = {}
         for device in ("cpu", "cuda"):
-            group = types.SimpleNamespace(rank=rank, world_size=2, device=torch.device(device))
+            group = types.SimpleNamespace(rank=rank, world_size=2, device=torch.device(device),
+                                          all_reduce=None, reduce_add_rms_norm=None)   # loading reduces nothing
             loads[device] = tp_engine.load_sharded(str(folder), group, torch.float32, "keep")[0]
         assert sources[-2].work_device is None and sources[-1].work_device == torch.device("cuda")
         assert loads["cuda"].fingerprint == loads["cpu"].fingerprint

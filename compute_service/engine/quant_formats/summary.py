@@ -13,6 +13,11 @@ from compute_service.engine.quant_linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
+# 4-bit weights in groups under 128 (a Q4_0 / Q4_K GGUF's 32) take no pair-codes path: on the 8B shape (H200,
+# bench/results/quant_decode_g32.json) their decode is 1.04x the bf16 engine at batch 1 and 0.56x at batch 64
+# (groups of 128: 1.47x and 1.02x). Small models' steps are launch-bound, so it matters from about this size.
+SLOW_GROUPS_MIN_BF16_BYTES = 4 * 2**30
+
 
 class QuantSummary:
     """Collects each base projection as it is built; `log()` reports them."""
@@ -51,6 +56,15 @@ class QuantSummary:
         """e.g. "4-bit group 32: 120" ("" when none was kept quantized)."""
         return ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items()))
 
+    def slow_groups_note(self) -> str:
+        """A warning for large models kept 4-bit in groups under 128 ("" otherwise)."""
+        small = sorted(k for k in self.kinds if k.startswith("4-bit group ") and int(k.split()[2]) < 128)
+        if not small or self.bf16_bytes < SLOW_GROUPS_MIN_BF16_BYTES:
+            return ""
+        return (f"{', '.join(small)} projections ({self.bf16_bytes / 2**30:.1f} GiB in bf16): decode steps of more "
+                "than one sequence run slower than the same model in 16 bits (8B, H200: 0.56x at batch 64, 1.04x at "
+                "batch 1; groups of 128 are faster); --quantization none trades the memory saved for that speed")
+
     def log(self) -> None:
         dense = ", ".join(self.dense[:6]) + (f" and {len(self.dense) - 6} more" if len(self.dense) > 6 else "")
         log.info("quantized base (%s): %d of %d projections kept quantized (%s)%s; projection weights %.1f MiB "
@@ -58,6 +72,9 @@ class QuantSummary:
                  self.num_projections, self.kinds_text or "none",
                  f"; dense: {dense}" if dense else "", self.total_bytes / 2**20,
                  self.quantized_bytes / 2**20, self.dense_bytes / 2**20, self.bf16_bytes / 2**20)
+        note = self.slow_groups_note()
+        if note:
+            log.warning(note)
 
 
 def describe_projections(weights: ModelWeights, dtype: torch.dtype) -> str:
