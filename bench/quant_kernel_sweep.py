@@ -6,6 +6,8 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
 
     python3 bench/quant_kernel_sweep.py --out sweep.json [--only smol]
     python3 bench/quant_kernel_sweep.py --out ab.json --only 8b --rows 1 --compare candidate/quant_gemv.py
+    python3 bench/quant_kernel_sweep.py --out ab.json --only 8b --rows 8,16,32,64 --compare old/quant_matmul.py \
+        --picked-only       # pick_config's choice alone, before and after
     (the candidate is timed before and after the tree's configs, old_us the better of the two, old_err its error)
     python3 bench/quant_kernel_sweep.py --out big.json --only 8b --rows 96,128,192,256   # where dense takes over
     python3 bench/quant_kernel_sweep.py --out g32.json --only 8b --group-size 32     # an 8B's Q4_0 / Q4_K GGUF
@@ -135,6 +137,8 @@ def main() -> None:
     ap.add_argument("--compare", type=Path, help="an earlier kernels/quant_matmul.py, or a quant_gemv.py (with --rows "
                     "1): time it (its own config choice) and only pick_config's choice and its neighbours here")
     ap.add_argument("--rows", default="")
+    ap.add_argument("--picked-only", action="store_true", help="with --compare: time only pick_config's choice "
+                    "(a quick before/after over many shapes and rows)")
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
     ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
                     "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
@@ -184,6 +188,8 @@ def main() -> None:
                 found = []
                 cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k, group) if old is not None
                         else configs(model, t))
+                if args.picked_only:
+                    cfgs = cfgs[:1] if old is not None else [pick_config(t, n, k, 4, 132, group)]
                 for cfg in cfgs:
                     outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                     part = torch.empty(cfg.split_k * t * n, device=dev)
