@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.quant_gemv import quant_gemv_kernel
+from kernels.quant_half_sums import half_sums_into
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_pair, dequant_block, dequant_field, pair_bias
@@ -315,8 +316,10 @@ def quant_matmul(
 
 def half_sums(x: torch.Tensor) -> torch.Tensor:
     """[T, K / 128] float32: the sums of x [T, K] over each 128-wide half block (the pair-codes path's offsets
-    term, `_offsets_term`)."""
-    return torch.sum(x.reshape(x.shape[0], -1, 128), dim=-1, dtype=torch.float32)
+    term, `_offsets_term`), by a dependent launch (`kernels.quant_half_sums`)."""
+    out = torch.empty(x.shape[0], x.shape[1] // 128, dtype=torch.float32, device=x.device)
+    half_sums_into(x, out)
+    return out
 
 
 # Weights of fewer codes (N * K) are latency-bound: their own tiles in pick_config, dense from 65 rows.

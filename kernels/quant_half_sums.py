@@ -1,0 +1,45 @@
+"""Sums of x over each 128-wide half block, for the pair-codes path's offsets term (`kernels.quant_matmul`).
+
+One launch per quantized matmul call on that path. As a dependent launch (`kernels/pdl.py`) it starts while
+the kernel that wrote x still runs, and the quantized matmul after it starts while it runs (a library
+reduction does neither: both launches' start-up would sit between the two kernels).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.host_ints import cdiv
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+
+HALF = 128
+HALVES = 16                     # halves a program sums
+
+
+@triton.jit
+def _half_sums_kernel(x_ptr, out_ptr, stride_x, num_halves, HALVES: tl.constexpr, HALF: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    wait_then_release(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HALVES + tl.arange(0, HALVES)
+    mask = h < num_halves
+    v = tl.load(x_ptr + t * stride_x + h[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=mask[:, None],
+                other=0.0)
+    tl.store(out_ptr + t * num_halves + h, tl.sum(v.to(tl.float32), axis=1), mask=mask)
+
+
+def half_sums_into(x: torch.Tensor,      # [T, K] 16-bit, unit stride along K, K a multiple of 128
+              out: torch.Tensor,    # [T, K / 128] float32 contiguous
+              ) -> None:
+    """Semantics: out = x.float().reshape(T, K // 128, 128).sum(-1) (fp32 sums, in some order)."""
+    T, K = x.shape
+    if K % HALF or x.stride(1) != 1 or out.shape != (T, K // HALF) or out.dtype != torch.float32 \
+            or not out.is_contiguous():
+        raise ValueError(f"x must be [T, K] with K % {HALF} == 0 and unit stride, out float32 [T, K / {HALF}]; "
+                         f"got x {tuple(x.shape)} strides {x.stride()}, out {out.dtype} {tuple(out.shape)}")
+    if T == 0:
+        return
+    num_halves = K // HALF
+    _half_sums_kernel[(T, cdiv(num_halves, HALVES))](x, out, x.stride(0), num_halves, HALVES=HALVES, HALF=HALF,
+                                                     num_warps=4, **launch_args(pdl_enabled(x.device)))
