@@ -30,8 +30,8 @@ def _half_sums_kernel(x_ptr, out_ptr, stride_x, num_halves, HALVES: tl.constexpr
 
 
 def half_sums_into(x: torch.Tensor,      # [T, K] 16-bit, unit stride along K, K a multiple of 128
-              out: torch.Tensor,    # [T, K / 128] float32 contiguous
-              ) -> None:
+                   out: torch.Tensor,    # [T, K / 128] float32 contiguous
+                   ) -> None:
     """Semantics: out = x.float().reshape(T, K // 128, 128).sum(-1) (fp32 sums, in some order)."""
     T, K = x.shape
     if K % HALF or x.stride(1) != 1 or out.shape != (T, K // HALF) or out.dtype != torch.float32 \
