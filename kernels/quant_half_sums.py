@@ -29,17 +29,19 @@ def _half_sums_kernel(x_ptr, out_ptr, stride_x, num_halves, HALVES: tl.constexpr
     tl.store(out_ptr + t * num_halves + h, tl.sum(v.to(tl.float32), axis=1), mask=mask)
 
 
-def half_sums_into(x: torch.Tensor,      # [T, K] 16-bit, unit stride along K, K a multiple of 128
-                   out: torch.Tensor,    # [T, K / 128] float32 contiguous
+def half_sums_into(x: torch.Tensor,      # [T, K] 16-bit, unit stride along K, K a multiple of width
+                   out: torch.Tensor,    # [T, K / width] float32 contiguous
+                   width: int = HALF,    # 128 (the paired layout's halves) or 32 (groups of 32)
                    ) -> None:
-    """Semantics: out = x.float().reshape(T, K // 128, 128).sum(-1) (fp32 sums, in some order)."""
+    """Semantics: out = x.float().reshape(T, K // width, width).sum(-1) (fp32 sums, in some order)."""
     T, K = x.shape
-    if K % HALF or x.stride(1) != 1 or out.shape != (T, K // HALF) or out.dtype != torch.float32 \
-            or not out.is_contiguous():
-        raise ValueError(f"x must be [T, K] with K % {HALF} == 0 and unit stride, out float32 [T, K / {HALF}]; "
-                         f"got x {tuple(x.shape)} strides {x.stride()}, out {out.dtype} {tuple(out.shape)}")
+    if width not in (32, HALF) or K % width or x.stride(1) != 1 or out.shape != (T, K // width) \
+            or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"x must be [T, K] with K % {width} == 0 (width 32 or {HALF}) and unit stride, out float32 "
+                         f"[T, K / {width}]; got x {tuple(x.shape)} strides {x.stride()}, out {out.dtype} "
+                         f"{tuple(out.shape)}")
     if T == 0:
         return
-    num_halves = K // HALF
-    _half_sums_kernel[(T, cdiv(num_halves, HALVES))](x, out, x.stride(0), num_halves, HALVES=HALVES, HALF=HALF,
+    num_halves = K // width
+    _half_sums_kernel[(T, cdiv(num_halves, HALVES))](x, out, x.stride(0), num_halves, HALVES=HALVES, HALF=width,
                                                      num_warps=4, **launch_args(pdl_enabled(x.device)))

@@ -56,6 +56,12 @@ class QuantMatmulConfig:
                                 # are, group scales after it (`_pairs_step`); else dequantized before the dot
 
 
+def group_pairs_layout(bits: int, group_size: int, K: int) -> bool:
+    """Whether a weight suits the pair-codes path for groups of 32 (`_group_pairs_step`): 4 bits in groups of
+    32 (the plain layout: a block's field i is one group) and K a multiple of 32."""
+    return bits == 4 and group_size == 32 and K % 32 == 0
+
+
 def pair_codes_layout(bits: int, group_size: int, K: int) -> bool:
     """Whether a weight's layout suits the pair-codes path (`_pairs_step`): the paired layout (4 bits, groups
     of 128 or more: each half block of 128 codes in one group), and K a multiple of 128 (whole halves of x
@@ -131,18 +137,40 @@ def _pairs_step(words, b, acc, x_half, m_mask, offs_h, s_ptr, offs_n, n_mask, N,
 
 
 @triton.jit
+def _group_pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_mask, N, K, EVEN_K: tl.constexpr,
+                      ASM: tl.constexpr):
+    """Block b of a 4-bit weight in groups of 32 (plain layout: field i of the block's words is group 8 b + i)
+    into acc (out.T, [BN, BM]): fields i and i + 4 come from one and-or as BIAS + q in x's type (`biased_pair`),
+    exact, each one K=32 dot against its group's x rows; each dot's sum takes its group scale after it, one
+    FMA per element in fp32. The offsets' part is dots after the loop (`_offsets_term`, 32-wide slices)."""
+    BF16: tl.constexpr = x_cols.dtype.element_ty == tl.bfloat16
+    for i in tl.static_range(4):
+        lo, hi = biased_pair(words, i, BF16, ASM)
+        k_lo = b * 256 + i * 32
+        k_hi = k_lo + 128
+        x_lo = _load_x(x_cols + k_lo, m_mask, k_lo + offs_k < K, EVEN_K)                  # [32, BM]
+        x_hi = _load_x(x_cols + k_hi, m_mask, k_hi + offs_k < K, EVEN_K)
+        s_lo = tl.load(s_ptr + (b * 8 + i) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        s_hi = tl.load(s_ptr + (b * 8 + i + 4) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc = tl.fma(s_lo[:, None], tl.dot(lo, x_lo), acc)
+        acc = tl.fma(s_hi[:, None], tl.dot(hi, x_hi), acc)
+    return acc
+
+
+@triton.jit
 def _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N,
-                  GROUP: tl.constexpr, BF16: tl.constexpr, acc):
+                  GROUP: tl.constexpr, BF16: tl.constexpr, acc, WIDTH: tl.constexpr = 128):
     """acc + [BN, BM]: the sum over the halves h of blocks b_lo..b_hi - 1 of (o - BIAS s)[g(h), n] * xs[t, h]
     (xs: the sums of x over each 128-wide half), the part of `_pairs_step`'s sums its FMAs leave out, as dots
     in three TF32 passes (about fp32's precision, as the term cancels most of BIAS * s * sum(x) in the dots'
     sums), 16 halves a dot: a loop over K's halves, so its registers stay those of a short K (sm_90: 173 a thread
     at 64-row tiles, against 225 for dots of 32 halves and 234 for one dot of 128)."""
     HALVES: tl.constexpr = 16
-    for h0 in range(2 * b_lo, 2 * b_hi, HALVES):
+    PER_BLOCK: tl.constexpr = 256 // WIDTH                  # slices of x a block (WIDTH 32: groups of 32)
+    for h0 in range(PER_BLOCK * b_lo, PER_BLOCK * b_hi, HALVES):
         h = h0 + tl.arange(0, HALVES)
-        valid = (h < 2 * b_hi) & (h < num_halves)
-        go = ((h * 128) // GROUP)[None, :] * N + offs_n[:, None]                             # [BN, HALVES]
+        valid = (h < PER_BLOCK * b_hi) & (h < num_halves)
+        go = ((h * WIDTH) // GROUP)[None, :] * N + offs_n[:, None]                           # [BN, HALVES]
         mask = n_mask[:, None] & valid[None, :]
         o = (tl.load(o_ptr + go, mask=mask, other=0.0).to(tl.float32)
              - pair_bias(BF16) * tl.load(s_ptr + go, mask=mask, other=0.0).to(tl.float32))
@@ -171,7 +199,9 @@ def _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mas
               FIELD_DOTS: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr):
     """Block b's words into acc (out.T, [BN, BM]) by the path the call picked."""
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
-    if PAIRS:           # x_cols: [128, BM] half-block tiles of x.T
+    if PAIRS and not PAIRED:    # groups of 32; x_cols: [32, BM] tiles of x.T
+        acc = _group_pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_mask, N, K, EVEN_K, ASM)
+    elif PAIRS:           # x_cols: [128, BM] half-block tiles of x.T
         acc = _pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
     elif FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
         for i in tl.static_range(32 // BITS):
@@ -199,24 +229,24 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    K_STEP: tl.constexpr = 128 if PAIRS else 32 if FIELD_DOTS else BLOCK_K         # x rows per dot
+    K_STEP: tl.constexpr = 128 if PAIRS and PAIRED else 32 if FIELD_DOTS or PAIRS else BLOCK_K     # x rows a dot
     offs_k = tl.arange(0, K_STEP)
     n_mask, m_mask = offs_n < N, offs_m < T
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + offs_k[:, None]                 # [BK, BM]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)                              # out.T tile
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
-    words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b_lo, PAIRS)
+    words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b_lo, PAIRS and PAIRED)
     wait_then_release(USE_PDL)
     acc = _mm_block(words, b_lo, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
                     EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     for b in range(b_lo + 1, b_hi):
-        words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS)
+        words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS and PAIRED)
         acc = _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
                         EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     if PAIRS:           # the offsets' part
         acc = _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
-                            x_ptr.dtype.element_ty == tl.bfloat16, acc)
+                            x_ptr.dtype.element_ty == tl.bfloat16, acc, 128 if PAIRED else 32)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0
@@ -283,14 +313,15 @@ def quant_matmul(
     if T == 0 or N == 0:
         return
     pairs = (cfg.block_m > 1 and cfg.pair_codes and cfg.field_dots and x.dtype != torch.float32
-             and pair_codes_layout(w.bits, w.group_size, K))
+             and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K)))
     if pairs and split > 1 and cfg.num_warps > 4:
         raise ValueError(f"bad config {cfg}: the pair-codes tiles on more than 4 warps run without split-K only "
                          "(split-K there made an illegal memory access on an H200; not diagnosed)")
     paired = paired_layout(w.bits, w.group_size)    # without the pair-codes path: one dot per block
     x_sums = out
-    if pairs:       # sum of x over each 128-wide half block, once per call (`_pairs_step`)
-        x_sums = half_sums(x)
+    width = 128 if paired else 32
+    if pairs:       # sum of x over each 128-wide half block (32-wide group), once per call (`_offsets_term`)
+        x_sums = half_sums(x, width)
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
@@ -306,7 +337,7 @@ def quant_matmul(
                                 and x.stride(0) % 2 == 0,
                                 **pdl)
     else:
-        _quant_matmul_kernel[grid](*buffers, x_sums, K // 128, *sizes, GROUP=w.group_size, BITS=w.bits,
+        _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
                                    NUM_THREADS=32 * cfg.num_warps,
@@ -314,11 +345,11 @@ def quant_matmul(
                                    PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
-def half_sums(x: torch.Tensor) -> torch.Tensor:
-    """[T, K / 128] float32: the sums of x [T, K] over each 128-wide half block (the pair-codes path's offsets
-    term, `_offsets_term`), by a dependent launch (`kernels.quant_half_sums`)."""
-    out = torch.empty(x.shape[0], x.shape[1] // 128, dtype=torch.float32, device=x.device)
-    half_sums_into(x, out)
+def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:
+    """[T, K / width] float32: the sums of x [T, K] over each 128-wide half block (width 32: each group of 32),
+    the pair-codes paths' offsets term (`_offsets_term`), by a dependent launch (`kernels.quant_half_sums`)."""
+    out = torch.empty(x.shape[0], x.shape[1] // width, dtype=torch.float32, device=x.device)
+    half_sums_into(x, out, width)
     return out
 
 
@@ -362,7 +393,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     `bench/results/quant_kernel_sweep_8b_g32.json`): 33-64 rows with K < 8192 take one dot per 256-wide block
     with no split, 64-feature tiles, or 128 on 8 warps where those alone fill the SMs (64 rows: q/k/v 60.9 ->
     33.1 us, o 42.2 -> 33.6, gate/up 188.5 -> 108.4); 8-32 rows split 2 where the tiles fill the SMs twice
-    (gate/up at 32 rows 112.0 -> 99.3)."""
+    (gate/up at 32 rows 112.0 -> 99.3). 4 bits in groups of 32 take pair codes (`_group_pairs_step`) wherever
+    those rules pick one dot per field; at 33-64 rows with K < 8192 64 x 64 tiles, split 4 unless the tiles
+    fill the SMs twice (H200, `bench/results/quant_group_pairs_ab.json`, 64 rows: o 33.2 -> 20.8 us, gate/up
+    106.5 -> 90.6; q/k/v 33.3 -> 35.6, within 10%)."""
     num_blocks = -(-K // block_k(bits))
 
     def pow2_floor(v: int) -> int:
@@ -389,6 +423,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         if T > 16 and split > 1:        # 32- and 64-row tiles: about 2 programs per SM (q/k/v: split 2)
             split = pow2_floor(2 * num_sms // tiles)
         return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
+    if T > 32 and K < 8192 and group_pairs_layout(bits, group_size, K):    # 33-64 rows, pair codes: 64 x 64
+        return QuantMatmulConfig(64, 64, 1 if tiles >= 2 * num_sms else 4)
     if T > 32 and K < 8192:     # 33-64 rows: one dot per 256-wide block, no split
         wide = triton.cdiv(N, 128) >= num_sms
         return QuantMatmulConfig(128 if wide else 64, 64, 1, num_warps=8 if wide else 4, field_dots=False)

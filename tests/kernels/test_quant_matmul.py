@@ -97,6 +97,16 @@ def test_pair_codes_path(group: int, k: int, split: int) -> None:
     check(7, 24, k, 4, group, torch.float16, False, QuantMatmulConfig(32, 32, split))
 
 
+@pytest.mark.parametrize("k", [288, 512, 1536])
+@pytest.mark.parametrize("split", [1, 3])
+def test_group_pairs_path(k: int, split: int) -> None:
+    """4 bits in groups of 32, 16-bit x: fields i and i + 4 enter two dots as they are, each group's scale after
+    its dot (`_group_pairs_step`), the offsets' part after the loop from sums of x per 32 (`_offsets_term`,
+    dots of 16 groups: K = 1536 has 48); ragged K (288: a block and a group), partial tiles, split-K."""
+    check(19, 40, k, 4, 32, torch.float16, True, QuantMatmulConfig(16, 16, split))
+    check(7, 24, k, 4, 32, torch.float16, False, QuantMatmulConfig(32, 32, split))
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_pair_codes_zero_and_negative_scales(split: int) -> None:
     """The pair-codes path divides its running sum by each half's scale: groups with a zero scale (every weight
@@ -133,9 +143,12 @@ def test_many_rows_of_a_large_pair_codes_weight() -> None:
     assert pick_config(128, 4096, 4096, 4, 132) == QuantMatmulConfig(64, 64, 2)      # 128 tiles: split 2
     assert pick_config(255, 4096, 14336, 4, 132) == QuantMatmulConfig(64, 64, 1)
     assert pick_config(128, 4096, 4096, 4, 132, 32) == QuantMatmulConfig(128, 64, 1, num_warps=8)
-    # 33-64 rows of a large weight in groups of 32: one dot per block, no split (wide tiles where they fill the SMs)
-    assert pick_config(64, 6144, 4096, 4, 132, 32) == QuantMatmulConfig(64, 64, 1, field_dots=False)
-    assert pick_config(48, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(128, 64, 1, num_warps=8, field_dots=False)
+    # 33-64 rows of a large 4-bit weight in groups of 32: pair codes in 64 x 64 tiles, split 4 unless they fill
+    # the SMs twice; other layouts (groups of 64, 8 bits) one dot per block, no split (wide tiles where they fill)
+    assert pick_config(64, 6144, 4096, 4, 132, 32) == QuantMatmulConfig(64, 64, 4)
+    assert pick_config(48, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(64, 64, 1)
+    assert pick_config(64, 6144, 4096, 4, 132, 64) == QuantMatmulConfig(64, 64, 1, field_dots=False)
+    assert pick_config(48, 28672, 4096, 8, 132, 32) == QuantMatmulConfig(128, 64, 1, num_warps=8, field_dots=False)
     assert pick_config(32, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(64, 32, 2)
     assert pick_config(64, 4096, 14336, 4, 132, 32) == QuantMatmulConfig(64, 32, 8)     # long K: as before
     check(40, 128, 512, 4, 32, torch.float16, True, QuantMatmulConfig(64, 64, 1, field_dots=False))
