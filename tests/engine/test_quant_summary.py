@@ -1,5 +1,5 @@
-"""The start-up summary's warning for large models kept 4-bit in groups under 128 (their decode above one
-sequence is slower than 16 bits: bench/results/quant_decode_g32.json)."""
+"""The start-up summary's warning for large models kept 4-bit in groups under 128 (their decode of many
+sequences is slower than 16 bits: bench/results/quant_decode_g32.json)."""
 import logging
 
 from compute_service.engine.quant_formats.summary import SLOW_GROUPS_MIN_BF16_BYTES, QuantSummary
