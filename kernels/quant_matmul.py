@@ -388,7 +388,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     More than 64 rows of a large weight on the pair-codes path: the same 64 x 64 tiles and split rule (H200,
     8B shapes at 96-256 rows: the fastest of 64/128-row token tiles, 64/128-feature tiles, 4/8 warps and 2-4
     stages; QuantLinear runs it below `dense_min_rows`).
-    Other layouts above 64 rows: 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there).
+    Other layouts above 64 rows: 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there; for 4 bits in
+    groups of 32 these run pair codes on 8 warps, not timed against the dense path yet).
     Other layouts on a large weight (groups of 32 or 64, 8 bits; H200 sweep of the 8B shapes at group 32,
     `bench/results/quant_kernel_sweep_8b_g32.json`): 33-64 rows with K < 8192 take one dot per 256-wide block
     with no split, 64-feature tiles, or 128 on 8 warps where those alone fill the SMs (64 rows: q/k/v 60.9 ->
