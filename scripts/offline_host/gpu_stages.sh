@@ -12,7 +12,9 @@
 #   swap             bench/adapter_swap.py
 #   quant-decode     bench/quant_decode.py (issue 16's engine benchmark: 4-bit 8B against bf16, batch 1-64)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
-#                    with the model made in /tmp; both JSONs hold served_start_stages)
+#                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
+#                    model reads the default model's tokenizer: install the default model first (on an
+#                    offline host, its two halves, as for suite-rest)
 set -u
 stage=${1:?stage}; commit=${2:?commit}; out=${3:-${OUT:-gpu_out}}
 mkdir -p "$out"
