@@ -18,6 +18,7 @@ from loraplex.v1 import compute_pb2, compute_pb2_grpc
 from gateway.downstream import DownstreamError
 from gateway_fakes import PerRequestStreams
 from gateway.replica_router import ReplicaRouter, resolve_all
+from gateway.replicas import rendezvous_order
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,7 +135,12 @@ def test_request_not_started_is_retried_on_another_replica():
         try:
             await router.refresh()
             await a.stop()  # the health checker has not noticed yet
-            ports = collections.Counter([await served_by(router, f"r{i}", task_id=i) for i in range(6)])
+            # adapters homed on each replica, the dead one's first (else all six could hash to b, 1 in 64,
+            # and a would never be tried)
+            homes = {t: rendezvous_order(str(t), [a.address, b.address])[0] for t in range(64)}
+            task_ids = ([t for t in homes if homes[t] == a.address][:3]
+                        + [t for t in homes if homes[t] == b.address][:3])
+            ports = collections.Counter([await served_by(router, f"r{t}", task_id=t) for t in task_ids])
             assert ports == {b.port: 6}
             assert router.replicas()[0].address == b.address, "the dead one went to the back"
             # replicas that answer UNAVAILABLE (draining, their own downstream down) are
