@@ -1,4 +1,5 @@
-"""Sums of x over each 128-wide half block, for the pair-codes path's offsets term (`kernels.quant_matmul`).
+"""Sums of x over each 128-wide half block (or each group of 32), for the pair-codes paths' offsets term
+(`kernels.quant_matmul`).
 
 One launch per quantized matmul call on that path. As a dependent launch (`kernels/pdl.py`) it starts while
 the kernel that wrote x still runs, and the quantized matmul after it starts while it runs (a library
@@ -14,17 +15,17 @@ from kernels.host_ints import cdiv
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
 HALF = 128
-HALVES = 16                     # halves a program sums
+HALVES = 16                     # slices (halves or groups) a program sums
 
 
 @triton.jit
-def _half_sums_kernel(x_ptr, out_ptr, stride_x, num_halves, HALVES: tl.constexpr, HALF: tl.constexpr,
+def _half_sums_kernel(x_ptr, out_ptr, stride_x, num_halves, HALVES: tl.constexpr, WIDTH: tl.constexpr,
                       USE_PDL: tl.constexpr):
     wait_then_release(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HALVES + tl.arange(0, HALVES)
     mask = h < num_halves
-    v = tl.load(x_ptr + t * stride_x + h[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=mask[:, None],
+    v = tl.load(x_ptr + t * stride_x + h[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], mask=mask[:, None],
                 other=0.0)
     tl.store(out_ptr + t * num_halves + h, tl.sum(v.to(tl.float32), axis=1), mask=mask)
 
@@ -43,5 +44,5 @@ def half_sums_into(x: torch.Tensor,      # [T, K] 16-bit, unit stride along K, K
     if T == 0:
         return
     num_halves = K // width
-    _half_sums_kernel[(T, cdiv(num_halves, HALVES))](x, out, x.stride(0), num_halves, HALVES=HALVES, HALF=width,
+    _half_sums_kernel[(T, cdiv(num_halves, HALVES))](x, out, x.stride(0), num_halves, HALVES=HALVES, WIDTH=width,
                                                      num_warps=4, **launch_args(pdl_enabled(x.device)))

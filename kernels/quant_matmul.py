@@ -161,9 +161,9 @@ def _group_pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_ma
 def _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N,
                   GROUP: tl.constexpr, BF16: tl.constexpr, acc, WIDTH: tl.constexpr = 128):
     """acc + [BN, BM]: the sum over the halves h of blocks b_lo..b_hi - 1 of (o - BIAS s)[g(h), n] * xs[t, h]
-    (xs: the sums of x over each 128-wide half), the part of `_pairs_step`'s sums its FMAs leave out, as dots
-    in three TF32 passes (about fp32's precision, as the term cancels most of BIAS * s * sum(x) in the dots'
-    sums), 16 halves a dot: a loop over K's halves, so its registers stay those of a short K (sm_90: 173 a thread
+    (xs: the sums of x over each WIDTH-wide slice: 128-wide halves, or groups of 32 for `_group_pairs_step`),
+    the part of the pair-codes steps' sums their FMAs leave out, as dots in three TF32 passes (about fp32's
+    precision, as the term cancels most of BIAS * s * sum(x) in the dots' sums), 16 halves a dot: a loop over K's halves, so its registers stay those of a short K (sm_90: 173 a thread
     at 64-row tiles, against 225 for dots of 32 halves and 234 for one dot of 128)."""
     HALVES: tl.constexpr = 16
     PER_BLOCK: tl.constexpr = 256 // WIDTH                  # slices of x a block (WIDTH 32: groups of 32)

@@ -264,7 +264,8 @@ def test_gpu_8b_layer_shapes(n: int, k: int, T: int) -> None:
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 @pytest.mark.parametrize("T", [1, 8, 32, 48, 64])
 def test_gpu_8b_layer_shapes_in_groups_of_32(n: int, k: int, T: int) -> None:
-    """What a Q4_0 / Q4_K GGUF of an 8B runs (no pair codes), through pick_config's choice."""
+    """What a Q4_0 / Q4_K GGUF of an 8B runs (pair codes for groups of 32 at 2-64 rows), through pick_config's
+    choice."""
     check(T, n, k, 4, 32, torch.bfloat16, T == 8)
 
 
