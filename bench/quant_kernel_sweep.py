@@ -92,6 +92,9 @@ def compare_configs(model: str, t: int, n: int, k: int, group: int) -> list[Quan
     if t == 1:      # and the wider programs per thread (more rows a thread: x's work shared by more codes)
         alts = ([C(32, 1, s) for s in (1, 2, 4, 8)] + [C(64, 1, s, num_warps=2) for s in sorted({1, picked.split_k})]
                 + [C(128, 1, s) for s in sorted({1, picked.split_k})])
+        if group == 32:     # whole rows a thread: 2 (256 features, 4 warps), 1 (128), 2 on 2 warps
+            alts += ([C(256, 1, s, thread_rows=True) for s in (4, 8, 16)] + [C(128, 1, 16, thread_rows=True)]
+                     + [C(128, 1, s, num_warps=2, thread_rows=True) for s in (8, 16)])
     else:
         bm = picked.block_m
         alts = [C(32, bm, 1, field_dots=False), C(64, bm, 1, field_dots=False), C(32, bm, 1), C(64, bm, 1),
@@ -203,7 +206,7 @@ def main() -> None:
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
                         continue
                     found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots),
-                                           cfg.num_stages],
+                                           cfg.num_stages] + ([1] if cfg.thread_rows else []),
                                       us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
                 if old_calls:       # again after the tree's configs (a case's first timing sometimes runs slow)

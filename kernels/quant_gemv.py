@@ -114,6 +114,54 @@ def _groups_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N,
 
 
 @triton.jit
+def _split4(v):
+    """[R, 4] -> its 4 columns, each [R] (the layout holds a row's 4 in one thread: no data moves)."""
+    a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _row_words(w_rows, b, n_mask):
+    """Block b's 32 words of each row (ROWS): 8 chunks of 4 (one 16-byte read each), each as 4 [BN] words."""
+    m = n_mask[:, None]
+    return (_split4(tl.load(w_rows + b * 32, mask=m, other=0)), _split4(tl.load(w_rows + b * 32 + 4, mask=m, other=0)),
+            _split4(tl.load(w_rows + b * 32 + 8, mask=m, other=0)),
+            _split4(tl.load(w_rows + b * 32 + 12, mask=m, other=0)),
+            _split4(tl.load(w_rows + b * 32 + 16, mask=m, other=0)),
+            _split4(tl.load(w_rows + b * 32 + 20, mask=m, other=0)),
+            _split4(tl.load(w_rows + b * 32 + 24, mask=m, other=0)),
+            _split4(tl.load(w_rows + b * 32 + 28, mask=m, other=0)))
+
+
+@triton.jit
+def _rows_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K,
+               BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """Block b in groups of 32, each thread holding whole rows (ROWS; `_row_words`): field i of a row's 32 words
+    is one group, so its 32 codes times x sum in one FMA chain per row, unscaled (shift, and-or, FMA a code),
+    and the group's scale and offset apply once per row and group. Each thread reads x for itself (the same
+    values for every row it holds); the sums of x per group are one reduction across the program a block."""
+    FIELDS: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = 32 * FIELDS
+    BIAS = field_bias(BITS)
+    kx = b * BLOCK_K + tl.arange(0, FIELDS)[:, None] * 32 + tl.arange(0, 32)[None, :]          # [FIELDS, 32]
+    x_sums = tl.sum(read_input(x_base + kx, kx < K, EVEN_K).to(tl.float32), axis=1)
+    for i in tl.static_range(FIELDS):
+        p = tl.zeros(acc.shape, dtype=tl.float32)
+        for t in tl.static_range(8):
+            k = b * BLOCK_K + i * 32 + t * 4 + tl.arange(0, 4)[None, :]                          # [1, 4]
+            xv = _split4(read_input(x_base + k, k < K, EVEN_K).to(tl.float32))
+            for c in tl.static_range(4):
+                p += biased_field(words[t][c], i, BITS, ASM) * xv[c]
+        g = b * FIELDS + i
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s
+        acc += s * p + o * tl.sum(tl.where(tl.arange(0, FIELDS) == i, x_sums, 0.0), axis=0)
+    return acc
+
+
+@triton.jit
 def _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                 GROUP: tl.constexpr, BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                 PAIRED: tl.constexpr, X32: tl.constexpr):
@@ -132,13 +180,14 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
-                      PAIRED: tl.constexpr, X32: tl.constexpr):
+                      PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
     LoRA delta the launch before wrote): x and every block are read before the wait, which comes just
     before the output (`quant_matmul`), after `read_early`'s fence. PAIRED: the weight is in the paired layout
-    (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`."""
+    (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`. ROWS (groups of 32):
+    each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread)."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -150,20 +199,34 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (PAIRED)
     read_early(ADD and FENCE, NUM_THREADS)                   # ADD: x is read before the wait
-    words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
-    if not ADD:
-        wait_then_release(USE_PDL)
-    acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
-                             GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
-    for b in range(b_lo + 1, b_hi):
-        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
-        acc, acc_o = _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+    if ROWS:
+        offs_n = tl.max_contiguous(offs_n, 1)   # per-row values stay in the rows' layout (no vector reads or writes)
+        w_rows4 = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + tl.arange(0, 4)[None, :]      # [BN, 4]
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        row_words = _row_words(w_rows4, b_lo, n_mask)
+        if not ADD:
+            wait_then_release(USE_PDL)
+        total = _rows_step(row_words, b_lo, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM)
+        for b in range(b_lo + 1, b_hi):
+            row_words = _row_words(w_rows4, b, n_mask)
+            total = _rows_step(row_words, b, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM)
+        if ADD:
+            wait_then_release(USE_PDL)
+    else:
+        words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
+        if not ADD:
+            wait_then_release(USE_PDL)
+        acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                                  GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
-    if ADD:
-        wait_then_release(USE_PDL)
-    total = tl.sum(acc, axis=1)
-    if PAIRED:
-        total += acc_o
+        for b in range(b_lo + 1, b_hi):
+            words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
+            acc, acc_o = _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
+                                     GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
+        if ADD:
+            wait_then_release(USE_PDL)
+        total = tl.sum(acc, axis=1)
+        if PAIRED:
+            total += acc_o
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)

@@ -54,6 +54,8 @@ class QuantMatmulConfig:
     field_dots: bool = True     # tensor cores: one K=32 dot per field (else one dot per 256-wide block)
     pair_codes: bool = True     # tensor cores, 4 bits in groups of 128+, 16-bit x: codes into the dot as they
                                 # are, group scales after it (`_pairs_step`); else dequantized before the dot
+    thread_rows: bool = False   # one row, groups of 32: each thread holds whole rows of a block, one FMA chain
+                                # a group and row (`quant_gemv._rows_step`)
 
 
 def group_pairs_layout(bits: int, group_size: int, K: int) -> bool:
@@ -296,6 +298,8 @@ def quant_matmul(
     cfg = config
     if cfg.block_n < 16 or not (cfg.block_m == 1 or cfg.block_m >= 16) or cfg.split_k < 1:
         raise ValueError(f"bad config {cfg}: block_n >= 16, block_m 1 (one row per program) or >= 16, split_k >= 1")
+    if cfg.thread_rows and (cfg.block_m != 1 or w.group_size != 32):
+        raise ValueError(f"bad config {cfg}: thread_rows is the one-row kernel's path for groups of 32")
     if addend is not None and (cfg.block_m != 1 or addend.dtype != torch.float32 or addend.numel() != T * N
                                or not addend.is_contiguous()):
         raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
@@ -334,7 +338,7 @@ def quant_matmul(
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=paired and x.element_size() == 2 and x.data_ptr() % 4 == 0
-                                and x.stride(0) % 2 == 0,
+                                and x.stride(0) % 2 == 0, ROWS=cfg.thread_rows,
                                 **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
@@ -369,7 +373,11 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
-    One row: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
+    One row of a large weight in groups of 32 (what a Q4_0 / Q4_K GGUF of an 8B runs): each thread holds two
+    whole rows of a block (`thread_rows`, 256-feature programs of 4 warps; sm_90 machine code 4.57
+    instructions a code against 7.95 for the elementwise kernel's 32-feature programs), split to about 4
+    programs an SM.
+    Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
     The same kernel (a program per row) for 2-8 rows of a small weight with T * N <= 8192 (the default
@@ -403,6 +411,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     def pow2_floor(v: int) -> int:
         return 1 << (max(1, v).bit_length() - 1)
 
+    if T == 1 and group_size == 32 and N * K >= SMALL_WEIGHT:      # whole rows a thread, two a thread
+        split = pow2_floor(min(4 * num_sms // (triton.cdiv(N, 256) * T), 16))
+        return QuantMatmulConfig(256, 1, max(1, min(split, num_blocks)), thread_rows=True)
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
         if num_blocks < 6:      # short K: no split

@@ -87,6 +87,19 @@ def test_few_rows_of_a_small_weight_take_the_one_row_kernel() -> None:
     check(6, 576, 1536, 4, 32, torch.float16, True)        # through pick_config: 6 rows, split-K
 
 
+@pytest.mark.parametrize("bits,k,dtype", [(4, 512, torch.float16), (4, 288, torch.float32), (8, 512, torch.float16),
+                                          (4, 1024, torch.float32)])
+@pytest.mark.parametrize("split,warps", [(1, 1), (3, 2)])
+def test_one_row_whole_rows_a_thread(bits: int, k: int, dtype: torch.dtype, split: int, warps: int) -> None:
+    """Groups of 32 with each thread holding whole rows (`thread_rows`): two or one rows a thread, ragged K
+    (288: a block and a group), split-K, a bias, a partial program of rows."""
+    check(1, 64, k, bits, 32, dtype, True, QuantMatmulConfig(64, 1, split, num_warps=warps, thread_rows=True))
+    check(1, 40, k, bits, 32, dtype, False, QuantMatmulConfig(64, 1, split, num_warps=warps, thread_rows=True))
+    assert pick_config(1, 6144, 4096, 4, 132, 32) == QuantMatmulConfig(256, 1, 16, thread_rows=True)
+    assert pick_config(1, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(256, 1, 4, thread_rows=True)
+    assert not pick_config(1, 960, 576, 4, 132, 32).thread_rows         # a small weight: the elementwise kernel
+
+
 @pytest.mark.parametrize("group,k", [(128, 640), (256, 768), (512, 1024), (128, 4608)])
 @pytest.mark.parametrize("split", [1, 3])
 def test_pair_codes_path(group: int, k: int, split: int) -> None:
@@ -243,6 +256,8 @@ def test_checks_inputs() -> None:
         quant_matmul(x.t().contiguous().t(), w, None, out, cfg)
     with pytest.raises(ValueError, match="split-K 2 needs"):
         quant_matmul(x, w, None, out, QuantMatmulConfig(16, 16, 2))
+    with pytest.raises(ValueError, match="thread_rows"):
+        quant_matmul(x, w, None, out, QuantMatmulConfig(16, 16, 1, thread_rows=True))
     q2, s2, o2 = random_weight(16, 512, 4, 128, gen)       # the pair-codes layout: 8 warps only without split-K
     with pytest.raises(ValueError, match="without split-K"):
         quant_matmul(x, pack_quantized(q2, s2, o2, 4, 128), None, out, QuantMatmulConfig(16, 16, 2, num_warps=8),
@@ -314,15 +329,17 @@ def test_one_row_addend(bits: int, group: int, split: int, k: int) -> None:
     x = torch.randn(1, k, generator=gen).half().to(DEVICE)
     bias = torch.randn(n, generator=gen).half().to(DEVICE)
     add = torch.randn(1, n, generator=gen).to(DEVICE)
-    addend = add.clone()
-    out = torch.full((1, n), float("nan"), dtype=torch.float16, device=DEVICE)
     part = torch.full((split * n,), float("nan"), device=DEVICE)
     locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    quant_matmul(x, w, bias, out, QuantMatmulConfig(16, 1, split), part, locks, addend=addend)
     want = quant_matmul_ref(x, q, s, o, bias).cpu() + add.cpu()
-    assert rel_err(out.cpu(), want) < TOL[torch.float16]
-    assert not addend.any(), "the addend must be left all zeros"
-    assert int(locks.abs().sum()) == 0
+    configs = [QuantMatmulConfig(16, 1, split)] + ([QuantMatmulConfig(32, 1, split, num_warps=1, thread_rows=True)]
+                                                   if group == 32 else [])
+    for cfg in configs:
+        addend, out = add.clone(), torch.full((1, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        quant_matmul(x, w, bias, out, cfg, part, locks, addend=addend)
+        assert rel_err(out.cpu(), want) < TOL[torch.float16], cfg
+        assert not addend.any(), "the addend must be left all zeros"
+        assert int(locks.abs().sum()) == 0
     with pytest.raises(ValueError, match="addend"):
         quant_matmul(x.repeat(2, 1), w, bias, out.repeat(2, 1), QuantMatmulConfig(16, 16, 1), None, None,
                      addend=torch.zeros(2, n, device=DEVICE))
