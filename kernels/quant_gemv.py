@@ -136,29 +136,53 @@ def _row_words(w_rows, b, n_mask):
 
 
 @triton.jit
+def _x_four(x_ptr, p, K, EVEN_K: tl.constexpr, X32: tl.constexpr):
+    """x[2 p[0]] .. x[2 p[1] + 1] (p: [1, 2] consecutive pairs) in fp32, four [1] values, through `_x_pair`."""
+    x0, x1 = _x_pair(x_ptr, p, K, EVEN_K, X32)
+    a0, b0 = tl.split(tl.reshape(x0, (1, 2)))
+    a1, b1 = tl.split(tl.reshape(x1, (1, 2)))
+    return a0, a1, b0, b1
+
+
+@triton.jit
 def _rows_step(words, b, acc, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K,
-               BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+               BITS: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, X32: tl.constexpr):
     """Block b in groups of 32, each thread holding whole rows (ROWS; `_row_words`): field i of a row's 32 words
     is one group, so its 32 codes times x sum in one FMA chain per row, unscaled (shift, and-or, FMA a code),
     and the group's scale and offset apply once per row and group. Each thread reads x for itself (the same
-    values for every row it holds); the sums of x per group are one reduction across the program a block."""
+    values for every row it holds); the sums of x per group are one reduction across the program a block.
+    Fields i and i + FIELDS / 2 go together (two chains) in a loop over i that is not unrolled: the unrolled
+    body of all the fields took Triton over two minutes to compile per variant (sm_90), and a word shifted by
+    BITS i once serves both fields (field FIELDS / 2 sits where `biased_field` wants it, or one bit above)."""
     FIELDS: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = FIELDS // 2
     BLOCK_K: tl.constexpr = 32 * FIELDS
     BIAS = field_bias(BITS)
     kx = b * BLOCK_K + tl.arange(0, FIELDS)[:, None] * 32 + tl.arange(0, 32)[None, :]          # [FIELDS, 32]
     x_sums = tl.sum(read_input(x_base + kx, kx < K, EVEN_K).to(tl.float32), axis=1)
-    for i in tl.static_range(FIELDS):
-        p = tl.zeros(acc.shape, dtype=tl.float32)
+    for i in range(HALF):
+        p_lo = tl.zeros(acc.shape, dtype=tl.float32)
+        p_hi = tl.zeros(acc.shape, dtype=tl.float32)
         for t in tl.static_range(8):
-            k = b * BLOCK_K + i * 32 + t * 4 + tl.arange(0, 4)[None, :]                          # [1, 4]
-            xv = _split4(read_input(x_base + k, k < K, EVEN_K).to(tl.float32))
+            p_x = (b * BLOCK_K + i * 32 + t * 4) // 2 + tl.arange(0, 2)[None, :]                 # [1, 2] pairs
+            x_lo = _x_four(x_base, p_x, K, EVEN_K, X32)
+            x_hi = _x_four(x_base, p_x + HALF * 16, K, EVEN_K, X32)
             for c in tl.static_range(4):
-                p += biased_field(words[t][c], i, BITS, ASM) * xv[c]
-        g = b * FIELDS + i
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s
-        acc += s * p + o * tl.sum(tl.where(tl.arange(0, FIELDS) == i, x_sums, 0.0), axis=0)
+                v = words[t][c] >> (BITS * i)
+                p_lo += biased_field(v, 0, BITS, ASM) * x_lo[c]
+                p_hi += biased_field(v, HALF, BITS, ASM) * x_hi[c]
+        acc = _group_term(acc, p_lo, b * FIELDS + i, i, x_sums, s_ptr, o_ptr, offs_n, n_mask, N, BIAS, FIELDS)
+        acc = _group_term(acc, p_hi, b * FIELDS + i + HALF, i + HALF, x_sums, s_ptr, o_ptr, offs_n, n_mask, N, BIAS,
+                          FIELDS)
     return acc
+
+
+@triton.jit
+def _group_term(acc, p, g, field, x_sums, s_ptr, o_ptr, offs_n, n_mask, N, BIAS, FIELDS: tl.constexpr):
+    """acc + s p + (o - BIAS s) sum(x over the group): group g's scale and offset on its chain's sum p."""
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) - BIAS * s
+    return acc + s * p + o * tl.sum(tl.where(tl.arange(0, FIELDS) == field, x_sums, 0.0), axis=0)
 
 
 @triton.jit
@@ -206,10 +230,12 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         row_words = _row_words(w_rows4, b_lo, n_mask)
         if not ADD:
             wait_then_release(USE_PDL)
-        total = _rows_step(row_words, b_lo, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM)
+        total = _rows_step(row_words, b_lo, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM,
+                           X32)
         for b in range(b_lo + 1, b_hi):
             row_words = _row_words(w_rows4, b, n_mask)
-            total = _rows_step(row_words, b, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM)
+            total = _rows_step(row_words, b, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM,
+                               X32)
         if ADD:
             wait_then_release(USE_PDL)
     else:

@@ -337,7 +337,7 @@ def quant_matmul(
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                PAIRED=paired, X32=paired and x.element_size() == 2 and x.data_ptr() % 4 == 0
+                                PAIRED=paired, X32=(paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0
                                 and x.stride(0) % 2 == 0, ROWS=cfg.thread_rows,
                                 **pdl)
     else:
