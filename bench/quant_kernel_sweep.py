@@ -94,7 +94,7 @@ def compare_configs(model: str, t: int, n: int, k: int, group: int) -> list[Quan
                 + [C(128, 1, s) for s in sorted({1, picked.split_k})])
         if group == 32:     # whole rows a thread: 2 (256 features, 4 warps), 1 (128), 2 on 2 warps
             alts += ([C(256, 1, s, thread_rows=True) for s in (4, 8, 16)] + [C(128, 1, 16, thread_rows=True)]
-                     + [C(128, 1, s, num_warps=2, thread_rows=True) for s in (8, 16)])
+                     + [C(128, 1, s, num_warps=2, thread_rows=True) for s in (4, 8, 16)])
     else:
         bm = picked.block_m
         alts = [C(32, bm, 1, field_dots=False), C(64, bm, 1, field_dots=False), C(32, bm, 1), C(64, bm, 1),

@@ -373,10 +373,12 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
-    One row of a large weight in groups of 32 (what a Q4_0 / Q4_K GGUF of an 8B runs): each thread holds two
-    whole rows of a block (`thread_rows`, 256-feature programs of 4 warps; sm_90 machine code 4.57
-    instructions a code against 7.95 for the elementwise kernel's 32-feature programs), split to about 4
-    programs an SM.
+    One row of a large 4-bit weight in groups of 32 with K < 8192 (what a Q4_0 GGUF of an 8B runs): each
+    thread holds two whole rows of a block (`thread_rows`, 128-feature programs of 2 warps; sm_90 machine code
+    4.52 instructions a code against 7.95 for the elementwise kernel's 32-feature programs), split to about 8
+    programs an SM, rounded up to a power of two, at most 16 (H200 sweep, 8B shapes, against the elementwise
+    kernel's rule: q/k/v 17.1 -> 13.9 us, o 11.8 -> 11.4, gate/up 47.1 -> 46.0; down, K = 14336, stays
+    elementwise: 30.6 there against 32.7; `bench/results/quant_rows32_ab.json`).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
@@ -411,9 +413,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     def pow2_floor(v: int) -> int:
         return 1 << (max(1, v).bit_length() - 1)
 
-    if T == 1 and group_size == 32 and N * K >= SMALL_WEIGHT:      # whole rows a thread, two a thread
-        split = pow2_floor(min(4 * num_sms // (triton.cdiv(N, 256) * T), 16))
-        return QuantMatmulConfig(256, 1, max(1, min(split, num_blocks)), thread_rows=True)
+    if T == 1 and bits == 4 and group_size == 32 and K < 8192 and N * K >= SMALL_WEIGHT:     # whole rows a thread
+        split = min(1 << (triton.cdiv(8 * num_sms, triton.cdiv(N, 128)) - 1).bit_length(), 16)
+        return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
         if num_blocks < 6:      # short K: no split

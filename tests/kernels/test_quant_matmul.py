@@ -95,8 +95,12 @@ def test_one_row_whole_rows_a_thread(bits: int, k: int, dtype: torch.dtype, spli
     (288: a block and a group), split-K, a bias, a partial program of rows."""
     check(1, 64, k, bits, 32, dtype, True, QuantMatmulConfig(64, 1, split, num_warps=warps, thread_rows=True))
     check(1, 40, k, bits, 32, dtype, False, QuantMatmulConfig(64, 1, split, num_warps=warps, thread_rows=True))
-    assert pick_config(1, 6144, 4096, 4, 132, 32) == QuantMatmulConfig(256, 1, 16, thread_rows=True)
-    assert pick_config(1, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(256, 1, 4, thread_rows=True)
+    rows = dict(num_warps=2, thread_rows=True)      # 8B q/k/v, o, gate/up: ~8 programs an SM, a power of two
+    assert pick_config(1, 6144, 4096, 4, 132, 32) == QuantMatmulConfig(128, 1, 16, **rows)
+    assert pick_config(1, 4096, 4096, 4, 132, 32) == QuantMatmulConfig(128, 1, 16, **rows)
+    assert pick_config(1, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(128, 1, 8, **rows)
+    assert not pick_config(1, 4096, 14336, 4, 132, 32).thread_rows     # down (long K): the elementwise kernel
+    assert not pick_config(1, 6144, 4096, 8, 132, 32).thread_rows      # 8 bits: not timed, elementwise
     assert not pick_config(1, 960, 576, 4, 132, 32).thread_rows         # a small weight: the elementwise kernel
 
 
