@@ -365,8 +365,12 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
     """Rows from which dequantizing the weight once and running a library GEMM beats this kernel (QuantLinear's
     switch). H100 sweeps: 65 for most layouts (the fused kernel was 30-40% slower on o and down at 128 rows);
     H200 sweep of the 8B shapes on the pair-codes path: 256 (a layer at 128 rows 229 us against 354, at 192
-    rows 341 against 379, at 256 rows even, 393 against 392; bench/results/quant_kernel_big_rows.json)."""
-    return 256 if pair_codes_layout(bits, group_size, K) and N * K >= SMALL_WEIGHT else 65
+    rows 341 against 379, at 256 rows even, 393 against 392; bench/results/quant_kernel_big_rows.json); 4 bits
+    in groups of 32 (pair codes): 129 (a layer at 96 rows 284 us against 359, at 128 rows 295 against 364, at
+    192 rows 468 against 388; bench/results/quant_kernel_big_rows_g32.json)."""
+    if N * K < SMALL_WEIGHT:
+        return 65
+    return 256 if pair_codes_layout(bits, group_size, K) else 129 if group_pairs_layout(bits, group_size, K) else 65
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128) -> QuantMatmulConfig:
@@ -398,8 +402,12 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     More than 64 rows of a large weight on the pair-codes path: the same 64 x 64 tiles and split rule (H200,
     8B shapes at 96-256 rows: the fastest of 64/128-row token tiles, 64/128-feature tiles, 4/8 warps and 2-4
     stages; QuantLinear runs it below `dense_min_rows`).
-    Other layouts above 64 rows: 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there; for 4 bits in
-    groups of 32 these run pair codes on 8 warps, not timed against the dense path yet).
+    65-128 rows of a large 4-bit weight in groups of 32 (pair codes, `_group_pairs_step`; QuantLinear runs it
+    below `dense_min_rows`): 128 x 128 tiles on 8 warps where 128-feature tiles alone fill the SMs (gate/up),
+    else 64 x 64, split 2 where those tiles do not fill the SMs once (H200 sweep of the 8B shapes at 96 and 128
+    rows, `bench/results/quant_kernel_big_rows_g32.json`: each the fastest tried; a layer at 128 rows 295 us
+    against 364 for dequantize + GEMM; at 192 rows and more the GEMM is faster).
+    Other layouts above 64 rows: 128 x 64 tiles (QuantLinear dequantizes and uses a GEMM there).
     Other layouts on a large weight (groups of 32 or 64, 8 bits; H200 sweep of the 8B shapes at group 32,
     `bench/results/quant_kernel_sweep_8b_g32.json`): 33-64 rows with K < 8192 take one dot per 256-wide block
     with no split, 64-feature tiles, or 128 on 8 warps where those alone fill the SMs (64 rows: q/k/v 60.9 ->
@@ -423,6 +431,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         per_sm = 256 * num_sms // bn            # 8 programs of 32 features (4 of 64) per SM, over the T rows
         return QuantMatmulConfig(bn, 1, min(pow2_floor(min(per_sm // (triton.cdiv(N, bn) * T), 16)), num_blocks))
     pairs = pair_codes_layout(bits, group_size, K)
+    if T > 64 and N * K >= SMALL_WEIGHT and group_pairs_layout(bits, group_size, K):
+        if triton.cdiv(N, 128) >= num_sms:
+            return QuantMatmulConfig(128, 128, 1, num_warps=8)
+        return QuantMatmulConfig(64, 64, 1 if triton.cdiv(N, 64) * triton.cdiv(T, 64) >= num_sms else 2)
     if T > 64 and not pairs:
         return QuantMatmulConfig(128, 64, 1, num_warps=8)
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64

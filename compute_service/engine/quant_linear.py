@@ -8,7 +8,7 @@ CUDA: the codes are packed at construction (`kernels.quant_pack`: int32 words, g
 scales) and only the packed form is kept on the GPU; a call runs `kernels.quant_matmul`
 (fused dequantize + matmul, split-K for decode), or for `dense_min_tokens` rows and more
 (`kernels.quant_matmul.dense_min_rows`: 65, or 256 for a large 4-bit weight in groups of
-128+), dequantizes the weight once into a temporary and runs a library GEMM, which is
+128+, 129 in groups of 32), dequantizes the weight once into a temporary and runs a library GEMM, which is
 faster there. Nothing in a call syncs with the host, so decode steps capture
 into CUDA graphs. `qweight` and `dequantize()` rebuild the canonical form from the packed one.
 
