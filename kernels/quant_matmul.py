@@ -367,7 +367,7 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
     H200 sweep of the 8B shapes on the pair-codes path: 256 (a layer at 128 rows 229 us against 354, at 192
     rows 341 against 379, at 256 rows even, 393 against 392; bench/results/quant_kernel_big_rows.json); 4 bits
     in groups of 32 (pair codes): 129 (a layer at 96 rows 284 us against 359, at 128 rows 295 against 364, at
-    192 rows 468 against 388; bench/results/quant_kernel_big_rows_g32.json)."""
+    192 rows 506 against 388; bench/results/quant_kernel_big_rows_g32.json)."""
     if N * K < SMALL_WEIGHT:
         return 65
     return 256 if pair_codes_layout(bits, group_size, K) else 129 if group_pairs_layout(bits, group_size, K) else 65

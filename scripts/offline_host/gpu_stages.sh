@@ -25,8 +25,9 @@ pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | tail 
 # The kernel suites should be mostly Triton compiling a program per parametrized case, one core at a time:
 # spread over worker processes (pytest-xdist, in the bundle) sharing the GPU. Their tests are independent
 # (no files, ports or memory sizing); the rest stays serial (its engines size their KV cache from free memory).
+# H200 with 16 cores, 14 workers, 2026-11-28: suite-kernels-1 240 s, suite-kernels-2 177 s, suite-rest 320 s.
 workers=""
-python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-8}"
+python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-14}"
 case "$stage" in
   suite-kernels-1) pytest_gpu $workers $kernels1 ;;
   suite-kernels-2) pytest_gpu $workers $kernels2 ;;

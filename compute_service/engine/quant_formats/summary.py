@@ -14,7 +14,7 @@ from compute_service.engine.quant_linear import QuantLinear
 log = logging.getLogger(__name__)
 
 # 4-bit weights in groups under 128 (a Q4_0 / Q4_K GGUF's 32) decode slower than 16 bits at batch 32 and more:
-# on the 8B shape (H200, bench/results/quant_decode_g32.json) groups of 32 are 1.04x / 1.07x / 0.90x / 0.67x the
+# on the 8B shape (H200, bench/results/quant_decode_g32.json) groups of 32 are 1.07x / 1.05x / 0.89x / 0.66x the
 # bf16 engine at batch 1 / 8 / 32 / 64 (groups of 128: 1.47x / 1.56x / 1.22x / 1.08x; groups of 64 take neither
 # pair-codes path, not measured). Small models' steps are launch-bound, so it matters from about this size.
 SLOW_GROUPS_MIN_BF16_BYTES = 4 * 2**30
@@ -63,8 +63,8 @@ class QuantSummary:
         if not small or self.bf16_bytes < SLOW_GROUPS_MIN_BF16_BYTES:
             return ""
         return (f"{', '.join(small)} projections ({self.bf16_bytes / 2**30:.1f} GiB in bf16): decode steps of many "
-                "sequences run slower than the same model in 16 bits (8B in groups of 32, H200: 1.07x at batch 8, "
-                "0.90x at 32, 0.67x at 64; groups of 128 are faster); --quantization none trades the memory saved for "
+                "sequences run slower than the same model in 16 bits (8B in groups of 32, H200: 1.05x at batch 8, "
+                "0.89x at 32, 0.66x at 64; groups of 128 are faster); --quantization none trades the memory saved for "
                 "that speed")
 
     def log(self) -> None:
