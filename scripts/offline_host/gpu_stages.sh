@@ -14,7 +14,8 @@
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
-#                    offline host, its two halves, as for suite-rest)
+#                    offline host, its two halves, as for suite-rest). QUANT_GROUP=32 in the environment:
+#                    the 4-bit side in groups of 32 (serve_load_8b_w4g32.json; the bf16 side's name as before)
 set -u
 stage=${1:?stage}; commit=${2:?commit}; out=${3:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -59,8 +60,9 @@ case "$stage" in
   serve-8b-w4)
     common="--make-random-model /tmp/llama8b --shape 8b --lora-root /tmp/lora8b --num-adapters 32 --arrivals burst
             --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 --commit $commit"
-    python3 bench/serve_load.py $common --quantize-bits 4 --out "$out/serve_load_8b_w4.json" \
-      --plot "$out/serve_load_8b_w4.png" > "$out/serve_8b_w4.log" 2>&1
+    w4=serve_load_8b_w4${QUANT_GROUP:+g$QUANT_GROUP}
+    python3 bench/serve_load.py $common --quantize-bits 4 ${QUANT_GROUP:+--quantize-group-size $QUANT_GROUP} \
+      --out "$out/$w4.json" --plot "$out/$w4.png" > "$out/serve_8b_w4.log" 2>&1
     python3 bench/serve_load.py $common --out "$out/serve_load_8b_w4_bf16.json" \
       --plot "$out/serve_load_8b_w4_bf16.png" > "$out/serve_8b_bf16.log" 2>&1
     tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
