@@ -213,13 +213,18 @@ def test_health_checks_take_a_replica_out_and_back():
         a, b = await replicas(2)
         router = ReplicaRouter([a.address, b.address], 1 << 20, health_interval_s=0.1)
         try:
+            # adapters homed on each replica (else all could hash to the live one and the one out never be
+            # asked for): those of the one out go to the other
+            addresses = [a.address, b.address]
+            homes = {t: rendezvous_order(str(t), addresses)[0] for t in range(64)}
+            task_ids = [t for t in homes if homes[t] == a.address][:4] + [t for t in homes if homes[t] == b.address][:4]
             await a.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # draining
             await asyncio.sleep(0.5)
-            assert {await served_by(router, f"x{i}", task_id=i) for i in range(8)} == {b.port}
+            assert {await served_by(router, f"x{t}", task_id=t) for t in task_ids} == {b.port}
             await a.health.set("", health_pb2.HealthCheckResponse.SERVING)
             await b.stop()  # killed: its health check fails
             await asyncio.sleep(0.5)
-            assert {await served_by(router, f"y{i}", task_id=i) for i in range(8)} == {a.port}
+            assert {await served_by(router, f"y{t}", task_id=t) for t in task_ids} == {a.port}
             b2 = await Replica(b.port).start()  # restarted on its address
             deadline = asyncio.get_running_loop().time() + 10
             while asyncio.get_running_loop().time() < deadline:
