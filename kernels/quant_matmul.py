@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_ints import cdiv, next_pow2
 from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.quant_gemv import quant_gemv_kernel
 from kernels.quant_half_sums import half_sums_into
@@ -422,7 +423,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         return 1 << (max(1, v).bit_length() - 1)
 
     if T == 1 and bits == 4 and group_size == 32 and K < 8192 and N * K >= SMALL_WEIGHT:     # whole rows a thread
-        split = min(1 << (triton.cdiv(8 * num_sms, triton.cdiv(N, 128)) - 1).bit_length(), 16)
+        split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
@@ -432,9 +433,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         return QuantMatmulConfig(bn, 1, min(pow2_floor(min(per_sm // (triton.cdiv(N, bn) * T), 16)), num_blocks))
     pairs = pair_codes_layout(bits, group_size, K)
     if T > 64 and N * K >= SMALL_WEIGHT and group_pairs_layout(bits, group_size, K):
-        if triton.cdiv(N, 128) >= num_sms:
+        if cdiv(N, 128) >= num_sms:
             return QuantMatmulConfig(128, 128, 1, num_warps=8)
-        return QuantMatmulConfig(64, 64, 1 if triton.cdiv(N, 64) * triton.cdiv(T, 64) >= num_sms else 2)
+        return QuantMatmulConfig(64, 64, 1 if cdiv(N, 64) * cdiv(T, 64) >= num_sms else 2)
     if T > 64 and not pairs:
         return QuantMatmulConfig(128, 64, 1, num_warps=8)
     block_m = 16 if T <= 16 else 32 if T <= 32 else 64
