@@ -12,12 +12,20 @@ requested with the block's words, before any arithmetic; fields 0-3 and 4-7 go t
 alternating (two independent FMA chains); the offsets' term is one value per row and block, (o - B s) * sum(x
 over the half), outside the per-code work. Against the per-group loop below: 7-15% less time per launch on the
 8B shapes (H200 A/B, 78.9 -> 71.0 us per layer with 64-feature programs).
+With bfloat16 x (the served 8B's case) that layout takes `_halves_step_h2` instead: two codes an instruction
+in float16 pairs (`kernels.quant_h2`; its rounding is stated there) and a loop of two blocks a step in two register
+sets, each block's words, scales and offsets requested one block ahead (H200, the 8B shapes, each at its
+pick_config, us: q/k/v 10.8 -> 9.3, o 7.7 -> 6.7, gate/up 34.2 -> 27.6, down 17.7 -> 15.7). Either alone did little:
+the arithmetic alone (no new words) and the loads alone (no arithmetic) each took ~29 us on gate/up, so a kernel
+that halves one of them still waits on the other; the float16 pairs cut the registers (128 -> 96), which is what
+leaves room for the second register set.
 Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded per group as it comes.
 """
 import triton
 import triton.language as tl
 
 from kernels.pdl import read_early, read_input, wait_then_release
+from kernels.quant_h2 import h2_nsum, h2_word, h2_x
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_field, field_bias
 
@@ -55,6 +63,43 @@ def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs
     x_a = tl.sum(tl.where(half_a, x_t, 0.0), axis=0)
     x_b = tl.sum(tl.where(half_a, 0.0, x_t), axis=0)
     acc_o += (o_a - BIAS * s_a) * x_a + (o_b - BIAS * s_b) * x_b
+    return acc, acc_o
+
+
+@triton.jit
+def _paired_block(w_rows, b, s_ptr, o_ptr, offs_n, n_mask, N, GROUP: tl.constexpr):
+    """Block b of the paired layout as read from memory: its [BN, 32] words and both halves' scales and offsets
+    (float16, [BN] each)."""
+    g_a = (b * 256) // GROUP
+    g_b = (b * 256 + 128) // GROUP
+    return (tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0),
+            tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0), tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0),
+            tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0), tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0))
+
+
+@triton.jit
+def _halves_step_h2(words, s_a, s_b, o_a, o_b, b, acc, acc_o, x_ptr, offs_j, K, EVEN_K: tl.constexpr,
+                    ASM: tl.constexpr):
+    """`_halves_step` for bfloat16 x in 4-byte aligned rows, two codes an instruction (`kernels.quant_h2`): each
+    word's 8 codes summed in float16 pairs, the group scale (times 256: the sums are of q / 256) applied to the
+    word's fp32 sum, the offsets to fp32 sums of x. Block b's words, scales and offsets come from `_paired_block`."""
+    xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    p0 = b * 128 + _paired_word(offs_j, 0)
+    h0, t0 = h2_x(read_input(xw + p0, 2 * p0 < K, EVEN_K), ASM)
+    p1 = b * 128 + _paired_word(offs_j, 1)
+    h1, t1 = h2_x(read_input(xw + p1, 2 * p1 < K, EVEN_K), ASM)
+    p2 = b * 128 + _paired_word(offs_j, 2)
+    h2, t2 = h2_x(read_input(xw + p2, 2 * p2 < K, EVEN_K), ASM)
+    p3 = b * 128 + _paired_word(offs_j, 3)
+    h3, t3 = h2_x(read_input(xw + p3, 2 * p3 < K, EVEN_K), ASM)
+    r = h2_word(words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], h2_nsum(h0, h1, h2, h3, ASM)[None, :], ASM)
+    half_a = offs_j < 16
+    s_a = 256.0 * s_a.to(tl.float32)
+    s_b = 256.0 * s_b.to(tl.float32)
+    acc = tl.fma(tl.where(half_a[None, :], s_a[:, None], s_b[:, None]), r, acc)
+    x_t = t0 + t1 + t2 + t3
+    acc_o += (o_a.to(tl.float32) * tl.sum(tl.where(half_a, x_t, 0.0), axis=0)
+              + o_b.to(tl.float32) * tl.sum(tl.where(half_a, 0.0, x_t), axis=0))
     return acc, acc_o
 
 
@@ -204,14 +249,17 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
-                      PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False):
+                      PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False,
+                      H2: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
     LoRA delta the launch before wrote): x and every block are read before the wait, which comes just
     before the output (`quant_matmul`), after `read_early`'s fence. PAIRED: the weight is in the paired layout
     (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`. ROWS (groups of 32):
-    each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread)."""
+    each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
+    H2 (PAIRED, bfloat16 x in 4-byte aligned rows): `_halves_step_h2`, two blocks a loop step in two register sets,
+    each block's words, scales and offsets requested before the previous block's arithmetic."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -238,6 +286,26 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                                X32)
         if ADD:
             wait_then_release(USE_PDL)
+    elif H2:
+        # Two register sets, no copies: block b + 1 is requested before block b's arithmetic, block b + 2 (into
+        # b's registers, free by then) before b + 1's; the last pair's b + 2 re-reads the split's last block.
+        words, s_a, s_b, o_a, o_b = _paired_block(w_rows, b_lo, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
+        if not ADD:
+            wait_then_release(USE_PDL)
+        for it in range(0, (b_hi - b_lo) // 2):
+            b = b_lo + 2 * it
+            words1, s_a1, s_b1, o_a1, o_b1 = _paired_block(w_rows, b + 1, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
+            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, b, acc, acc_o, x_base, offs_j, K, EVEN_K, ASM)
+            words, s_a, s_b, o_a, o_b = _paired_block(w_rows, tl.minimum(b + 2, b_hi - 1), s_ptr, o_ptr, offs_n,
+                                                      n_mask, N, GROUP)
+            acc, acc_o = _halves_step_h2(words1, s_a1, s_b1, o_a1, o_b1, b + 1, acc, acc_o, x_base, offs_j, K, EVEN_K,
+                                         ASM)
+        if (b_hi - b_lo) % 2 == 1:
+            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, b_hi - 1, acc, acc_o, x_base, offs_j, K, EVEN_K,
+                                         ASM)
+        if ADD:
+            wait_then_release(USE_PDL)
+        total = tl.sum(acc, axis=1) + acc_o
     else:
         words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
         if not ADD:

@@ -275,7 +275,9 @@ def quant_matmul(
     The tensor-core kernel (block_m >= 16) rounds W to x's dtype once before its dot (bf16: relative
     2**-9 per weight), except on the pair-codes path (4 bits, groups of 128+, K % 128 == 0, 16-bit x),
     which like the one-row kernel (block_m == 1) keeps W in fp32: the scales apply to the fp32 sums (its
-    offsets' part as a 3xTF32 dot, about fp32's precision).
+    offsets' part as a 3xTF32 dot, about fp32's precision). One exception to fp32 products: the one-row kernel
+    on the paired layout (4 bits, groups of 128+) with bfloat16 x sums each word's 8 codes times x in float16
+    pairs (`kernels.quant_h2`: relative ~1.2e-3 before the output's rounding; exact range |x| < 2**17).
     `locks` must hold zeros before the call and holds zeros after it.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
@@ -334,12 +336,12 @@ def quant_matmul(
     asm = compiled()                                   # fences and inline assembly: not interpreted
     pdl = launch_args(pdl_enabled(x.device))
     if cfg.block_m == 1:
+        x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                PAIRED=paired, X32=(paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0
-                                and x.stride(0) % 2 == 0, ROWS=cfg.thread_rows,
+                                PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=paired and x32 and x.dtype == torch.bfloat16,
                                 **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
@@ -374,7 +376,8 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
     return 256 if pair_codes_layout(bits, group_size, K) else 129 if group_pairs_layout(bits, group_size, K) else 65
 
 
-def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128) -> QuantMatmulConfig:
+def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
+                x_dtype: torch.dtype = torch.bfloat16) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
@@ -384,6 +387,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     programs an SM, rounded up to a power of two, at most 16 (H200 sweep, 8B shapes, against the elementwise
     kernel's rule: q/k/v 17.1 -> 13.9 us, o 11.8 -> 11.4, gate/up 47.1 -> 46.0; down, K = 14336, stays
     elementwise: 30.6 there against 32.7; `bench/results/quant_rows32_ab.json`).
+    One row of a large 4-bit weight in groups of 128 and more with bfloat16 x (the served 8B; `quant_gemv`'s
+    two-register-set float16-pairs path): 128-feature programs, split to about two programs an SM or fewer (one
+    wave at its ~150 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
+    1-8, each the fastest or within 1 us: q/k/v 9.3 us, o 6.7, gate/up 27.6, down 15.7).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
@@ -425,6 +432,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     if T == 1 and bits == 4 and group_size == 32 and K < 8192 and N * K >= SMALL_WEIGHT:     # whole rows a thread
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
+    if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
+        split = pow2_floor(2 * num_sms // cdiv(N, 128)) if cdiv(N, 128) <= num_sms else 1
+        return QuantMatmulConfig(128, 1, max(1, min(split, 16, num_blocks)))
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
         if num_blocks < 6:      # short K: no split

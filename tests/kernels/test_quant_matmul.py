@@ -104,6 +104,50 @@ def test_one_row_whole_rows_a_thread(bits: int, k: int, dtype: torch.dtype, spli
     assert not pick_config(1, 960, 576, 4, 132, 32).thread_rows         # a small weight: the elementwise kernel
 
 
+@pytest.mark.parametrize("group,k", [(128, 512), (256, 768), (128, 1792)])
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_one_row_bf16_float16_pairs(group: int, k: int, split: int) -> None:
+    """One row of bfloat16 x on 4 bits in groups of 128+ (`quant_gemv._halves_step_h2`: codes times x in float16
+    pairs, two blocks a loop step): 2, 3 and 7 blocks, split so that a split holds an odd or even count of them
+    (7 in 2: 4 + 3; in 3: 3 + 3 + 1), a bias, a partial program of rows, 64- and 128-feature programs."""
+    check(1, 64, k, 4, group, torch.bfloat16, True, QuantMatmulConfig(64, 1, split))
+    check(1, 40, k, 4, group, torch.bfloat16, False, QuantMatmulConfig(128, 1, split))
+
+
+def test_one_row_bf16_addend_and_large_x() -> None:
+    """The float16-pairs path adds a LoRA addend (and zeroes it); x beyond float16's range (1e5 in bf16, below
+    `kernels.quant_h2`'s 2**17) is exact there: x / 16 is what goes to float16."""
+    gen = torch.Generator().manual_seed(8)
+    n, k = 40, 768
+    q, s, o = random_weight(n, k, 4, 128, gen)
+    w = pack_quantized(q, s, o, 4, 128)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    add = torch.randn(1, n, generator=gen).to(DEVICE)
+    cfg = QuantMatmulConfig(32, 1, 2)
+    part = torch.full((2 * n,), float("nan"), device=DEVICE)
+    locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    addend = add.clone()
+    quant_matmul(x, w, None, out, cfg, part, locks, addend=addend)
+    assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu() + add.cpu()) < TOL[torch.bfloat16]
+    assert not addend.any() and int(locks.abs().sum()) == 0
+    x[0, 5] = 1e5
+    x[0, 300] = -7e4
+    quant_matmul(x, w, None, out, cfg, part, locks)
+    assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu()) < TOL[torch.bfloat16]
+
+
+def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
+    """One row of the 8B's weights in groups of 128 with bfloat16 x: 128-feature programs split to about two an SM
+    (one wave); float16 x keeps the fp32 path's 64-feature programs."""
+    assert pick_config(1, 28672, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 1)       # gate/up: 224 programs
+    assert pick_config(1, 6144, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 4)        # q/k/v: 192
+    assert pick_config(1, 4096, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 8)        # o: 256
+    assert pick_config(1, 4096, 14336, 4, 132, 128) == QuantMatmulConfig(128, 1, 8)       # down: 256
+    assert pick_config(1, 28672, 4096, 4, 132, 128, torch.float16).block_n == 64
+    assert pick_config(1, 960, 576, 4, 132, 128).block_n != 128                           # a small weight
+
+
 @pytest.mark.parametrize("group,k", [(128, 640), (256, 768), (512, 1024), (128, 4608)])
 @pytest.mark.parametrize("split", [1, 3])
 def test_pair_codes_path(group: int, k: int, split: int) -> None:
