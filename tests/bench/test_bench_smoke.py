@@ -118,3 +118,13 @@ def test_gateway_tokens_smoke_prices_a_token_in_gateway_cpu(tmp_path):
     res = _results("bench/gateway_tokens.py", ["--smoke"], tmp_path / "gw.json")
     assert res["rounds"] >= 1 and res["tokens_per_s"] > 0
     assert res["cpu_share"]["gateway"] > 0 and res["gateway_cpu_us_per_token"] > 0
+
+
+def test_quant_gemv_probe_smoke(tmp_path):
+    """The loads-only probe reads every word of each program's rows (checked against the weight's own sums)."""
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, "bench/quant_gemv_probe.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["cases"]) == 2 and {c["flat"] for c in res["cases"]} == {0, 1}
