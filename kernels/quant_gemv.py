@@ -15,7 +15,8 @@ over the half), outside the per-code work. Against the per-group loop below: 7-1
 With bfloat16 x (the served 8B's case) that layout takes `_halves_step_h2` instead: two codes an instruction
 in float16 pairs (`kernels.quant_h2`; its rounding is stated there) and a loop of two blocks a step in two register
 sets, each block's words, scales and offsets requested one block ahead (H200, the 8B shapes, each at its
-pick_config, us: q/k/v 10.8 -> 9.3, o 7.7 -> 6.7, gate/up 34.2 -> 27.6, down 17.7 -> 15.7). Either alone did little:
+pick_config, us: q/k/v 10.9 -> 10.0, o 7.6 -> 7.1, gate/up 35.1 -> 31.6, down 18.2 -> 16.6;
+bench/results/quant_h2_ab.json). Either alone did little:
 the arithmetic alone (no new words) and the loads alone (no arithmetic) each took ~29 us on gate/up, so a kernel
 that halves one of them still waits on the other; the float16 pairs cut the registers (128 -> 96), which is what
 leaves room for the second register set.

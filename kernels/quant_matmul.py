@@ -389,8 +389,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     elementwise: 30.6 there against 32.7; `bench/results/quant_rows32_ab.json`).
     One row of a large 4-bit weight in groups of 128 and more with bfloat16 x (the served 8B; `quant_gemv`'s
     two-register-set float16-pairs path): 128-feature programs, split to about two programs an SM or fewer (one
-    wave at its ~150 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
-    1-8, each the fastest or within 1 us: q/k/v 9.3 us, o 6.7, gate/up 27.6, down 15.7).
+    wave at its ~220 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
+    1-8, each the fastest or within 1 us; at this choice q/k/v 10.0 us, o 7.1, gate/up 31.6, down 16.6 in
+    bench/results/quant_h2_ab.json, the sweep's own run 1-4 us faster: bench/results/quant_gemv_bounds.json).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
