@@ -44,12 +44,12 @@ def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs
     hold half a (group g_a), words 16-31 half b (g_b); fields i and i + 4 of word j are codes 2
     `_paired_word(j, i)` and the one after it (x_ptr: the token row's x). Two per-column sums (fields 0-3,
     4-7: independent FMA chains), each column's group scale after."""
-    g_a = (b * 256) // GROUP
-    g_b = (b * 256 + 128) // GROUP
-    s_a = tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    s_b = tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    o_a = tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    o_b = tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    g_a, g_b = _half_groups(b, GROUP)
+    s_a, s_b, o_a, o_b = _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N)
+    s_a = s_a.to(tl.float32)
+    s_b = s_b.to(tl.float32)
+    o_a = o_a.to(tl.float32)
+    o_b = o_b.to(tl.float32)
     q_0 = tl.zeros(acc.shape, dtype=tl.float32)              # (B + q) * x per column, fields 0-3
     q_1 = tl.zeros(acc.shape, dtype=tl.float32)              # fields 4-7
     x_t = tl.zeros((32,), dtype=tl.float32)                  # x per column, all fields
@@ -68,14 +68,26 @@ def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs
 
 
 @triton.jit
+def _half_groups(b, GROUP: tl.constexpr):
+    """The groups of block b's two halves in the paired layout (half a: codes 256 b.., half b: 256 b + 128..)."""
+    return (b * 256) // GROUP, (b * 256 + 128) // GROUP
+
+
+@triton.jit
+def _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N):
+    """Groups g_a and g_b's scales and offsets as stored (float16, [BN] each): s_a, s_b, o_a, o_b."""
+    return (tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0), tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0),
+            tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0), tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0))
+
+
+@triton.jit
 def _paired_block(w_rows, b, s_ptr, o_ptr, offs_n, n_mask, N, GROUP: tl.constexpr):
     """Block b of the paired layout as read from memory: its [BN, 32] words and both halves' scales and offsets
-    (float16, [BN] each)."""
-    g_a = (b * 256) // GROUP
-    g_b = (b * 256 + 128) // GROUP
-    return (tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0),
-            tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0), tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0),
-            tl.load(o_ptr + g_a * N + offs_n, mask=n_mask, other=0.0), tl.load(o_ptr + g_b * N + offs_n, mask=n_mask, other=0.0))
+    (`_half_scales`)."""
+    g_a, g_b = _half_groups(b, GROUP)
+    words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
+    s_a, s_b, o_a, o_b = _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N)
+    return words, s_a, s_b, o_a, o_b
 
 
 @triton.jit
