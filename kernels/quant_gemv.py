@@ -19,7 +19,9 @@ pick_config, us: q/k/v 10.9 -> 10.0, o 7.6 -> 7.1, gate/up 35.1 -> 31.6, down 18
 bench/results/quant_h2_ab.json). Either alone did little:
 the arithmetic alone (no new words) and the loads alone (no arithmetic) each took ~29 us on gate/up, so a kernel
 that halves one of them still waits on the other; the float16 pairs cut the registers (128 -> 96), which is what
-leaves room for the second register set.
+leaves room for the second register set. Each block's x is requested a block ahead as well (`_x_words`): read
+in the step, its latency (an L2 round trip a block) was paid once a block by every program, and a program's 16
+blocks took ~27 us on gate/up whether its SM held one program or two (bench/results/quant_gemv_xprefetch.json).
 Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded per group as it comes.
 """
 import triton
@@ -91,20 +93,29 @@ def _paired_block(w_rows, b, s_ptr, o_ptr, offs_n, n_mask, N, GROUP: tl.constexp
 
 
 @triton.jit
-def _halves_step_h2(words, s_a, s_b, o_a, o_b, b, acc, acc_o, x_ptr, offs_j, K, EVEN_K: tl.constexpr,
-                    ASM: tl.constexpr):
-    """`_halves_step` for bfloat16 x in 4-byte aligned rows, two codes an instruction (`kernels.quant_h2`): each
-    word's 8 codes summed in float16 pairs, the group scale (times 256: the sums are of q / 256) applied to the
-    word's fp32 sum, the offsets to fp32 sums of x. Block b's words, scales and offsets come from `_paired_block`."""
+def _x_words(x_ptr, b, offs_j, K, EVEN_K: tl.constexpr):
+    """Block b's x for `_halves_step_h2`: four [32] int32 (two bfloat16 each), the x pairs of fields (0, 4) ..
+    (3, 7) of the block's words (x_ptr: the token row's x, 4-byte aligned)."""
     xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     p0 = b * 128 + _paired_word(offs_j, 0)
-    h0, t0 = h2_x(read_input(xw + p0, 2 * p0 < K, EVEN_K), ASM)
     p1 = b * 128 + _paired_word(offs_j, 1)
-    h1, t1 = h2_x(read_input(xw + p1, 2 * p1 < K, EVEN_K), ASM)
     p2 = b * 128 + _paired_word(offs_j, 2)
-    h2, t2 = h2_x(read_input(xw + p2, 2 * p2 < K, EVEN_K), ASM)
     p3 = b * 128 + _paired_word(offs_j, 3)
-    h3, t3 = h2_x(read_input(xw + p3, 2 * p3 < K, EVEN_K), ASM)
+    return (read_input(xw + p0, 2 * p0 < K, EVEN_K), read_input(xw + p1, 2 * p1 < K, EVEN_K),
+            read_input(xw + p2, 2 * p2 < K, EVEN_K), read_input(xw + p3, 2 * p3 < K, EVEN_K))
+
+
+@triton.jit
+def _halves_step_h2(words, s_a, s_b, o_a, o_b, xv, acc, acc_o, offs_j, ASM: tl.constexpr):
+    """`_halves_step` for bfloat16 x in 4-byte aligned rows, two codes an instruction (`kernels.quant_h2`): each
+    word's 8 codes summed in float16 pairs, the group scale (times 256: the sums are of q / 256) applied to the
+    word's fp32 sum, the offsets to fp32 sums of x. A block's words, scales and offsets come from `_paired_block`,
+    its x from `_x_words` (xv), both requested a block ahead by the caller."""
+    v0, v1, v2, v3 = xv
+    h0, t0 = h2_x(v0, ASM)
+    h1, t1 = h2_x(v1, ASM)
+    h2, t2 = h2_x(v2, ASM)
+    h3, t3 = h2_x(v3, ASM)
     r = h2_word(words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], h2_nsum(h0, h1, h2, h3, ASM)[None, :], ASM)
     half_a = offs_j < 16
     s_a = 256.0 * s_a.to(tl.float32)
@@ -272,7 +283,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`. ROWS (groups of 32):
     each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
     H2 (PAIRED, bfloat16 x in 4-byte aligned rows): `_halves_step_h2`, two blocks a loop step in two register sets,
-    each block's words, scales and offsets requested before the previous block's arithmetic."""
+    each block's words, scales, offsets and x requested before the previous block's arithmetic."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -300,22 +311,24 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         if ADD:
             wait_then_release(USE_PDL)
     elif H2:
-        # Two register sets, no copies: block b + 1 is requested before block b's arithmetic, block b + 2 (into
-        # b's registers, free by then) before b + 1's; the last pair's b + 2 re-reads the split's last block.
+        # Two register sets, no copies: block b + 1 (words, scales, offsets and its x) is requested before block
+        # b's arithmetic, block b + 2 (into b's registers, free by then) before b + 1's; the last pair's b + 2
+        # re-reads the split's last block. The first block's x comes after the wait (the launch before writes it).
         words, s_a, s_b, o_a, o_b = _paired_block(w_rows, b_lo, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
         if not ADD:
             wait_then_release(USE_PDL)
+        xv = _x_words(x_base, b_lo, offs_j, K, EVEN_K)
         for it in range(0, (b_hi - b_lo) // 2):
             b = b_lo + 2 * it
             words1, s_a1, s_b1, o_a1, o_b1 = _paired_block(w_rows, b + 1, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
-            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, b, acc, acc_o, x_base, offs_j, K, EVEN_K, ASM)
-            words, s_a, s_b, o_a, o_b = _paired_block(w_rows, tl.minimum(b + 2, b_hi - 1), s_ptr, o_ptr, offs_n,
-                                                      n_mask, N, GROUP)
-            acc, acc_o = _halves_step_h2(words1, s_a1, s_b1, o_a1, o_b1, b + 1, acc, acc_o, x_base, offs_j, K, EVEN_K,
-                                         ASM)
+            xv1 = _x_words(x_base, b + 1, offs_j, K, EVEN_K)
+            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, xv, acc, acc_o, offs_j, ASM)
+            b2 = tl.minimum(b + 2, b_hi - 1)
+            words, s_a, s_b, o_a, o_b = _paired_block(w_rows, b2, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
+            xv = _x_words(x_base, b2, offs_j, K, EVEN_K)
+            acc, acc_o = _halves_step_h2(words1, s_a1, s_b1, o_a1, o_b1, xv1, acc, acc_o, offs_j, ASM)
         if (b_hi - b_lo) % 2 == 1:
-            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, b_hi - 1, acc, acc_o, x_base, offs_j, K, EVEN_K,
-                                         ASM)
+            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, xv, acc, acc_o, offs_j, ASM)
         if ADD:
             wait_then_release(USE_PDL)
         total = tl.sum(acc, axis=1) + acc_o
