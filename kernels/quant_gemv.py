@@ -22,6 +22,8 @@ that halves one of them still waits on the other; the float16 pairs cut the regi
 leaves room for the second register set. Each block's x is requested a block ahead as well (`_x_words`): read
 in the step, its latency (an L2 round trip a block) was paid once a block by every program, and a program's 16
 blocks took ~27 us on gate/up whether its SM held one program or two (bench/results/quant_gemv_xprefetch.json).
+H200, each at its pick_config, us: q/k/v 10.0 -> 9.2, o 7.1 -> 6.7, gate/up 32.2 -> 30.4, down 15.9 -> 14.9
+(bench/results/quant_h2_xprefetch_ab.json).
 Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded per group as it comes.
 """
 import triton
