@@ -8,8 +8,9 @@ for in the same iteration they are requested in (a prefetch that does not hide l
         --ptr x_ptr=bf16 w_ptr=i32 s_ptr=fp16 o_ptr=fp16 bias_ptr=bf16 out_ptr=bf16 lock_ptr=i32 \\
         --aligned N K stride_x stride_out words_per_row [--warps 4] [--maxnreg 168] [--dump DIR]
 
-Parameters not named in --const are runtime arguments: `*_ptr` ones pointers (fp32 unless --ptr says,
-16-byte aligned), the rest int32 (multiples of 16 where --aligned names them: Triton specializes on that,
+A constexpr parameter with a default (`X: tl.constexpr = False`) takes that default unless --const names it
+(the first line of the output lists the defaults taken). Other parameters not named in --const are runtime
+arguments: `*_ptr` ones pointers (fp32 unless --ptr says, 16-byte aligned), the rest int32 (multiples of 16 where --aligned names them: Triton specializes on that,
 and without it vector loads look scalar). The waits are found statically: an instruction that reads a
 register whose latest writer in the loop body is a global load (the first use after the load stalls the
 warp until it lands; a register copy at the loop's back edge counts, which is how a value requested for
@@ -91,6 +92,13 @@ def load_kernel(target: str):
     return getattr(importlib.import_module(mod_name), name)
 
 
+def constexpr_defaults(kernel) -> dict[str, int]:
+    """The kernel's constexpr parameters that have defaults, with them (bools as 0/1): compiled as runtime
+    arguments instead, every branch they guard would be in the machine code, registers included."""
+    return {p.name: int(p.default) for p in inspect.signature(kernel.fn).parameters.values()
+            if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)}
+
+
 def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned: set[str], warps: int = 4,
                    stages: int = 3, maxnreg: int | None = None, arch: int = 90):
     import triton
@@ -102,6 +110,7 @@ def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned
     unknown = (set(consts) | set(ptrs) | aligned) - set(params)
     if unknown:
         raise SystemExit(f"{name} has no parameters {sorted(unknown)}; it takes {params}")
+    consts = {**constexpr_defaults(kernel), **consts}
     sig, attrs = {}, {}
     for i, p in enumerate(params):
         if p in consts:
@@ -164,8 +173,12 @@ def main() -> None:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     consts = {k: int(v) for k, v in (c.split("=", 1) for c in args.const)}
     ptrs = dict(p.split("=", 1) for p in args.ptr)
-    compiled = compile_kernel(load_kernel(args.kernel), consts, ptrs, set(args.aligned), args.warps, args.stages,
+    kernel = load_kernel(args.kernel)
+    defaults = {k: v for k, v in constexpr_defaults(kernel).items() if k not in consts}
+    compiled = compile_kernel(kernel, consts, ptrs, set(args.aligned), args.warps, args.stages,
                               args.maxnreg, args.arch)
+    if defaults:
+        print("constexpr defaults taken: " + " ".join(f"{k}={v}" for k, v in defaults.items()))
     print(report(compiled, args.dump))
 
 

@@ -1,5 +1,6 @@
 """Small loops for tests/kernels/test_kernel_sass.py: one reads each block as it loads it, one loads each
-block a step ahead into one of two register sets, one is left to the compiler's pipeliner."""
+block a step ahead into one of two register sets, one is left to the compiler's pipeliner, and one has a
+second loop behind a constexpr that defaults to off."""
 import triton
 import triton.language as tl
 
@@ -35,4 +36,16 @@ def sum_pipelined(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for b in tl.range(0, n_blocks, num_stages=3):
         acc += tl.load(x_ptr + b * BLOCK + offs)
+    tl.store(out_ptr + offs, acc)
+
+
+@triton.jit
+def sum_with_option(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, TWICE: tl.constexpr = False):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for b in range(n_blocks):
+        acc += tl.load(x_ptr + b * BLOCK + offs)
+    if TWICE:
+        for b in range(n_blocks):
+            acc += tl.load(x_ptr + b * BLOCK + offs)
     tl.store(out_ptr + offs, acc)

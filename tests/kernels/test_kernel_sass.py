@@ -17,11 +17,11 @@ TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bi
 pytestmark = pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
 
 
-def report(kernel: str) -> str:
+def report(kernel: str, *consts: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "kernels"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), f"sass_probe:{kernel}",
-                          "--const", "BLOCK=512"], capture_output=True, text=True, env=env, timeout=300)
+                          "--const", "BLOCK=512", *consts], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
 
@@ -49,3 +49,13 @@ def test_copies_to_shared_memory_are_not_counted_as_register_loads():
     out = report("sum_pipelined")              # the compiler's pipeliner: asynchronous copies, read from shared
     assert "LDGSTS" in out, out
     assert loop_lines(out) and all(loads == 0 for loads, _, _ in loop_lines(out)), out
+
+
+def test_a_constexpr_default_is_taken_unless_named():
+    off = report("sum_with_option")
+    assert "constexpr defaults taken: TWICE=0" in off, off
+    on = report("sum_with_option", "TWICE=1")
+    assert "constexpr defaults taken" not in on, on
+    # the branch behind TWICE is compiled out by default (the loops of sum_as_loaded alone), in with it on
+    assert loop_lines(off) == loop_lines(report("sum_as_loaded")), off
+    assert len(loop_lines(on)) > len(loop_lines(off)), on
