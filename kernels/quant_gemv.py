@@ -98,13 +98,16 @@ def _paired_block(w_rows, b, s_ptr, o_ptr, offs_n, n_mask, N, GROUP: tl.constexp
 def _x_words(x_ptr, b, offs_j, K, EVEN_K: tl.constexpr):
     """Block b's x for `_halves_step_h2`: four [32] int32 (two bfloat16 each), the x pairs of fields (0, 4) ..
     (3, 7) of the block's words (x_ptr: the token row's x, 4-byte aligned)."""
-    xw = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    p0 = b * 128 + _paired_word(offs_j, 0)
-    p1 = b * 128 + _paired_word(offs_j, 1)
-    p2 = b * 128 + _paired_word(offs_j, 2)
-    p3 = b * 128 + _paired_word(offs_j, 3)
-    return (read_input(xw + p0, 2 * p0 < K, EVEN_K), read_input(xw + p1, 2 * p1 < K, EVEN_K),
-            read_input(xw + p2, 2 * p2 < K, EVEN_K), read_input(xw + p3, 2 * p3 < K, EVEN_K))
+    return (_x_word(x_ptr, b * 128 + _paired_word(offs_j, 0), K, EVEN_K),
+            _x_word(x_ptr, b * 128 + _paired_word(offs_j, 1), K, EVEN_K),
+            _x_word(x_ptr, b * 128 + _paired_word(offs_j, 2), K, EVEN_K),
+            _x_word(x_ptr, b * 128 + _paired_word(offs_j, 3), K, EVEN_K))
+
+
+@triton.jit
+def _x_word(x_ptr, p, K, EVEN_K: tl.constexpr):
+    """int32: x[2 p] and x[2 p + 1] of 16-bit x in 4-byte aligned rows as one read (0 past K)."""
+    return read_input(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + p, 2 * p < K, EVEN_K)
 
 
 @triton.jit
@@ -135,7 +138,7 @@ def _x_pair(x_ptr, p, K, EVEN_K: tl.constexpr, X32: tl.constexpr):
     one 32-bit read for both."""
     k = 2 * p
     if X32:
-        v = read_input(x_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + p, k < K, EVEN_K)
+        v = _x_word(x_ptr, p, K, EVEN_K)
         if x_ptr.dtype.element_ty == tl.bfloat16:       # a bfloat16 is the top half of its float32
             x0 = (v << 16).to(tl.float32, bitcast=True)
             x1 = (v & -65536).to(tl.float32, bitcast=True)
