@@ -37,6 +37,8 @@ MIN_K_PER_SPLIT = 256      # a K split reads at least this many columns of x and
 # -17% at B=1, -2% at B=8, +12% at B=32; docs/kernels.md); above it the pair is faster.
 FUSED_MAX_TOKENS = 16
 COUNTERS = 1 << 16         # counters in a default workspace (8 per token tile)
+# Column groups of a one-token launch that writes a float32 delta (the one-row base kernel runs beside it).
+DELTA_MAX_GROUPS = 48
 
 
 @triton.jit
@@ -134,7 +136,7 @@ def _groups(widths: Sequence[int], group_n: int) -> int:
 
 
 def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots: int, device: torch.device,
-                 num_sms: int | None = None) -> dict[str, int]:
+                 num_sms: int | None = None, delta: bool = False) -> dict[str, int]:
     """Tile sizes, K split and column-group width; depends only on host-known shapes (graph-stable).
 
     H_in is split until the shrink programs cover the GPU about twice (each split
@@ -142,6 +144,14 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
     spreads over every SM; column groups are as narrow as possible while the
     expand programs stay within about four per SM (counting the upper bound of
     token tiles). Every byte of A and B is read once per token tile either way.
+
+    `delta` (one token into a float32 delta, which the one-row base kernel launched next adds): at most
+    DELTA_MAX_GROUPS column groups. That kernel starts beside this launch, and every expand program waiting
+    here for its splits holds registers on an SM where two of the base kernel's programs would otherwise fit;
+    those that do not fit start when this launch ends and run their whole chain of blocks after it. On the
+    8B's gate/up (224 groups of 128 columns, 28 of 1024 with the cap) this launch takes longer (10 -> 18 us)
+    but the base kernel beside it ends 5 us sooner (H200, rank 16 on every module, one token:
+    `bench/results/lora_one_token_contention.json`); q/k/v (48), o and down (32) keep their groups.
     """
     block_r = max(16, next_pow2(max_rank))
     block_k = min(256, max(32, 8192 // block_r))
@@ -158,6 +168,8 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
     k_per_split = cdiv(cdiv(K, split), block_k) * block_k
     group_n = block_n
     while tiles * _groups(widths, group_n) > 4 * sms and group_n < max(widths):
+        group_n *= 2
+    while delta and T == 1 and _groups(widths, group_n) > DELTA_MAX_GROUPS and group_n < max(widths):
         group_n *= 2
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
                 SPLIT_K=cdiv(K, k_per_split), K_PER_SPLIT=k_per_split, GROUP_N=group_n,
@@ -209,7 +221,7 @@ def lora_fused_triton(
         # (kernels/dense_gemv.py) and so must follow a launch that did not write that input.
         return
     widths = [b - a for a, b in zip(offs, offs[1:])]
-    cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device)
+    cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device, delta=y.dtype == torch.float32)
     if config:
         cfg.update(config)
         cfg["K_PER_SPLIT"] = cdiv(cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]

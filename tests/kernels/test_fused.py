@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernels import lora_fused
-from kernels.fused import fused_config, fused_workspace, lora_fused_triton
+from kernels.fused import DELTA_MAX_GROUPS, fused_config, fused_workspace, lora_fused_triton
 from lora_case import DEVICE, assert_untouched, build_case, dense_expand, dense_shrink, prepare_meta, random_slot_ids, rel_err
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 1e-5 if DEVICE == "cpu" else 3e-3}
@@ -84,6 +84,27 @@ def test_fused_config_is_graph_stable_and_splits_small_batches():
     assert big["GROUP_N"] > a["GROUP_N"]          # many tiles: wider column groups
 
 
+def test_fused_config_caps_column_groups_of_a_one_token_delta():
+    """One token into a float32 delta (the one-row base kernel adds it, running beside the launch): at most
+    DELTA_MAX_GROUPS column groups; the 8B's gate/up goes from 224 groups to 28, q/k/v keeps its 48."""
+    dev = torch.device("cpu")
+
+    def groups(cfg, widths):
+        return sum(-(-w // cfg["GROUP_N"]) for w in widths)
+
+    gate_up = [14336, 14336]
+    plain = fused_config(1, 4096, gate_up, 16, 8, dev, num_sms=132)
+    capped = fused_config(1, 4096, gate_up, 16, 8, dev, num_sms=132, delta=True)
+    assert groups(plain, gate_up) == 224 and groups(capped, gate_up) == 28
+    assert capped["GROUP_N"] % capped["BLOCK_N"] == 0 and capped["SPLIT_K"] == plain["SPLIT_K"]
+    qkv = [4096, 1024, 1024]
+    assert fused_config(1, 4096, qkv, 16, 8, dev, num_sms=132, delta=True) == fused_config(1, 4096, qkv, 16, 8, dev,
+                                                                                          num_sms=132)
+    assert groups(fused_config(1, 4096, [4096] * 3, 16, 8, dev, num_sms=132, delta=True), [4096] * 3) <= DELTA_MAX_GROUPS
+    assert fused_config(2, 4096, gate_up, 16, 8, dev, num_sms=132, delta=True) == fused_config(2, 4096, gate_up, 16,
+                                                                                              8, dev, num_sms=132)
+
+
 def test_fused_checks_inputs():
     gen = torch.Generator().manual_seed(0)
     case = build_case(ranks={0: [4]}, h_in=512, outs=[16], num_layers=1, gen=gen)
@@ -127,3 +148,15 @@ def test_float32_delta_output(config):
     for slots in ([0], [5], [3]):
         run_fused(case, 1, 0.0, [0, 1, 2], layer=1, gen=gen, slots=slots, dtype=torch.float16, config=config,
                   y_dtype=torch.float32)
+
+
+def test_float32_delta_output_with_capped_column_groups():
+    """A one-token float32 delta over more than DELTA_MAX_GROUPS default column groups: wider groups, each
+    program expanding several blocks of columns, the same sums."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = build_case(ranks={0: [16, 8], 2: [4, 16]}, h_in=64, outs=[4096, 3200], dtype=torch.float16, gen=gen)
+    cfg = fused_config(1, 64, [4096, 3200], case.tables.max_rank, case.tables.max_slots, torch.device("cpu"),
+                       num_sms=132, delta=True)
+    assert cfg["GROUP_N"] > cfg["BLOCK_N"]
+    for slots in ([0], [2]):
+        run_fused(case, 1, 0.0, [0, 1], layer=0, gen=gen, slots=slots, dtype=torch.float16, y_dtype=torch.float32)
