@@ -147,11 +147,16 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
 
     `delta` (one token into a float32 delta, which the one-row base kernel launched next adds): at most
     DELTA_MAX_GROUPS column groups. That kernel starts beside this launch, and every expand program waiting
-    here for its splits holds registers on an SM where two of the base kernel's programs would otherwise fit;
-    those that do not fit start when this launch ends and run their whole chain of blocks after it. On the
-    8B's gate/up (224 groups of 128 columns, 28 of 1024 with the cap) this launch takes longer (10 -> 18 us)
-    but the base kernel beside it ends 5 us sooner (H200, rank 16 on every module, one token:
-    `bench/results/lora_one_token_contention.json`); q/k/v (48), o and down (32) keep their groups.
+    here for its splits holds registers on an SM where two of the base kernel's programs (255 registers each,
+    4-bit) would otherwise fit; those that do not fit start when this launch ends and run their whole chain of
+    blocks after it. On the 8B's gate/up (224 groups of 128 columns; 28 of 1024 with the cap) this launch takes
+    longer (~10 -> 17.6-18.8 us) but the 4-bit kernel beside it runs 34.1-34.3 us from its start to its end
+    instead of 38.8-39.3, and a one-token step with a rank-16 adapter on every module took 3320 us against 3470
+    under the profiler (one run; q/k/v at 24 groups there); splitting the base kernel's K in two as well bought
+    nothing more (3336-3368 against 3326 as landed, another run). H200, `bench/results/
+    lora_one_token_contention.json`, with the variants that did not pay (56 groups, 16 programs). q/k/v (48
+    groups), o and down (32) keep theirs. Beside the bf16 one-row kernel (shorter programs) it is even: 4610 ->
+    4565 us a step under the profiler.
     """
     block_r = max(16, next_pow2(max_rank))
     block_k = min(256, max(32, 8192 // block_r))

@@ -377,7 +377,7 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
-                x_dtype: torch.dtype = torch.bfloat16, addend: bool = False) -> QuantMatmulConfig:
+                x_dtype: torch.dtype = torch.bfloat16) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
@@ -392,12 +392,6 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     wave at its ~220 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
     1-8, each the fastest or within 1 us; at this choice q/k/v 10.0 us, o 7.1, gate/up 31.6, down 16.6 in
     bench/results/quant_h2_ab.json, the sweep's own run 1-4 us faster: bench/results/quant_gemv_bounds.json).
-    With an `addend` (a one-token step's LoRA delta, written by the fused LoRA launch just before) at least two
-    splits: that launch's programs hold registers on many SMs while this kernel starts, so some of its programs
-    start only when the LoRA launch ends, and each then runs its whole chain of blocks after it; with half the
-    blocks a program that tail is halved (H200, the 8B's step at one token with a rank-16 adapter on every
-    module: gate/up, the one unsplit projection, 39.3 -> 37.2 us from its start to its end; the step
-    3470 -> 3396 us under the profiler, `bench/results/lora_one_token_contention.json`).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
@@ -441,8 +435,6 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
         split = pow2_floor(2 * num_sms // cdiv(N, 128)) if cdiv(N, 128) <= num_sms else 1
-        if addend:
-            split = max(split, 2)
         return QuantMatmulConfig(128, 1, max(1, min(split, 16, num_blocks)))
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well

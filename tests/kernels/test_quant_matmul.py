@@ -148,14 +148,6 @@ def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
     assert pick_config(1, 960, 576, 4, 132, 128).block_n != 128                           # a small weight
 
 
-def test_one_row_with_an_addend_splits_k_at_least_twice() -> None:
-    """Beside the LoRA launch that writes its addend, the one-row kernel's programs run at most half of K each
-    (the 8B's gate/up, unsplit without an addend); the projections already split keep their split."""
-    assert pick_config(1, 28672, 4096, 4, 132, 128, addend=True) == QuantMatmulConfig(128, 1, 2)
-    assert pick_config(1, 6144, 4096, 4, 132, 128, addend=True) == QuantMatmulConfig(128, 1, 4)
-    assert pick_config(1, 4096, 14336, 4, 132, 128, addend=True) == QuantMatmulConfig(128, 1, 8)
-
-
 @pytest.mark.parametrize("group,k", [(128, 640), (256, 768), (512, 1024), (128, 4608)])
 @pytest.mark.parametrize("split", [1, 3])
 def test_pair_codes_path(group: int, k: int, split: int) -> None:
