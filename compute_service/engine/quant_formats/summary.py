@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 # 4-bit weights in groups under 128 (a Q4_0 / Q4_K GGUF's 32) decode slower than 16 bits at batch 32 and more:
 # on the 8B shape (H200, bench/results/quant_decode_g32.json) groups of 32 are 1.07x / 1.05x / 0.89x / 0.66x the
-# bf16 engine at batch 1 / 8 / 32 / 64 (groups of 128: 1.63x / 1.57x / 1.22x / 1.08x; groups of 64 take neither
+# bf16 engine at batch 1 / 8 / 32 / 64 (groups of 128: 1.63x / 1.59x / 1.23x / 1.08x; groups of 64 take neither
 # pair-codes path, not measured). Small models' steps are launch-bound, so it matters from about this size.
 SLOW_GROUPS_MIN_BF16_BYTES = 4 * 2**30
 
