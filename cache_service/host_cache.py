@@ -222,8 +222,10 @@ class HostCache:
         name = name or disk.default_name_for(resolved)
         disk.check_name(name)
         tid = task_id if task_id is not None else disk.task_id_for_name(name)
-        return self._store_from_disk(resolved, tid, name=name, kind="path", replace=replace,
-                                     source_label=str(resolved))
+        # Concurrent loads of the same folder as the same adapter share one conversion (as reloads do).
+        return self._loads.run(("path", tid, str(resolved), name, replace),
+                               lambda: self._store_from_disk(resolved, tid, name=name, kind="path", replace=replace,
+                                                             source_label=str(resolved)))
 
     def evict(self, task_id: int | None, name: str = "", forget_name: bool = False) -> bool:
         if task_id is None:

@@ -106,6 +106,15 @@ def test_concurrent_requests_for_a_new_name_share_one_conversion(cache, tmp_path
     assert len(cache.backend.segment_names()) == 1
 
 
+def test_concurrent_load_path_calls_for_one_folder_share_one_conversion(cache, tmp_path):
+    write_adapter(tmp_path / "team" / "v2", seed=6, rank=32)
+    results = run_together(6, lambda: cache.load_path("team/v2", None, "team_v2", True))
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert len({r.record.version for r in results}) == 1
+    assert cache.metrics.registry.get_sample_value("loraplex_adapter_load_seconds_count", {"tier": "host"}) == 1
+    assert len(cache.backend.segment_names()) == 1
+
+
 def stale_first_look(cache, monkeypatch):
     """The backend's next `get` and `has` each answer a miss once: a caller that looked just before another
     caller's load of the same adapter stored it, and reaches the load just after that load finished."""
