@@ -172,9 +172,9 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
         split *= 2
     k_per_split = cdiv(cdiv(K, split), block_k) * block_k
     group_n = block_n
-    while tiles * _groups(widths, group_n) > 4 * sms and group_n < max(widths):
-        group_n *= 2
-    while delta and T == 1 and _groups(widths, group_n) > DELTA_MAX_GROUPS and group_n < max(widths):
+    cap = DELTA_MAX_GROUPS if delta and T == 1 else None
+    while group_n < max(widths) and (tiles * _groups(widths, group_n) > 4 * sms
+                                     or (cap is not None and _groups(widths, group_n) > cap)):
         group_n *= 2
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
                 SPLIT_K=cdiv(K, k_per_split), K_PER_SPLIT=k_per_split, GROUP_N=group_n,
