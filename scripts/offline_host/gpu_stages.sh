@@ -11,6 +11,8 @@
 #   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
 #   swap             bench/adapter_swap.py
 #   quant-decode     bench/quant_decode.py (issue 16's engine benchmark: 4-bit 8B against bf16, batch 1-64)
+#   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
+#                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
@@ -66,5 +68,8 @@ case "$stage" in
     python3 bench/serve_load.py $common --out "$out/serve_load_8b_w4_bf16.json" \
       --plot "$out/serve_load_8b_w4_bf16.png" > "$out/serve_8b_bf16.log" 2>&1
     tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
+  gemv-stalls)
+    python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" \
+      --out "$out/quant_gemv_stalls.json" --raw /tmp/quant_gemv_stalls_raw 2>&1 | tee "$out/gemv_stalls.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -1,0 +1,97 @@
+"""bench/quant_gemv_stalls.py's reading of the profiler's output: stall reasons, loops, and the load a hot line
+waits for (around a loop's back edge), on a small made-up listing."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("quant_gemv_stalls", ROOT / "bench" / "quant_gemv_stalls.py")
+stalls = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stalls)
+
+HEAD = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"# Samples","Instructions Executed","stall_barrier","stall_long_sb","stall_selected",'
+        '"stall_long_sb (Not Issued)"')
+# (address, text, long_sb samples, barrier samples, selected samples)
+LISTING = [
+    (0x00, "LDG.E.128 R4, desc[UR4][R2.64]", 0, 0, 1),
+    (0x10, "IMAD.SHL.U32 R8, R4, 0x40, RZ", 30, 0, 2),       # loop start: R4 comes from the load at 0x40
+    (0x20, "LDS.64 R10, [R12]", 0, 12, 1),
+    (0x30, "FADD R14, R10, R8", 0, 0, 3),
+    (0x40, "@!P1  LDG.E.128 R4, desc[UR4][R20.64]", 0, 0, 1),
+    (0x50, "FADD R15, R14, R9", 0, 0, 2),
+    (0x60, "@P0   BRA 0x10", 0, 0, 1),
+    (0x70, "EXIT", 0, 0, 0),
+]
+
+
+def _csv() -> str:
+    lines = ['"Kernel Name","quant_gemv_kernel",', HEAD]
+    for addr, text, lsb, bar, sel in LISTING:
+        lines.append(f'"{addr:#x}","      {text}","{lsb + bar + sel}","{lsb + bar}","{lsb + bar + sel}","8",'
+                     f'"{bar}","{lsb}","{sel}","{lsb}"')
+    return "==PROF== Connected\nQuantMatmulConfig(block_n=128, block_m=1, split_k=1, num_warps=4)\n" + "\n".join(lines)
+
+
+def test_source_table_and_loops():
+    instrs = stalls.parse_source(_csv())
+    assert [i["addr"] for i in instrs] == [a for a, *_ in LISTING]
+    assert instrs[1]["reasons"] == {"long_sb": 30, "selected": 2} and instrs[1]["samples"] == 32
+    assert stalls.loops(instrs) == [(1, 6)]
+
+
+def test_waited_load_across_the_back_edge():
+    instrs = stalls.parse_source(_csv())
+    # 0x10 reads R4: the nearest writer, going back around the loop, is the 128-bit load at 0x40 (R4..R7)
+    assert stalls.waited_load(instrs, 1) == {"load_addr": "0x40", "load": "@!P1  LDG.E.128 R4, desc[UR4][R20.64]",
+                                             "distance": 3}
+    # 0x30 reads R10 (the shared load just before) and R8: the nearest writer is a load
+    assert stalls.waited_load(instrs, 3) == {"load_addr": "0x20", "load": "LDS.64 R10, [R12]", "distance": 1}
+    # 0x50 reads R14 (an add's) and R9 (written nowhere in the loop): no load
+    assert stalls.waited_load(instrs, 5) is None
+
+
+def test_written_registers_of_wide_loads():
+    assert stalls._written("LDG.E.128", ["R4", "desc[UR4][R2.64]"]) == {4, 5, 6, 7}
+    assert stalls._written("LDS.64", ["R10", "[R12]"]) == {10, 11}
+    assert stalls._written("STS.64", ["[R1]", "R2"]) == set()
+    assert stalls._read("STS.64", ["[R1]", "R2"]) == {1, 2}
+
+
+def test_summary_and_metrics():
+    metrics = stalls.parse_metrics(
+        "    gpu__time_duration.sum                      us        29.95\n"
+        "    smsp__inst_executed.sum                   inst   11,638,144\n"
+        "    smsp__average_warps_issue_stalled_wait_per_issue_active.ratio   inst   0.53\n"
+        "    ---------------------------------------- ----------- ------------\n")
+    assert metrics == {"gpu__time_duration.sum": 29.95, "smsp__inst_executed.sum": 11638144.0,
+                       "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": 0.53}
+    s = stalls.summarize(stalls.parse_source(_csv()), metrics, top=2)
+    assert s["samples"] == 53 and list(s["reasons_share"]) == ["long_sb", "barrier", "selected"]
+    assert s["reasons_share"]["long_sb"] == pytest.approx(30 / 53, abs=1e-4)
+    assert [h["addr"] for h in s["hot"]] == ["0x10", "0x20"]
+    assert s["hot"][0]["waits_for"]["distance"] == 3 and s["hot"][1]["waits_for"] is None
+    assert s["loops"] == [{"first": "0x10", "last": "0x60", "instructions": 6}]
+
+
+def test_parse_mode_writes_the_summary(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "gate_up_source.csv").write_text(_csv())
+    (raw / "gate_up_metrics.txt").write_text("    gpu__time_duration.sum    us    29.95\n")
+    (raw / "device.txt").write_text("Some GPU\n")
+    out = tmp_path / "s.json"
+    import json
+    import sys
+    argv = sys.argv
+    sys.argv = ["quant_gemv_stalls.py", "--parse", str(raw), "--shapes", "gate_up", "--out", str(out)]
+    try:
+        stalls.main()
+    finally:
+        sys.argv = argv
+    res = json.loads(out.read_text())
+    assert res["device"] == "Some GPU" and res["shapes"]["gate_up"]["config"] == [128, 1, 1, 4]
+    assert res["shapes"]["gate_up"]["metrics"]["gpu__time_duration.sum"] == 29.95
