@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -165,16 +166,25 @@ def summarize(instrs: list[dict], metrics: dict[str, float], top: int = 12) -> d
     }
 
 
+def _ncu(args: list[str]) -> str:
+    """The profiler's stdout; a clear message when it is missing or refuses (e.g. no access to the counters)."""
+    res = subprocess.run(args, capture_output=True, text=True)
+    if res.returncode != 0 or "==ERROR==" in res.stdout:
+        tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-8:])
+        raise SystemExit(f"the profiler failed (exit {res.returncode}): {' '.join(args[:3])} ...\n{tail}")
+    return res.stdout
+
+
 def profile(name: str, raw: Path) -> None:
     """Runs the profiler twice on `--launch name` (metrics; per-instruction samples) into raw/."""
+    if shutil.which("ncu") is None:
+        raise SystemExit("the GPU profiler's command line (ncu, in the CUDA toolkit's bin) is not on the PATH")
     base = ["ncu", "--kernel-name", KERNEL, "--launch-skip", "4", "--launch-count", "1", "--clock-control", "none"]
     me = [sys.executable, str(Path(__file__).resolve()), "--launch", name]
-    res = subprocess.run(base + ["--metrics", ",".join((STALL_METRICS,) + OTHER_METRICS)] + me,
-                         capture_output=True, text=True, check=True)
-    (raw / f"{name}_metrics.txt").write_text(res.stdout)
-    res = subprocess.run(base + ["--section", "SourceCounters", "--section", "WarpStateStats", "--page", "source",
-                                 "--print-source", "sass", "--csv"] + me, capture_output=True, text=True, check=True)
-    (raw / f"{name}_source.csv").write_text(res.stdout)
+    metrics = ",".join((STALL_METRICS,) + OTHER_METRICS)
+    (raw / f"{name}_metrics.txt").write_text(_ncu(base + ["--metrics", metrics] + me))
+    (raw / f"{name}_source.csv").write_text(_ncu(base + ["--section", "SourceCounters", "--section", "WarpStateStats",
+                                                         "--page", "source", "--print-source", "sass", "--csv"] + me))
 
 
 def main() -> None:

@@ -95,3 +95,17 @@ def test_parse_mode_writes_the_summary(tmp_path):
     res = json.loads(out.read_text())
     assert res["device"] == "Some GPU" and res["shapes"]["gate_up"]["config"] == [128, 1, 1, 4]
     assert res["shapes"]["gate_up"]["metrics"]["gpu__time_duration.sum"] == 29.95
+
+
+def test_profiling_without_the_profiler_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(stalls.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="not on the PATH"):
+        stalls.profile("gate_up", tmp_path)
+
+
+def test_a_refusing_profiler_is_reported(monkeypatch):
+    class Done:
+        returncode, stdout, stderr = 0, "==ERROR== ERR_NVGPUCTRPERM - no permission to the counters\n", ""
+    monkeypatch.setattr(stalls.subprocess, "run", lambda *a, **k: Done())
+    with pytest.raises(SystemExit, match="ERR_NVGPUCTRPERM"):
+        stalls._ncu(["ncu", "--metrics", "x"])
