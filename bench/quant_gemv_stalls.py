@@ -1,8 +1,9 @@
-"""Where the one-row 4-bit kernel's warps wait: the GPU profiler's stall reasons for `quant_gemv_kernel` on the
-8B's projections at one token, and the machine-code lines the samples land on, each hot line with the global
-or local load it waits for and how many instructions earlier that load was issued (across a loop's back edge).
+"""Where the 4-bit kernels' warps wait: the GPU profiler's stall reasons for `quant_gemv_kernel` (one token) or
+the tensor-core tiles (`--rows` 2-64) on the 8B's projections, and the machine-code lines the samples land on,
+each hot line with the global or local load it waits for and how many instructions earlier that load was issued
+(across a loop's back edge).
 
-    python3 bench/quant_gemv_stalls.py --out bench/results/quant_gemv_stalls.json [--shapes gate_up,down]
+    python3 bench/quant_gemv_stalls.py --out bench/results/quant_gemv_stalls.json [--shapes gate_up,down] [--rows 8]
     python3 bench/quant_gemv_stalls.py --parse RAW_DIR --out ...     # again from the profiler's saved output
 
 Needs the profiler command line (`ncu`, in the CUDA toolkit's bin) and a GPU; its raw output lands beside the
@@ -27,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-KERNEL = "regex:quant_gemv"
+# pick_config on these shapes: the one-row kernel for one row, the tensor-core tiles for 2-64
+KERNELS = {True: "regex:quant_gemv_kernel", False: "regex:_quant_matmul_kernel"}
 STALL_METRICS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 OTHER_METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.sum", "sm__cycles_active.avg",
                  "smsp__issue_active.avg.per_cycle_active", "smsp__warps_active.avg.per_cycle_active",
@@ -36,8 +38,9 @@ REG = re.compile(r"\bR(\d+)\b")
 WIDTH = {"128": 4, "64": 2}
 
 
-def launch(name: str) -> None:
-    """Six one-row launches of pick_config's choice on projection `name` (random 4-bit weights, groups of 128)."""
+def launch(name: str, rows: int = 1) -> None:
+    """Six launches of pick_config's choice for `rows` rows on projection `name` (random 4-bit weights, groups of
+    128)."""
     import torch
 
     from kernels.quant_matmul import pick_config, quant_matmul
@@ -48,12 +51,12 @@ def launch(name: str) -> None:
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)
     s = (torch.rand(n, k // 128, device=dev, generator=gen) * 0.002 + 1e-4).half()
     w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
-    x = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
-    cfg = pick_config(1, n, k, 4, torch.cuda.get_device_properties(dev).multi_processor_count, 128)
+    x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
+    cfg = pick_config(rows, n, k, 4, torch.cuda.get_device_properties(dev).multi_processor_count, 128)
     print(cfg, flush=True)
-    out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
-    part = torch.empty(cfg.split_k * n, device=dev)
-    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+    out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
+    part = torch.empty(cfg.split_k * rows * n, device=dev)
+    locks = torch.zeros(65536, dtype=torch.int32, device=dev)     # split-K counters, one per output tile
     for _ in range(6):
         quant_matmul(x, w, None, out, cfg, part, locks)
     torch.cuda.synchronize()
@@ -175,16 +178,23 @@ def _ncu(args: list[str]) -> str:
     return res.stdout
 
 
-def profile(name: str, raw: Path) -> None:
+def _stem(name: str, rows: int) -> str:
+    """Raw files' name stem: the projection, and the rows beyond one."""
+    return name if rows == 1 else f"{name}_t{rows}"
+
+
+def profile(name: str, raw: Path, rows: int = 1) -> None:
     """Runs the profiler twice on `--launch name` (metrics; per-instruction samples) into raw/."""
     if shutil.which("ncu") is None:
         raise SystemExit("the GPU profiler's command line (ncu, in the CUDA toolkit's bin) is not on the PATH")
-    base = ["ncu", "--kernel-name", KERNEL, "--launch-skip", "4", "--launch-count", "1", "--clock-control", "none"]
-    me = [sys.executable, str(Path(__file__).resolve()), "--launch", name]
+    base = ["ncu", "--kernel-name", KERNELS[rows == 1], "--launch-skip", "4", "--launch-count", "1",
+            "--clock-control", "none"]
+    me = [sys.executable, str(Path(__file__).resolve()), "--launch", name, "--rows", str(rows)]
     metrics = ",".join((STALL_METRICS,) + OTHER_METRICS)
-    (raw / f"{name}_metrics.txt").write_text(_ncu(base + ["--metrics", metrics] + me))
-    (raw / f"{name}_source.csv").write_text(_ncu(base + ["--section", "SourceCounters", "--section", "WarpStateStats",
-                                                         "--page", "source", "--print-source", "sass", "--csv"] + me))
+    source = ["--section", "SourceCounters", "--section", "WarpStateStats", "--page", "source",
+              "--print-source", "sass", "--csv"]
+    (raw / f"{_stem(name, rows)}_metrics.txt").write_text(_ncu(base + ["--metrics", metrics] + me))
+    (raw / f"{_stem(name, rows)}_source.csv").write_text(_ncu(base + source + me))
 
 
 def main() -> None:
@@ -193,11 +203,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--parse", type=Path, help="a raw folder of an earlier run: summarize it again, no GPU")
     ap.add_argument("--raw", type=Path, help="where the profiler's raw output goes (default: <out stem>_raw/)")
+    ap.add_argument("--rows", type=int, default=1, help="token rows (1: the one-row kernel; 2-64: the tiles)")
     ap.add_argument("--launch", choices=sorted(SHAPES), help=argparse.SUPPRESS)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
+    if not 1 <= args.rows <= 64:
+        ap.error("--rows: 1 to 64 (more rows dequantize for a library GEMM)")
     if args.launch:
-        launch(args.launch)
+        launch(args.launch, args.rows)
         return
     if args.out is None:
         ap.error("--out is required")
@@ -212,16 +225,20 @@ def main() -> None:
     if not args.parse:
         date = datetime.now(timezone.utc).isoformat(timespec="seconds")
         (raw / "date.txt").write_text(date + "\n")
-    res: dict = {"kernel": "quant_gemv_kernel", "device": device, "date": date, "commit": args.commit,
-                 "command": "python3 bench/quant_gemv_stalls.py --shapes " + args.shapes, "rows": 1, "bits": 4,
-                 "group_size": 128, "shapes": {}}
+    command = f"python3 bench/quant_gemv_stalls.py --shapes {args.shapes}" + (f" --rows {args.rows}" if args.rows > 1
+                                                                               else "")
+    res: dict = {"device": device, "date": date, "commit": args.commit, "command": command, "rows": args.rows,
+                 "bits": 4, "group_size": 128, "shapes": {}}
     for name in args.shapes.split(","):
         if not args.parse:
-            profile(name, raw)
-        src = (raw / f"{name}_source.csv").read_text()
+            profile(name, raw, args.rows)
+        stem = _stem(name, args.rows)
+        src = (raw / f"{stem}_source.csv").read_text()
         cfg = re.search(r"block_n=(\d+), block_m=(\d+), split_k=(\d+), num_warps=(\d+)", src)
+        kernel = re.search(r'"Kernel Name","([^"]+)"', src)
         res["shapes"][name] = {"nk": SHAPES[name], "config": [int(v) for v in cfg.groups()] if cfg else None,
-                               **summarize(parse_source(src), parse_metrics((raw / f"{name}_metrics.txt").read_text()))}
+                               "kernel": kernel.group(1) if kernel else None,
+                               **summarize(parse_source(src), parse_metrics((raw / f"{stem}_metrics.txt").read_text()))}
         s = res["shapes"][name]
         print(f"{name}: {s['metrics'].get('gpu__time_duration.sum', 0):.1f} us, "
               + ", ".join(f"{k} {v:.0%}" for k, v in list(s["reasons_share"].items())[:5]), flush=True)

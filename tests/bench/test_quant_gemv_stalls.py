@@ -109,3 +109,43 @@ def test_a_refusing_profiler_is_reported(monkeypatch):
     monkeypatch.setattr(stalls.subprocess, "run", lambda *a, **k: Done())
     with pytest.raises(SystemExit, match="ERR_NVGPUCTRPERM"):
         stalls._ncu(["ncu", "--metrics", "x"])
+
+
+def test_parse_mode_with_rows_reads_their_files(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "down_t8_source.csv").write_text(_csv().replace("quant_gemv_kernel", "_quant_matmul_kernel")
+                                            .replace("block_m=1", "block_m=16"))
+    (raw / "down_t8_metrics.txt").write_text("    gpu__time_duration.sum    us    12.5\n")
+    out = tmp_path / "s.json"
+    import json
+    import sys
+    argv = sys.argv
+    sys.argv = ["quant_gemv_stalls.py", "--parse", str(raw), "--shapes", "down", "--rows", "8", "--out", str(out)]
+    try:
+        stalls.main()
+    finally:
+        sys.argv = argv
+    res = json.loads(out.read_text())
+    assert res["rows"] == 8 and res["command"].endswith("--rows 8")
+    assert res["shapes"]["down"]["kernel"] == "_quant_matmul_kernel" and res["shapes"]["down"]["config"][1] == 16
+
+
+def test_rows_beyond_the_tiles_are_refused(tmp_path, capsys):
+    import sys
+    argv = sys.argv
+    sys.argv = ["quant_gemv_stalls.py", "--rows", "128", "--out", str(tmp_path / "s.json")]
+    try:
+        with pytest.raises(SystemExit):
+            stalls.main()
+    finally:
+        sys.argv = argv
+    assert "--rows: 1 to 64" in capsys.readouterr().err
+
+
+def test_the_profiled_kernel_is_the_one_pick_config_runs():
+    from kernels.quant_matmul import pick_config
+    for n, k in stalls.SHAPES.values():
+        for rows in (1, 2, 8, 64):
+            one_row = pick_config(rows, n, k, 4, 132, 128).block_m == 1
+            assert stalls.KERNELS[rows == 1] == stalls.KERNELS[one_row]
