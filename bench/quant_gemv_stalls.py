@@ -27,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.kernel_sass import loops as _code_loops  # noqa: E402
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # pick_config on these shapes: the one-row kernel for one row, the tensor-core tiles for 2-64
 KERNELS = {True: "regex:quant_gemv_kernel", False: "regex:_quant_matmul_kernel"}
@@ -86,7 +88,6 @@ def parse_source(text: str) -> list[dict]:
     for r in body:
         out.append({"addr": int(r[0], 16), "sass": r[1].strip(),
                     "samples": int(r[col["Warp Stall Sampling (All Samples)"]] or 0),
-                    "executed": int(r[col["Instructions Executed"]] or 0),
                     "reasons": {h[len("stall_"):]: int(r[col[h]] or 0) for h in reasons if int(r[col[h]] or 0)}})
     return out
 
@@ -114,26 +115,20 @@ def _read(op: str, operands: list[str]) -> set[int]:
 
 
 def loops(instrs: list[dict]) -> list[tuple[int, int]]:
-    """(first, last) instruction index of each loop: a branch back to an earlier address."""
-    index = {ins["addr"]: i for i, ins in enumerate(instrs)}
-    found = []
-    for i, ins in enumerate(instrs):
-        op, operands = _split(ins["sass"])
-        if op.startswith("BRA") and operands and (m := re.match(r"(0x[0-9a-f]+)", operands[-1])):
-            target = int(m.group(1), 16)
-            if target in index and index[target] < i:
-                found.append((index[target], i))
-    return found
+    """(first, last) instruction index of each loop (`scripts/kernel_sass.loops`: a branch back to an earlier
+    address)."""
+    return _code_loops([(ins["addr"], op, ", ".join(operands))
+                        for ins in instrs for op, operands in [_split(ins["sass"])]])
 
 
-def waited_load(instrs: list[dict], i: int) -> dict | None:
+def waited_load(instrs: list[dict], i: int, spans: list[tuple[int, int]] | None = None) -> dict | None:
     """The load (global, local or shared) that instruction i's operands come from, if the nearest writer of one
-    of them is a load, searching backwards and around the enclosing loop's back edge: its address, opcode
-    and distance in instructions."""
+    of them is a load, searching backwards and around the enclosing loop's back edge (`spans`: `loops(instrs)`):
+    its address, opcode and distance in instructions."""
     reads = _read(*_split(instrs[i]["sass"]))
     if not reads:
         return None
-    span = next(((a, b) for a, b in loops(instrs) if a <= i <= b), None)
+    span = next(((a, b) for a, b in (loops(instrs) if spans is None else spans) if a <= i <= b), None)
     order = list(range(i - 1, -1, -1)) if span is None else \
         list(range(i - 1, span[0] - 1, -1)) + list(range(span[1], i, -1))
     for dist, j in enumerate(order, start=1):
@@ -164,7 +159,7 @@ def summarize(instrs: list[dict], metrics: dict[str, float], top: int = 12) -> d
                   for a, b in spans],
         "hot": [{"addr": hex(instrs[i]["addr"]), "sass": instrs[i]["sass"], "samples": instrs[i]["samples"],
                  "share": round(instrs[i]["samples"] / max(total, 1), 4), "reasons": instrs[i]["reasons"],
-                 "waits_for": waited_load(instrs, i)} for i in hot],
+                 "waits_for": waited_load(instrs, i, spans)} for i in hot],
         "metrics": metrics,
     }
 
@@ -216,15 +211,12 @@ def main() -> None:
         ap.error("--out is required")
     raw = args.parse or args.raw or args.out.with_name(args.out.stem + "_raw")
     raw.mkdir(parents=True, exist_ok=True)
-    if not args.parse:      # the card's name, kept with the raw output for a later --parse
+    if not args.parse:      # the card's name and the date, kept with the raw output for a later --parse
         name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
                               capture_output=True, text=True, check=True).stdout.strip()
         (raw / "device.txt").write_text(name + "\n")
-    device = (raw / "device.txt").read_text().strip() if (raw / "device.txt").exists() else None
-    date = (raw / "date.txt").read_text().strip() if (raw / "date.txt").exists() else None
-    if not args.parse:
-        date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        (raw / "date.txt").write_text(date + "\n")
+        (raw / "date.txt").write_text(datetime.now(timezone.utc).isoformat(timespec="seconds") + "\n")
+    device, date = ((raw / f).read_text().strip() if (raw / f).exists() else None for f in ("device.txt", "date.txt"))
     command = f"python3 bench/quant_gemv_stalls.py --shapes {args.shapes}" + (f" --rows {args.rows}" if args.rows > 1
                                                                                else "")
     res: dict = {"device": device, "date": date, "commit": args.commit, "command": command, "rows": args.rows,

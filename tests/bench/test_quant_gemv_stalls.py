@@ -3,6 +3,8 @@ waits for (around a loop's back edge), on a small made-up listing."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,11 @@ def _csv() -> str:
         lines.append(f'"{addr:#x}","      {text}","{lsb + bar + sel}","{lsb + bar}","{lsb + bar + sel}","8",'
                      f'"{bar}","{lsb}","{sel}","{lsb}"')
     return "==PROF== Connected\nQuantMatmulConfig(block_n=128, block_m=1, split_k=1, num_warps=4)\n" + "\n".join(lines)
+
+
+def _main(monkeypatch, *args: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["quant_gemv_stalls.py", *args])
+    stalls.main()
 
 
 def test_source_table_and_loops():
@@ -77,21 +84,14 @@ def test_summary_and_metrics():
     assert s["loops"] == [{"first": "0x10", "last": "0x60", "instructions": 6}]
 
 
-def test_parse_mode_writes_the_summary(tmp_path):
+def test_parse_mode_writes_the_summary(tmp_path, monkeypatch):
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "gate_up_source.csv").write_text(_csv())
     (raw / "gate_up_metrics.txt").write_text("    gpu__time_duration.sum    us    29.95\n")
     (raw / "device.txt").write_text("Some GPU\n")
     out = tmp_path / "s.json"
-    import json
-    import sys
-    argv = sys.argv
-    sys.argv = ["quant_gemv_stalls.py", "--parse", str(raw), "--shapes", "gate_up", "--out", str(out)]
-    try:
-        stalls.main()
-    finally:
-        sys.argv = argv
+    _main(monkeypatch, "--parse", str(raw), "--shapes", "gate_up", "--out", str(out))
     res = json.loads(out.read_text())
     assert res["device"] == "Some GPU" and res["shapes"]["gate_up"]["config"] == [128, 1, 1, 4]
     assert res["shapes"]["gate_up"]["metrics"]["gpu__time_duration.sum"] == 29.95
@@ -111,35 +111,22 @@ def test_a_refusing_profiler_is_reported(monkeypatch):
         stalls._ncu(["ncu", "--metrics", "x"])
 
 
-def test_parse_mode_with_rows_reads_their_files(tmp_path):
+def test_parse_mode_with_rows_reads_their_files(tmp_path, monkeypatch):
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "down_t8_source.csv").write_text(_csv().replace("quant_gemv_kernel", "_quant_matmul_kernel")
                                             .replace("block_m=1", "block_m=16"))
     (raw / "down_t8_metrics.txt").write_text("    gpu__time_duration.sum    us    12.5\n")
     out = tmp_path / "s.json"
-    import json
-    import sys
-    argv = sys.argv
-    sys.argv = ["quant_gemv_stalls.py", "--parse", str(raw), "--shapes", "down", "--rows", "8", "--out", str(out)]
-    try:
-        stalls.main()
-    finally:
-        sys.argv = argv
+    _main(monkeypatch, "--parse", str(raw), "--shapes", "down", "--rows", "8", "--out", str(out))
     res = json.loads(out.read_text())
     assert res["rows"] == 8 and res["command"].endswith("--rows 8")
     assert res["shapes"]["down"]["kernel"] == "_quant_matmul_kernel" and res["shapes"]["down"]["config"][1] == 16
 
 
-def test_rows_beyond_the_tiles_are_refused(tmp_path, capsys):
-    import sys
-    argv = sys.argv
-    sys.argv = ["quant_gemv_stalls.py", "--rows", "128", "--out", str(tmp_path / "s.json")]
-    try:
-        with pytest.raises(SystemExit):
-            stalls.main()
-    finally:
-        sys.argv = argv
+def test_rows_beyond_the_tiles_are_refused(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _main(monkeypatch, "--rows", "128", "--out", str(tmp_path / "s.json"))
     assert "--rows: 1 to 64" in capsys.readouterr().err
 
 
