@@ -106,8 +106,30 @@ def test_concurrent_requests_for_a_new_name_share_one_conversion(cache, tmp_path
     assert len(cache.backend.segment_names()) == 1
 
 
-def test_concurrent_load_path_calls_for_one_folder_share_one_conversion(cache, tmp_path):
+def hold_loads_until_all_arrive(cache, monkeypatch, n):
+    """A load runs only once all n callers have entered the single flight (or after 10 s): a LoadPath is an
+    explicit load, so a caller the scheduler started after the first load had finished would rightly load
+    again; held, the test checks the sharing, not the thread timing."""
+    arrived, lock, all_in = [0], threading.Lock(), threading.Event()
+    real_run, real_store = cache._loads.run, cache._store_from_disk
+
+    def run(key, fn):
+        with lock:
+            arrived[0] += 1
+            if arrived[0] == n:
+                all_in.set()
+        return real_run(key, fn)
+
+    def store(*args, **kwargs):
+        all_in.wait(10)
+        return real_store(*args, **kwargs)
+    monkeypatch.setattr(cache._loads, "run", run)
+    monkeypatch.setattr(cache, "_store_from_disk", store)
+
+
+def test_concurrent_load_path_calls_for_one_folder_share_one_conversion(cache, tmp_path, monkeypatch):
     write_adapter(tmp_path / "team" / "v2", seed=6, rank=32)
+    hold_loads_until_all_arrive(cache, monkeypatch, 6)
     results = run_together(6, lambda: cache.load_path("team/v2", None, "team_v2", True))
     assert not any(isinstance(r, Exception) for r in results), results
     assert len({r.record.version for r in results}) == 1
