@@ -1,6 +1,9 @@
 """Compiles a Triton kernel for a GPU architecture on a machine without one and reports its machine code:
-registers, spills, instruction mix, and per loop the instruction count and the global loads the loop waits
-for in the same iteration they are requested in (a prefetch that does not hide latency).
+registers, spills, instruction mix, and per loop the instruction count, the global loads the loop waits
+for in the same iteration they are requested in (a prefetch that does not hide latency), and its barriers
+and shared-memory stores and loads (a value moved between two layouts goes through shared memory behind
+barriers, which hold the program's warps together; the compiler inserts such moves where a value is
+produced in one layout and used in another, e.g. a [BN] load used across a [BN, K] tile).
 
     python3 scripts/kernel_sass.py kernels.quant_gemv:quant_gemv_kernel \\
         --const GROUP=128 BITS=4 BLOCK_N=64 SPLIT=1 HAS_BIAS=0 EVEN_K=1 FENCE=1 NUM_THREADS=128 ASM=1 \\
@@ -80,6 +83,13 @@ def waits(body: list[tuple[int, str, str]]) -> tuple[list[str], int, int]:
     return list(hits.values()), loads, len(set(pending.values()) - set(hits))
 
 
+def shared_traffic(body: list[tuple[int, str, str]]) -> tuple[int, int, int]:
+    """Barriers (BAR.SYNC and the like; not the asynchronous copies' own waits), shared-memory stores and
+    shared-memory loads (LDS, LDSM) in a loop body."""
+    bars = sum(op.startswith("BAR") and not op.startswith("BAR.ARV") for _, op, _ in body)
+    return bars, sum(op.startswith("STS") for _, op, _ in body), sum(op.startswith("LDS") for _, op, _ in body)
+
+
 def mix(body: list[tuple[int, str, str]], top: int = 12) -> str:
     return " ".join(f"{op}:{n}" for op, n in Counter(op.split(".")[0] for _, op, _ in body).most_common(top))
 
@@ -151,9 +161,11 @@ def report(compiled, dump: Path | None) -> str:
     for first, last in loops(code):
         body = code[first:last + 1]
         hits, loads, in_flight = waits(body)
+        bars, stores, shared_loads = shared_traffic(body)
         out.append(f"loop {body[0][0]:05x}-{body[-1][0]:05x}: {len(body)} instructions ({mix(body, 8)}); "
                    f"of its {loads} global loads {len(hits)} are waited for in the same iteration, {in_flight} "
-                   "are in flight at the back edge")
+                   f"are in flight at the back edge; {bars} barriers, {stores} shared stores, {shared_loads} "
+                   "shared loads")
         out += ["  " + h for h in hits]
     return "\n".join(out)
 

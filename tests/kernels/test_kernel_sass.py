@@ -1,7 +1,8 @@
 """scripts/kernel_sass.py compiles a kernel for Hopper with no GPU and finds, per loop, the loads the loop
 waits for in the iteration that requested them: all of them for a loop that reads each block as it loads
 it, none for one that loads each block a step ahead into one of two register sets; a loop the compiler
-pipelines through shared memory has no register loads to count."""
+pipelines through shared memory has no register loads to count; a value moved between layouts in the loop
+shows as barriers and shared-memory traffic there."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,11 @@ def report(kernel: str, *consts: str) -> str:
                           "--const", "BLOCK=512", *consts], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
+
+
+def shared_lines(out: str) -> list[tuple[int, int, int]]:
+    """(barriers, shared stores, shared loads) per loop."""
+    return [tuple(map(int, m)) for m in re.findall(r"(\d+) barriers, (\d+) shared stores, (\d+) shared loads", out)]
 
 
 def loop_lines(out: str) -> list[tuple[int, int, int]]:
@@ -59,3 +65,11 @@ def test_a_constexpr_default_is_taken_unless_named():
     # the branch behind TWICE is compiled out by default (the loops of sum_as_loaded alone), in with it on
     assert loop_lines(off) == loop_lines(report("sum_as_loaded")), off
     assert len(loop_lines(on)) > len(loop_lines(off)), on
+
+
+def test_a_reduction_across_warps_shows_barriers_and_shared_traffic_in_the_loop():
+    across = shared_lines(report("tile_sums_each_step", "AXIS=0"))
+    assert len(across) == 1 and all(n > 0 for n in across[0]), across
+    for kernel, *consts in (("tile_sums_each_step", "AXIS=1"), ("sum_as_loaded",)):
+        loops = shared_lines(report(kernel, *consts))
+        assert loops and all(n == (0, 0, 0) for n in loops), (kernel, loops)
