@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import types
 
 import numpy as np
@@ -12,6 +13,7 @@ from safetensors.torch import save_file
 
 from loraplex import errors
 from loraplex.formats import read_peft, validate
+from cache_service import single_flight
 from cache_service.convert_procs import ConvertProcesses
 from cache_service.host_cache import HostCache
 from cache_service.shm_backend import ShmBackend
@@ -106,30 +108,31 @@ def test_concurrent_requests_for_a_new_name_share_one_conversion(cache, tmp_path
     assert len(cache.backend.segment_names()) == 1
 
 
-def hold_loads_until_all_arrive(cache, monkeypatch, n):
-    """A load runs only once all n callers have entered the single flight (or after 10 s): a LoadPath is an
-    explicit load, so a caller the scheduler started after the first load had finished would rightly load
-    again; held, the test checks the sharing, not the thread timing."""
-    arrived, lock, all_in = [0], threading.Lock(), threading.Event()
-    real_run, real_store = cache._loads.run, cache._store_from_disk
+def hold_load_until_the_others_wait(cache, monkeypatch, n):
+    """The load runs only once the other n - 1 callers are inside the single flight waiting for its outcome (or
+    after 10 s): a LoadPath is an explicit load, so a caller the scheduler started after the first load had
+    finished would rightly load again; held, the test checks the sharing, not the thread timing."""
+    waiting = threading.Semaphore(0)
 
-    def run(key, fn):
-        with lock:
-            arrived[0] += 1
-            if arrived[0] == n:
-                all_in.set()
-        return real_run(key, fn)
+    class Shared(single_flight.Future):
+        def result(self, timeout=None):
+            waiting.release()           # this caller found the load in flight and shares its outcome
+            return super().result(timeout)
+
+    real_store = cache._store_from_disk
 
     def store(*args, **kwargs):
-        all_in.wait(10)
+        deadline = time.monotonic() + 10
+        for _ in range(n - 1):
+            waiting.acquire(timeout=max(0.0, deadline - time.monotonic()))
         return real_store(*args, **kwargs)
-    monkeypatch.setattr(cache._loads, "run", run)
+    monkeypatch.setattr(single_flight, "Future", Shared)
     monkeypatch.setattr(cache, "_store_from_disk", store)
 
 
 def test_concurrent_load_path_calls_for_one_folder_share_one_conversion(cache, tmp_path, monkeypatch):
     write_adapter(tmp_path / "team" / "v2", seed=6, rank=32)
-    hold_loads_until_all_arrive(cache, monkeypatch, 6)
+    hold_load_until_the_others_wait(cache, monkeypatch, 6)
     results = run_together(6, lambda: cache.load_path("team/v2", None, "team_v2", True))
     assert not any(isinstance(r, Exception) for r in results), results
     assert len({r.record.version for r in results}) == 1
