@@ -121,8 +121,11 @@ def test_two_workers_share_both_ports_and_answer_alike(stack):
     assert "2 gateway processes share" in out
 
     texts = set()
-    for i in range(16):                        # a new connection each time: the kernel picks a worker
-        with Client(stack.grpc_address, timeout=60) as c:
+    # New connections each time, so the kernel picks a worker for each: a client of one connection may be
+    # handed the previous client's connection from gRPC's process-wide pool (in one fresh-clone CI run every
+    # call reached one worker); a client of two connections keeps a pool of its own (one call uses the first).
+    for i in range(16):
+        with Client(stack.grpc_address, timeout=60, connections=2) as c:
             texts.add(c.generate(PROMPT, lora="alpha" if i % 2 else None, max_tokens=6).text + f"|{i % 2}")
     for i in range(16):
         texts.add(_completion(stack.base_url, "alpha" if i % 2 else None) + f"|{i % 2}")
