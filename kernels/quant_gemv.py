@@ -14,7 +14,7 @@ over the half), outside the per-code work. Against the per-group loop below: 7-1
 8B shapes (H200 A/B, 78.9 -> 71.0 us per layer with 64-feature programs).
 With bfloat16 x (the served 8B's case) that layout takes `_halves_step_h2` instead: two codes an instruction
 in float16 pairs (`kernels.quant_h2`; its rounding is stated there) and a loop of two blocks a step in two register
-sets, each block's words, scales and offsets requested one block ahead (H200, the 8B shapes, each at its
+sets, each block's words (and then its scales and offsets) requested one block ahead (H200, the 8B shapes, each at its
 pick_config, us: q/k/v 10.9 -> 10.0, o 7.6 -> 7.1, gate/up 35.1 -> 31.6, down 18.2 -> 16.6;
 bench/results/quant_h2_ab.json). Either alone did little:
 the arithmetic alone (no new words) and the loads alone (no arithmetic) each took ~29 us on gate/up, so a kernel
@@ -24,6 +24,10 @@ in the step, its latency (an L2 round trip a block) was paid once a block by eve
 blocks took ~27 us on gate/up whether its SM held one program or two (bench/results/quant_gemv_xprefetch.json).
 H200, each at its pick_config, us: q/k/v 10.0 -> 9.2, o 7.1 -> 6.7, gate/up 32.2 -> 30.4, down 15.9 -> 14.9
 (bench/results/quant_h2_xprefetch_ab.json).
+The scales and offsets are read in the step, in the words' own layout (`_tile_value`): read as [BN] values they
+were exchanged through shared memory into that layout twice a block, behind 8 barriers a loop step; offsets
+apply per word. H200, us: gate/up 29.2 -> 27.8, the others within 0.1; the engine at batch 1 2.48 -> 2.46 ms a
+token, 3.23 -> 3.15 with rank-16 adapters on every module (bench/results/quant_scale_layout_ab.json).
 Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded per group as it comes.
 """
 import triton
@@ -85,13 +89,31 @@ def _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N):
 
 
 @triton.jit
-def _paired_block(w_rows, b, s_ptr, o_ptr, offs_n, n_mask, N, GROUP: tl.constexpr):
-    """Block b of the paired layout as read from memory: its [BN, 32] words and both halves' scales and offsets
-    (`_half_scales`)."""
+def _paired_block(w_rows, b, n_mask, GROUP: tl.constexpr, EVEN_N: tl.constexpr):
+    """Block b of the paired layout as read from memory: its [BN, 32] words, and its halves' groups (whose scales
+    and offsets `_tile_value` reads). EVEN_N (every program's rows exist): the words are read unmasked."""
     g_a, g_b = _half_groups(b, GROUP)
-    words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
-    s_a, s_b, o_a, o_b = _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N)
-    return words, s_a, s_b, o_a, o_b
+    if EVEN_N:
+        words = tl.load(w_rows + b * 32)
+    else:
+        words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
+    return words, g_a, g_b
+
+
+@triton.jit
+def _tile_value(ptr, g_a, g_b, offs_n, N, ASM: tl.constexpr):
+    """fp32 [BN, 32]: element (row, j) is float16 [groups, N] `ptr`'s value of row offs_n in group g_a for words
+    j < 16, g_b for the others (rows past N: undefined, never written out). Read in the words' own layout (inline
+    assembly: a load would be given a layout of its own and exchanged through shared memory, behind barriers),
+    once a row by each thread: its 4 neighbouring words share one half, so their addresses are one value."""
+    g = g_a + (tl.arange(0, 32) // 16) * (g_b - g_a)
+    p = ptr + g[None, :] * N + offs_n[:, None]
+    inside = (offs_n < N)[:, None]
+    if not ASM:
+        return tl.load(p, mask=inside, other=0.0).to(tl.float32)
+    return tl.inline_asm_elementwise("{ .reg .pred q; .reg .b16 t; setp.ne.b32 q, $2, 0;\n"
+                                     "@q ld.global.nc.b16 t, [$1]; cvt.f32.f16 $0, t; }", "=f,l,r",
+                                     [p, inside.to(tl.int32)], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -111,25 +133,22 @@ def _x_word(x_ptr, p, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _halves_step_h2(words, s_a, s_b, o_a, o_b, xv, acc, acc_o, offs_j, ASM: tl.constexpr):
+def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.constexpr):
     """`_halves_step` for bfloat16 x in 4-byte aligned rows, two codes an instruction (`kernels.quant_h2`): each
-    word's 8 codes summed in float16 pairs, the group scale (times 256: the sums are of q / 256) applied to the
-    word's fp32 sum, the offsets to fp32 sums of x. A block's words, scales and offsets come from `_paired_block`,
-    its x from `_x_words` (xv), both requested a block ahead by the caller."""
+    word's 8 codes summed in float16 pairs, then the word's group scale (times 256: the sums are of q / 256) and
+    offset (times the word's fp32 sum of x) applied in two FMAs. The scales and offsets are read here, in the
+    words' layout (`_tile_value`); a block's words and groups come from `_paired_block`, its x from `_x_words`
+    (xv), both requested a block ahead by the caller."""
     v0, v1, v2, v3 = xv
     h0, t0 = h2_x(v0, ASM)
     h1, t1 = h2_x(v1, ASM)
     h2, t2 = h2_x(v2, ASM)
     h3, t3 = h2_x(v3, ASM)
     r = h2_word(words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], h2_nsum(h0, h1, h2, h3, ASM)[None, :], ASM)
-    half_a = offs_j < 16
-    s_a = 256.0 * s_a.to(tl.float32)
-    s_b = 256.0 * s_b.to(tl.float32)
-    acc = tl.fma(tl.where(half_a[None, :], s_a[:, None], s_b[:, None]), r, acc)
+    s = _tile_value(s_ptr, g_a, g_b, offs_n, N, ASM)
+    o = _tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
     x_t = t0 + t1 + t2 + t3
-    acc_o += (o_a.to(tl.float32) * tl.sum(tl.where(half_a, x_t, 0.0), axis=0)
-              + o_b.to(tl.float32) * tl.sum(tl.where(half_a, 0.0, x_t), axis=0))
-    return acc, acc_o
+    return tl.fma(256.0 * s, r, tl.fma(o, x_t[None, :], acc))
 
 
 @triton.jit
@@ -279,7 +298,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
                       PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False,
-                      H2: tl.constexpr = False):
+                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
@@ -288,7 +307,8 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`. ROWS (groups of 32):
     each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
     H2 (PAIRED, bfloat16 x in 4-byte aligned rows): `_halves_step_h2`, two blocks a loop step in two register sets,
-    each block's words, scales, offsets and x requested before the previous block's arithmetic."""
+    each block's words and x requested before the previous block's arithmetic. EVEN_N (N a multiple of BLOCK_N):
+    the H2 path reads its words unmasked."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -316,27 +336,28 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         if ADD:
             wait_then_release(USE_PDL)
     elif H2:
-        # Two register sets, no copies: block b + 1 (words, scales, offsets and its x) is requested before block
-        # b's arithmetic, block b + 2 (into b's registers, free by then) before b + 1's; the last pair's b + 2
-        # re-reads the split's last block. The first block's x comes after the wait (the launch before writes it).
-        words, s_a, s_b, o_a, o_b = _paired_block(w_rows, b_lo, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
+        # Two register sets, no copies: block b + 1 (words and its x) is requested before block b's arithmetic,
+        # block b + 2 (into b's registers, free by then) before b + 1's; the last pair's b + 2 re-reads the
+        # split's last block. The first block's x comes after the wait (the launch before writes it). Each block's
+        # scales and offsets are read in its step, in the words' layout (`_tile_value`).
+        words, g_a, g_b = _paired_block(w_rows, b_lo, n_mask, GROUP, EVEN_N)
         if not ADD:
             wait_then_release(USE_PDL)
         xv = _x_words(x_base, b_lo, offs_j, K, EVEN_K)
         for it in range(0, (b_hi - b_lo) // 2):
             b = b_lo + 2 * it
-            words1, s_a1, s_b1, o_a1, o_b1 = _paired_block(w_rows, b + 1, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
+            words1, g_a1, g_b1 = _paired_block(w_rows, b + 1, n_mask, GROUP, EVEN_N)
             xv1 = _x_words(x_base, b + 1, offs_j, K, EVEN_K)
-            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, xv, acc, acc_o, offs_j, ASM)
+            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
             b2 = tl.minimum(b + 2, b_hi - 1)
-            words, s_a, s_b, o_a, o_b = _paired_block(w_rows, b2, s_ptr, o_ptr, offs_n, n_mask, N, GROUP)
+            words, g_a, g_b = _paired_block(w_rows, b2, n_mask, GROUP, EVEN_N)
             xv = _x_words(x_base, b2, offs_j, K, EVEN_K)
-            acc, acc_o = _halves_step_h2(words1, s_a1, s_b1, o_a1, o_b1, xv1, acc, acc_o, offs_j, ASM)
+            acc = _halves_step_h2(words1, g_a1, g_b1, xv1, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if (b_hi - b_lo) % 2 == 1:
-            acc, acc_o = _halves_step_h2(words, s_a, s_b, o_a, o_b, xv, acc, acc_o, offs_j, ASM)
+            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if ADD:
             wait_then_release(USE_PDL)
-        total = tl.sum(acc, axis=1) + acc_o
+        total = tl.sum(acc, axis=1)
     else:
         words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
         if not ADD:

@@ -116,27 +116,51 @@ def _half_operand(words, BF16: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _pairs_step(words, b, acc, x_half, m_mask, offs_h, s_ptr, offs_n, n_mask, N, K, GROUP: tl.constexpr,
-                EVEN_K: tl.constexpr, ASM: tl.constexpr):
+def _pairs_step(words, b, acc, x_half, m_mask, offs_h, scales, offs_n, K, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                WORDS: tl.constexpr):
     """Block b of a 4-bit weight in groups of 128 or more (paired layout) into acc (out.T, [BN, BM]): words
-    (`_load_words`) is the block's two halves, a (group g_a) and b (g_b), 16 words a row each. The codes
-    enter the dots as BIAS + q in x's type, exact (`biased_pair`: one shift and one instruction per two
-    neighbouring codes, no float math per code, no shuffle); each half's 16 words become one [BN, 128]
-    operand in k order (`_half_operand`, so x's half-block tile is read as it lies) for one K=128 dot; its sum
-    D = sum((B + q) x) takes the half's group scale after the dot, one FMA per element in fp32. The offsets'
-    part, sum over halves of (o - B s) * sum(x), is dots after the loop (`_offsets_term`)."""
+    (`_load_words`) is the block's two halves, a (group g_a) and b (g_b), 16 words a row each; scales, their
+    group scales as `_block_scales` read them a step earlier. The codes enter the dots as BIAS + q in x's type,
+    exact (`biased_pair`: one shift and one instruction per two neighbouring codes, no float math per code, no
+    shuffle); each half's 16 words become one [BN, 128] operand in k order (`_half_operand`, so x's half-block
+    tile is read as it lies) for one K=128 dot; its sum D = sum((B + q) x) takes the half's group scale after
+    the dot, one FMA per element in fp32. The offsets' part, sum over halves of (o - B s) * sum(x), is dots after
+    the loop (`_offsets_term`)."""
     BF16: tl.constexpr = x_half.dtype.element_ty == tl.bfloat16
     words_a, words_b = words
     k_a = b * 256
     xa = _load_x(x_half + k_a, m_mask, k_a + offs_h < K, EVEN_K)                      # [128, BM]
     xb = _load_x(x_half + k_a + 128, m_mask, k_a + 128 + offs_h < K, EVEN_K)
-    s_a = tl.load(s_ptr + ((b * 256) // GROUP) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    s_b = tl.load(s_ptr + ((b * 256 + 128) // GROUP) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     d_a = tl.dot(_half_operand(words_a, BF16, ASM), xa)
     d_b = tl.dot(_half_operand(words_b, BF16, ASM), xb)
-    acc = tl.fma(s_a[:, None], d_a, acc)
-    acc = tl.fma(s_b[:, None], d_b, acc)
+    acc = tl.fma(_scale_value(scales[0], offs_n, WORDS)[:, None], d_a, acc)
+    acc = tl.fma(_scale_value(scales[1], offs_n, WORDS)[:, None], d_b, acc)
     return acc
+
+
+@triton.jit
+def _block_scales(s_ptr, b, offs_n, n_mask, N, GROUP: tl.constexpr, WORDS: tl.constexpr):
+    """Block b's two halves' group scales (paired layout), requested a loop step before their use. WORDS (N even,
+    s_ptr 4-byte aligned): the 4-byte words holding each row's float16 (rows n and n ^ 1 share one), carried to the
+    next step as read; as 16-bit values a pack at the loop's back edge would wait for them. Else the float16s."""
+    g_a = (b * 256) // GROUP
+    g_b = (b * 256 + 128) // GROUP
+    if WORDS:
+        words = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        scales = (tl.load(words + (g_a * N + offs_n) // 2, mask=n_mask, other=0),
+                  tl.load(words + (g_b * N + offs_n) // 2, mask=n_mask, other=0))
+    else:
+        scales = (tl.load(s_ptr + g_a * N + offs_n, mask=n_mask, other=0.0),
+                  tl.load(s_ptr + g_b * N + offs_n, mask=n_mask, other=0.0))
+    return scales
+
+
+@triton.jit
+def _scale_value(v, offs_n, WORDS: tl.constexpr):
+    """float32: row offs_n's scale from `_block_scales` (WORDS: the word's high half for odd rows)."""
+    if WORDS:
+        v = ((v >> (16 * (offs_n % 2))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return v.to(tl.float32)
 
 
 @triton.jit
@@ -204,8 +228,6 @@ def _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mas
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
     if PAIRS and not PAIRED:    # groups of 32; x_cols: [32, BM] tiles of x.T
         acc = _group_pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_mask, N, K, EVEN_K, ASM)
-    elif PAIRS:           # x_cols: [128, BM] half-block tiles of x.T
-        acc = _pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_mask, N, K, GROUP, EVEN_K, ASM)
     elif FIELD_DOTS:      # one K=32 dot per field: the codes reach the dot with no trip through shared memory
         for i in tl.static_range(32 // BITS):
             k0 = b * BLOCK_K + i * 32
@@ -225,7 +247,8 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
                          GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                          FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr,
-                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr):
+                         PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr,
+                         SCALE_WORDS: tl.constexpr):
     # As a dependent launch (kernels/pdl.py) the first block's words are read before the wait; x, the sums
     # of x, the partials and the locks after it.
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
@@ -240,13 +263,25 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b_lo, PAIRS and PAIRED)
-    wait_then_release(USE_PDL)
-    acc = _mm_block(words, b_lo, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
-                    EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
-    for b in range(b_lo + 1, b_hi):
-        words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS and PAIRED)
-        acc = _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
+    if PAIRS and PAIRED:    # block b + 1's group scales requested in block b's step (none waited for in its own)
+        scales = _block_scales(s_ptr, b_lo, offs_n, n_mask, N, GROUP, SCALE_WORDS)
+        wait_then_release(USE_PDL)
+        ahead = _block_scales(s_ptr, tl.minimum(b_lo + 1, b_hi - 1), offs_n, n_mask, N, GROUP, SCALE_WORDS)
+        acc = _pairs_step(words, b_lo, acc, x_cols, m_mask, offs_k, scales, offs_n, K, EVEN_K, ASM, SCALE_WORDS)
+        scales = ahead
+        for b in range(b_lo + 1, b_hi):
+            words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, True)
+            ahead = _block_scales(s_ptr, tl.minimum(b + 1, b_hi - 1), offs_n, n_mask, N, GROUP, SCALE_WORDS)
+            acc = _pairs_step(words, b, acc, x_cols, m_mask, offs_k, scales, offs_n, K, EVEN_K, ASM, SCALE_WORDS)
+            scales = ahead
+    else:
+        wait_then_release(USE_PDL)
+        acc = _mm_block(words, b_lo, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
                         EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
+        for b in range(b_lo + 1, b_hi):
+            words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b, PAIRS and PAIRED)
+            acc = _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
+                            EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
     if PAIRS:           # the offsets' part
         acc = _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
                             x_ptr.dtype.element_ty == tl.bfloat16, acc, 128 if PAIRED else 32)
@@ -341,15 +376,16 @@ def quant_matmul(
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=paired and x32 and x.dtype == torch.bfloat16,
-                                **pdl)
+                                PAIRED=paired, X32=x32, ROWS=cfg.thread_rows,
+                                H2=paired and x32 and x.dtype == torch.bfloat16, EVEN_N=N % cfg.block_n == 0, **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                    EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
-                                   PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+                                   PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                   SCALE_WORDS=N % 2 == 0 and w.scales.data_ptr() % 4 == 0, **pdl)
 
 
 def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:

@@ -109,9 +109,12 @@ def test_one_row_whole_rows_a_thread(bits: int, k: int, dtype: torch.dtype, spli
 def test_one_row_bf16_float16_pairs(group: int, k: int, split: int) -> None:
     """One row of bfloat16 x on 4 bits in groups of 128+ (`quant_gemv._halves_step_h2`: codes times x in float16
     pairs, two blocks a loop step): 2, 3 and 7 blocks, split so that a split holds an odd or even count of them
-    (7 in 2: 4 + 3; in 3: 3 + 3 + 1), a bias, a partial program of rows, 64- and 128-feature programs."""
+    (7 in 2: 4 + 3; in 3: 3 + 3 + 1), a bias, a partial program of rows (even and odd: each row's scales and
+    offsets are read for its own words, `_tile_value`), 64- and 128-feature programs; whole programs of rows
+    read their words unmasked (EVEN_N)."""
     check(1, 64, k, 4, group, torch.bfloat16, True, QuantMatmulConfig(64, 1, split))
     check(1, 40, k, 4, group, torch.bfloat16, False, QuantMatmulConfig(128, 1, split))
+    check(1, 41, k, 4, group, torch.bfloat16, False, QuantMatmulConfig(64, 1, split))
 
 
 def test_one_row_bf16_addend_and_large_x() -> None:
@@ -153,9 +156,12 @@ def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
 def test_pair_codes_path(group: int, k: int, split: int) -> None:
     """4 bits in groups of 128 and more, 16-bit x: the codes enter the dots as they are, each group's scale
     applies after them (`_pairs_step`) and the offsets' part after the loop (`_offsets_term`,
-    in dots of 16 halves: K = 4608 unsplit has 36); padded K, a partial token tile and split-K."""
+    in dots of 16 halves: K = 4608 unsplit has 36); padded K, a partial token tile and split-K. The scales,
+    read a step ahead (`_block_scales`), come as 4-byte words of two rows for an even number of rows, as 16-bit
+    values for an odd one (41)."""
     check(19, 40, k, 4, group, torch.float16, True, QuantMatmulConfig(16, 16, split))
     check(7, 24, k, 4, group, torch.float16, False, QuantMatmulConfig(32, 32, split))
+    check(5, 41, k, 4, group, torch.float16, False, QuantMatmulConfig(16, 16, split))
 
 
 @pytest.mark.parametrize("k", [288, 512, 1536])
