@@ -91,3 +91,100 @@ def h2_nsum(x0, x1, x2, x3, ASM: tl.constexpr):
     lo = ((_f16_lo(x0) + _f16_lo(x1)).to(tl.float16) + _f16_lo(x2)).to(tl.float16) + _f16_lo(x3)
     hi = ((_f16_hi(x0) + _f16_hi(x1)).to(tl.float16) + _f16_hi(x2)).to(tl.float16) + _f16_hi(x3)
     return _f16x2(-(lo.to(tl.float16)), -(hi.to(tl.float16)))
+
+
+def _word4_asm() -> str:
+    """PTX for `h2_acc4` (pack 4): operands $0-3 acc out; in: acc $4-7, words $8-11, x0 $12-15, x1 $16-19,
+    x2 $20-23, x3 $24-27, nsum4 $28-31, xt4 $32-35, s256 $36-39, o $40-43."""
+    shifts = ("shl.b32 t, {w}, 6", "shl.b32 t, {w}, 2", "shr.u32 t, {w}, 2", "shr.u32 t, {w}, 6")
+    lines = ["{ .reg .b32 t, a; .reg .f16 l, h; .reg .f32 fl, fh, r;", "mov.b32 a, $28;"]
+    for w in range(4):
+        for i, sh in enumerate(shifts):
+            lines.append(sh.format(w=f"${8 + w}") + "; lop3.b32 t, t, 62915520, 1006648320, 0xEA; "
+                         f"fma.rn.f16x2 a, t, ${12 + 4 * i + w}, a;")
+    lines += ["mov.b32 {l, h}, a; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; add.f32 r, fl, fh;",
+              "fma.rn.f32 $0, $40, $32, $4; fma.rn.f32 $0, $36, r, $0;",
+              "mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $7; }"]
+    return "\n".join(lines)
+
+
+WORD4_ASM = tl.constexpr(_word4_asm())
+WORD4_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["f"] * 4 + ["r"] * 24 + ["f"] * 12))
+
+
+@triton.jit
+def h2_quad_sum(v, F32: tl.constexpr, ASM: tl.constexpr):
+    """[32]: every element the sum of its group of 4 neighbours (j // 4), f16x2 lane by lane (F32: fp32 values),
+    added in order."""
+    if ASM:
+        if F32:
+            s = tl.inline_asm_elementwise("{ .reg .f32 s; add.f32 s, $4, $5; add.f32 s, s, $6; add.f32 s, s, $7;\n"
+                                          "mov.b32 $0, s; mov.b32 $1, s; mov.b32 $2, s; mov.b32 $3, s; }",
+                                          "=f,=f,=f,=f,f,f,f,f", [v], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            s = tl.inline_asm_elementwise("{ .reg .b32 s; add.rn.f16x2 s, $4, $5; add.rn.f16x2 s, s, $6;\n"
+                                          "add.rn.f16x2 s, s, $7; mov.b32 $0, s; mov.b32 $1, s; mov.b32 $2, s;\n"
+                                          "mov.b32 $3, s; }", "=r,=r,=r,=r,r,r,r,r", [v], dtype=tl.int32,
+                                          is_pure=True, pack=4)
+    else:
+        g = tl.reshape(v, (v.shape[0] // 4, 4))
+        idx = tl.arange(0, 4)[None, :]
+        if F32:
+            s = tl.sum(tl.where(idx == 0, g, 0.0), axis=1)
+            for w in tl.static_range(1, 4):
+                s = s + tl.sum(tl.where(idx == w, g, 0.0), axis=1)
+        else:
+            lo = _f16_lo(tl.sum(tl.where(idx == 0, g, 0), axis=1))
+            hi = _f16_hi(tl.sum(tl.where(idx == 0, g, 0), axis=1))
+            for w in tl.static_range(1, 4):
+                gw = tl.sum(tl.where(idx == w, g, 0), axis=1)
+                lo = (lo + _f16_lo(gw)).to(tl.float16)
+                hi = (hi + _f16_hi(gw)).to(tl.float16)
+            s = _f16x2(lo, hi)
+        s = tl.reshape(tl.broadcast_to(s[:, None], (v.shape[0] // 4, 4)), (v.shape[0],))
+    return s
+
+
+@triton.jit
+def _first4(v, like):
+    """[BN, 8]: the first of each group of 4 neighbouring elements of v (broadcast to like's [BN, 32])."""
+    g = tl.reshape(v + tl.zeros_like(like), (like.shape[0], like.shape[1] // 4, 4))
+    return tl.sum(tl.where(tl.arange(0, 4)[None, None, :] == 0, g, 0.0), axis=2)
+
+
+@triton.jit
+def h2_acc4(acc, words, x0, x1, x2, x3, nsum4, xt4, s256, o, ASM: tl.constexpr):
+    """acc ([BN, 32] fp32) plus, in the first element of each group of 4 neighbouring words (one row, one half:
+    a thread's 4 consecutive elements), s256 (q x / 256 summed over the group's 32 codes, one float16 chain a lane
+    started at nsum4) + o xt4; the other three elements unchanged. x0..x3: the f16x2 pairs x / 16 of fields
+    (0, 4) .. (3, 7) of each word's column (`h2_x`); nsum4: f16x2 -(the group's 16 pairs' sum) (`h2_quad_sum`);
+    xt4: the group's fp32 sum of x; s256, o: the group's scale times 256 and its offset (equal across it)."""
+    if ASM:
+        return tl.inline_asm_elementwise(WORD4_ASM, WORD4_CONSTRAINTS,
+                                         [acc, words, x0, x1, x2, x3, nsum4, xt4, s256, o], dtype=tl.float32,
+                                         is_pure=True, pack=4)
+    BN: tl.constexpr = words.shape[0]
+    idx = tl.arange(0, 4)[None, None, :]
+    wg = tl.reshape(words, (BN, 8, 4))
+    a_lo = _f16_lo(tl.sum(tl.where(idx == 0, tl.reshape(nsum4 + tl.zeros_like(words), (BN, 8, 4)), 0), axis=2))
+    a_hi = _f16_hi(tl.sum(tl.where(idx == 0, tl.reshape(nsum4 + tl.zeros_like(words), (BN, 8, 4)), 0), axis=2))
+    for w in tl.static_range(4):
+        ww = tl.sum(tl.where(idx == w, wg, 0), axis=2)                                     # [BN, 8]
+        for i in tl.static_range(4):
+            if i == 0:
+                t = ww << 6
+            elif i == 1:
+                t = ww << 2
+            elif i == 2:
+                t = ww >> 2
+            else:
+                t = ww >> 6
+            t = (t & 0x03C003C0) | 0x3C003C00
+            xi = x0 if i == 0 else x1 if i == 1 else x2 if i == 2 else x3
+            xw = tl.sum(tl.where(idx == w, tl.reshape(xi + tl.zeros_like(words), (BN, 8, 4)), 0), axis=2)
+            a_lo = (_f16_lo(t) * _f16_lo(xw) + a_lo).to(tl.float16)
+            a_hi = (_f16_hi(t) * _f16_hi(xw) + a_hi).to(tl.float16)
+    r = a_lo.to(tl.float32) + a_hi.to(tl.float32)                                          # [BN, 8]
+    add = _first4(s256, acc) * r + _first4(o, acc) * _first4(xt4, acc)
+    acc3 = tl.reshape(acc, (BN, 8, 4)) + tl.where(idx == 0, add[:, :, None], 0.0)
+    return tl.reshape(acc3, (BN, 32))

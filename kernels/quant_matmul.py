@@ -30,6 +30,7 @@ For many rows, `kernels.quant_dequant.dequantize_packed` writes the dense weight
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -377,7 +378,8 @@ def quant_matmul(
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows,
-                                H2=paired and x32 and x.dtype == torch.bfloat16, EVEN_N=N % cfg.block_n == 0, **pdl)
+                                H2=paired and x32 and x.dtype == torch.bfloat16, EVEN_N=N % cfg.block_n == 0,
+                                CHAIN4=int(os.environ.get("LORAPLEX_CHAIN4", "0")), **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
