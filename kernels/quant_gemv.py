@@ -148,10 +148,10 @@ def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.c
     o = _tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
     x_t = t0 + t1 + t2 + t3
     if CHAIN4:  # CANDIDATE: one float16 chain over each row's 4 neighbouring words, scale and offset once per 4
-        nsum4 = h2_quad_sum(h2_nsum(h0, h1, h2, h3, ASM), False, ASM)
-        xt4 = h2_quad_sum(x_t, True, ASM)
-        acc = h2_acc4(acc, words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], nsum4[None, :], xt4[None, :],
-                      256.0 * s, o, ASM)
+        # [1, 32]: in the words' 2-D layout (4 columns a thread); a [32] one may be laid out 1 element a thread
+        nsum4 = h2_quad_sum(h2_nsum(h0, h1, h2, h3, ASM)[None, :], False, ASM)
+        xt4 = h2_quad_sum(x_t[None, :], True, ASM)
+        acc = h2_acc4(acc, words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], nsum4, xt4, 256.0 * s, o, ASM)
     else:
         r = h2_word(words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], h2_nsum(h0, h1, h2, h3, ASM)[None, :],
                     ASM)

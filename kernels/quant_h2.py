@@ -114,8 +114,9 @@ WORD4_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["f"] * 4 + ["r"] * 2
 
 @triton.jit
 def h2_quad_sum(v, F32: tl.constexpr, ASM: tl.constexpr):
-    """[32]: every element the sum of its group of 4 neighbours (j // 4), f16x2 lane by lane (F32: fp32 values),
-    added in order."""
+    """[1, 32]: every element the sum of its group of 4 neighbours (j // 4), f16x2 lane by lane (F32: fp32 values),
+    added in order. 2-D so that the compiler lays it out as the words (a thread's 4 consecutive columns: the
+    asm's pack of 4); a [32] vector may be given one element a thread, which a pack of 4 cannot take."""
     if ASM:
         if F32:
             s = tl.inline_asm_elementwise("{ .reg .f32 s; add.f32 s, $4, $5; add.f32 s, s, $6; add.f32 s, s, $7;\n"
@@ -127,7 +128,7 @@ def h2_quad_sum(v, F32: tl.constexpr, ASM: tl.constexpr):
                                           "mov.b32 $3, s; }", "=r,=r,=r,=r,r,r,r,r", [v], dtype=tl.int32,
                                           is_pure=True, pack=4)
     else:
-        g = tl.reshape(v, (v.shape[0] // 4, 4))
+        g = tl.reshape(v, (v.shape[1] // 4, 4))
         idx = tl.arange(0, 4)[None, :]
         if F32:
             s = tl.sum(tl.where(idx == 0, g, 0.0), axis=1)
@@ -141,7 +142,7 @@ def h2_quad_sum(v, F32: tl.constexpr, ASM: tl.constexpr):
                 lo = (lo + _f16_lo(gw)).to(tl.float16)
                 hi = (hi + _f16_hi(gw)).to(tl.float16)
             s = _f16x2(lo, hi)
-        s = tl.reshape(tl.broadcast_to(s[:, None], (v.shape[0] // 4, 4)), (v.shape[0],))
+        s = tl.reshape(tl.broadcast_to(s[:, None], (v.shape[1] // 4, 4)), (1, v.shape[1]))
     return s
 
 
