@@ -295,6 +295,13 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
               lock_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT, FENCE, NUM_THREADS)
 
 
+def _quad_words(w: PackedQuantWeight) -> bool:
+    """CANDIDATE (CHAIN4): the words' layout gives a thread 4 consecutive words of a row (16-byte reads: rows of a
+    multiple of 16 words, 16-byte aligned), which `kernels.quant_h2.h2_acc4`'s packs of 4 assume; otherwise its
+    packs would group other elements, silently."""
+    return w.words.shape[1] % 16 == 0 and w.words.data_ptr() % 16 == 0
+
+
 def quant_matmul(
     x: torch.Tensor,                 # [T, K] float16 / bfloat16 / float32, unit stride along K
     w: PackedQuantWeight,            # [N, K] packed (kernels.quant_pack)
@@ -379,7 +386,7 @@ def quant_matmul(
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows,
                                 H2=paired and x32 and x.dtype == torch.bfloat16, EVEN_N=N % cfg.block_n == 0,
-                                CHAIN4=int(os.environ.get("LORAPLEX_CHAIN4", "0")), **pdl)
+                                CHAIN4=int(os.environ.get("LORAPLEX_CHAIN4", "0")) and _quad_words(w), **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
