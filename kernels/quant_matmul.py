@@ -93,6 +93,17 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _code_dot(codes, x, ASM: tl.constexpr):
+    """fp32 codes @ x for the pair-codes steps (16-bit operands). Triton's interpreter (ASM false: nothing is
+    compiled) computes bfloat16 dots wrongly (the raw bit patterns multiplied), so there the operands go to fp32
+    first (exact: every 16-bit value is one); compiled, the dot takes them as they are."""
+    if not ASM:
+        codes = codes.to(tl.float32)
+        x = x.to(tl.float32)
+    return tl.dot(codes, x)
+
+
+@triton.jit
 def _join4(f0, f1, f2, f3):
     """[BN, 128] from four [BN, 32] fields, column i * 32 + j = field i's column j."""
     BN: tl.constexpr = f0.shape[0]
@@ -132,8 +143,8 @@ def _pairs_step(words, b, acc, x_half, m_mask, offs_h, scales, offs_n, K, EVEN_K
     k_a = b * 256
     xa = _load_x(x_half + k_a, m_mask, k_a + offs_h < K, EVEN_K)                      # [128, BM]
     xb = _load_x(x_half + k_a + 128, m_mask, k_a + 128 + offs_h < K, EVEN_K)
-    d_a = tl.dot(_half_operand(words_a, BF16, ASM), xa)
-    d_b = tl.dot(_half_operand(words_b, BF16, ASM), xb)
+    d_a = _code_dot(_half_operand(words_a, BF16, ASM), xa, ASM)
+    d_b = _code_dot(_half_operand(words_b, BF16, ASM), xb, ASM)
     acc = tl.fma(_scale_value(scales[0], offs_n, WORDS)[:, None], d_a, acc)
     acc = tl.fma(_scale_value(scales[1], offs_n, WORDS)[:, None], d_b, acc)
     return acc
@@ -180,8 +191,8 @@ def _group_pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_ma
         x_hi = _load_x(x_cols + k_hi, m_mask, k_hi + offs_k < K, EVEN_K)
         s_lo = tl.load(s_ptr + (b * 8 + i) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         s_hi = tl.load(s_ptr + (b * 8 + i + 4) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc = tl.fma(s_lo[:, None], tl.dot(lo, x_lo), acc)
-        acc = tl.fma(s_hi[:, None], tl.dot(hi, x_hi), acc)
+        acc = tl.fma(s_lo[:, None], _code_dot(lo, x_lo, ASM), acc)
+        acc = tl.fma(s_hi[:, None], _code_dot(hi, x_hi, ASM), acc)
     return acc
 
 

@@ -158,10 +158,11 @@ def test_pair_codes_path(group: int, k: int, split: int) -> None:
     applies after them (`_pairs_step`) and the offsets' part after the loop (`_offsets_term`,
     in dots of 16 halves: K = 4608 unsplit has 36); padded K, a partial token tile and split-K. The scales,
     read a step ahead (`_block_scales`), come as 4-byte words of two rows for an even number of rows, as 16-bit
-    values for an odd one (41)."""
+    values for an odd one (41). bfloat16 x as well (the served 8B's case; its codes under bf16's bias)."""
     check(19, 40, k, 4, group, torch.float16, True, QuantMatmulConfig(16, 16, split))
     check(7, 24, k, 4, group, torch.float16, False, QuantMatmulConfig(32, 32, split))
     check(5, 41, k, 4, group, torch.float16, False, QuantMatmulConfig(16, 16, split))
+    check(6, 40, k, 4, group, torch.bfloat16, True, QuantMatmulConfig(16, 16, split))
 
 
 @pytest.mark.parametrize("k", [288, 512, 1536])
@@ -169,9 +170,11 @@ def test_pair_codes_path(group: int, k: int, split: int) -> None:
 def test_group_pairs_path(k: int, split: int) -> None:
     """4 bits in groups of 32, 16-bit x: fields i and i + 4 enter two dots as they are, each group's scale after
     its dot (`_group_pairs_step`), the offsets' part after the loop from sums of x per 32 (`_offsets_term`,
-    dots of 16 groups: K = 1536 has 48); ragged K (288: a block and a group), partial tiles, split-K."""
+    dots of 16 groups: K = 1536 has 48); ragged K (288: a block and a group), partial tiles, split-K; bfloat16 x
+    as well."""
     check(19, 40, k, 4, 32, torch.float16, True, QuantMatmulConfig(16, 16, split))
     check(7, 24, k, 4, 32, torch.float16, False, QuantMatmulConfig(32, 32, split))
+    check(6, 40, k, 4, 32, torch.bfloat16, False, QuantMatmulConfig(16, 16, split))
 
 
 @pytest.mark.parametrize("split", [1, 2])
