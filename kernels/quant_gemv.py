@@ -52,7 +52,7 @@ def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs
     hold half a (group g_a), words 16-31 half b (g_b); fields i and i + 4 of word j are codes 2
     `_paired_word(j, i)` and the one after it (x_ptr: the token row's x). Two per-column sums (fields 0-3,
     4-7: independent FMA chains), each column's group scale after."""
-    g_a, g_b = _half_groups(b, GROUP)
+    g_a, g_b = half_groups(b, GROUP)
     s_a, s_b, o_a, o_b = _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N)
     s_a = s_a.to(tl.float32)
     s_b = s_b.to(tl.float32)
@@ -76,7 +76,7 @@ def _halves_step(words, b, acc, acc_o, x_ptr, s_ptr, o_ptr, offs_n, n_mask, offs
 
 
 @triton.jit
-def _half_groups(b, GROUP: tl.constexpr):
+def half_groups(b, GROUP: tl.constexpr):
     """The groups of block b's two halves in the paired layout (half a: codes 256 b.., half b: 256 b + 128..)."""
     return (b * 256) // GROUP, (b * 256 + 128) // GROUP
 
@@ -92,7 +92,7 @@ def _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N):
 def _paired_block(w_rows, b, n_mask, GROUP: tl.constexpr, EVEN_N: tl.constexpr):
     """Block b of the paired layout as read from memory: its [BN, 32] words, and its halves' groups (whose scales
     and offsets `_tile_value` reads). EVEN_N (every program's rows exist): the words are read unmasked."""
-    g_a, g_b = _half_groups(b, GROUP)
+    g_a, g_b = half_groups(b, GROUP)
     if EVEN_N:
         words = tl.load(w_rows + b * 32)
     else:

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from kernels.host_ints import cdiv, next_pow2
 from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
-from kernels.quant_gemv import quant_gemv_kernel
+from kernels.quant_gemv import half_groups, quant_gemv_kernel
 from kernels.quant_half_sums import half_sums_into
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_split import write_out
@@ -155,8 +155,7 @@ def _block_scales(s_ptr, b, offs_n, n_mask, N, GROUP: tl.constexpr, WORDS: tl.co
     """Block b's two halves' group scales (paired layout), requested a loop step before their use. WORDS (N even,
     s_ptr 4-byte aligned): the 4-byte words holding each row's float16 (rows n and n ^ 1 share one), carried to the
     next step as read; as 16-bit values a pack at the loop's back edge would wait for them. Else the float16s."""
-    g_a = (b * 256) // GROUP
-    g_b = (b * 256 + 128) // GROUP
+    g_a, g_b = half_groups(b, GROUP)
     if WORDS:
         words = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         scales = (tl.load(words + (g_a * N + offs_n) // 2, mask=n_mask, other=0),
@@ -391,13 +390,14 @@ def quant_matmul(
     pdl = launch_args(pdl_enabled(x.device))
     if cfg.block_m == 1:
         x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
+        h2 = paired and x32 and x.dtype == torch.bfloat16
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                PAIRED=paired, X32=x32, ROWS=cfg.thread_rows,
-                                H2=paired and x32 and x.dtype == torch.bfloat16, EVEN_N=N % cfg.block_n == 0,
-                                CHAIN4=int(os.environ.get("LORAPLEX_CHAIN4", "0")) and _quad_words(w), **pdl)
+                                PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
+                                EVEN_N=h2 and N % cfg.block_n == 0,
+                                CHAIN4=int(os.environ.get("LORAPLEX_CHAIN4", "0")) and h2 and _quad_words(w), **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
@@ -405,7 +405,8 @@ def quant_matmul(
                                    NUM_THREADS=32 * cfg.num_warps,
                                    FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
                                    PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                   SCALE_WORDS=N % 2 == 0 and w.scales.data_ptr() % 4 == 0, **pdl)
+                                   SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
+                                   **pdl)
 
 
 def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:
