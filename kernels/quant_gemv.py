@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import read_early, read_input, wait_then_release
-from kernels.quant_h2 import h2_acc4, h2_nsum, h2_quad_sum, h2_word, h2_x
+from kernels.quant_h2 import h2_acc4, h2_nsum, h2_quad_sum, h2_x
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_field, field_bias
 
@@ -133,12 +133,12 @@ def _x_word(x_ptr, p, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.constexpr, CHAIN4: tl.constexpr = 0):
+def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.constexpr):
     """`_halves_step` for bfloat16 x in 4-byte aligned rows, two codes an instruction (`kernels.quant_h2`): each
-    word's 8 codes summed in float16 pairs, then the word's group scale (times 256: the sums are of q / 256) and
-    offset (times the word's fp32 sum of x) applied in two FMAs. The scales and offsets are read here, in the
-    words' layout (`_tile_value`); a block's words and groups come from `_paired_block`, its x from `_x_words`
-    (xv), both requested a block ahead by the caller."""
+    thread's 4 neighbouring words of a row (32 codes, one group half) summed in one chain of float16 pairs, then
+    their group scale (times 256: the sums are of q / 256) and offset (times their fp32 sum of x) applied in two
+    FMAs. The scales and offsets are read here, in the words' layout (`_tile_value`); a block's words and groups
+    come from `_paired_block`, its x from `_x_words` (xv), both requested a block ahead by the caller."""
     v0, v1, v2, v3 = xv
     h0, t0 = h2_x(v0, ASM)
     h1, t1 = h2_x(v1, ASM)
@@ -147,15 +147,10 @@ def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.c
     s = _tile_value(s_ptr, g_a, g_b, offs_n, N, ASM)
     o = _tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
     x_t = t0 + t1 + t2 + t3
-    if CHAIN4:  # CANDIDATE: one float16 chain over each row's 4 neighbouring words, scale and offset once per 4
-        # [1, 32]: in the words' 2-D layout (4 columns a thread); a [32] one may be laid out 1 element a thread
-        nsum4 = h2_quad_sum(h2_nsum(h0, h1, h2, h3, ASM)[None, :], False, ASM)
-        xt4 = h2_quad_sum(x_t[None, :], True, ASM)
-        acc = h2_acc4(acc, words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], nsum4, xt4, 256.0 * s, o, ASM)
-    else:
-        r = h2_word(words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], h2_nsum(h0, h1, h2, h3, ASM)[None, :],
-                    ASM)
-        acc = tl.fma(256.0 * s, r, tl.fma(o, x_t[None, :], acc))
+    # [1, 32]: in the words' 2-D layout (4 columns a thread); a [32] one may be laid out 1 element a thread
+    nsum4 = h2_quad_sum(h2_nsum(h0, h1, h2, h3, ASM)[None, :], False, ASM)
+    xt4 = h2_quad_sum(x_t[None, :], True, ASM)
+    acc = h2_acc4(acc, words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], nsum4, xt4, 256.0 * s, o, ASM)
     return acc
 
 
@@ -306,8 +301,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
                       PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False,
-                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False,
-                      CHAIN4: tl.constexpr = 0):
+                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
@@ -315,9 +309,9 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     before the output (`quant_matmul`), after `read_early`'s fence. PAIRED: the weight is in the paired layout
     (`kernels.quant_pack.paired_layout`, decided by the wrapper), read by `_halves_step`. ROWS (groups of 32):
     each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
-    H2 (PAIRED, bfloat16 x in 4-byte aligned rows): `_halves_step_h2`, two blocks a loop step in two register sets,
-    each block's words and x requested before the previous block's arithmetic. EVEN_N (N a multiple of BLOCK_N):
-    the H2 path reads its words unmasked."""
+    H2 (PAIRED, bfloat16 x in 4-byte aligned rows, 16-byte aligned words): `_halves_step_h2`, two blocks a loop
+    step in two register sets, each block's words and x requested before the previous block's arithmetic. EVEN_N
+    (N a multiple of BLOCK_N): the H2 path reads its words unmasked."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -357,13 +351,13 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
             b = b_lo + 2 * it
             words1, g_a1, g_b1 = _paired_block(w_rows, b + 1, n_mask, GROUP, EVEN_N)
             xv1 = _x_words(x_base, b + 1, offs_j, K, EVEN_K)
-            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM, CHAIN4)
+            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
             b2 = tl.minimum(b + 2, b_hi - 1)
             words, g_a, g_b = _paired_block(w_rows, b2, n_mask, GROUP, EVEN_N)
             xv = _x_words(x_base, b2, offs_j, K, EVEN_K)
-            acc = _halves_step_h2(words1, g_a1, g_b1, xv1, acc, offs_n, s_ptr, o_ptr, N, ASM, CHAIN4)
+            acc = _halves_step_h2(words1, g_a1, g_b1, xv1, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if (b_hi - b_lo) % 2 == 1:
-            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM, CHAIN4)
+            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if ADD:
             wait_then_release(USE_PDL)
         total = tl.sum(acc, axis=1)

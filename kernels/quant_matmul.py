@@ -30,7 +30,6 @@ For many rows, `kernels.quant_dequant.dequantize_packed` writes the dense weight
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -306,9 +305,10 @@ def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr
 
 
 def _quad_words(w: PackedQuantWeight) -> bool:
-    """CANDIDATE (CHAIN4): the words' layout gives a thread 4 consecutive words of a row (16-byte reads: rows of a
-    multiple of 16 words, 16-byte aligned), which `kernels.quant_h2.h2_acc4`'s packs of 4 assume; otherwise its
-    packs would group other elements, silently."""
+    """The words' layout gives a thread 4 consecutive words of a row (16-byte reads: rows of a multiple of 16 words,
+    16-byte aligned), which `kernels.quant_h2.h2_acc4`'s packs of 4 assume (otherwise its packs would group other
+    elements, silently). Packed rows always hold a multiple of 16 words (`kernels.quant_pack`, 4 bits); words
+    that do not start 16-byte aligned (a view at an odd offset) take the fp32 path."""
     return w.words.shape[1] % 16 == 0 and w.words.data_ptr() % 16 == 0
 
 
@@ -330,7 +330,7 @@ def quant_matmul(
     which like the one-row kernel (block_m == 1) keeps W in fp32: the scales apply to the fp32 sums (its
     offsets' part as a 3xTF32 dot, about fp32's precision). One exception to fp32 products: the one-row kernel
     on the paired layout (4 bits, groups of 128+) with bfloat16 x sums each word's 8 codes times x in float16
-    pairs (`kernels.quant_h2`: relative ~1.2e-3 before the output's rounding; exact range |x| < 2**17).
+    pairs (`kernels.quant_h2`: relative ~2e-3 before the output's rounding; exact range |x| < 2**15).
     `locks` must hold zeros before the call and holds zeros after it.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
@@ -390,14 +390,13 @@ def quant_matmul(
     pdl = launch_args(pdl_enabled(x.device))
     if cfg.block_m == 1:
         x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
-        h2 = paired and x32 and x.dtype == torch.bfloat16
+        h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w)
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
-                                EVEN_N=h2 and N % cfg.block_n == 0,
-                                CHAIN4=int(os.environ.get("LORAPLEX_CHAIN4", "0")) and h2 and _quad_words(w), **pdl)
+                                EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
     else:
         _quant_matmul_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
                                    BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,

@@ -11,8 +11,8 @@
 #   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
 #   swap             bench/adapter_swap.py
 #   quant-decode     bench/quant_decode.py (issue 16's engine benchmark: 4-bit 8B against bf16, batch 1-64)
-#   chain4-ab        CANDIDATE (branch cand/h2-chain4): the one-row GPU tests under LORAPLEX_CHAIN4=1, the 8B's
-#                    picked configs at one row (1 0 1 0), bench/quant_decode.py --batches 1 at 1 and 0 (~3 minutes)
+#   gemv-sweep       bench/quant_kernel_sweep.py --only 8b --rows 1: every one-row config of the 8B's shapes, for
+#                    pick_config (~2 minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
@@ -70,21 +70,9 @@ case "$stage" in
     python3 bench/serve_load.py $common --out "$out/serve_load_8b_w4_bf16.json" \
       --plot "$out/serve_load_8b_w4_bf16.png" > "$out/serve_8b_bf16.log" 2>&1
     tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
-  chain4-ab)
-    t=tests/kernels/test_quant_matmul.py
-    ids="$t::test_one_row_bf16_float16_pairs $t::test_one_row_bf16_addend_and_large_x $t::test_one_row_addend
-      $t::test_gpu_split_k_under_graph_capture $(for s in 6144-4096 4096-4096 28672-4096 4096-14336; do
-      echo "$t::test_gpu_8b_layer_shapes[1-$s]"; done)"
-    LORAPLEX_CHAIN4=1 timeout 100 python3 -m pytest -q -p no:cacheprovider $workers $ids 2>&1 | tail -3 \
-      | sed "s/^/tests: /" | tee -a "$out/$stage.log"
-    for v in 1 0 1b 0b; do
-      LORAPLEX_CHAIN4=${v%b} timeout 60 python3 bench/quant_kernel_sweep.py --out "$out/chain4_$v.json" --only 8b \
-        --rows 1 --picked-only 2>&1 | cut -c1-110 | sed "s/^/$v: /"
-    done
-    for v in 1 0; do
-      LORAPLEX_CHAIN4=$v timeout 80 python3 bench/quant_decode.py --batches 1 --commit "$commit" \
-        --out "$out/quant_decode_chain4_$v.json" 2>&1 | grep "engine int4" | sed "s/^/$v: /"
-    done ;;
+  gemv-sweep)
+    python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
+      | cut -c1-150 | tee "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" \
       --out "$out/quant_gemv_stalls.json" --raw /tmp/quant_gemv_stalls_raw 2>&1 | tee "$out/gemv_stalls.log" ;;

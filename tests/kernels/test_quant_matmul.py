@@ -4,6 +4,8 @@ On CPU this runs in Triton's interpreter with small shapes (fp16/fp32; bf16 is w
 interpreter); the `gpu` tests use the 8B model's layer shapes and bf16. Every case draws fresh
 codes, scales, offsets and inputs, and poisons the output before the call.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,8 +120,9 @@ def test_one_row_bf16_float16_pairs(group: int, k: int, split: int) -> None:
 
 
 def test_one_row_bf16_addend_and_large_x() -> None:
-    """The float16-pairs path adds a LoRA addend (and zeroes it); x beyond float16's range (1e5 in bf16, below
-    `kernels.quant_h2`'s 2**17) is exact there: x / 16 is what goes to float16."""
+    """The float16-pairs path (its chains of 4 words: 96 words a row) adds a LoRA addend (and zeroes it); single
+    elements of x beyond float16's range (1e5 and -7e4 in bf16) are exact there: x / 16 is what goes to float16
+    (`kernels.quant_h2`'s bound, 2**15, is for every element of a chain that large)."""
     gen = torch.Generator().manual_seed(8)
     n, k = 40, 768
     q, s, o = random_weight(n, k, 4, 128, gen)
@@ -138,6 +141,28 @@ def test_one_row_bf16_addend_and_large_x() -> None:
     x[0, 300] = -7e4
     quant_matmul(x, w, None, out, cfg, part, locks)
     assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu()) < TOL[torch.bfloat16]
+
+
+def test_one_row_bf16_words_not_16_byte_aligned() -> None:
+    """Words that start 4 bytes past a 16-byte boundary (a contiguous view at an odd offset): the float16-pairs
+    path's packs of 4 words need 16-byte reads, so this takes the fp32 path (`quant_matmul._quad_words`) and is
+    still right. On a GPU the packs would otherwise group the wrong words (or not compile)."""
+    gen = torch.Generator().manual_seed(9)
+    n, k = 40, 512
+    q, s, o = random_weight(n, k, 4, 128, gen)
+    w = pack_quantized(q, s, o, 4, 128)
+    buf = torch.zeros(w.words.numel() + 1, dtype=torch.int32, device=w.words.device)
+    words = buf[1:].view(w.words.shape)
+    words.copy_(w.words)
+    w = dataclasses.replace(w, words=words)
+    assert words.is_contiguous() and words.data_ptr() % 16 == 4
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for cfg in (QuantMatmulConfig(64, 1, 1), QuantMatmulConfig(128, 1, 2)):
+        part = torch.full((2 * n,), float("nan"), device=DEVICE)
+        locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        quant_matmul(x, w, None, out, cfg, part, locks)
+        assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu()) < TOL[torch.bfloat16]
 
 
 def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
