@@ -147,8 +147,8 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
 
     `delta` (one token into a float32 delta, which the one-row base kernel launched next adds): at most
     DELTA_MAX_GROUPS column groups. That kernel starts beside this launch, and every expand program waiting
-    here for its splits holds registers on an SM where two of the base kernel's programs (255 registers each,
-    4-bit) would otherwise fit; those that do not fit start when this launch ends and run their whole chain of
+    here for its splits holds registers on an SM where the base kernel's programs (4-bit: two at 255 registers
+    each when this was measured, three at 168 since its chains of 4 words) would otherwise fit; those that do not fit start when this launch ends and run their whole chain of
     blocks after it. On the 8B's gate/up (224 groups of 128 columns; 28 of 1024 with the cap) this launch takes
     longer (~10 -> 17.6-18.8 us) but the 4-bit kernel beside it runs 34.1-34.3 us from its start to its end
     instead of 38.8-39.3, and a one-token step with a rank-16 adapter on every module took 3320 us against 3470

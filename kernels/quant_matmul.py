@@ -444,10 +444,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     kernel's rule: q/k/v 17.1 -> 13.9 us, o 11.8 -> 11.4, gate/up 47.1 -> 46.0; down, K = 14336, stays
     elementwise: 30.6 there against 32.7; `bench/results/quant_rows32_ab.json`).
     One row of a large 4-bit weight in groups of 128 and more with bfloat16 x (the served 8B; `quant_gemv`'s
-    two-register-set float16-pairs path): 128-feature programs, split to about two programs an SM or fewer (one
-    wave at its ~220 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
-    1-8, each the fastest or within 1 us; at this choice q/k/v 10.0 us, o 7.1, gate/up 31.6, down 16.6 in
-    bench/results/quant_h2_ab.json, the sweep's own run 1-4 us faster: bench/results/quant_gemv_bounds.json).
+    two-register-set float16-pairs path): 128-feature programs, split to about three programs an SM or fewer
+    (one wave at its 168 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
+    1-16, bench/results/quant_sweep_8b_rows1.json: q/k/v 7.6 us at split 8 against 9.5 at the two-an-SM rule's
+    4; o and down 6.9 / 16.1 at 8, each the fastest; gate/up 28.9 at 1, the fastest 27.9).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
@@ -490,7 +490,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
-        split = pow2_floor(2 * num_sms // cdiv(N, 128)) if cdiv(N, 128) <= num_sms else 1
+        split = pow2_floor(3 * num_sms // cdiv(N, 128))
         return QuantMatmulConfig(128, 1, max(1, min(split, 16, num_blocks)))
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
