@@ -433,7 +433,7 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
 
 
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
-                x_dtype: torch.dtype = torch.bfloat16) -> QuantMatmulConfig:
+                x_dtype: torch.dtype = torch.bfloat16, beside_lora: bool = False) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
@@ -447,7 +447,11 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     two-register-set float16-pairs path): 128-feature programs, split to about three programs an SM or fewer
     (one wave at its 168 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
     1-16, bench/results/quant_sweep_8b_rows1.json: q/k/v 7.6 us at split 8 against 9.5 at the two-an-SM rule's
-    4; o and down 6.9 / 16.1 at 8, each the fastest; gate/up 28.9 at 1, the fastest 27.9).
+    4; o and down 6.9 / 16.1 at 8, each the fastest; gate/up 28.9 at 1, the fastest 27.9). `beside_lora` (the
+    call adds a LoRA delta whose fused launch runs beside it, `quant_matmul`'s addend): about two an SM, leaving
+    room for that launch's programs (only q/k/v differs, 8 -> 4: H200 engine at batch 1, one run each, rank 16
+    on every module 2.91 against 2.84 ms a token, rank 64 on q/k/v 2.65 against 2.55; with no adapter 2.39
+    against 2.43, bench/results/quant_chain4_ab.json).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
@@ -490,7 +494,7 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
-        split = pow2_floor(3 * num_sms // cdiv(N, 128))
+        split = pow2_floor((2 if beside_lora else 3) * num_sms // cdiv(N, 128))
         return QuantMatmulConfig(128, 1, max(1, min(split, 16, num_blocks)))
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well

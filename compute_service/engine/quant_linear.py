@@ -135,7 +135,7 @@ class QuantLinear:
             dequantize_packed(self.packed, w)
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype)
+        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype, addend is not None)
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)

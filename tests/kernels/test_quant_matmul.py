@@ -167,9 +167,10 @@ def test_one_row_bf16_words_not_16_byte_aligned() -> None:
 
 def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
     """One row of the 8B's weights in groups of 128 with bfloat16 x: 128-feature programs split to about three an
-    SM (one wave); float16 x keeps the fp32 path's 64-feature programs."""
+    SM (one wave), two beside a LoRA launch; float16 x keeps the fp32 path's 64-feature programs."""
     assert pick_config(1, 28672, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 1)       # gate/up: 224 programs
     assert pick_config(1, 6144, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 8)        # q/k/v: 384
+    assert pick_config(1, 6144, 4096, 4, 132, 128, beside_lora=True) == QuantMatmulConfig(128, 1, 4)   # 192
     assert pick_config(1, 4096, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 8)        # o: 256
     assert pick_config(1, 4096, 14336, 4, 132, 128) == QuantMatmulConfig(128, 1, 8)       # down: 256
     assert pick_config(1, 28672, 4096, 4, 132, 128, torch.float16).block_n == 64
