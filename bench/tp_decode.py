@@ -189,7 +189,7 @@ def profile_replays(graphs, batch: int, with_lora: bool, iters: int = 10) -> dic
     for ev in prof.events():
         if ev.device_type.name == "CUDA" and ev.device_time_total > 0:
             per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time_total / iters
-    kinds = {"matmul": ("gemm", "gemv", "nvjet", "sm90_", "cutlass", "quant_matmul"),
+    kinds = {"matmul": ("gemm", "gemv", "nvjet", "sm90_", "cutlass", "quant_mma"),
              "all_reduce": ("all_reduce", "allreduce", "nccl", "one_shot", "reduce_add_rms"),
              "attention": ("attention",), "lora": ("shrink", "expand", "fused_lora", "lora"),
              "norm_rope_act": ("rms", "rope", "silu")}

@@ -145,7 +145,7 @@ class PoolReport:
         return text + (f"; {self.failed} left to the warm-up ({self.errors[0]})" if self.failed else "")
 
     def costliest(self, n: int = 3) -> str:
-        """The n kernels whose programs took the most compile time, e.g. "_quant_matmul_kernel: 14 programs,
+        """The n kernels whose programs took the most compile time, e.g. "quant_mma_kernel: 14 programs,
         41.0 s (the longest 6.2 s)": what a cold start's last programs wait for."""
         top = sorted(self.kernel_s.items(), key=lambda kv: -sum(kv[1]))[:n]
         return ", ".join(f"{name}: {len(ts)} programs, {sum(ts):.1f} s (the longest {max(ts):.1f} s)"

@@ -18,7 +18,7 @@ Packed form, read in place by `kernels.quant_matmul`:
   + 2 j' + s. Words 0-15 of a block hold its first 128 codes, words 16-31 the next 128. One and-or of
   `word >> 4 i'` gives two neighbouring codes as the two 16-bit halves of a register, which is how the
   tensor cores take a 16-bit operand: no byte shuffle between the unpacking and the dot
-  (`kernels.quant_matmul._pairs_step`);
+  (`kernels.quant_mma._pairs_step`);
 - `scales`, `offsets` float16 [ceil(Kp / G), N]: group-major, so a tile of rows reads them contiguously.
 """
 from __future__ import annotations

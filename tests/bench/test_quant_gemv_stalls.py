@@ -114,14 +114,14 @@ def test_a_refusing_profiler_is_reported(monkeypatch):
 def test_parse_mode_with_rows_reads_their_files(tmp_path, monkeypatch):
     raw = tmp_path / "raw"
     raw.mkdir()
-    (raw / "down_t8_source.csv").write_text(_csv().replace("quant_gemv_kernel", "_quant_matmul_kernel")
+    (raw / "down_t8_source.csv").write_text(_csv().replace("quant_gemv_kernel", "quant_mma_kernel")
                                             .replace("block_m=1", "block_m=16"))
     (raw / "down_t8_metrics.txt").write_text("    gpu__time_duration.sum    us    12.5\n")
     out = tmp_path / "s.json"
     _main(monkeypatch, "--parse", str(raw), "--shapes", "down", "--rows", "8", "--out", str(out))
     res = json.loads(out.read_text())
     assert res["rows"] == 8 and res["command"].endswith("--rows 8")
-    assert res["shapes"]["down"]["kernel"] == "_quant_matmul_kernel" and res["shapes"]["down"]["config"][1] == 16
+    assert res["shapes"]["down"]["kernel"] == "quant_mma_kernel" and res["shapes"]["down"]["config"][1] == 16
 
 
 def test_rows_beyond_the_tiles_are_refused(tmp_path, monkeypatch, capsys):
