@@ -11,6 +11,7 @@ Against the byte floor: weight bytes over the measured copy bandwidth. What the 
 bench/quant_kernel_sweep.py; bench/results/quant_gemv_bounds.json sets the two side by side.
 
     python3 bench/quant_gemv_probe.py --commit "$(git rev-parse --short HEAD)" --out bench/results/probe.json
+    python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --out staged.json   # TMA / pipelined, 2-6 stages
     TRITON_INTERPRET=1 python3 bench/quant_gemv_probe.py --smoke --out /tmp/p.json     # the script on CPU
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
@@ -57,6 +59,34 @@ def _read_words(w_ptr, out_ptr, N, words_per_row, blocks_per_split, BN: tl.const
     tl.store(out_ptr + pid_k * N + offs_n, tl.sum(acc, 1))
 
 
+@triton.jit
+def _read_words_staged(w_src, out_ptr, N, words_per_row, blocks_per_split, BN: tl.constexpr,
+                       STAGES: tl.constexpr, TMA: tl.constexpr):
+    """The same reads through the compiler's multi-stage pipeline: TMA (w_src a tensor descriptor of [BN, 32]
+    boxes; the hardware copies each block into shared memory, STAGES - 1 blocks requested ahead) or plain
+    pointers (w_src the words; asynchronous copies where the compiler pipelines them)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    b0 = pid_k * blocks_per_split
+    acc = tl.zeros((BN, 32), tl.float32)
+    for b in tl.range(0, blocks_per_split, num_stages=STAGES):
+        if TMA:
+            w = w_src.load([pid_n * BN, (b0 + b) * 32])
+        else:
+            w = tl.load(w_src + offs_n.to(tl.int64)[:, None] * words_per_row + (b0 + b) * 32
+                        + tl.arange(0, 32)[None, :])
+        acc += w.to(tl.float32, bitcast=True)
+    tl.store(out_ptr + pid_k * N + offs_n, tl.sum(acc, 1))
+
+
+def staged_cases(n: int, blocks: int, smoke: bool) -> list[tuple[int, int, int, int, int]]:
+    """(block_n, split, warps, stages, tma) for `_read_words_staged`."""
+    if smoke:
+        return [(32, 2, 4, 3, 0), (32, 2, 4, 3, 1)]
+    grid = itertools.product((64, 128, 256), (1, 2, 4), (4, 8), (2, 3, 4, 6), (1, 0))
+    return [c for c in grid if blocks % c[1] == 0 and n % c[0] == 0 and c[0] * 128 * c[3] <= 160 * 1024]
+
+
 def cases(n: int, blocks: int, smoke: bool) -> list[tuple[int, int, int, int, int, int]]:
     """(block_n, split, warps, unroll, stagger, flat) that tile the shape evenly."""
     if smoke:
@@ -72,6 +102,8 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--only", default=",".join(SHAPES))
     ap.add_argument("--smoke", action="store_true", help="one tiny shape on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--staged", action="store_true", help="only the multi-stage variants (`_read_words_staged`: "
+                    "TMA boxes or pipelined pointer loads, 2-6 stages)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     shapes = {"tiny": (64, 1024)} if args.smoke else {s: SHAPES[s] for s in args.only.split(",")}
@@ -84,29 +116,49 @@ def main() -> None:
         nbytes = n * words_per_row * 4
         ws = [torch.randn(n, words_per_row, device=dev).view(torch.int32)         # words whose sums are finite
               for _ in range(1 if args.smoke else max(2, -(-SPAN // nbytes)))]
-        for bn, split, warps, unroll, stagger, flat in cases(n, blocks, args.smoke):
+        plain = [] if args.staged else [dict(kind="plain", block_n=c[0], split=c[1], warps=c[2], unroll=c[3],
+                                                  stagger=c[4], flat=c[5]) for c in cases(n, blocks, args.smoke)]
+        staged = [dict(kind="tma" if c[4] else "pipelined", block_n=c[0], split=c[1], warps=c[2], stages=c[3])
+                  for c in staged_cases(n, blocks, args.smoke)]
+        for case in plain + staged:
+            bn, split, warps = case["block_n"], case["split"], case["warps"]
             out = torch.empty(split, n, device=dev)
             grid = (n // bn, split)
+            descs = {}
 
-            def launch(w: torch.Tensor) -> None:
-                _read_words[grid](w, out, n, words_per_row, blocks // split, BN=bn, UNROLL=unroll, STAGGER=stagger,
-                                  FLAT=flat, num_warps=warps)
-            if args.smoke:
-                launch(ws[0])
-                want = ws[0].view(torch.float32).view(n // bn, -1).sum(1)       # each program's words, all read
-                assert torch.allclose(out.sum(0).view(n // bn, bn).sum(1), want, rtol=1e-4, atol=1e-2), \
-                    "probe read the wrong words"
-                us = 0.0
-            else:
-                us = graph_us([lambda w=w: launch(w) for w in ws])
-            row = dict(shape=name, block_n=bn, split=split, warps=warps, unroll=unroll, stagger=stagger, flat=flat,
-                       us=us, TBps=nbytes / us / 1e6 if us else None,
+            def launch(w: torch.Tensor, case=case, bn=bn, split=split, warps=warps, out=out, grid=grid,
+                       descs=descs) -> None:
+                if case["kind"] == "plain":
+                    _read_words[grid](w, out, n, words_per_row, blocks // split, BN=bn, UNROLL=case["unroll"],
+                                      STAGGER=case["stagger"], FLAT=case["flat"], num_warps=warps)
+                    return
+                tma = case["kind"] == "tma"
+                if tma and w.data_ptr() not in descs:
+                    descs[w.data_ptr()] = TensorDescriptor.from_tensor(w, [bn, 32])
+                _read_words_staged[grid](descs[w.data_ptr()] if tma else w, out, n, words_per_row, blocks // split,
+                                         BN=bn, STAGES=case["stages"], TMA=tma, num_warps=warps)
+            try:
+                if args.smoke:
+                    launch(ws[0])
+                    want = ws[0].view(torch.float32).view(n // bn, -1).sum(1)       # each program's words, all read
+                    assert torch.allclose(out.sum(0).view(n // bn, bn).sum(1), want, rtol=1e-4, atol=1e-2), \
+                        f"probe read the wrong words ({case})"
+                    us = 0.0
+                else:
+                    us = graph_us([lambda w=w: launch(w) for w in ws])
+            except AssertionError:
+                raise
+            except Exception as e:  # noqa: BLE001  a variant the compiler or the GPU refuses: recorded, skipped
+                print(name, case, f"failed: {e!r}"[:300], flush=True)
+                res["cases"].append(dict(shape=name, **case, failed=repr(e)[:300]))
+                continue
+            row = dict(shape=name, **case, us=us, TBps=nbytes / us / 1e6 if us else None,
                        floor_us=nbytes / res["copy_bandwidth_Bps"] * 1e6 if res["copy_bandwidth_Bps"] else None)
             res["cases"].append(row)
-            print(name, bn, split, warps, unroll, stagger, flat, f"{us:.1f} us", flush=True)
+            print(name, " ".join(f"{k}={v}" for k, v in case.items()), f"{us:.1f} us", flush=True)
         args.out.write_text(json.dumps(res, indent=1))
     for name in shapes:
-        mine = [c for c in res["cases"] if c["shape"] == name]
+        mine = [c for c in res["cases"] if c["shape"] == name and "us" in c]
         print("best", name, min(mine, key=lambda c: c["us"]))
 
 

@@ -58,7 +58,8 @@ def configs(model: str, t: int) -> list[QuantMatmulConfig]:
     if t == 1:
         splits = (1, 2) if small else (1, 4, 8, 16)
         return ([C(bn, 1, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in splits]
-                + [C(bn, 16, 1) for bn in ((16, 32) if small else (64,))])
+                + [C(bn, 16, 1) for bn in ((16, 32) if small else (64,))]
+                + ([] if small else [C(bn, 16, s) for bn in (64, 128) for s in (2, 4, 8)]))   # tensor cores, split
     if t <= 16:
         splits = (1, 2, 4) if small else (1, 2, 4, 8)
         return [C(bn, 16, s) for bn in ((16, 32, 64) if small else (32, 64, 128)) for s in splits]
@@ -175,7 +176,7 @@ def main() -> None:
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                 r["dense_path_us"] = graph_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
                                                for i, w in enumerate(ws)])
-                if pair_codes_layout(4, group, k) and t > 1:     # the pair-codes path's launch for the sums of x
+                if pair_codes_layout(4, group, k):      # the pair-codes path's launch for the sums of x (16+ rows)
                     r["x_sums_us"] = graph_us([lambda: half_sums(x)] * 16)
                 old_calls: list = []
                 if old is not None:

@@ -121,10 +121,12 @@ def test_gateway_tokens_smoke_prices_a_token_in_gateway_cpu(tmp_path):
 
 
 def test_quant_gemv_probe_smoke(tmp_path):
-    """The loads-only probe reads every word of each program's rows (checked against the weight's own sums)."""
+    """The loads-only probe reads every word of each program's rows (checked against the weight's own sums), in
+    its plain loops and through the staged ones (a TMA descriptor's boxes, pipelined pointer loads)."""
     out = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, "bench/quant_gemv_probe.py", "--smoke", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert len(res["cases"]) == 2 and {c["flat"] for c in res["cases"]} == {0, 1}
+    assert [c["kind"] for c in res["cases"]] == ["plain", "plain", "pipelined", "tma"]
+    assert {c["flat"] for c in res["cases"][:2]} == {0, 1} and all("us" in c for c in res["cases"])
