@@ -125,13 +125,13 @@ def quant_matmul(
                                 EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
     else:
         quant_mma_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
-                                   BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
-                                   EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
-                                   NUM_THREADS=32 * cfg.num_warps,
-                                   FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
-                                   PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                   SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
-                                   **pdl)
+                               BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
+                               EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
+                               NUM_THREADS=32 * cfg.num_warps,
+                               FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
+                               PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                               SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
+                               **pdl)
 
 
 def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:
