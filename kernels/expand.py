@@ -21,7 +21,8 @@ from kernels.paged import LoraRowTables
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_launch,
                             check_slices)
-from kernels.tiles import dot, segment_tile
+from kernels.dots import dot
+from kernels.tiles import segment_tile
 
 
 @triton.jit

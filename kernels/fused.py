@@ -30,7 +30,8 @@ from kernels.paged import LoraRowTables
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_input,
                             check_launch, check_slices)
-from kernels.tiles import dot, pick4, segment_tile, shrink_tile, table_entry
+from kernels.dots import dot
+from kernels.tiles import pick4, segment_tile, shrink_tile, table_entry
 
 MIN_K_PER_SPLIT = 256      # a K split reads at least this many columns of x and A
 # At or below this many tokens one fused launch beats a shrink + expand pair (whole decode step on an H200:

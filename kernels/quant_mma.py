@@ -20,6 +20,7 @@ of 253).
 import triton
 import triton.language as tl
 
+from kernels.dots import dot
 from kernels.pdl import wait_then_release
 from kernels.quant_gemv import half_groups
 from kernels.quant_split import write_out
@@ -34,26 +35,6 @@ def _load_x(ptrs, m_mask, k_mask, EVEN_K: tl.constexpr):
     else:
         xt = tl.load(ptrs, mask=m_mask[None, :] & k_mask[:, None], other=0.0)
     return xt
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _code_dot(codes, x, ASM: tl.constexpr):
-    """fp32 codes @ x for the pair-codes steps (16-bit operands). Triton's interpreter (ASM false: nothing is
-    compiled) computes bfloat16 dots wrongly (the raw bit patterns multiplied), so there the operands go to fp32
-    first (exact: every 16-bit value is one); compiled, the dot takes them as they are."""
-    if not ASM:
-        codes = codes.to(tl.float32)
-        x = x.to(tl.float32)
-    return tl.dot(codes, x)
 
 
 @triton.jit
@@ -96,8 +77,8 @@ def _pairs_step(words, b, acc, x_half, m_mask, offs_h, scales, offs_n, K, EVEN_K
     k_a = b * 256
     xa = _load_x(x_half + k_a, m_mask, k_a + offs_h < K, EVEN_K)                      # [128, BM]
     xb = _load_x(x_half + k_a + 128, m_mask, k_a + 128 + offs_h < K, EVEN_K)
-    d_a = _code_dot(_half_operand(words_a, BF16, ASM), xa, ASM)
-    d_b = _code_dot(_half_operand(words_b, BF16, ASM), xb, ASM)
+    d_a = dot(_half_operand(words_a, BF16, ASM), xa, False)
+    d_b = dot(_half_operand(words_b, BF16, ASM), xb, False)
     acc = tl.fma(_scale_value(scales[0], offs_n, WORDS)[:, None], d_a, acc)
     acc = tl.fma(_scale_value(scales[1], offs_n, WORDS)[:, None], d_b, acc)
     return acc
@@ -143,8 +124,8 @@ def _group_pairs_step(words, b, acc, x_cols, m_mask, offs_k, s_ptr, offs_n, n_ma
         x_hi = _load_x(x_cols + k_hi, m_mask, k_hi + offs_k < K, EVEN_K)
         s_lo = tl.load(s_ptr + (b * 8 + i) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         s_hi = tl.load(s_ptr + (b * 8 + i + 4) * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        acc = tl.fma(s_lo[:, None], _code_dot(lo, x_lo, ASM), acc)
-        acc = tl.fma(s_hi[:, None], _code_dot(hi, x_hi, ASM), acc)
+        acc = tl.fma(s_lo[:, None], dot(lo, x_lo, False), acc)
+        acc = tl.fma(s_hi[:, None], dot(hi, x_hi, False), acc)
     return acc
 
 
@@ -197,11 +178,11 @@ def _mm_block(words, b, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mas
             k0 = b * BLOCK_K + i * 32
             xt = _load_x(x_cols + k0, m_mask, k0 + offs_k < K, EVEN_K)                    # [32, BM]
             w = dequant_field(words, s_ptr, o_ptr, k0 // GROUP, N, offs_n, n_mask, i, BITS).to(xt.dtype)
-            acc = _dot(w, xt, acc, IEEE)
+            acc = dot(w, xt, IEEE, acc)
     else:               # one dot over the whole block, the [BN, BLOCK_K] tile staged in shared memory
         xt = _load_x(x_cols + b * BLOCK_K, m_mask, b * BLOCK_K + offs_k < K, EVEN_K)     # [BK, BM]
         w = dequant_block(words, s_ptr, o_ptr, b, N, offs_n, n_mask, GROUP, BITS, PAIRED).to(xt.dtype)
-        acc = _dot(w, xt, acc, IEEE)
+        acc = dot(w, xt, IEEE, acc)
     return acc
 
 

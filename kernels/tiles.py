@@ -11,6 +11,8 @@ segment count (one dependent memory round trip fewer).
 import triton
 import triton.language as tl
 
+from kernels.dots import dot
+
 
 @triton.jit
 def segment_tile(pid, seg_starts_ptr, max_slots, BLOCK_M: tl.constexpr, MAX_SEGS: tl.constexpr):
@@ -32,17 +34,6 @@ def segment_tile(pid, seg_starts_ptr, max_slots, BLOCK_M: tl.constexpr, MAX_SEGS
     seg_end = tl.sum(tl.where(here, ends, 0), 0)
     m_start = seg_start + (pid - first_tile) * BLOCK_M
     return total, seg, m_start, seg_end
-
-
-@triton.jit
-def dot(a, b, IEEE: tl.constexpr):
-    """a @ b accumulated in fp32; IEEE (float32 models) keeps full fp32 products instead of TF32's 10-bit
-    mantissa, so a float32 model's LoRA delta does not depend on which kernel or batch shape computed it."""
-    if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """One-row dense matmul kernel against the fp32 product, and `dense_linear`'s choice of path.
 
-On CPU the kernel runs in Triton's interpreter on small shapes (fp16/fp32: bf16 is wrong in the
-interpreter); the `gpu` tests use the 8B model's shapes in bf16. Outputs are poisoned before each call.
+On CPU the kernel runs in Triton's interpreter on small shapes (fp16, fp32 and bf16: the interpreter's
+bf16 is wrong only in dots, and this kernel has none); the `gpu` tests use the 8B model's shapes in
+bf16. Outputs are poisoned before each call.
 """
 import pytest
 import torch
@@ -27,7 +28,7 @@ def check(n: int, k: int, dtype: torch.dtype, has_bias: bool, config: DenseGemvC
     assert err < TOL[dtype], f"rel err {err} (N={n} K={k} {dtype} {config})"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_matches_fp32_product(dtype: torch.dtype, has_bias: bool) -> None:
     # N = 40: a partial feature tile; K = 200: a partial K step (not a multiple of 64 or 128).

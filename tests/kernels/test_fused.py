@@ -48,6 +48,8 @@ def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.floa
         (torch.float32, 33, 0.3, [2, 0], None),
         (torch.float32, 20, 0.2, [0, 1, 2], SPLIT),
         (torch.float16, 140, 0.2, [0, 1, 2], None),
+        (torch.bfloat16, 7, 0.5, [0, 1, 2], SPLIT),  # bf16: on the CPU through `kernels.dots` (the interpreter's bug)
+        (torch.bfloat16, 140, 0.2, [0, 2], None),
     ],
 )
 def test_fused_matches_dense(dtype, T, frac_none, mods, config):

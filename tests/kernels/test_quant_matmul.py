@@ -1,7 +1,8 @@
 """Weight-only quantized matmul against the fp32 dequantize-then-matmul reference.
 
-On CPU this runs in Triton's interpreter with small shapes (fp16/fp32; bf16 is wrong in the
-interpreter); the `gpu` tests use the 8B model's layer shapes and bf16. Every case draws fresh
+On CPU this runs in Triton's interpreter with small shapes (its bf16 dots are wrong: interpreted,
+the kernels' dots take fp32 operands, `kernels.dots`); the `gpu` tests use the 8B model's layer
+shapes and bf16. Every case draws fresh
 codes, scales, offsets and inputs, and poisons the output before the call.
 """
 import dataclasses
@@ -230,6 +231,16 @@ def test_groups_spanning_whole_blocks(bits: int, group: int) -> None:
 
 def test_prefill_tile() -> None:
     check(70, 24, 256, 4, 128, torch.float16, True)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 128)])
+@pytest.mark.parametrize("field_dots", [True, False])
+def test_tiles_in_bf16(bits: int, group: int, field_dots: bool) -> None:
+    """The tensor-core tiles with bfloat16 x and the weight dequantized to bf16 (every layout but 4 bits in groups
+    of 128+): one dot per field and one per 256-wide block. Interpreted, the dots take fp32 operands
+    (`kernels.dots`: the interpreter's bf16 dots are wrong), so this checks the tiles' own arithmetic."""
+    check(6, 40, 512, bits, group, torch.bfloat16, True, QuantMatmulConfig(16, 16, 2, field_dots=field_dots))
+    check(20, 24, 384, bits, group, torch.bfloat16, False, QuantMatmulConfig(32, 32, 1, field_dots=field_dots))
 
 
 def test_many_rows_of_a_large_pair_codes_weight() -> None:

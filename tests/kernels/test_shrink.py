@@ -40,6 +40,8 @@ def run_shrink(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.flo
         (torch.float32, 33, 0.3, [2, 0]),
         (torch.float16, 140, 0.2, [0, 1, 2]),    # above the decode threshold: prefill tiles
         (torch.float32, 150, 0.0, [1]),
+        (torch.bfloat16, 7, 0.5, [0, 1, 2]),     # bf16: on the CPU through `kernels.dots` (the interpreter's bug)
+        (torch.bfloat16, 140, 0.2, [0, 2]),
     ],
 )
 def test_shrink_matches_dense(dtype, T, frac_none, mods):
