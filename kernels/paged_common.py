@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dots import dot
+
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                        block_tables: torch.Tensor, block_n: int) -> None:
@@ -43,10 +45,7 @@ def attend_keys(q, m_i, l_i, acc, table_ptr, pos, n_mask, visible, k_ptr, v_ptr,
     kv_rows = (page * block_size + pos % block_size) * cache_stride_slot + kv_offset    # [N] flat KV rows
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = dot(q, tl.trans(k), IEEE)
     s = tl.where(visible, s * scale, float("-inf"))                                   # [R, N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
@@ -54,7 +53,7 @@ def attend_keys(q, m_i, l_i, acc, table_ptr, pos, n_mask, visible, k_ptr, v_ptr,
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
     if IEEE:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        pv = dot(p, v.to(tl.float32), True)
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = dot(p.to(v.dtype), v, False)
     return m_new, l_i, acc * alpha[:, None] + pv

@@ -47,7 +47,7 @@ def _check(B, H, KVH, D, block_size, max_ctx, dtype, device, tol, block_n=64):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("H,KVH,D", [(4, 1, 16), (4, 4, 32), (8, 2, 64), (6, 2, 80)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference_small(dtype, tol, H, KVH, D, block_size):
