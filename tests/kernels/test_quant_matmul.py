@@ -144,10 +144,12 @@ def test_one_row_bf16_addend_and_large_x() -> None:
     assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu()) < TOL[torch.bfloat16]
 
 
-def test_one_row_bf16_words_not_16_byte_aligned() -> None:
+@pytest.mark.parametrize("where", ["any", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_one_row_bf16_words_not_16_byte_aligned(where: str) -> None:
     """Words that start 4 bytes past a 16-byte boundary (a contiguous view at an odd offset): the float16-pairs
     path's packs of 4 words need 16-byte reads, so this takes the fp32 path (`quant_matmul._quad_words`) and is
-    still right. On a GPU the packs would otherwise group the wrong words (or not compile)."""
+    still right. On a GPU the packs would otherwise group the wrong words (or not compile); the `gpu` case puts
+    it in the GPU suites (`-m gpu`)."""
     gen = torch.Generator().manual_seed(9)
     n, k = 40, 512
     q, s, o = random_weight(n, k, 4, 128, gen)
