@@ -13,8 +13,8 @@
 #   quant-decode     bench/quant_decode.py (issue 16's engine benchmark: 4-bit 8B against bf16, batch 1-64)
 #   gemv-sweep       bench/quant_kernel_sweep.py --only 8b --rows 1: every one-row config of the 8B's shapes (and
 #                    16-row tensor-core tiles at one row, split 1-8), for pick_config (~2 minutes)
-#   probe-staged     bench/quant_gemv_probe.py --staged on gate/up, q/k/v, down: the one-row kernel's reads as TMA
-#                    boxes or pipelined pointer loads, 2-6 stages (not timed yet; a few minutes)
+#   probe-staged     bench/quant_gemv_probe.py --staged on gate/up and q/k/v: the one-row kernel's reads as TMA
+#                    boxes or pipelined pointer loads, 2-6 stages (not run yet; 144 cases, a few minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
@@ -76,7 +76,7 @@ case "$stage" in
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
       | cut -c1-150 | tee "$out/$stage.log" ;;
   probe-staged)
-    timeout 540 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv,down --commit "$commit" \
+    timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
       --out "$out/quant_gemv_probe_staged.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" \
