@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 ENABLE_ENV = "LORAPLEX_WARMUP_PLAN_CACHE"
 SUBFOLDER = "loraplex-warmup-plans"
 SOURCE_PACKAGES = ("kernels", "compute_service")     # the kernels' choices and the backend that launches them
+# Environment switches of the compute process that change which kernels a step launches (docs/deploy.md).
+SWITCHES = ("LORAPLEX_PDL", "LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP", "LORAPLEX_FP16_PAIRS")
 
 
 @dataclass(frozen=True)
@@ -53,19 +55,27 @@ class PlanKey:
     backend: str                             # the LoRA backend's class
     quantized: str                           # the quantized base projections (`warmup_plan.describe_quantized`)
     pool: tuple[int, ...]                    # the pool geometry the kernels see (slots, layers, modules, rank, ...)
+    switches: str                            # SWITCHES as set in the environment (`switch_parts`)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
 
 
 def local_parts(device: torch.device) -> dict[str, Any]:
-    """The key parts this process and `device` (CUDA) fix: the sources, the library versions, the GPU."""
+    """The key parts this process and `device` (CUDA) fix: the sources, the library versions, the GPU, the
+    kernel switches of its environment."""
     import triton
 
     props = torch.cuda.get_device_properties(device)
     return {"sources": package_sources(), "triton_version": triton.__version__, "torch_version": torch.__version__,
             "python_version": platform.python_version(), "device_name": props.name,
-            "num_sms": props.multi_processor_count, "capability": (props.major, props.minor)}
+            "num_sms": props.multi_processor_count, "capability": (props.major, props.minor),
+            "switches": switch_parts()}
+
+
+def switch_parts() -> str:
+    """SWITCHES as this process has them, e.g. "LORAPLEX_PDL=0;LORAPLEX_LORA_FIRST=;..." (unset: empty)."""
+    return ";".join(f"{name}={os.environ.get(name, '')}" for name in SWITCHES)
 
 
 def package_sources() -> str:

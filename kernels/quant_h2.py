@@ -18,11 +18,22 @@ fp32. Random 4-bit weights on the 8B shapes, bf16 x: relative error ~3.0e-3 with
 bits; below 2**-10 it lands in float16's subnormals, 2**-21 of x's absolute error at most), so a chain of 4 words'
 partial sums stay within 32 max|x| / 16: no overflow while |x| < 2**15 = 32768. An
 activation beyond that can overflow float16 (inf in the output; the fp32 path and bf16 have no such limit).
-Nothing checks the bound at run time; a model whose projection inputs reach it runs in float16 (`--dtype`, the
-fp32 path) or dequantized (`--quantization none`).
+Nothing checks the bound at run time (the start-up log states it); for a model whose projection inputs reach it,
+LORAPLEX_FP16_PAIRS=0 in the compute process's environment keeps the one-row kernel's fp32 products
+(`fp16_pairs_enabled`), or `--quantization none` dequantizes the model.
 """
+import os
+
 import triton
 import triton.language as tl
+
+ENV = "LORAPLEX_FP16_PAIRS"
+RANGE = 2**15       # |x| below which the chains of 4 words cannot overflow float16
+
+
+def fp16_pairs_enabled() -> bool:
+    """Whether the one-row kernel may take this path (`kernels.quant_matmul`); LORAPLEX_FP16_PAIRS=0: never."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 @triton.jit

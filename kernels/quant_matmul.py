@@ -25,6 +25,7 @@ from kernels.pdl import compiled, launch_args, pdl_enabled
 from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs_layout,  # noqa: F401
                                   pair_codes_layout, pick_config)
 from kernels.quant_gemv import quant_gemv_kernel
+from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
@@ -56,7 +57,8 @@ def quant_matmul(
     which like the one-row kernel (block_m == 1) keeps W in fp32: the scales apply to the fp32 sums (its
     offsets' part as a 3xTF32 dot, about fp32's precision). One exception to fp32 products: the one-row kernel
     on the paired layout (4 bits, groups of 128+) with bfloat16 x sums each word's 8 codes times x in float16
-    pairs (`kernels.quant_h2`: relative ~2e-3 before the output's rounding; exact range |x| < 2**15).
+    pairs (`kernels.quant_h2`: relative ~2e-3 before the output's rounding; exact range |x| < 2**15; not with
+    LORAPLEX_FP16_PAIRS=0).
     `locks` must hold zeros before the call and holds zeros after it.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
@@ -116,7 +118,7 @@ def quant_matmul(
     pdl = launch_args(pdl_enabled(x.device))
     if cfg.block_m == 1:
         x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
-        h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w)
+        h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w) and fp16_pairs_enabled()
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,

@@ -110,7 +110,7 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
         lm_head = cast(head)
     weights = ModelWeights(embed=embed_c, layers=layers, norm=cast(norm), lm_head=lm_head)
     if summary is not None:
-        summary.log()
+        summary.log(dtype, device)
     return weights, hasher.hexdigest()
 
 

@@ -25,7 +25,8 @@ def _key(**changes) -> PlanKey:
                   device_name="NVIDIA H100 80GB HBM3", num_sms=132, capability=(9, 0), spec="ModelSpec(...)",
                   max_num_batched_tokens=MAX_TOKENS, decode_buckets=tuple(BUCKETS),
                   launched_tokens=tuple(range(1, MAX_TOKENS + 1)), adapters=((0, 8), (1, 64)), dtype="torch.bfloat16",
-                  backend="PagedLoraBackend", quantized="6144x4096:4b:g128:d256", pool=(64, 30, 7, 64, 64, 4608))
+                  backend="PagedLoraBackend", quantized="6144x4096:4b:g128:d256", pool=(64, 30, 7, 64, 64, 4608),
+                  switches="LORAPLEX_PDL=;LORAPLEX_FP16_PAIRS=")
     return dataclasses.replace(key, **changes)
 
 
@@ -205,3 +206,16 @@ def test_a_cpu_start_neither_reads_nor_writes_the_cache(tiny_model_dir, tmp_path
     lookup = _plan(rt, [], [])
     assert not lookup.from_cache and lookup.path is None and lookup.plan.num_classes >= 1
     assert not any(tmp_path.iterdir())
+
+
+def test_the_kernel_switches_are_part_of_the_key(monkeypatch):
+    """A start with LORAPLEX_FP16_PAIRS=0 (or another switch that changes the launches) does not reuse the plan of
+    a start without it."""
+    from compute_service.warmup_plan_cache import SWITCHES, switch_parts
+
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    plain = switch_parts()
+    monkeypatch.setenv("LORAPLEX_FP16_PAIRS", "0")
+    assert "LORAPLEX_FP16_PAIRS=0" in switch_parts() and switch_parts() != plain
+    assert _key(switches=switch_parts()).digest() != _key(switches=plain).digest()

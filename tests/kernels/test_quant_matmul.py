@@ -168,6 +168,33 @@ def test_one_row_bf16_words_not_16_byte_aligned(where: str) -> None:
         assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu()) < TOL[torch.bfloat16]
 
 
+def test_float16_pairs_switch(monkeypatch) -> None:
+    """LORAPLEX_FP16_PAIRS=0 keeps the one-row kernel's fp32 products where the float16-pairs path would run (the
+    launch's H2 flag, read from a stand-in for the kernel), and the result stays right."""
+    import kernels.quant_matmul as qm
+
+    gen = torch.Generator().manual_seed(10)
+    q, s, o = random_weight(40, 512, 4, 128, gen)
+    w = pack_quantized(q, s, o, 4, 128)
+    x = torch.randn(1, 512, generator=gen).to(torch.bfloat16).to(DEVICE)
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs["H2"])
+
+    out = torch.full((1, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    with monkeypatch.context() as m:
+        m.setattr(qm, "quant_gemv_kernel", Recorder())
+        quant_matmul(x, w, None, out, QuantMatmulConfig(64, 1, 1))
+        m.setenv("LORAPLEX_FP16_PAIRS", "0")
+        quant_matmul(x, w, None, out, QuantMatmulConfig(64, 1, 1))
+    assert launches == [True, False]
+    monkeypatch.setenv("LORAPLEX_FP16_PAIRS", "0")
+    quant_matmul(x, w, None, out, QuantMatmulConfig(64, 1, 1))
+    assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu()) < TOL[torch.bfloat16]
+
+
 def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
     """One row of the 8B's weights in groups of 128 with bfloat16 x: 128-feature programs split to about three an
     SM (one wave), two beside a LoRA launch; float16 x keeps the fp32 path's 64-feature programs."""

@@ -67,7 +67,19 @@ class QuantSummary:
                 "0.89x at 32, 0.66x at 64; groups of 128 are faster); --quantization none trades the memory saved for "
                 "that speed")
 
-    def log(self) -> None:
+    def fp16_pairs_note(self, dtype: torch.dtype, device: torch.device) -> str:
+        """A note where decoding one sequence sums 4-bit codes times x in float16 pairs (`kernels.quant_h2`: bf16
+        on a GPU, groups of 128 and more): its range limit and the switch that lifts it ("" otherwise)."""
+        from kernels.quant_h2 import ENV, RANGE, fp16_pairs_enabled
+
+        paired = [k for k in self.kinds if k.startswith("4-bit group ") and int(k.split()[2]) % 128 == 0]
+        if not paired or dtype != torch.bfloat16 or torch.device(device).type != "cuda" or not fp16_pairs_enabled():
+            return ""
+        return (f"one-row steps on the {', '.join(sorted(paired))} projections sum codes times x in float16 pairs: "
+                f"projection inputs must stay below {RANGE} in magnitude (beyond it the output can be inf); "
+                f"{ENV}=0 in the compute process's environment keeps fp32 products (slower at batch 1)")
+
+    def log(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
         dense = ", ".join(self.dense[:6]) + (f" and {len(self.dense) - 6} more" if len(self.dense) > 6 else "")
         log.info("quantized base (%s): %d of %d projections kept quantized (%s)%s; projection weights %.1f MiB "
                  "(%.1f MiB quantized + %.1f MiB dense) vs %.1f MiB in bf16", self.format_name, self.num_quantized,
@@ -77,6 +89,9 @@ class QuantSummary:
         note = self.slow_groups_note()
         if note:
             log.warning(note)
+        pairs = self.fp16_pairs_note(dtype, device) if dtype is not None and device is not None else ""
+        if pairs:
+            log.info(pairs)
 
 
 def describe_projections(weights: ModelWeights, dtype: torch.dtype) -> str:
