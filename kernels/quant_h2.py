@@ -154,8 +154,13 @@ def h2_acc4(acc, words, x0, x1, x2, x3, nsum4, xt4, s256, o, ASM: tl.constexpr):
     BN: tl.constexpr = words.shape[0]
     idx = tl.arange(0, 4)[None, None, :]
     wg = tl.reshape(words, (BN, 8, 4))
-    a_lo = _f16_lo(tl.sum(tl.where(idx == 0, tl.reshape(nsum4 + tl.zeros_like(words), (BN, 8, 4)), 0), axis=2))
-    a_hi = _f16_hi(tl.sum(tl.where(idx == 0, tl.reshape(nsum4 + tl.zeros_like(words), (BN, 8, 4)), 0), axis=2))
+    start = tl.sum(tl.where(idx == 0, tl.reshape(nsum4 + tl.zeros_like(words), (BN, 8, 4)), 0), axis=2)
+    a_lo = _f16_lo(start)
+    a_hi = _f16_hi(start)
+    x0g = tl.reshape(x0 + tl.zeros_like(words), (BN, 8, 4))                 # each x pair per word, [BN, 8, 4]
+    x1g = tl.reshape(x1 + tl.zeros_like(words), (BN, 8, 4))
+    x2g = tl.reshape(x2 + tl.zeros_like(words), (BN, 8, 4))
+    x3g = tl.reshape(x3 + tl.zeros_like(words), (BN, 8, 4))
     for w in tl.static_range(4):
         ww = tl.sum(tl.where(idx == w, wg, 0), axis=2)                                     # [BN, 8]
         for i in tl.static_range(4):
@@ -168,8 +173,8 @@ def h2_acc4(acc, words, x0, x1, x2, x3, nsum4, xt4, s256, o, ASM: tl.constexpr):
             else:
                 t = ww >> 6
             t = (t & 0x03C003C0) | 0x3C003C00
-            xi = x0 if i == 0 else x1 if i == 1 else x2 if i == 2 else x3
-            xw = tl.sum(tl.where(idx == w, tl.reshape(xi + tl.zeros_like(words), (BN, 8, 4)), 0), axis=2)
+            xg = x0g if i == 0 else x1g if i == 1 else x2g if i == 2 else x3g
+            xw = tl.sum(tl.where(idx == w, xg, 0), axis=2)
             a_lo = (_f16_lo(t) * _f16_lo(xw) + a_lo).to(tl.float16)
             a_hi = (_f16_hi(t) * _f16_hi(xw) + a_hi).to(tl.float16)
     r = a_lo.to(tl.float32) + a_hi.to(tl.float32)                                          # [BN, 8]
