@@ -57,9 +57,13 @@ class QuantSummary:
         """e.g. "4-bit group 32: 120" ("" when none was kept quantized)."""
         return ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items()))
 
+    def _four_bit_groups(self) -> dict[str, int]:
+        """The 4-bit kinds kept (e.g. "4-bit group 128 act-order") and their group sizes."""
+        return {k: int(k.split()[2]) for k in self.kinds if k.startswith("4-bit group ")}
+
     def slow_groups_note(self) -> str:
         """A warning for large models kept 4-bit in groups under 128 ("" otherwise)."""
-        small = sorted(k for k in self.kinds if k.startswith("4-bit group ") and int(k.split()[2]) < 128)
+        small = sorted(k for k, g in self._four_bit_groups().items() if g < 128)
         if not small or self.bf16_bytes < SLOW_GROUPS_MIN_BF16_BYTES:
             return ""
         return (f"{', '.join(small)} projections ({self.bf16_bytes / 2**30:.1f} GiB in bf16): decode steps of many "
@@ -71,8 +75,9 @@ class QuantSummary:
         """A note where decoding one sequence sums 4-bit codes times x in float16 pairs (`kernels.quant_h2`: bf16
         on a GPU, groups of 128 and more): its range limit and the switch that lifts it ("" otherwise)."""
         from kernels.quant_h2 import ENV, RANGE, fp16_pairs_enabled
+        from kernels.quant_pack import paired_layout
 
-        paired = [k for k in self.kinds if k.startswith("4-bit group ") and int(k.split()[2]) % 128 == 0]
+        paired = [k for k, g in self._four_bit_groups().items() if paired_layout(4, g)]
         if not paired or dtype != torch.bfloat16 or torch.device(device).type != "cuda" or not fp16_pairs_enabled():
             return ""
         return (f"one-row steps on the {', '.join(sorted(paired))} projections sum codes times x in float16 pairs: "
