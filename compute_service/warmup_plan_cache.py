@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 ENABLE_ENV = "LORAPLEX_WARMUP_PLAN_CACHE"
 SUBFOLDER = "loraplex-warmup-plans"
 SOURCE_PACKAGES = ("kernels", "compute_service")     # the kernels' choices and the backend that launches them
-# Environment switches of the compute process that change which kernels a step launches (docs/deploy.md).
-SWITCHES = ("LORAPLEX_PDL", "LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP", "LORAPLEX_FP16_PAIRS")
+# Environment switches of the compute process that change which kernels a step launches (docs/deploy.md), beside
+# kernels.pdl.ENV and kernels.quant_h2.ENV (`switch_parts`); these two are read in compute_service/engine/model.py.
+ENGINE_SWITCHES = ("LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class PlanKey:
     backend: str                             # the LoRA backend's class
     quantized: str                           # the quantized base projections (`warmup_plan.describe_quantized`)
     pool: tuple[int, ...]                    # the pool geometry the kernels see (slots, layers, modules, rank, ...)
-    switches: str                            # SWITCHES as set in the environment (`switch_parts`)
+    switches: str                            # the kernel switches as set in the environment (`switch_parts`)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
@@ -73,9 +74,17 @@ def local_parts(device: torch.device) -> dict[str, Any]:
             "switches": switch_parts()}
 
 
+def switch_names() -> tuple[str, ...]:
+    """The environment switches that change which kernels a step launches."""
+    from kernels.pdl import ENV as PDL_ENV
+    from kernels.quant_h2 import ENV as FP16_PAIRS_ENV
+
+    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV)
+
+
 def switch_parts() -> str:
-    """SWITCHES as this process has them, e.g. "LORAPLEX_PDL=0;LORAPLEX_LORA_FIRST=;..." (unset: empty)."""
-    return ";".join(f"{name}={os.environ.get(name, '')}" for name in SWITCHES)
+    """The switches as this process has them, e.g. "LORAPLEX_PDL=0;LORAPLEX_LORA_FIRST=;..." (unset: empty)."""
+    return ";".join(f"{name}={os.environ.get(name, '')}" for name in switch_names())
 
 
 def package_sources() -> str:
