@@ -11,8 +11,10 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     (the candidate is timed before and after the tree's configs, old_us the better of the two, old_err its error)
     python3 bench/quant_kernel_sweep.py --out big.json --only 8b --rows 96,128,192,256   # where dense takes over
     python3 bench/quant_kernel_sweep.py --out g32.json --only 8b --group-size 32     # an 8B's Q4_0 / Q4_K GGUF
+    python3 bench/quant_kernel_sweep.py --out tma.json --only 8b --rows 1 --tma   # the TMA-read one-row kernel
 
-Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages]. Cases on the
+Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages], then 1 for whole rows a
+thread, or 0, tma_stages, scales_ahead for the TMA-read one-row kernel. Cases on the
 pair-codes path (4 bits, groups of 128+, 2+ rows) also record `x_sums_us`: the launch that sums x per
 128-wide half on every call, alone (part of every pair-codes time here).
 """
@@ -75,6 +77,16 @@ def configs(model: str, t: int) -> list[QuantMatmulConfig]:
     return ([C(64, 64, 1, num_stages=st) for st in (2, 3, 4)]      # more than 64 rows: the pair-codes tiles
             + [C(bn, bm, sp, num_warps=w) for bn, bm, sp, w in
                ((64, 64, 2, 4), (32, 64, 1, 4), (128, 64, 1, 8), (64, 128, 1, 4), (64, 128, 1, 8), (128, 128, 1, 8))])
+
+
+def tma_configs(n: int, k: int, group: int) -> list[QuantMatmulConfig]:
+    """One row: pick_config's choice (the register-set kernel), then the TMA-read kernel (`kernels.quant_gemv_tma`)
+    over 64/128-feature programs, splits 1-16, 2-6 stages, scales in the step or a block ahead."""
+    C = QuantMatmulConfig
+    blocks = k // 256
+    return [pick_config(1, n, k, 4, 132, group)] + [
+        C(bn, 1, s, tma_stages=st, scales_ahead=a) for bn in (64, 128) for s in (1, 2, 4, 8, 16) if s <= blocks // 2
+        for st in (2, 3, 4, 6) for a in (False, True)]
 
 
 def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
@@ -144,6 +156,8 @@ def main() -> None:
     ap.add_argument("--picked-only", action="store_true", help="with --compare: time only pick_config's choice "
                     "(a quick before/after over many shapes and rows)")
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
+    ap.add_argument("--tma", action="store_true", help="one row: pick_config's choice against the TMA-read kernel's "
+                    "configs (`tma_configs`)")
     ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
                     "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
     args = ap.parse_args()
@@ -190,8 +204,8 @@ def main() -> None:
                     r["old_err"] = ((oouts[0].float() - want).norm() / want.norm()).item()
                     r["old_us_first"] = graph_us(old_calls)
                 found = []
-                cfgs = (warps_configs(model, t) if args.warps else compare_configs(model, t, n, k, group) if old is not None
-                        else configs(model, t))
+                cfgs = (tma_configs(n, k, group) if args.tma and t == 1 else warps_configs(model, t) if args.warps
+                        else compare_configs(model, t, n, k, group) if old is not None else configs(model, t))
                 if args.picked_only:
                     cfgs = cfgs[:1] if old is not None else [pick_config(t, n, k, 4, 132, group)]
                 for cfg in cfgs:
@@ -207,7 +221,8 @@ def main() -> None:
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
                         continue
                     found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots),
-                                           cfg.num_stages] + ([1] if cfg.thread_rows else []),
+                                           cfg.num_stages] + ([1] if cfg.thread_rows else [])
+                                      + ([0, cfg.tma_stages, int(cfg.scales_ahead)] if cfg.tma_stages else []),
                                       us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
                 if old_calls:       # again after the tree's configs (a case's first timing sometimes runs slow)

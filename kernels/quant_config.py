@@ -24,6 +24,9 @@ class QuantMatmulConfig:
                                 # are, group scales after it (`_pairs_step`); else dequantized before the dot
     thread_rows: bool = False   # one row, groups of 32: each thread holds whole rows of a block, one FMA chain
                                 # a group and row (`quant_gemv._rows_step`)
+    tma_stages: int = 0         # one row on the float16-pairs path: > 0 reads the words by TMA through that many
+                                # pipeline stages (`kernels.quant_gemv_tma`; experimental, not picked)
+    scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
 
 
 def group_pairs_layout(bits: int, group_size: int, K: int) -> bool:

@@ -19,12 +19,12 @@ pick_config, us: q/k/v 10.9 -> 10.0, o 7.6 -> 7.1, gate/up 35.1 -> 31.6, down 18
 bench/results/quant_h2_ab.json). Either alone did little:
 the arithmetic alone (no new words) and the loads alone (no arithmetic) each took ~29 us on gate/up, so a kernel
 that halves one of them still waits on the other; the float16 pairs cut the registers (128 -> 96), which is what
-leaves room for the second register set. Each block's x is requested a block ahead as well (`_x_words`): read
+leaves room for the second register set. Each block's x is requested a block ahead as well (`x_words`): read
 in the step, its latency (an L2 round trip a block) was paid once a block by every program, and a program's 16
 blocks took ~27 us on gate/up whether its SM held one program or two (bench/results/quant_gemv_xprefetch.json).
 H200, each at its pick_config, us: q/k/v 10.0 -> 9.2, o 7.1 -> 6.7, gate/up 32.2 -> 30.4, down 15.9 -> 14.9
 (bench/results/quant_h2_xprefetch_ab.json).
-The scales and offsets are read in the step, in the words' own layout (`_tile_value`): read as [BN] values they
+The scales and offsets are read in the step, in the words' own layout (`tile_value`): read as [BN] values they
 were exchanged through shared memory into that layout twice a block, behind 8 barriers a loop step; offsets
 apply per word. H200, us: gate/up 29.2 -> 27.8, the others within 0.1; the engine at batch 1 2.48 -> 2.46 ms a
 token, 3.23 -> 3.15 with rank-16 adapters on every module (bench/results/quant_scale_layout_ab.json).
@@ -91,7 +91,7 @@ def _half_scales(g_a, g_b, s_ptr, o_ptr, offs_n, n_mask, N):
 @triton.jit
 def _paired_block(w_rows, b, n_mask, GROUP: tl.constexpr, EVEN_N: tl.constexpr):
     """Block b of the paired layout as read from memory: its [BN, 32] words, and its halves' groups (whose scales
-    and offsets `_tile_value` reads). EVEN_N (every program's rows exist): the words are read unmasked."""
+    and offsets `tile_value` reads). EVEN_N (every program's rows exist): the words are read unmasked."""
     g_a, g_b = half_groups(b, GROUP)
     if EVEN_N:
         words = tl.load(w_rows + b * 32)
@@ -101,7 +101,7 @@ def _paired_block(w_rows, b, n_mask, GROUP: tl.constexpr, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_value(ptr, g_a, g_b, offs_n, N, ASM: tl.constexpr):
+def tile_value(ptr, g_a, g_b, offs_n, N, ASM: tl.constexpr):
     """fp32 [BN, 32]: element (row, j) is float16 [groups, N] `ptr`'s value of row offs_n in group g_a for words
     j < 16, g_b for the others (rows past N: undefined, never written out). Read in the words' own layout (inline
     assembly: a load would be given a layout of its own and exchanged through shared memory, behind barriers),
@@ -117,7 +117,7 @@ def _tile_value(ptr, g_a, g_b, offs_n, N, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_words(x_ptr, b, offs_j, K, EVEN_K: tl.constexpr):
+def x_words(x_ptr, b, offs_j, K, EVEN_K: tl.constexpr):
     """Block b's x for `_halves_step_h2`: four [32] int32 (two bfloat16 each), the x pairs of fields (0, 4) ..
     (3, 7) of the block's words (x_ptr: the token row's x, 4-byte aligned)."""
     return (_x_word(x_ptr, b * 128 + _paired_word(offs_j, 0), K, EVEN_K),
@@ -137,15 +137,22 @@ def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.c
     """`_halves_step` for bfloat16 x in 4-byte aligned rows, two codes an instruction (`kernels.quant_h2`): each
     thread's 4 neighbouring words of a row (32 codes, one group half) summed in one chain of float16 pairs, then
     their group scale (times 256: the sums are of q / 256) and offset (times their fp32 sum of x) applied in two
-    FMAs. The scales and offsets are read here, in the words' layout (`_tile_value`); a block's words and groups
-    come from `_paired_block`, its x from `_x_words` (xv), both requested a block ahead by the caller."""
+    FMAs. The scales and offsets are read here, in the words' layout (`tile_value`); a block's words and groups
+    come from `_paired_block`, its x from `x_words` (xv), both requested a block ahead by the caller."""
+    s = tile_value(s_ptr, g_a, g_b, offs_n, N, ASM)
+    o = tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
+    return h2_block(words, xv, s, o, acc, ASM)
+
+
+@triton.jit
+def h2_block(words, xv, s, o, acc, ASM: tl.constexpr):
+    """`_halves_step_h2`'s arithmetic on one block: words [BN, 32], its x (`x_words`), and its scales and offsets
+    in the words' layout (`tile_value`)."""
     v0, v1, v2, v3 = xv
     h0, t0 = h2_x(v0, ASM)
     h1, t1 = h2_x(v1, ASM)
     h2, t2 = h2_x(v2, ASM)
     h3, t3 = h2_x(v3, ASM)
-    s = _tile_value(s_ptr, g_a, g_b, offs_n, N, ASM)
-    o = _tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
     x_t = t0 + t1 + t2 + t3
     # [1, 32]: in the words' 2-D layout (4 columns a thread); a [32] one may be laid out 1 element a thread
     nsum4 = h2_quad_sum(h2_nsum(h0, h1, h2, h3, ASM)[None, :], False, ASM)
@@ -342,19 +349,19 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         # Two register sets, no copies: block b + 1 (words and its x) is requested before block b's arithmetic,
         # block b + 2 (into b's registers, free by then) before b + 1's; the last pair's b + 2 re-reads the
         # split's last block. The first block's x comes after the wait (the launch before writes it). Each block's
-        # scales and offsets are read in its step, in the words' layout (`_tile_value`).
+        # scales and offsets are read in its step, in the words' layout (`tile_value`).
         words, g_a, g_b = _paired_block(w_rows, b_lo, n_mask, GROUP, EVEN_N)
         if not ADD:
             wait_then_release(USE_PDL)
-        xv = _x_words(x_base, b_lo, offs_j, K, EVEN_K)
+        xv = x_words(x_base, b_lo, offs_j, K, EVEN_K)
         for it in range(0, (b_hi - b_lo) // 2):
             b = b_lo + 2 * it
             words1, g_a1, g_b1 = _paired_block(w_rows, b + 1, n_mask, GROUP, EVEN_N)
-            xv1 = _x_words(x_base, b + 1, offs_j, K, EVEN_K)
+            xv1 = x_words(x_base, b + 1, offs_j, K, EVEN_K)
             acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
             b2 = tl.minimum(b + 2, b_hi - 1)
             words, g_a, g_b = _paired_block(w_rows, b2, n_mask, GROUP, EVEN_N)
-            xv = _x_words(x_base, b2, offs_j, K, EVEN_K)
+            xv = x_words(x_base, b2, offs_j, K, EVEN_K)
             acc = _halves_step_h2(words1, g_a1, g_b1, xv1, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if (b_hi - b_lo) % 2 == 1:
             acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)

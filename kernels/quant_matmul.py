@@ -17,14 +17,18 @@ Which kernel, tiles and split a shape takes: `kernels.quant_config`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.host_ints import cdiv
 from kernels.pdl import compiled, launch_args, pdl_enabled
 from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs_layout,  # noqa: F401
                                   pair_codes_layout, pick_config)
 from kernels.quant_gemv import quant_gemv_kernel
+from kernels.quant_gemv_tma import quant_gemv_tma_kernel
 from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import half_sums_into
 from kernels.quant_mma import quant_mma_kernel
@@ -119,6 +123,15 @@ def quant_matmul(
     if cfg.block_m == 1:
         x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
         h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w) and fp16_pairs_enabled()
+        stages, ahead = (cfg.tma_stages, cfg.scales_ahead) if cfg.tma_stages else tma_override()
+        if h2 and stages > 0 and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9):
+            quant_gemv_tma_kernel[grid](x, _words_desc(w, cfg.block_n), w.words, *buffers[2:],
+                                        addend if addend is not None else out, *sizes, GROUP=w.group_size,
+                                        BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
+                                        EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
+                                        ADD=addend is not None, STAGES=stages, SCALES_AHEAD=ahead,
+                                        num_warps=cfg.num_warps, **pdl)
+            return
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
@@ -134,6 +147,33 @@ def quant_matmul(
                                PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
                                **pdl)
+
+
+TMA_ENV = "LORAPLEX_H2_TMA"
+
+
+def tma_override() -> tuple[int, bool]:
+    """LORAPLEX_H2_TMA=stages[,1] (experimental, for A/B runs of the engine): the one-row float16-pairs path reads
+    its words by TMA through that many stages (`kernels.quant_gemv_tma`), the scales a block ahead with ",1";
+    unset or 0: the register-set kernel."""
+    raw = os.environ.get(TMA_ENV, "").strip()
+    if not raw:
+        return 0, False
+    parts = raw.split(",")
+    try:
+        stages = int(parts[0])
+        ahead = len(parts) > 1 and parts[1].strip() not in ("", "0")
+    except ValueError:
+        raise ValueError(f"{TMA_ENV} must be 'stages' or 'stages,1' (e.g. 4 or 4,1), got {raw!r}") from None
+    if stages != 0 and not 2 <= stages <= 8:
+        raise ValueError(f"{TMA_ENV}: stages must be 0 (off) or 2-8, got {stages}")
+    return stages, ahead
+
+
+def _words_desc(w: PackedQuantWeight, block_n: int) -> TensorDescriptor:
+    """The words' TMA descriptor with [block_n, 32] boxes (one block of block_n rows; made per call, a few host
+    microseconds, so that no cache holds weights alive)."""
+    return TensorDescriptor.from_tensor(w.words, [block_n, 32])
 
 
 def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:

@@ -15,6 +15,10 @@
 #                    16-row tensor-core tiles at one row, split 1-8), for pick_config (~2 minutes)
 #   probe-staged     bench/quant_gemv_probe.py --staged on gate/up and q/k/v: the one-row kernel's reads as TMA
 #                    boxes or pipelined pointer loads, 2-6 stages (not run yet; 144 cases, a few minutes)
+#   tma-sweep        bench/quant_kernel_sweep.py --only 8b --rows 1 --tma: pick_config's one-row choice against the
+#                    TMA-read kernel (kernels/quant_gemv_tma.py) over programs, splits, stages (~3 minutes)
+#   tma-decode       bench/quant_decode.py --batches 1 with LORAPLEX_H2_TMA unset, then set to each of
+#                    $TMA_VARIANTS (default "4 4,1"): the engine at batch 1 on either one-row kernel
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
@@ -75,6 +79,14 @@ case "$stage" in
   gemv-sweep)
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
       | cut -c1-150 | tee "$out/$stage.log" ;;
+  tma-sweep)
+    python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma 2>&1 \
+      | cut -c1-200 | tee "$out/$stage.log" ;;
+  tma-decode)
+    for v in "" ${TMA_VARIANTS:-4 4,1}; do
+      LORAPLEX_H2_TMA="$v" timeout 200 python3 bench/quant_decode.py --commit "$commit${v:+ LORAPLEX_H2_TMA=$v}" \
+        --batches 1 --out "$out/quant_decode_tma${v:+_$v}.json" 2>&1 | tail -12 | tee -a "$out/$stage.log"
+    done ;;
   probe-staged)
     timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
       --out "$out/quant_gemv_probe_staged.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
