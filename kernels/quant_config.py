@@ -120,6 +120,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
+        if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 2
+            return QuantMatmulConfig(128, 1, max(1, min(2, num_blocks)), tma_stages=2)
         split = pow2_floor((2 if beside_lora else 3) * num_sms // cdiv(N, 128))
         return QuantMatmulConfig(128, 1, max(1, min(split, 16, num_blocks)))
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight

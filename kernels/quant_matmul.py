@@ -123,7 +123,7 @@ def quant_matmul(
     if cfg.block_m == 1:
         x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
         h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w) and fp16_pairs_enabled()
-        stages, ahead = (cfg.tma_stages, cfg.scales_ahead) if cfg.tma_stages else tma_override()
+        stages, ahead = tma_override() or (cfg.tma_stages, cfg.scales_ahead)
         if h2 and stages > 0 and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9):
             quant_gemv_tma_kernel[grid](x, _words_desc(w, cfg.block_n), w.words, *buffers[2:],
                                         addend if addend is not None else out, *sizes, GROUP=w.group_size,
@@ -152,19 +152,19 @@ def quant_matmul(
 TMA_ENV = "LORAPLEX_H2_TMA"
 
 
-def tma_override() -> tuple[int, bool]:
-    """LORAPLEX_H2_TMA=stages[,1] (experimental, for A/B runs of the engine): the one-row float16-pairs path reads
-    its words by TMA through that many stages (`kernels.quant_gemv_tma`), the scales a block ahead with ",1";
-    unset or 0: the register-set kernel."""
+def tma_override() -> tuple[int, bool] | None:
+    """LORAPLEX_H2_TMA (for A/B runs of the engine): unset, None (each config's own `tma_stages`, pick_config's
+    choice); 0, the register-set kernel everywhere; stages[,1], the one-row float16-pairs path reads its words
+    by TMA through that many stages everywhere (`kernels.quant_gemv_tma`), with ",1" the scales a block ahead."""
     raw = os.environ.get(TMA_ENV, "").strip()
     if not raw:
-        return 0, False
+        return None
     parts = raw.split(",")
     try:
         stages = int(parts[0])
         ahead = len(parts) > 1 and parts[1].strip() not in ("", "0")
     except ValueError:
-        raise ValueError(f"{TMA_ENV} must be 'stages' or 'stages,1' (e.g. 4 or 4,1), got {raw!r}") from None
+        raise ValueError(f"{TMA_ENV} must be 0 or 'stages' or 'stages,1' (e.g. 2 or 3,1), got {raw!r}") from None
     if stages != 0 and not 2 <= stages <= 8:
         raise ValueError(f"{TMA_ENV}: stages must be 0 (off) or 2-8, got {stages}")
     return stages, ahead

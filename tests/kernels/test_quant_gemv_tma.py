@@ -40,11 +40,12 @@ def test_tma_path_addend() -> None:
 
 def test_tma_switch(monkeypatch) -> None:
     """LORAPLEX_H2_TMA=stages[,1] takes the TMA kernel where a config does not ask for it (the launch recorded
-    from a stand-in), bad values are refused with the variable's name, and unset it is off."""
+    from a stand-in), 0 keeps the register-set kernel where a config asks for TMA, bad values are refused with the
+    variable's name, and unset each config decides."""
     import kernels.quant_matmul as qm
 
     monkeypatch.delenv("LORAPLEX_H2_TMA", raising=False)
-    assert tma_override() == (0, False)
+    assert tma_override() is None
     for raw, want in (("4", (4, False)), ("3,1", (3, True)), ("0", (0, False))):
         monkeypatch.setenv("LORAPLEX_H2_TMA", raw)
         assert tma_override() == want
@@ -68,6 +69,19 @@ def test_tma_switch(monkeypatch) -> None:
         m.setattr(qm, "quant_gemv_tma_kernel", Recorder())
         quant_matmul(x, w, None, out, QuantMatmulConfig(64, 1, 1))
     assert launches == [(4, True)]
+    monkeypatch.setenv("LORAPLEX_H2_TMA", "0")
+    h2 = []
+
+    class Plain:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: h2.append(kwargs["H2"])
+
+    with monkeypatch.context() as m:
+        m.setattr(qm, "quant_gemv_tma_kernel", Recorder())
+        m.setattr(qm, "quant_gemv_kernel", Plain())
+        quant_matmul(x, w, None, out, QuantMatmulConfig(64, 1, 1, tma_stages=2))
+    assert launches == [(4, True)] and h2 == [True]
+    monkeypatch.setenv("LORAPLEX_H2_TMA", "4,1")
     quant_matmul(x, w, None, out, QuantMatmulConfig(64, 1, 1))
     assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu()) < TOL[torch.bfloat16]
 
