@@ -80,13 +80,15 @@ def configs(model: str, t: int) -> list[QuantMatmulConfig]:
 
 
 def tma_configs(n: int, k: int, group: int) -> list[QuantMatmulConfig]:
-    """One row: pick_config's choice (the register-set kernel), then the TMA-read kernel (`kernels.quant_gemv_tma`)
-    over 64/128-feature programs, splits 1-16, 2-6 stages, scales in the step or a block ahead."""
+    """One row: pick_config's choice, the register-set kernel at its own rule's split, then the TMA-read kernel
+    (`kernels.quant_gemv_tma`) over 64-256-feature programs on 4 or 8 warps, splits 1-16, 2-4 stages, scales in the
+    step or a block ahead."""
     C = QuantMatmulConfig
     blocks = k // 256
-    return [pick_config(1, n, k, 4, 132, group)] + [
-        C(bn, 1, s, tma_stages=st, scales_ahead=a) for bn in (64, 128) for s in (1, 2, 4, 8, 16) if s <= blocks // 2
-        for st in (2, 3, 4, 6) for a in (False, True)]
+    return [pick_config(1, n, k, 4, 132, group), QuantMatmulConfig(128, 1, 1 if n >= 128 * 132 else 8)] + [
+        C(bn, 1, s, num_warps=w, tma_stages=st, scales_ahead=a)
+        for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8, 16) if s <= blocks // 2
+        for st in (2, 3, 4) for a in (False, True)]
 
 
 def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--compare", type=Path, help="an earlier kernels/quant_matmul.py, or a quant_gemv.py (with --rows "
                     "1): time it (its own config choice) and only pick_config's choice and its neighbours here")
     ap.add_argument("--rows", default="")
+    ap.add_argument("--shapes", default="", help="only these layer shapes (e.g. gate_up,down)")
     ap.add_argument("--picked-only", action="store_true", help="with --compare: time only pick_config's choice "
                     "(a quick before/after over many shapes and rows)")
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
@@ -170,6 +173,8 @@ def main() -> None:
         group = args.group_size or group
         res.setdefault("group_size", {})[model] = group
         for name, (n, k) in shapes.items():
+            if args.shapes and name not in args.shapes.split(","):
+                continue
             ws = []
             while sum(w.nbytes for w in ws) < SPAN:
                 q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)

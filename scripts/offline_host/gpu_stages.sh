@@ -80,7 +80,8 @@ case "$stage" in
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
       | cut -c1-150 | tee "$out/$stage.log" ;;
   tma-sweep)
-    python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma 2>&1 \
+    python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma \
+      ${TMA_SHAPES:+--shapes $TMA_SHAPES} 2>&1 \
       | cut -c1-200 | tee "$out/$stage.log" ;;
   tma-decode)
     for v in "" ${TMA_VARIANTS:-4 4,1}; do
