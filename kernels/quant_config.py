@@ -25,7 +25,7 @@ class QuantMatmulConfig:
     thread_rows: bool = False   # one row, groups of 32: each thread holds whole rows of a block, one FMA chain
                                 # a group and row (`quant_gemv._rows_step`)
     tma_stages: int = 0         # one row on the float16-pairs path: > 0 reads the words by TMA through that many
-                                # pipeline stages (`kernels.quant_gemv_tma`; experimental, not picked)
+                                # pipeline stages (`kernels.quant_gemv_tma`; sm_90+, else the register-set kernel)
     scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
 
 
@@ -77,7 +77,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     call adds a LoRA delta whose fused launch runs beside it, `quant_matmul`'s addend): about two an SM, leaving
     room for that launch's programs (only q/k/v differs, 8 -> 4: H200 engine at batch 1, one run each, rank 16
     on every module 2.91 against 2.84 ms a token, rank 64 on q/k/v 2.65 against 2.55; with no adapter 2.39
-    against 2.43, bench/results/quant_chain4_ab.json).
+    against 2.43, bench/results/quant_chain4_ab.json). Where the 128-feature tiles alone fill the SMs (gate/up) the
+    same arithmetic reads its words by TMA (`kernels.quant_gemv_tma`), split 2, two stages, with or without a LoRA
+    launch beside it (H200: gate/up 24.6-25.5 us against 28.9-30.4; the engine at batch 1 2.49 -> 2.30 ms a token,
+    rank 16 on every module 3.04 -> 2.71; bench/results/quant_tma_ab.json); on q/k/v, o and down it was no faster.
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.

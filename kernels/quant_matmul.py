@@ -8,7 +8,8 @@ groups of 128+, 32 codes of one half block, two neighbours a word):
   and a range of K blocks; the weight dequantized in registers, or (4 bits in groups of 128+ with
   16-bit x) the codes fed to the dots as they are, the group scales applied to the dots' sums.
 - One-row kernel (batch-1 decode, `kernels.quant_gemv`): no tensor cores, codes * x elementwise in fp32 (in
-  float16 pairs for bfloat16 x on 4 bits in groups of 128+, `kernels.quant_h2`).
+  float16 pairs for bfloat16 x on 4 bits in groups of 128+, `kernels.quant_h2`); for gate/up-sized weights on
+  sm_90+ the float16-pairs arithmetic with its words read by TMA (`kernels.quant_gemv_tma`).
 
 Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336) is
 `kernels.quant_split`: the last program of a tile sums the partials, in the same launch.
