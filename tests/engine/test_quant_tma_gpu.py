@@ -1,0 +1,103 @@
+"""The one-row 4-bit kernel with its words read by TMA (`kernels.quant_gemv_tma`) inside the engine: one-token
+steps in CUDA graphs with dependent launches (its L2 requests before the wait, the pipeline's copies after it),
+with and without an adapter (the LoRA-first addend). LORAPLEX_H2_TMA=2 puts every float16-pairs launch on it (a
+model this small has no projection `pick_config` sends there), LORAPLEX_H2_TMA=0 none; the two runs' logits agree
+within bf16 rounding while they chose the same tokens, and the adapter moves the logits far more than that."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
+from compute_service.engine.quant_formats.export import quantize_checkpoint
+from compute_service.engine.quant_linear import QuantLinear
+from helpers import add_peft_adapters, rel_err
+from loraplex.formats import read_peft
+from test_parity import run_collecting
+
+pytestmark = [pytest.mark.gpu]
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DIMS = dict(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+ADAPTER = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                    "up_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def w4_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.03)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+    src = tmp_path_factory.mktemp("mid")
+    model.save_pretrained(src, safe_serialization=True)
+    folder = quantize_checkpoint(src, tmp_path_factory.mktemp("w4") / "ct4", bits=4, group_size=128,
+                                 progress=False).out
+    peft = add_peft_adapters(model, {"all": ADAPTER})
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    adapters = tmp_path_factory.mktemp("adapters")
+    peft.save_pretrained(adapters)
+    return folder, adapters
+
+
+def _run(folder, adapters, monkeypatch, tma: str):
+    monkeypatch.setenv("LORAPLEX_H2_TMA", tma)
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", block_size=16,
+                                    lora_backend="kernels", max_loras=2, max_num_seqs=2, quantization="keep"))
+    assert isinstance(engine.loaded.model.weights.layers[0].gate_up, QuantLinear)
+    engine.add_adapter("all", read_peft(adapters / "all"))
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for rid in ("a", "b"):
+        prompt = torch.randint(0, DIMS["vocab_size"], (6,), generator=g).tolist()
+        for key in ("all", None):
+            tokens, logits = run_collecting(engine, {rid: (prompt, key)},
+                                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+            out[rid, key] = (tokens[rid], logits[rid])
+    return out
+
+
+def test_tma_kernel_in_the_engine_matches_the_register_set_kernel(w4_llama, monkeypatch):
+    import kernels.quant_matmul as qm
+
+    folder, adapters = w4_llama
+    launches = {"tma": 0, "addend": 0}
+    real = qm.quant_gemv_tma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches["tma"] += 1
+                launches["addend"] += bool(kwargs["ADD"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(qm, "quant_gemv_tma_kernel", Spy())
+    tma = _run(folder, adapters, monkeypatch, "2")
+    assert launches["tma"] > 0 and launches["addend"] > 0, launches
+    seen = dict(launches)
+    plain = _run(folder, adapters, monkeypatch, "0")
+    assert launches == seen, "LORAPLEX_H2_TMA=0 must keep every launch on the register-set kernel"
+    for (rid, key), (tok_t, log_t) in tma.items():
+        tok_p, log_p = plain[rid, key]
+        base = tma[rid, None][1]
+        compared = 0
+        for i, (lt, lp) in enumerate(zip(log_t, log_p)):
+            if tok_t[: i + 1] != tok_p[: i + 1]:
+                break
+            assert rel_err(lt, lp) < 2e-2, (rid, key, i, rel_err(lt, lp))
+            if key is not None:
+                assert rel_err(lt, base[i]) > 0.1, (rid, key, i, "the adapter should move the logits")
+            compared += 1
+        assert compared >= 3, (rid, key, tok_t, tok_p)
