@@ -40,6 +40,34 @@ def tiny_model(kind: str, seed: int = 0):
     return model.eval()
 
 
+MID_DIMS = dict(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def mid_llama(adapters: dict[str, dict], src: Path, adapter_dir: Path):
+    """A random llama of MID_DIMS (projections large enough for the GPU's one-row kernels), saved to `src`, and
+    PEFT `adapters` on it with B large enough to move the logits clearly, saved to `adapter_dir`; the PEFT model
+    (on the GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MID_DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.03)
+            elif "norm" in name:
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(src, safe_serialization=True)
+    peft = add_peft_adapters(model, adapters).cuda()
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    peft.save_pretrained(adapter_dir)
+    return peft
+
+
 def save_tiny(model, folder: Path) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
-from helpers import add_peft_adapters, rel_err
+import helpers
+from helpers import MID_DIMS, rel_err
 from loraplex.formats import read_peft
 from test_parity import run_collecting
 
@@ -22,8 +23,6 @@ pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-DIMS = dict(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
 ADAPTERS = {
     "all": dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                      "up_proj", "down_proj"]),
@@ -33,26 +32,8 @@ ADAPTERS = {
 
 @pytest.fixture(scope="module")
 def mid_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1:
-                p.normal_(0.0, 0.03)
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
-    folder = tmp_path_factory.mktemp("mid")
-    model.save_pretrained(folder, safe_serialization=True)
-    peft = add_peft_adapters(model, ADAPTERS).cuda()
-    with torch.no_grad():                       # adapters large enough to move the logits clearly
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-    adapters = tmp_path_factory.mktemp("mid_adapters")
-    peft.save_pretrained(adapters)
-    return peft, folder, adapters
+    folder, adapters = tmp_path_factory.mktemp("mid"), tmp_path_factory.mktemp("mid_adapters")
+    return helpers.mid_llama(ADAPTERS, folder, adapters), folder, adapters
 
 
 def _run(folder, adapters, monkeypatch, first: str):
@@ -65,7 +46,7 @@ def _run(folder, adapters, monkeypatch, first: str):
     g = torch.Generator().manual_seed(7)
     out = {}
     for rid, key in (("a", "all"), ("b", "mlp"), ("c", "all")):
-        prompt = torch.randint(0, DIMS["vocab_size"], (5,), generator=g).tolist()
+        prompt = torch.randint(0, MID_DIMS["vocab_size"], (5,), generator=g).tolist()
         for k in (key, None):
             tokens, logits = run_collecting(engine, {rid: (prompt, k)},
                                             SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))

@@ -11,7 +11,7 @@ import torch
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
 from compute_service.engine.quant_formats.export import quantize_checkpoint
 from compute_service.engine.quant_linear import QuantLinear
-from helpers import add_peft_adapters, rel_err
+from helpers import MID_DIMS, mid_llama, rel_err
 from loraplex.formats import read_peft
 from test_parity import run_collecting
 
@@ -19,35 +19,16 @@ pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-DIMS = dict(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
 ADAPTER = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                     "up_proj", "down_proj"])
 
 
 @pytest.fixture(scope="module")
 def w4_llama(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1:
-                p.normal_(0.0, 0.03)
-            elif "norm" in name:
-                p.uniform_(0.8, 1.2)
-    src = tmp_path_factory.mktemp("mid")
-    model.save_pretrained(src, safe_serialization=True)
+    src, adapters = tmp_path_factory.mktemp("mid"), tmp_path_factory.mktemp("adapters")
+    mid_llama({"all": ADAPTER}, src, adapters)
     folder = quantize_checkpoint(src, tmp_path_factory.mktemp("w4") / "ct4", bits=4, group_size=128,
                                  progress=False).out
-    peft = add_peft_adapters(model, {"all": ADAPTER})
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-    adapters = tmp_path_factory.mktemp("adapters")
-    peft.save_pretrained(adapters)
     return folder, adapters
 
 
@@ -60,7 +41,7 @@ def _run(folder, adapters, monkeypatch, tma: str):
     g = torch.Generator().manual_seed(5)
     out = {}
     for rid in ("a", "b"):
-        prompt = torch.randint(0, DIMS["vocab_size"], (6,), generator=g).tolist()
+        prompt = torch.randint(0, MID_DIMS["vocab_size"], (6,), generator=g).tolist()
         for key in ("all", None):
             tokens, logits = run_collecting(engine, {rid: (prompt, key)},
                                             SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
