@@ -19,6 +19,9 @@
 #                    TMA-read kernel (kernels/quant_gemv_tma.py) over programs, splits, stages (~3 minutes)
 #   tma-decode       bench/quant_decode.py --batches 1 with LORAPLEX_H2_TMA unset, then set to each of
 #                    $TMA_VARIANTS (default "4 4,1"): the engine at batch 1 on either one-row kernel
+#   compile-pool-specs  tests/compute_service/test_compile_pool.py's cold start once, then the LoRA kernels'
+#                    programs' signatures (their specialisations) counted: which programs the warm-up compiled
+#                    beside the pool's (that test fails since 75454d5, see docs/performance.md; ~1 minute)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
@@ -87,6 +90,17 @@ case "$stage" in
     for v in "" ${TMA_VARIANTS:-4 4,1}; do
       LORAPLEX_H2_TMA="$v" timeout 200 python3 bench/quant_decode.py --commit "$commit${v:+ LORAPLEX_H2_TMA=$v}" \
         --batches 1 --out "$out/quant_decode_tma${v:+_$v}.json" 2>&1 | tail -12 | tee -a "$out/$stage.log"
+    done ;;
+  compile-pool-specs)
+    # the cold-start compile-pool test once, then, per LoRA kernel, each program's signature line (its
+    # specialisation) with how many programs share it: a program the warm-up compiled beside the pool's shows
+    # as a signature the recording did not produce
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/compute_service/test_compile_pool.py \
+      -k cold_start --basetemp=/tmp/cps 2>&1 | tail -3 | tee "$out/$stage.log"
+    for k in _shrink_kernel _fused_kernel _expand_kernel; do
+      echo "== $k" >> "$out/$stage.log"
+      find /tmp/cps -name "$k.ttir" | while read -r f; do grep -m1 "tt.func" "$f" | sed 's/loc([^)]*)//g'; done \
+        | sort | uniq -c >> "$out/$stage.log"
     done ;;
   probe-staged)
     timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
