@@ -10,6 +10,7 @@ produced in one layout and used in another, e.g. a [BN] load used across a [BN, 
                 USE_PDL=1 ADD=0 PAIRED=1 X32=1 \\
         --ptr x_ptr=bf16 w_ptr=i32 s_ptr=fp16 o_ptr=fp16 bias_ptr=bf16 out_ptr=bf16 lock_ptr=i32 \\
         --aligned N K stride_x stride_out words_per_row [--warps 4] [--maxnreg 168] [--dump DIR]
+        [--desc w_desc=i32[128,32]]      # a tensor descriptor argument and its box (the TMA kernels)
 
 A constexpr parameter with a default (`X: tl.constexpr = False`) takes that default unless --const names it
 (the first line of the output lists the defaults taken). Other parameters not named in --const are runtime
@@ -110,14 +111,15 @@ def constexpr_defaults(kernel) -> dict[str, int]:
 
 
 def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned: set[str], warps: int = 4,
-                   stages: int = 3, maxnreg: int | None = None, arch: int = 90):
+                   stages: int = 3, maxnreg: int | None = None, arch: int = 90, descs: dict[str, str] | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     name = kernel.fn.__name__
     params = list(inspect.signature(kernel.fn).parameters)
-    unknown = (set(consts) | set(ptrs) | aligned) - set(params)
+    descs = descs or {}
+    unknown = (set(consts) | set(ptrs) | aligned | set(descs)) - set(params)
     if unknown:
         raise SystemExit(f"{name} has no parameters {sorted(unknown)}; it takes {params}")
     consts = {**constexpr_defaults(kernel), **consts}
@@ -125,6 +127,8 @@ def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned
     for i, p in enumerate(params):
         if p in consts:
             sig[p] = "constexpr"
+        elif p in descs:
+            sig[p] = f"tensordesc<{descs[p]}>"
         elif p.endswith("_ptr"):
             sig[p] = "*" + ptrs.get(p, "fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -175,6 +179,8 @@ def main() -> None:
     ap.add_argument("kernel", help="module:kernel, e.g. kernels.quant_gemv:quant_gemv_kernel")
     ap.add_argument("--const", nargs="*", default=[], metavar="NAME=INT", help="constexpr values (bools as 0/1)")
     ap.add_argument("--ptr", nargs="*", default=[], metavar="NAME=TYPE", help="pointee types (fp32, bf16, i32 ...)")
+    ap.add_argument("--desc", nargs="*", default=[], metavar="NAME=TYPE",
+                    help="tensor descriptor arguments and their boxes, e.g. w_desc=i32[64,16]")
     ap.add_argument("--aligned", nargs="*", default=[], metavar="NAME", help="int arguments that are multiples of 16")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
@@ -188,7 +194,7 @@ def main() -> None:
     kernel = load_kernel(args.kernel)
     defaults = {k: v for k, v in constexpr_defaults(kernel).items() if k not in consts}
     compiled = compile_kernel(kernel, consts, ptrs, set(args.aligned), args.warps, args.stages,
-                              args.maxnreg, args.arch)
+                              args.maxnreg, args.arch, dict(d.split("=", 1) for d in args.desc))
     if defaults:
         print("constexpr defaults taken: " + " ".join(f"{k}={v}" for k, v in defaults.items()))
     print(report(compiled, args.dump))
