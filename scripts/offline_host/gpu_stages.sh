@@ -19,6 +19,8 @@
 #                    TMA-read kernel (kernels/quant_gemv_tma.py) over programs, splits, stages (~3 minutes)
 #   tma-decode       bench/quant_decode.py --batches 1 with LORAPLEX_H2_TMA unset, then set to each of
 #                    $TMA_VARIANTS (default "4 4,1"): the engine at batch 1 on either one-row kernel
+#   tma-checks       the GPU tests of the TMA-read one-row kernel, in the kernels and in the engine (~1 minute;
+#                    suite-rest runs them too)
 #   compile-pool-specs  tests/compute_service/test_compile_pool.py's cold start once, then the LoRA kernels'
 #                    programs' signatures (their specialisations) counted: which programs the warm-up compiled
 #                    beside the pool's (that test fails since 75454d5, see docs/performance.md; ~1 minute)
@@ -91,6 +93,10 @@ case "$stage" in
       LORAPLEX_H2_TMA="$v" timeout 200 python3 bench/quant_decode.py --commit "$commit${v:+ LORAPLEX_H2_TMA=$v}" \
         --batches 1 --out "$out/quant_decode_tma${v:+_$v}.json" 2>&1 | tail -12 | tee -a "$out/$stage.log"
     done ;;
+  tma-checks)
+    # the GPU tests of the TMA-read one-row kernel (kernels and engine) and of the shared mid-sized model
+    pytest_gpu tests/kernels/test_quant_gemv_tma.py tests/engine/test_quant_tma_gpu.py \
+      tests/engine/test_lora_first_gpu.py ;;
   compile-pool-specs)
     # the cold-start compile-pool test once, then, per LoRA kernel, each program's signature line (its
     # specialisation) with how many programs share it: a program the warm-up compiled beside the pool's shows
