@@ -102,7 +102,8 @@ case "$stage" in
     # specialisation) with how many programs share it: a program the warm-up compiled beside the pool's shows
     # as a signature the recording did not produce
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/compute_service/test_compile_pool.py \
-      -k cold_start --basetemp=/tmp/cps 2>&1 | tail -3 | tee "$out/$stage.log"
+      -k cold_start --basetemp=/tmp/cps --log-level=INFO > "$out/$stage.full.log" 2>&1   # with the warm-up's log
+    grep -E "passed|failed|recording pass stopped|warm-up:" "$out/$stage.full.log" | cut -c1-300 | tee "$out/$stage.log"
     for k in _shrink_kernel _fused_kernel _expand_kernel; do
       echo "== $k" >> "$out/$stage.log"
       find /tmp/cps -name "$k.ttir" | while read -r f; do grep -m1 "tt.func" "$f" | sed 's/loc([^)]*)//g'; done \
