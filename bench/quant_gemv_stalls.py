@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.kernel_sass import loops as _code_loops  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# pick_config on these shapes: the one-row kernel for one row, the tensor-core tiles for 2-64
-KERNELS = {True: "regex:quant_gemv_kernel", False: "regex:quant_mma_kernel"}
+# pick_config on these shapes: the one-row kernel for one row (gate/up: its TMA-read form), the tiles for 2-64
+KERNELS = {True: "regex:quant_gemv(_tma)?_kernel", False: "regex:quant_mma_kernel"}    # one row: either form
 STALL_METRICS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 OTHER_METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.sum", "sm__cycles_active.avg",
                  "smsp__issue_active.avg.per_cycle_active", "smsp__warps_active.avg.per_cycle_active",
