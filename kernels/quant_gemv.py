@@ -139,9 +139,14 @@ def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.c
     their group scale (times 256: the sums are of q / 256) and offset (times their fp32 sum of x) applied in two
     FMAs. The scales and offsets are read here, in the words' layout (`tile_value`); a block's words and groups
     come from `_paired_block`, its x from `x_words` (xv), both requested a block ahead by the caller."""
-    s = tile_value(s_ptr, g_a, g_b, offs_n, N, ASM)
-    o = tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
+    s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)
     return h2_block(words, xv, s, o, acc, ASM)
+
+
+@triton.jit
+def scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM: tl.constexpr):
+    """A block's scales and offsets (groups g_a and g_b of its halves) in the words' layout (`tile_value`)."""
+    return tile_value(s_ptr, g_a, g_b, offs_n, N, ASM), tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
 
 
 @triton.jit
@@ -383,6 +388,16 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         total = tl.sum(acc, axis=1)
         if PAIRED:
             total += acc_o
+    one_row_out(total, offs_n, n_mask, m, pid_n, pid_k, split_k, T, N, stride_out, bias_ptr, out_ptr, part_ptr,
+                lock_ptr, add_ptr, HAS_BIAS, SPLIT, FENCE, NUM_THREADS, ADD)
+
+
+@triton.jit
+def one_row_out(total, offs_n, n_mask, m, pid_n, pid_k, split_k, T, N, stride_out, bias_ptr, out_ptr, part_ptr,
+                lock_ptr, add_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr,
+                NUM_THREADS: tl.constexpr, ADD: tl.constexpr):
+    """A one-row program's [BLOCK_N] fp32 sums of token row m, plus the bias, written out (`quant_split.write_out`:
+    split-K partials and the last program's sum; ADD, the addend too)."""
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)

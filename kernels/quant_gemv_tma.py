@@ -6,7 +6,7 @@ one block of words in flight a thread (its loop's loads wait behind a block of a
 on regardless of how far the arithmetic is. The arithmetic is the register-set kernel's (`quant_gemv.h2_block`).
 
 SCALES_AHEAD: each block's scales and offsets are read one block ahead (in the words' layout, `tile_value`;
-more registers), else in the block's own step. As a dependent launch (kernels/pdl.py) the first STAGES - 1
+more registers; `scale_tiles`), else in the block's own step. As a dependent launch (kernels/pdl.py) the first STAGES - 1
 blocks of each row are requested into L2 before the wait (`_prefetch_rows`): the pipeline's own first copies
 are issued after it.
 
@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import read_early, wait_then_release
-from kernels.quant_gemv import h2_block, half_groups, tile_value, x_words
-from kernels.quant_split import write_out
+from kernels.quant_gemv import h2_block, half_groups, one_row_out, scale_tiles, x_words
 
 
 @triton.jit
@@ -59,29 +58,21 @@ def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
         wait_then_release(USE_PDL)
     if SCALES_AHEAD:
         g_a, g_b = half_groups(b_lo, GROUP)
-        s = tile_value(s_ptr, g_a, g_b, offs_n, N, ASM)
-        o = tile_value(o_ptr, g_a, g_b, offs_n, N, ASM)
+        s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)
     for b in tl.range(b_lo, b_hi, num_stages=STAGES):
         words = w_desc.load([pid_n * BLOCK_N, b * 32])
         xv = x_words(x_base, b, offs_j, K, EVEN_K)
         if SCALES_AHEAD:
             g_a1, g_b1 = half_groups(tl.minimum(b + 1, b_hi - 1), GROUP)
-            s1 = tile_value(s_ptr, g_a1, g_b1, offs_n, N, ASM)
-            o1 = tile_value(o_ptr, g_a1, g_b1, offs_n, N, ASM)
+            s1, o1 = scale_tiles(s_ptr, o_ptr, g_a1, g_b1, offs_n, N, ASM)
             acc = h2_block(words, xv, s, o, acc, ASM)
             s = s1
             o = o1
         else:
             g_a, g_b = half_groups(b, GROUP)
-            acc = h2_block(words, xv, tile_value(s_ptr, g_a, g_b, offs_n, N, ASM),
-                           tile_value(o_ptr, g_a, g_b, offs_n, N, ASM), acc, ASM)
+            s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)
+            acc = h2_block(words, xv, s, o, acc, ASM)
     if ADD:
         wait_then_release(USE_PDL)
-    total = tl.sum(acc, axis=1)
-    n_mask = offs_n < N
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    write_out(total, bias, out_ptr, out_ptr + m.to(tl.int64) * stride_out + offs_n,
-              part_ptr + m.to(tl.int64) * N + offs_n, T * N, n_mask, lock_ptr + m * tl.num_programs(0) + pid_n,
-              pid_k, split_k, SPLIT, FENCE, NUM_THREADS, add_ptr + m.to(tl.int64) * N + offs_n, ADD)
+    one_row_out(tl.sum(acc, axis=1), offs_n, offs_n < N, m, pid_n, pid_k, split_k, T, N, stride_out, bias_ptr,
+                out_ptr, part_ptr, lock_ptr, add_ptr, HAS_BIAS, SPLIT, FENCE, NUM_THREADS, ADD)
