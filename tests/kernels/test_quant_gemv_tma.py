@@ -1,7 +1,7 @@
-"""The one-row float16-pairs path with its words read by TMA (`kernels.quant_gemv_tma`, experimental) against the
+"""The one-row float16-pairs path with its words read by TMA (`kernels.quant_gemv_tma`, gate/up's pick) against the
 fp32 dequantize-then-matmul reference: stages, scales a block ahead or not, split-K with odd block counts, partial
-programs of rows (TMA fills rows past N with zeros), a bias, a LoRA addend; and the environment switch that turns
-it on in the engine."""
+programs of rows (TMA fills rows past N with zeros), a bias; and the environment switch that turns it on in the
+engine. Its LoRA addend: `test_quant_matmul.test_one_row_bf16_addend_and_large_x`."""
 import pytest
 import torch
 
@@ -19,23 +19,6 @@ def test_tma_path_matches_reference(stages: int, ahead: bool, group: int, k: int
                                                                      scales_ahead=ahead))
     check(1, 41, k, 4, group, torch.bfloat16, False, QuantMatmulConfig(32, 1, split, tma_stages=stages,
                                                                       scales_ahead=ahead))
-
-
-def test_tma_path_addend() -> None:
-    gen = torch.Generator().manual_seed(31)
-    n, k = 40, 768
-    q, s, o = random_weight(n, k, 4, 128, gen)
-    w = pack_quantized(q, s, o, 4, 128)
-    x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE)
-    add = torch.randn(1, n, generator=gen).to(DEVICE)
-    cfg = QuantMatmulConfig(32, 1, 2, tma_stages=3)
-    part = torch.full((2 * n,), float("nan"), device=DEVICE)
-    locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    addend = add.clone()
-    quant_matmul(x, w, None, out, cfg, part, locks, addend=addend)
-    assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu() + add.cpu()) < TOL[torch.bfloat16]
-    assert not addend.any() and int(locks.abs().sum()) == 0
 
 
 def test_tma_switch(monkeypatch) -> None:

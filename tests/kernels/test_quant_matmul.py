@@ -120,17 +120,19 @@ def test_one_row_bf16_float16_pairs(group: int, k: int, split: int) -> None:
     check(1, 41, k, 4, group, torch.bfloat16, False, QuantMatmulConfig(64, 1, split))
 
 
-def test_one_row_bf16_addend_and_large_x() -> None:
+@pytest.mark.parametrize("tma_stages", [0, 3])
+def test_one_row_bf16_addend_and_large_x(tma_stages: int) -> None:
     """The float16-pairs path (its chains of 4 words: 96 words a row) adds a LoRA addend (and zeroes it); single
     elements of x beyond float16's range (1e5 and -7e4 in bf16) are exact there: x / 16 is what goes to float16
-    (`kernels.quant_h2`'s bound, 2**15, is for every element of a chain that large)."""
+    (`kernels.quant_h2`'s bound, 2**15, is for every element of a chain that large). Both forms of the path: the
+    register-set kernel and the TMA-read one (`kernels.quant_gemv_tma`, tma_stages)."""
     gen = torch.Generator().manual_seed(8)
     n, k = 40, 768
     q, s, o = random_weight(n, k, 4, 128, gen)
     w = pack_quantized(q, s, o, 4, 128)
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(DEVICE)
     add = torch.randn(1, n, generator=gen).to(DEVICE)
-    cfg = QuantMatmulConfig(32, 1, 2)
+    cfg = QuantMatmulConfig(32, 1, 2, tma_stages=tma_stages)
     part = torch.full((2 * n,), float("nan"), device=DEVICE)
     locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
