@@ -43,9 +43,11 @@ def _trap():
 
 
 @triton.jit
-def _swap_flag(ptr, cmp, val, SEM: tl.constexpr, status_ptr, timeout_ns, COMPILED: tl.constexpr):
-    """Compare-and-swap cmp -> val at ptr (system scope) until it takes; past the timeout, records the
-    failure in status and (compiled) traps."""
+def _swap_flag(ptr, cmp, val, SEM: tl.constexpr, status_ptr, timeout_ns, COMPILED: tl.constexpr,
+               TRIES: tl.constexpr):
+    """Compare-and-swap cmp -> val at ptr (system scope) until it takes; past the timeout (interpreted: TRIES
+    tries), records the failure in status and (compiled) traps. TRIES comes from the kernel: a helper reads no
+    module-level constexpr (tests/kernels/test_cache_keys.py)."""
     old = tl.atomic_cas(ptr, cmp, val, sem=SEM, scope="sys")
     expired = tl.full([], 0, tl.int32)
     if COMPILED:
@@ -57,7 +59,7 @@ def _swap_flag(ptr, cmp, val, SEM: tl.constexpr, status_ptr, timeout_ns, COMPILE
             expired = (_now_ns() - start > timeout_ns).to(tl.int32)
         else:
             tries += 1
-            expired = (tries >= INTERPRETER_TRIES).to(tl.int32)
+            expired = (tries >= TRIES).to(tl.int32)
     if old != cmp:
         tl.atomic_xchg(status_ptr, 1)
         if COMPILED:
@@ -82,11 +84,13 @@ def _reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, bufs_ptr, pads_p
     for p in tl.static_range(WORLD):
         if p != rank:
             peer_pad = tl.load(pads_ptr + p).to(tl.pointer_type(tl.int32))
-            _swap_flag(peer_pad + t * WORLD + rank, 0, 1, "release", status_ptr, timeout_ns, COMPILED)
+            _swap_flag(peer_pad + t * WORLD + rank, 0, 1, "release", status_ptr, timeout_ns, COMPILED,
+                       INTERPRETER_TRIES)
     own_pad = tl.load(pads_ptr + rank).to(tl.pointer_type(tl.int32))
     for p in tl.static_range(WORLD):
         if p != rank:
-            _swap_flag(own_pad + t * WORLD + p, 1, 0, "acquire", status_ptr, timeout_ns, COMPILED)
+            _swap_flag(own_pad + t * WORLD + p, 1, 0, "acquire", status_ptr, timeout_ns, COMPILED,
+                       INTERPRETER_TRIES)
     tl.debug_barrier()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for p in tl.static_range(WORLD):

@@ -80,9 +80,12 @@ def h2_nsum(x0, x1, x2, x3, ASM: tl.constexpr):
     return _f16x2(-(lo.to(tl.float16)), -(hi.to(tl.float16)))
 
 
+@triton.constexpr_function
 def _word4_asm() -> str:
     """PTX for `h2_acc4` (pack 4): operands $0-3 acc out; in: acc $4-7, words $8-11, x0 $12-15, x1 $16-19,
-    x2 $20-23, x3 $24-27, nsum4 $28-31, xt4 $32-35, s256 $36-39, o $40-43."""
+    x2 $20-23, x3 $24-27, nsum4 $28-31, xt4 $32-35, s256 $36-39, o $40-43. A constexpr function, not a
+    module-level constexpr: a helper that reads one gives its callers a cache key that depends on which kernel
+    the process hashed first (tests/kernels/test_cache_keys.py)."""
     shifts = ("shl.b32 t, {w}, 6", "shl.b32 t, {w}, 2", "shr.u32 t, {w}, 2", "shr.u32 t, {w}, 6")
     lines = ["{ .reg .b32 t, a; .reg .f16 l, h; .reg .f32 fl, fh, r;", "mov.b32 a, $28;"]
     for w in range(4):
@@ -95,8 +98,10 @@ def _word4_asm() -> str:
     return "\n".join(lines)
 
 
-WORD4_ASM = tl.constexpr(_word4_asm())
-WORD4_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["f"] * 4 + ["r"] * 24 + ["f"] * 12))
+@triton.constexpr_function
+def _word4_constraints() -> str:
+    """`_word4_asm`'s operand constraints."""
+    return "=f,=f,=f,=f," + ",".join(["f"] * 4 + ["r"] * 24 + ["f"] * 12)
 
 
 @triton.jit
@@ -148,7 +153,7 @@ def h2_acc4(acc, words, x0, x1, x2, x3, nsum4, xt4, s256, o, ASM: tl.constexpr):
     (0, 4) .. (3, 7) of each word's column (`h2_x`); nsum4: f16x2 -(the group's 16 pairs' sum) (`h2_quad_sum`);
     xt4: the group's fp32 sum of x; s256, o: the group's scale times 256 and its offset (equal across it)."""
     if ASM:
-        return tl.inline_asm_elementwise(WORD4_ASM, WORD4_CONSTRAINTS,
+        return tl.inline_asm_elementwise(_word4_asm(), _word4_constraints(),
                                          [acc, words, x0, x1, x2, x3, nsum4, xt4, s256, o], dtype=tl.float32,
                                          is_pure=True, pack=4)
     BN: tl.constexpr = words.shape[0]

@@ -108,7 +108,12 @@ case "$stage" in
       echo "== $k" >> "$out/$stage.log"
       find /tmp/cps -name "$k.ttir" | while read -r f; do grep -m1 "tt.func" "$f" | sed 's/loc([^)]*)//g'; done \
         | sort | uniq -c >> "$out/$stage.log"
-    done ;;
+      find /tmp/cps -name "$k.json" | while read -r f; do python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared', 'tmem_size')})" "$f"; done \
+        | sort | uniq -c >> "$out/$stage.log"
+    done
+    cp -r /tmp/cps "$out/cps" 2>/dev/null; find "$out/cps" -name "*.cubin" -delete -o -name "*.ptx" -delete \
+      -o -name "*.llir" -delete -o -name "*.ttgir" -delete 2>/dev/null ;;
   probe-staged)
     timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
       --out "$out/quant_gemv_probe_staged.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;

@@ -1,6 +1,7 @@
 """Compile worker processes for a cold start: what they are handed, failures left to the warm-up, the GPU path."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,6 +81,34 @@ def test_the_plan_recorder_passes_launches_on_to_a_hook_outside_it():
         knobs.runtime.jit_cache_hook = old
 
 
+def _note_lookup(seen: set[tuple[str, str]], kwargs: dict) -> bool:
+    """A JIT cache hook that notes each program looked for and lets Triton go on (compile or read its cache)."""
+    fn, spec = kwargs.get("fn"), (kwargs.get("compile") or {}).get("specialization_data")
+    if fn is not None and spec is not None and "<locals>" not in fn.name:
+        seen.add((fn.name, spec))
+    return False
+
+
+def _spec_fields(spec: str) -> dict[str, object]:
+    data = json.loads(spec)
+    fields = {f"const {k}": v for k, v in zip(map(tuple, data["constant_keys"]), data["constant_vals"])}
+    fields.update({f"attr {k}": v for k, v in zip(map(tuple, data["attrs_keys"]), data["attrs_vals"])})
+    fields.update({f"sig {k}": v for k, v in data["signature"].items()})
+    fields.update({f"opt {k}": v for k, v in data["options"].items()})
+    return fields
+
+
+def _spec_difference(name: str, spec: str, handed: list[str]) -> str:
+    """How a program differs from the nearest one of the same kernel that was handed to the pool."""
+    mine = _spec_fields(spec)
+    best: list[str] | None = None
+    for other in map(_spec_fields, handed):
+        diff = [f"{k}: {other.get(k)!r} -> {mine.get(k)!r}" for k in sorted(set(mine) | set(other), key=str)
+                if mine.get(k) != other.get(k)]
+        best = diff if best is None or len(diff) < len(best) else best
+    return f"  {name}: " + ("no program of this kernel was handed over" if best is None else "; ".join(best))
+
+
 def _forget_compiled_programs() -> None:
     """Drops the programs this process holds, so launches go through Triton's JIT hook again."""
     import sys
@@ -98,6 +127,8 @@ def _forget_compiled_programs() -> None:
 def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny_model_dir, tmp_path, monkeypatch):
     """Empty Triton cache (so no saved plan either): every program the warm-up needs is compiled once, by a
     worker; the warm-up's own launches then find each in the cache (no second copy of any program)."""
+    from triton import knobs
+
     from compute_service.build import build_runtime
     from compute_service.warmup import compiled_kernels, warm_up
 
@@ -107,10 +138,19 @@ def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny
     cfg = ComputeConfig(model=str(tiny_model_dir), device="cuda", max_model_len=96, kv_cache_bytes=1 << 20,
                         lora_gpu_cache_bytes=8 << 20, max_lora_rank=64, max_num_batched_tokens=256)
     rt = build_runtime(cfg, None, capture_graphs=False)
+    looked_up: set[tuple[str, str]] = set()       # programs the main process looked for outside the recordings
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **kw: _note_lookup(looked_up, kw))
+    handed: set[tuple[str, str]] = set()           # programs the recordings handed to the pool
+    submit = CompilePool.submit
+    monkeypatch.setattr(CompilePool, "submit", lambda self, module, qualname, spec: handed.add((qualname, spec))
+                        or submit(self, module, qualname, spec))
     report = warm_up(rt, "full", compile_processes=4)
     pool = report.pool
     assert pool is not None and pool.processes == 4
     assert pool.programs > 10 and pool.compiled == pool.programs and pool.failed == 0, pool.errors
+    outside = sorted(looked_up - handed)
+    assert not outside, f"{len(outside)} programs the recordings did not hand over:\n" + "\n".join(
+        _spec_difference(name, spec, [s for q, s in handed if q == name]) for name, spec in outside)
     assert sum(len(ts) for ts in pool.kernel_s.values()) == pool.compiled and "programs" in pool.costliest()
     cubins = list(Path(cache).rglob("*.cubin"))
     assert len(cubins) == pool.programs                 # the warm-up compiled no program again
