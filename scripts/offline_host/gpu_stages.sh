@@ -23,7 +23,8 @@
 #                    suite-rest runs them too)
 #   compile-pool-specs  tests/compute_service/test_compile_pool.py's cold start once, then the LoRA kernels'
 #                    programs' signatures (their specialisations) counted: which programs the warm-up compiled
-#                    beside the pool's (that test fails since 75454d5, see docs/performance.md; ~1 minute)
+#                    beside the pool's (the test itself names a program looked up that the pool was not handed;
+#                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
