@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--trace", type=int, default=0, help="print / keep the last step's first N kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--commit", default="", help="recorded in the JSON (the tree's commit)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -152,8 +154,9 @@ def main() -> None:
     if args.bits:
         from quant_decode import quantize_layers
         quantize_layers(engine.runner.model, args.bits, 32 if args.smoke else 128)
-    res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                     async_scheduling=engine.overlap, bits=args.bits or 16, cases=[])
+    res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", commit=args.commit,
+                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     command=" ".join(sys.argv), async_scheduling=engine.overlap, bits=args.bits or 16, cases=[])
     loaded: set[str] = set()
     for name, batch in wanted:
         _, rank, modules, distinct = by_name[name]

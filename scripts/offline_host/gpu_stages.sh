@@ -27,6 +27,9 @@
 #                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
+#   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
+#                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
+#                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
@@ -118,6 +121,10 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
   probe-staged)
     timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
       --out "$out/quant_gemv_probe_staged.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
+  w4-profile)
+    timeout 300 python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1,base:64,distinct_r16_all:64 \
+      --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4.json" 2>&1 | tail -60 | tee "$out/$stage.log"
+    bash "$0" gemv-stalls "$commit" "$out" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" \
       --out "$out/quant_gemv_stalls.json" --raw /tmp/quant_gemv_stalls_raw 2>&1 | tee "$out/gemv_stalls.log" ;;
