@@ -5,7 +5,9 @@
 # the host may carry an older git history). Stages:
 #   suite-kernels-1  GPU tests of the shrink and expand kernels
 #   suite-kernels-2  GPU tests of the fused LoRA and quantized matmul kernels
-#   suite-rest       every other GPU test (engine, services, SmolLM2 end to end)
+#   suite-rest       every other GPU test (engine, services, SmolLM2 end to end; ~8 minutes on an H200)
+#   suite-rest-a     its compute-service and tensor-parallel part, and suite-rest-b the rest: the same tests in
+#                    two calls, where one would come near the 10-minute limit
 #   serve-load       bench/serve_load.py, overlapped steps (the default), then --no-async-scheduling (both sides)
 #   cold             bench/cold_adapter.py, and bench/cold_adapter_burst.py with 0 and 4 conversion workers
 #   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
@@ -45,7 +47,8 @@ pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | tail 
 # The kernel suites should be mostly Triton compiling a program per parametrized case, one core at a time:
 # spread over worker processes (pytest-xdist, in the bundle) sharing the GPU. Their tests are independent
 # (no files, ports or memory sizing); the rest stays serial (its engines size their KV cache from free memory).
-# H200 with 16 cores, 14 workers, 2026-11-28: suite-kernels-1 240 s, suite-kernels-2 177 s, suite-rest 320 s.
+# H200 with 16 cores, 14 workers, 2026-11-28: suite-kernels-1 240 s, suite-kernels-2 177 s, suite-rest 320 s
+# (2026-11-29, ec9eb97: 250 s, 183 s, 407 s).
 workers=""
 python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-14}"
 case "$stage" in
@@ -53,6 +56,11 @@ case "$stage" in
   suite-kernels-2) pytest_gpu $workers $kernels2 ;;
   suite-rest)
     deselect=""
+    for f in $kernels1 $kernels2; do deselect="$deselect --ignore=$f"; done
+    pytest_gpu tests $ignore $deselect ;;
+  suite-rest-a) pytest_gpu tests/compute_service tests/parallel ;;
+  suite-rest-b)
+    deselect="--ignore=tests/compute_service --ignore=tests/parallel"
     for f in $kernels1 $kernels2; do deselect="$deselect --ignore=$f"; done
     pytest_gpu tests $ignore $deselect ;;
   serve-load)
