@@ -49,20 +49,16 @@ pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | tail 
 # (no files, ports or memory sizing); the rest stays serial (its engines size their KV cache from free memory).
 # H200 with 16 cores, 14 workers, 2026-11-28: suite-kernels-1 240 s, suite-kernels-2 177 s, suite-rest 320 s
 # (2026-11-29, ec9eb97: 250 s, 183 s, 407 s).
+not_kernels=""                                       # the rest: every test file but the kernel suites' files
+for f in $kernels1 $kernels2; do not_kernels="$not_kernels --ignore=$f"; done
 workers=""
 python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-14}"
 case "$stage" in
   suite-kernels-1) pytest_gpu $workers $kernels1 ;;
   suite-kernels-2) pytest_gpu $workers $kernels2 ;;
-  suite-rest)
-    deselect=""
-    for f in $kernels1 $kernels2; do deselect="$deselect --ignore=$f"; done
-    pytest_gpu tests $ignore $deselect ;;
+  suite-rest) pytest_gpu tests $ignore $not_kernels ;;
   suite-rest-a) pytest_gpu tests/compute_service tests/parallel ;;
-  suite-rest-b)
-    deselect="--ignore=tests/compute_service --ignore=tests/parallel"
-    for f in $kernels1 $kernels2; do deselect="$deselect --ignore=$f"; done
-    pytest_gpu tests $ignore $deselect ;;
+  suite-rest-b) pytest_gpu tests $ignore $not_kernels --ignore=tests/compute_service --ignore=tests/parallel ;;
   serve-load)
     python3 bench/serve_load.py --commit "$commit" --out "$out/serve_load.json" > "$out/serve_load.log" 2>&1
     python3 bench/serve_load.py --commit "$commit" --no-async-scheduling --out "$out/serve_load_plain.json" \
