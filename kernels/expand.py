@@ -3,7 +3,9 @@
 One launch covers every slice and adapter. Grid: (slices x column groups,
 token tiles). A program maps its tile to a segment on the
 device, loops over its adapter's true rank in BLOCK_R chunks (so a rank-8 and
-a rank-64 adapter read only their own rows), and adds into `y` in fp32.
+a rank-64 adapter read only their own rows), and adds into `y` in fp32. An
+adapter of rank <= SMALL_R (16) in a pool of larger ranks takes tiles of 16
+rank rows, not the pool's (kernels/shrink.py).
 Programs past the last tile, past the slice's width or on a module the
 adapter lacks exit at once.
 """
@@ -19,7 +21,7 @@ from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
-from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, _capturing, _num_sms, check_launch,
+from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_launch,
                             check_slices)
 from kernels.dots import dot
 from kernels.tiles import segment_tile
@@ -77,6 +79,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_N: tl.constexpr,
     N_GROUPS: tl.constexpr, ONE_R_BLOCK: tl.constexpr, MAX_SEGS: tl.constexpr, USE_PDL: tl.constexpr,
     ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+    SMALL_R: tl.constexpr,
 ):
     # With programmatic dependent launch (kernels/pdl.py) the step's metadata and the first block of B^T
     # rows are read before the wait for the previous kernel (the shrink), s and y after it; every path
@@ -101,29 +104,45 @@ def _expand_kernel(
     entry = (slot * num_layers + layer) * num_modules + module
     # Independent loads issued together before the first branch on their values.
     rank = tl.load(ranks_ptr + entry)
-    offs_rb = tl.arange(0, BLOCK_R)
-    rows0 = tl.load(b_off_ptr + entry * max_rank + offs_rb, mask=offs_rb < max_rank, other=0)  # [BLOCK_R] int64
-    rows0 = tl.multiple_of(rows0, ROW_ALIGN)     # 16-byte loads along each B^T row
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                       # [BLOCK_M]
+    s_row = s_ptr + slice_id * s_stride_s + toks[:, None] * s_stride_t                         # [BLOCK_M, 1]
+    n_end = tl.minimum(n_start + GROUP_N, width)
+    if (SMALL_R < BLOCK_R) & (rank <= SMALL_R):
+        # An adapter of rank <= SMALL_R in a pool of larger ranks: tiles of its size, not the pool's.
+        _expand_program(n_start, n_end, rank, entry, s_row, toks, m_mask, pool_ptr, b_off_ptr, max_rank, width,
+                        col0, y_ptr, y_stride, BLOCK_N, SMALL_R, True, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE, USE_PDL)
+    else:
+        _expand_program(n_start, n_end, rank, entry, s_row, toks, m_mask, pool_ptr, b_off_ptr, max_rank, width,
+                        col0, y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE,
+                        USE_PDL)
+
+
+@triton.jit
+def _expand_program(n_start, n_end, rank, entry, s_row, toks, m_mask, pool_ptr, b_off_ptr, max_rank, width, col0,
+                    y_ptr, y_stride, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_R_BLOCK: tl.constexpr,
+                    ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """One program's column group in rank blocks of BLOCK_R: the first block's rows read before the wait for
+    the shrink, its sums (s) after it."""
+    offs_rb = tl.arange(0, BLOCK_R)
+    rows0 = tl.load(b_off_ptr + entry * max_rank + offs_rb, mask=offs_rb < max_rank, other=0)  # [BLOCK_R] int64
+    rows0 = tl.multiple_of(rows0, ROW_ALIGN)     # 16-byte loads along each B^T row
     r_mask0 = offs_rb < rank
     # The first column block's B^T rows (the adapter's, not the previous kernel's output).
     bt = _bt_block(pool_ptr, rows0, r_mask0, n_start, width, BLOCK_N, EVEN_N)
     wait_then_release(USE_PDL)
-    if rank == 0:
-        return
-    s_row = s_ptr + slice_id * s_stride_s + toks[:, None] * s_stride_t                         # [BLOCK_M, 1]
-    # Ranks up to BLOCK_R: the s tile is read once and kept in registers for every column block.
-    s0 = tl.load(s_row + offs_rb[None, :], mask=m_mask[:, None] & r_mask0[None, :], other=0.0)
-    s0 = s0.to(pool_ptr.dtype.element_ty)
-    n_end = tl.minimum(n_start + GROUP_N, width)
-    _expand_block(n_start, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width, col0,
-                  y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
-    for n0 in range(n_start + BLOCK_N, n_end, BLOCK_N):
-        bt = _bt_block(pool_ptr, rows0, r_mask0, n0, width, BLOCK_N, EVEN_N)
-        _expand_block(n0, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width, col0,
-                      y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
+    if rank > 0:
+        # Ranks up to BLOCK_R: the s tile is read once and kept in registers for every column block.
+        s0 = tl.load(s_row + offs_rb[None, :], mask=m_mask[:, None] & r_mask0[None, :], other=0.0)
+        s0 = s0.to(pool_ptr.dtype.element_ty)
+        _expand_block(n_start, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width,
+                      col0, y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
+        for n0 in range(n_start + BLOCK_N, n_end, BLOCK_N):
+            bt = _bt_block(pool_ptr, rows0, r_mask0, n0, width, BLOCK_N, EVEN_N)
+            _expand_block(n0, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width,
+                          col0, y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
 
 
 def _alignment(values: Sequence[int], limit: int = 8) -> int:
@@ -207,5 +226,6 @@ def lora_expand_triton(
         N_GROUPS=n_groups, ONE_R_BLOCK=cfg["BLOCK_R"] >= tables.max_rank, MAX_SEGS=next_pow2(meta.max_slots),
         ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         EVEN_N=all(w % cfg["BLOCK_N"] == 0 for w in widths), IEEE=pool.dtype == torch.float32,
+        SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(pdl),
     )

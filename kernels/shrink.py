@@ -8,6 +8,12 @@ empty, so tokens without adapter and unused slots launch no work. Decode
 (few tokens per adapter) splits the reduction over H_in and adds partial sums
 atomically into a zeroed fp32 output; prefill keeps the whole reduction in one
 program and stores.
+
+What an adapter costs follows its own rank more than the pool's largest: rank
+blocks are at most 64 rows, the decode K split is sized for one rank block a
+slice (programs of blocks past an adapter's rank exit at once), and an adapter
+of rank <= SMALL_R (16) in a pool of larger ranks takes tiles of 16 rows
+(docs/kernels.md, "Adapters smaller than the pool's largest rank").
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from kernels.tiles import segment_tile, shrink_tile
 
 MAX_SLICES = 4
 DECODE_MAX_TOKENS = 128  # at or below this many tokens the split-K (decode) configuration is used
+SMALL_RANK = 16          # adapters of at most this rank take tiles of this many rows in a pool of larger ranks
 
 
 @triton.jit
@@ -36,7 +43,7 @@ def _shrink_kernel(
     mod0, mod1, mod2, mod3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr, SMALL_R: tl.constexpr,
 ):
     # With programmatic dependent launch (kernels/pdl.py) the step's metadata (segments, tokens, ranks, row
     # offsets) is read before the wait for the previous kernel, x and A after it; every path waits before
@@ -56,29 +63,45 @@ def _shrink_kernel(
     entry = (slot * num_layers + layer) * num_modules + module
     # Rank, row offsets and token ids are independent loads: issue them together, then branch.
     rank = tl.load(ranks_ptr + entry)
-    r0 = (pid_rk // SPLIT_K) * BLOCK_R
-    offs_r = r0 + tl.arange(0, BLOCK_R)
-    rows = tl.load(a_off_ptr + entry * max_rank + offs_r, mask=offs_r < max_rank, other=0)  # [BLOCK_R] int64
+    r_first = (pid_rk // SPLIT_K) * BLOCK_R
+    offs_rb = tl.arange(0, BLOCK_R)
+    rows = tl.load(a_off_ptr + entry * max_rank + r_first + offs_rb, mask=r_first + offs_rb < max_rank, other=0)
     rows = tl.multiple_of(rows, ROW_ALIGN)       # lets the compiler issue 16-byte loads along each row
+    offs_s = tl.arange(0, SMALL_R)
+    if SMALL_R < BLOCK_R:                        # a small adapter's rows
+        rows_s = tl.multiple_of(tl.load(a_off_ptr + entry * max_rank + offs_s), ROW_ALIGN)
+    else:
+        rows_s = rows
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                  # [BLOCK_M]
     wait_then_release(USE_PDL)
-    if r0 >= rank:
+    if r_first >= rank:
         return
-    r_mask = offs_r < rank
-
     k_lo = (pid_rk % SPLIT_K) * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
-                      BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)                             # [BLOCK_M, BLOCK_R]
-
-    out_ptrs = out_ptr + slice_id * out_stride_s + toks[:, None] * out_stride_t + offs_r[None, :]
-    out_mask = m_mask[:, None] & r_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc, mask=out_mask)
+    out_row = out_ptr + slice_id * out_stride_s + toks[:, None] * out_stride_t
+    if (SMALL_R < BLOCK_R) & (rank <= SMALL_R):
+        # An adapter of rank <= SMALL_R in a pool of larger ranks: tiles of its size, not the pool's.
+        s_mask = offs_s < rank
+        acc_s = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows_s, s_mask, k_lo, k_hi, K,
+                            BLOCK_M, SMALL_R, BLOCK_K, EVEN_K, IEEE)                        # [BLOCK_M, SMALL_R]
+        _store_sums(out_row + offs_s[None, :], acc_s, m_mask[:, None] & s_mask[None, :], SPLIT_K)
     else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+        # This program's rank block.
+        r_mask = r_first + offs_rb < rank
+        acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
+                          BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)                         # [BLOCK_M, BLOCK_R]
+        _store_sums(out_row + r_first + offs_rb[None, :], acc, m_mask[:, None] & r_mask[None, :], SPLIT_K)
+
+
+@triton.jit
+def _store_sums(ptrs, acc, mask, SPLIT_K: tl.constexpr):
+    """Whole sums are stored; a K split's partial sums are added into the zeroed output."""
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
 def _capturing(device: torch.device) -> bool:
@@ -115,7 +138,9 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int
     else:
         block_m, block_k, num_warps, min_k_split = 128, 64, 8, 512
     tiles = cdiv(T, block_m) + min(max_slots, T)
-    programs = tiles * num_slices * r_blocks
+    # The K split counts one rank block a slice: the programs of further blocks exit at once for adapters of
+    # smaller ranks than the pool's largest, and must not thin the split of those that work.
+    programs = tiles * num_slices * (1 if T <= DECODE_MAX_TOKENS else r_blocks)
     split_k = max(1, min(cdiv(4 * _num_sms(device), programs), K // min_k_split))
     k_per_split = cdiv(cdiv(K, split_k), block_k) * block_k
     split_k = cdiv(K, k_per_split)
@@ -220,5 +245,6 @@ def lora_shrink_triton(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
         MAX_SEGS=next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
         ROW_ALIGN=tables.row_alignment(), IEEE=pool.dtype == torch.float32,
+        SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(pdl),
     )

@@ -1,0 +1,40 @@
+"""Decode launches of the LoRA kernels are sized by rank blocks of at most 64 rows, not the pool's largest rank.
+
+A pool accepts adapters up to `max_lora_rank` (256 by default); the adapters a step serves are often rank 8-16.
+The launch configuration (grid, K split, tiles) may only depend on host-known shapes (CUDA graphs), so it must
+not scale with the pool's largest rank: the kernels take an adapter's own rank at run time (rank-16 adapters in
+small tiles, ranks above 64 block after block). The sums these paths compute are checked against dense math in
+test_shrink.py / test_expand.py / test_fused.py (pools of rank 256 holding adapters of rank 1, 37 and 256).
+"""
+import pytest
+import torch
+
+from kernels.expand import expand_config
+from kernels.fused import fused_config, fused_workspace, workspace_rank
+from kernels.shrink import DECODE_MAX_TOKENS, shrink_config
+
+CPU = torch.device("cpu")
+LAUNCHES = [(4096, [4096, 1024, 1024]), (4096, [14336, 14336]), (14336, [4096])]   # 8B q/k/v, gate/up, down
+
+
+@pytest.mark.parametrize("T", [1, 8, 16, 64, DECODE_MAX_TOKENS])
+@pytest.mark.parametrize("K,widths", LAUNCHES)
+def test_decode_launches_do_not_grow_with_the_pools_rank(T, K, widths):
+    for big in (128, 256, 1024):
+        assert fused_config(T, K, widths, big, 64, CPU, num_sms=132) == fused_config(T, K, widths, 64, 64, CPU,
+                                                                                     num_sms=132)
+        assert expand_config(T, big, widths, 64, CPU) == expand_config(T, 64, widths, 64, CPU)
+        a, b = shrink_config(T, K, big, len(widths), 64, CPU), shrink_config(T, K, 64, len(widths), 64, CPU)
+        # Only the count of rank-block programs grows (those past an adapter's rank exit at once); the K split
+        # and tiles that do the work stay.
+        assert a["R_BLOCKS"] == big // 64 and b["R_BLOCKS"] == 1
+        assert {k: v for k, v in a.items() if k != "R_BLOCKS"} == {k: v for k, v in b.items() if k != "R_BLOCKS"}
+
+
+def test_rank_blocks_are_at_most_64_rows_and_the_workspace_holds_the_pools_rank():
+    for max_rank in (1, 16, 17, 64, 65, 256):
+        assert fused_config(4, 4096, [4096], max_rank, 8, CPU, num_sms=132)["BLOCK_R"] == min(64, workspace_rank(
+            max_rank))
+        assert workspace_rank(max_rank) % min(64, workspace_rank(max_rank)) == 0
+    sums, _ = fused_workspace(4, 256, CPU)
+    assert sums.shape == (4, 4 * 256)
