@@ -27,33 +27,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if os.environ.get("KERNELS_ROOT"):
     sys.path.insert(0, os.environ["KERNELS_ROOT"])
 import kernels  # noqa: E402,F401  (first, so that bench.lora_kernels's own path insert keeps this copy)
-from bench.lora_kernels import HIDDEN, INTER, KV, LAYERS, GraphTimer, build_pool  # noqa: E402
+import bench.lora_kernels as lk  # noqa: E402
 from kernels import LoraBatchMeta  # noqa: E402
 from kernels.expand import lora_expand_triton  # noqa: E402
 from kernels.fused import FUSED_MAX_TOKENS, fused_workspace, lora_fused_triton  # noqa: E402
 from kernels.shrink import lora_shrink_triton  # noqa: E402
 
 NAMES = ["q", "k", "v", "o", "gate", "down", "up"]
-LAUNCHES = [([0, 1, 2], HIDDEN, [HIDDEN, KV, KV]), ([3], HIDDEN, [HIDDEN]),
-            ([4, 6], HIDDEN, [INTER, INTER]), ([5], INTER, [HIDDEN])]
 CASES = ((16, 16), (16, 64), (16, 256), (64, 64), (64, 256))     # (adapter rank, pool's largest rank)
 BATCHES = (1, 8, 32, 64)
 SLOTS = 64
 
 
-def step_us(timer: GraphTimer, pool, tables, max_rank: int, B: int) -> float:
-    meta = LoraBatchMeta(B, tables.max_slots, device="cuda")
-    meta.prepare(torch.arange(B, dtype=torch.int32))
-    ws = fused_workspace(B, max_rank, "cuda")
+def launches() -> list[tuple[list[int], int, list[int]]]:
+    """(module indices, in features, out features per slice) of a layer's four LoRA launches."""
+    h, kv, inter = lk.HIDDEN, lk.KV, lk.INTER
+    return [([0, 1, 2], h, [h, kv, kv]), ([3], h, [h]), ([4, 6], h, [inter, inter]), ([5], inter, [h])]
+
+
+def step_us(timer, pool, tables, max_rank: int, B: int) -> float:
+    dev = lk.DEVICE
+    meta = LoraBatchMeta(B, tables.max_slots, device=dev)
+    meta.prepare((torch.arange(B) % SLOTS).to(torch.int32))
+    ws = fused_workspace(B, max_rank, dev)
     bufs = []
-    for mods, fin, outs in LAUNCHES:
+    for mods, fin, outs in launches():
         offs = [0] + [sum(outs[: i + 1]) for i in range(len(outs))]
-        bufs.append((mods, offs, torch.randn(B, fin, device="cuda", dtype=torch.bfloat16),
-                     torch.empty(len(mods), B, max_rank, device="cuda"),
-                     torch.randn(B, offs[-1], device="cuda", dtype=torch.bfloat16)))
+        bufs.append((mods, offs, torch.randn(B, fin, device=dev, dtype=torch.bfloat16),
+                     torch.empty(len(mods), B, max_rank, device=dev),
+                     torch.randn(B, offs[-1], device=dev, dtype=torch.bfloat16)))
 
     def step():
-        for layer in range(LAYERS):
+        for layer in range(lk.LAYERS):
             for mods, offs, x, s, y in bufs:
                 if B <= FUSED_MAX_TOKENS:
                     lora_fused_triton(x, pool, tables, meta, layer, mods, y, offs, ws)
@@ -61,7 +66,7 @@ def step_us(timer: GraphTimer, pool, tables, max_rank: int, B: int) -> float:
                     lora_shrink_triton(x, pool, tables, meta, layer, mods, s)
                     lora_expand_triton(s, pool, tables, meta, layer, mods, y, offs)
 
-    return timer.us([step], reps=10)
+    return timer.us([step], reps=10) if dev == "cuda" else timer.us([step])
 
 
 def main() -> None:
@@ -70,21 +75,31 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--label", default="tree", help="name of this run's kernels in the JSON")
     ap.add_argument("--merge", type=Path, help="a JSON of an earlier run whose rows to keep beside these")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script)")
     args = ap.parse_args()
-    timer = GraphTimer()
+    global SLOTS, BATCHES
+    if args.smoke:
+        lk.DEVICE, lk.HIDDEN, lk.KV, lk.INTER, lk.LAYERS, lk.PAGE_ELEMS = "cpu", 64, 32, 96, 1, 512
+        lk.MODULES = {"q": (0, 64, 64), "k": (1, 64, 32), "v": (2, 64, 32), "o": (3, 64, 64),
+                      "gate": (4, 64, 96), "down": (5, 96, 64), "up": (6, 64, 96)}
+        SLOTS, BATCHES = 4, (1, 20)
+    timer = lk.GraphTimer() if lk.DEVICE == "cuda" else lk.WallTimer()
     rows = []
     for rank, max_rank in CASES:
-        pool, tables = build_pool(SLOTS, lambda s, rank=rank: rank, NAMES, LAYERS, max_rank)
-        per_adapter = LAYERS * rank * 2 * sum(len(mods) * fin + sum(outs) for mods, fin, outs in LAUNCHES)
+        pool, tables = lk.build_pool(SLOTS, lambda s, rank=rank: rank, NAMES, lk.LAYERS, max_rank)
+        per_adapter = lk.LAYERS * rank * 2 * sum(len(mods) * fin + sum(outs) for mods, fin, outs in launches())
         for B in BATCHES:
             us = step_us(timer, pool, tables, max_rank, B)
             row = dict(kernels=args.label, rank=rank, max_rank=max_rank, B=B, us=round(us, 1),
-                       path="fused" if B <= FUSED_MAX_TOKENS else "shrink+expand", adapter_bytes=B * per_adapter)
+                       path="fused" if B <= FUSED_MAX_TOKENS else "shrink+expand",
+                       adapter_bytes=min(B, SLOTS) * per_adapter)
             print(json.dumps(row), flush=True)
             rows.append(row)
         del pool, tables
-        torch.cuda.empty_cache()
-    out = dict(device=torch.cuda.get_device_name(), commit=args.commit,
+        if lk.DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    out = dict(device=torch.cuda.get_device_name() if lk.DEVICE == "cuda" else "cpu (smoke)", commit=args.commit,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=" ".join(sys.argv), rows=rows)
     if args.merge and args.merge.exists():

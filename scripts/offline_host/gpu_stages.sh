@@ -32,6 +32,10 @@
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
 #                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
+#   lora-rank-pad    bench/lora_rank_pad.py: the LoRA decode step of rank-16 / rank-64 adapters in pools of largest
+#                    rank 16, 64 and 256 (~1.5 minutes); with another commit's kernels unpacked under ab_kernels/
+#                    (`git archive C kernels | tar -x -C ab_kernels`: ignored, name it in the call's carry) the same
+#                    with those, both in one JSON (an A/B on one lease)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
@@ -125,6 +129,12 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
   probe-staged)
     timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
       --out "$out/quant_gemv_probe_staged.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
+  lora-rank-pad)
+    python3 bench/lora_rank_pad.py --commit "$commit" --out "$out/lora_rank_pad.json" 2>&1 | tee "$out/$stage.log"
+    if [ -d ab_kernels/kernels ]; then
+      KERNELS_ROOT="$PWD/ab_kernels" python3 bench/lora_rank_pad.py --commit "$commit" --label ab_kernels \
+        --merge "$out/lora_rank_pad.json" --out "$out/lora_rank_pad.json" 2>&1 | tee -a "$out/$stage.log"
+    fi ;;
   w4-profile)
     timeout 300 python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1,base:64,distinct_r16_all:64 \
       --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4.json" 2>&1 | tail -60 | tee "$out/$stage.log"

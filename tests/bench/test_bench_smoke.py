@@ -130,3 +130,17 @@ def test_quant_gemv_probe_smoke(tmp_path):
     res = json.loads(out.read_text())
     assert [c["kind"] for c in res["cases"]] == ["plain", "plain", "pipelined", "tma"]
     assert {c["flat"] for c in res["cases"][:2]} == {0, 1} and all("us" in c for c in res["cases"])
+
+
+def test_lora_rank_pad_smoke(tmp_path):
+    """The rank A/B's script times every case (both launch paths) and merges an earlier run's rows."""
+    out = tmp_path / "rank.json"
+    cmd = ["bench/lora_rank_pad.py", "--smoke", "--commit", "test", "--out", str(out)]
+    proc = _run(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads(out.read_text())
+    assert first["commit"] == "test" and len(first["rows"]) == 5 * 2
+    assert {r["path"] for r in first["rows"]} == {"fused", "shrink+expand"} and all(r["us"] > 0 for r in first["rows"])
+    proc = _run([*cmd, "--label", "other", "--merge", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["kernels"] for r in json.loads(out.read_text())["rows"]] == ["tree"] * 10 + ["other"] * 10
