@@ -152,6 +152,17 @@ def test_float32_delta_output(config):
                   y_dtype=torch.float32)
 
 
+def test_float32_delta_output_in_a_pool_of_larger_ranks():
+    """One token into a float32 delta where the pool holds rank 200: an adapter of rank <= 16 takes the 16-row
+    tiles, one of rank 40 one 64-row block, one of rank 200 four blocks in turn (kernels/fused.py)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    case = build_case(ranks={0: [3, 16], 2: [40, 1], 4: [200, 16], 6: [0, 64]}, h_in=96, outs=[160, 48],
+                      dtype=torch.float16, gen=gen)
+    for slots in ([0], [2], [4], [6]):
+        run_fused(case, 1, 0.0, [0, 1], layer=1, gen=gen, slots=slots, dtype=torch.float16, y_dtype=torch.float32)
+    run_fused(case, 12, 0.2, [0, 1], layer=0, gen=gen, slots=[0, 2, 4, 6], dtype=torch.float16)
+
+
 def test_float32_delta_output_with_capped_column_groups():
     """A one-token float32 delta over more than DELTA_MAX_GROUPS default column groups: wider groups, each
     program expanding several blocks of columns, the same sums."""
