@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-root", type=Path, help="adapter root to write the adapters into (default: a temp dir)")
     ap.add_argument("--num-adapters", type=int, help="distinct adapters (default 64; cpu 8; smoke 4)")
     ap.add_argument("--ranks", default="8,16,32,64", help="adapter ranks, cycled")
+    ap.add_argument("--max-lora-rank", type=int,
+                    help="the pool's largest rank, both sides (default: the largest of --ranks; a server's own "
+                         "default is 256)")
     ap.add_argument("--concurrency", help="comma-separated stream counts (default 1,8,32,64,128,256)")
     ap.add_argument("--workloads", help=f"subset of {','.join(WORKLOADS)}")
     ap.add_argument("--arrivals", help=f"subset of {','.join(ARRIVALS)}")
@@ -127,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ranks = [int(r) for r in args.ranks.split(",")]
     if args.smoke:
         args.ranks, args.client_procs = [8, 16], min(args.client_procs, 2)
+    args.max_lora_rank = args.max_lora_rank or max(args.ranks)
+    if args.max_lora_rank < max(args.ranks):
+        ap.error(f"--max-lora-rank {args.max_lora_rank} is below the adapters' rank {max(args.ranks)}")
     args.device = "cpu" if args.smoke or args.cpu else "auto"
     bad = set(args.workloads) - set(WORKLOADS) | set(args.arrivals) - set(ARRIVALS)
     if bad:
@@ -159,7 +165,7 @@ def serve_argv(args: argparse.Namespace, model: str, lora_root: Path) -> list[st
                + ({True: "--async-scheduling ", False: "--no-async-scheduling ", None: ""}[args.async_scheduling])
                + args.compute_flags)
     return (["--lora-root", str(lora_root), "--device", args.device,
-             "--max-model-len", str(args.max_model_len), "--max-lora-rank", str(max(args.ranks)),
+             "--max-model-len", str(args.max_model_len), "--max-lora-rank", str(args.max_lora_rank),
              "--host-cache-bytes", str(args.host_cache_bytes), "--startup-timeout", str(args.startup_timeout),
              "--compute-flags", compute]
             + (["--model", model] if model else []) + shlex.split(args.serve_flags))
@@ -264,7 +270,7 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
     t = time.perf_counter()
     engine, res["engine_warmup_s"] = build_engine(
         model, device, max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, max_lora_rank=max(args.ranks), pool_bytes=args.lora_gpu_cache_bytes,
+        max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank, pool_bytes=args.lora_gpu_cache_bytes,
         quantization=args.quantization, async_scheduling=args.async_scheduling)
     res["engine_build_s"] = time.perf_counter() - t
     if adapters and {"shared", "distinct"} & set(args.workloads):
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     res: dict = dict(environment(args), commit=args.commit or git_commit(),
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     model=model or "SmolLM2-135M-Instruct (default)", adapters=ranks,
+                     model=model or "SmolLM2-135M-Instruct (default)", adapters=ranks, max_lora_rank=args.max_lora_rank,
                      quantized_from=(source or "SmolLM2-135M-Instruct (default)") if args.quantize_bits else None,
                      flags={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                      setup_s=time.perf_counter() - t_start, served={}, engine={}, ratios={}, errors=[])

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve_load import case_requests, poisson_offsets  # noqa: E402
+from serve_load import case_requests, parse_args, poisson_offsets, serve_argv  # noqa: E402
 from serve_load_stats import percentiles, ratios, summarize  # noqa: E402
 
 
@@ -59,6 +59,16 @@ def test_ratios_are_one_when_served_matches_the_engine_and_lower_when_slower():
     slow = dict(output_tok_per_s=50.0, decode_tok_per_s=60.0, itl_ms=dict(p50=4.0, p99=16.0))
     assert ratios(fig, fig) == dict(output_tok_per_s=1.0, decode_tok_per_s=1.0, itl_p50=1.0, itl_p99=1.0)
     assert ratios(slow, fig) == dict(output_tok_per_s=0.5, decode_tok_per_s=0.5, itl_p50=0.5, itl_p99=0.25)
+
+
+def test_the_pools_largest_rank_defaults_to_the_adapters_and_reaches_the_server(tmp_path):
+    args = parse_args(["--ranks", "8,16"])
+    assert args.max_lora_rank == 16
+    args = parse_args(["--ranks", "8,16", "--max-lora-rank", "256"])
+    argv = serve_argv(args, "", tmp_path)
+    assert argv[argv.index("--max-lora-rank") + 1] == "256"
+    with pytest.raises(SystemExit):
+        parse_args(["--ranks", "8,64", "--max-lora-rank", "32"])
 
 
 def test_workloads_assign_adapters_and_poisson_arrivals_grow():
