@@ -22,7 +22,7 @@ from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_launch,
-                            check_slices)
+                            check_slices, rank_block)
 from kernels.dots import dot
 from kernels.tiles import segment_tile
 
@@ -161,7 +161,7 @@ def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, 
     s is read once per group instead of once per block; groups are as wide as
     possible while the launch keeps about four programs per SM.
     """
-    block_r = min(max(16, next_pow2(max_rank)), 64)
+    block_r = rank_block(max_rank)
     if T <= DECODE_MAX_TOKENS:
         block_m, block_n, num_warps = 16, 128, 4
     else:

@@ -33,7 +33,7 @@ from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_input,
-                            check_launch, check_slices)
+                            check_launch, check_slices, rank_block)
 from kernels.dots import dot
 from kernels.tiles import pick4, segment_tile, shrink_tile, table_entry
 
@@ -78,11 +78,7 @@ def _expand_one_block(pool_ptr, rows, rank, s_row, toks, m_mask, n_start, n_end,
         offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         n_mask = offs_n < n_end
         bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
-        y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        cur = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (cur.to(tl.float32) + dot(s, bt, IEEE)).to(cur.dtype), mask=mask)
+        _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, dot(s, bt, IEEE), BLOCK_N, COL_ALIGN)
 
 
 @triton.jit
@@ -103,11 +99,18 @@ def _expand_blocks(pool_ptr, b_off_ptr, entry, max_rank, rank, s_row, toks, m_ma
             bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
                          other=0.0)
             acc += dot(s.to(pool_ptr.dtype.element_ty), bt, IEEE)
-        cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
-        y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        cur = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
+        _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N, COL_ALIGN)
+
+
+@triton.jit
+def _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N: tl.constexpr,
+              COL_ALIGN: tl.constexpr):
+    """y[toks, col0 + offs_n] += acc (float32 sums, one rounding to y's dtype)."""
+    cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
+    y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    cur = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=mask)
 
 
 @triton.jit
@@ -221,23 +224,23 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
     token tiles). Every byte of A and B is read once per token tile either way.
 
     `delta` (one token into a float32 delta, which the one-row base kernel launched next adds): at most
-    DELTA_MAX_GROUPS column groups. That kernel starts beside this launch, and every expand program waiting
-    here for its splits holds registers on an SM where the base kernel's programs (4-bit: two at 255 registers
-    each when this was measured, three at 168 since its chains of 4 words) would otherwise fit; those that do
-    not fit start when this launch ends and run their whole chain of blocks after it. On the 8B's gate/up (224 groups of 128 columns; 28 of 1024 with the cap) this launch takes
-    longer (~10 -> 17.6-18.8 us) but the 4-bit kernel beside it runs 34.1-34.3 us from its start to its end
-    instead of 38.8-39.3, and a one-token step with a rank-16 adapter on every module took 3320 us against 3470
-    under the profiler (one run; q/k/v at 24 groups there); splitting the base kernel's K in two as well bought
-    nothing more (3336-3368 against 3326 as landed, another run). H200, `bench/results/
-    lora_one_token_contention.json`, with the variants that did not pay (56 groups, 16 programs). q/k/v (48
-    groups), o and down (32) keep theirs. Beside the bf16 one-row kernel (shorter programs) it is even: 4610 ->
-    4565 us a step under the profiler.
+    DELTA_MAX_GROUPS column groups. That kernel starts beside this launch, and every expand program waiting here
+    for its splits holds registers on an SM where the base kernel's programs (4-bit: two at 255 registers each
+    when this was measured, three at 168 since its chains of 4 words) would otherwise fit; those that do not fit
+    start when this launch ends and run their whole chain of blocks after it. On the 8B's gate/up (224 groups of
+    128 columns; 28 of 1024 with the cap) this launch takes longer (~10 -> 17.6-18.8 us) but the 4-bit kernel
+    beside it runs 34.1-34.3 us from its start to its end instead of 38.8-39.3, and a one-token step with a
+    rank-16 adapter on every module took 3320 us against 3470 under the profiler (one run; q/k/v at 24 groups
+    there); splitting the base kernel's K in two as well bought nothing more (3336-3368 against 3326 as landed,
+    another run). H200, `bench/results/lora_one_token_contention.json`, with the variants that did not pay (56
+    groups, 16 programs). q/k/v (48 groups), o and down (32) keep theirs. Beside the bf16 one-row kernel (shorter
+    programs) it is even: 4610 -> 4565 us a step under the profiler.
 
     Rank blocks of at most 64 rows whatever the pool's largest rank (`max_rank` then sizes only the
     workspace's columns): with blocks as large as the pool's rank, 256 by default, rank-16 adapters paid for
     tiles of 256 rows.
     """
-    block_r = min(64, max(16, next_pow2(max_rank)))
+    block_r = rank_block(max_rank)
     block_k = min(256, max(32, 8192 // block_r))
     block_n = min(128, max(32, 8192 // block_r))
     if T <= DECODE_MAX_TOKENS:

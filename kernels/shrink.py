@@ -33,6 +33,7 @@ from kernels.tiles import segment_tile, shrink_tile
 MAX_SLICES = 4
 DECODE_MAX_TOKENS = 128  # at or below this many tokens the split-K (decode) configuration is used
 SMALL_RANK = 16          # adapters of at most this rank take tiles of this many rows in a pool of larger ranks
+MAX_RANK_BLOCK = 64      # rank rows a tile holds at most; a larger rank takes further blocks
 
 
 @triton.jit
@@ -104,6 +105,12 @@ def _store_sums(ptrs, acc, mask, SPLIT_K: tl.constexpr):
         tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
 
 
+def rank_block(max_rank: int) -> int:
+    """Rank rows of the LoRA kernels' tiles in a pool of largest rank `max_rank`: that rank padded to a power
+    of two (at least 16, for `tl.dot`), at most MAX_RANK_BLOCK."""
+    return min(MAX_RANK_BLOCK, max(16, next_pow2(max_rank)))
+
+
 def _capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured (then host-side shortcuts must not drop launches)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -128,7 +135,7 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int
     SM (counting the upper bound of token tiles), so few-token batches and long
     reductions (down_proj) still spread over the whole GPU.
     """
-    block_r = min(max(16, next_pow2(max_rank)), 64)
+    block_r = rank_block(max_rank)
     r_blocks = cdiv(max_rank, block_r)
     if T <= DECODE_MAX_TOKENS:
         # Two warps for rank 16 and below: H200, 8B q/k/v, 32 / 64 distinct adapters, 10.8 -> 9.7 / 15.0 -> 12.7 us.
