@@ -225,6 +225,27 @@ def grid(timer: GraphTimer, bw: float, sweep: bool) -> tuple[list[dict], list[di
     return rows, sweeps
 
 
+STEP_MODULES = ["q", "k", "v", "o", "gate", "down", "up"]
+
+
+def step_launches() -> list[tuple[list[int], int, list[int]]]:
+    """(module indices, in features, out features per slice) of a layer's four LoRA launches (read at call
+    time, so --smoke's shapes apply)."""
+    return [([0, 1, 2], HIDDEN, [HIDDEN, KV, KV]), ([3], HIDDEN, [HIDDEN]),
+            ([4, 6], HIDDEN, [INTER, INTER]), ([5], INTER, [HIDDEN])]
+
+
+def step_buffers(B: int, rank: int) -> list[tuple]:
+    """Per launch of a layer: (module indices, slice offsets, x, shrink output [slices, B, rank], y)."""
+    bufs = []
+    for mods, fin, outs in step_launches():
+        offs = [0] + [sum(outs[: i + 1]) for i in range(len(outs))]
+        bufs.append((mods, offs, torch.randn(B, fin, device=DEVICE, dtype=torch.bfloat16),
+                     torch.empty(len(mods), B, rank, device=DEVICE),
+                     torch.randn(B, offs[-1], device=DEVICE, dtype=torch.bfloat16)))
+    return bufs
+
+
 def decode_step(timer: GraphTimer, bw: float, batches: list[int]) -> list[dict]:
     """LoRA time of a whole decode step (7 modules x 32 layers), B tokens with B distinct rank-16 adapters.
 
@@ -232,23 +253,15 @@ def decode_step(timer: GraphTimer, bw: float, batches: list[int]) -> list[dict]:
     step's metadata built on the device (what the engine runs), separate shrink + expand (256 launches),
     and the same with plain launches instead of programmatic dependent ones (`_plain`).
     """
-    names = ["q", "k", "v", "o", "gate", "down", "up"]
-    pool, tables = build_pool(max(batches), lambda s: 16, names, LAYERS, 16)
-    per_adapter = LAYERS * 16 * sum(MODULES[m][1] + MODULES[m][2] for m in names) * 2
-    launches = [([0, 1, 2], HIDDEN, [HIDDEN, KV, KV]), ([3], HIDDEN, [HIDDEN]),
-                ([4, 6], HIDDEN, [INTER, INTER]), ([5], INTER, [HIDDEN])]
+    pool, tables = build_pool(max(batches), lambda s: 16, STEP_MODULES, LAYERS, 16)
+    per_adapter = LAYERS * 16 * sum(MODULES[m][1] + MODULES[m][2] for m in STEP_MODULES) * 2
     out = []
     for B in batches:
         meta = LoraBatchMeta(B, tables.max_slots, device=DEVICE)
         ids = torch.arange(B, dtype=torch.int32)
         meta.prepare(ids)
         ws = fused_workspace(B, 16, DEVICE)
-        bufs = []
-        for mods, fin, outs in launches:
-            offs = [0] + [sum(outs[: i + 1]) for i in range(len(outs))]
-            bufs.append((mods, offs, torch.randn(B, fin, device=DEVICE, dtype=torch.bfloat16),
-                         torch.empty(len(mods), B, 16, device=DEVICE),
-                         torch.randn(B, offs[-1], device=DEVICE, dtype=torch.bfloat16)))
+        bufs = step_buffers(B, 16)
 
         def separate(bufs=bufs, meta=meta, cfg=None):
             for layer in range(LAYERS):

@@ -33,16 +33,9 @@ from kernels.expand import lora_expand_triton  # noqa: E402
 from kernels.fused import FUSED_MAX_TOKENS, fused_workspace, lora_fused_triton  # noqa: E402
 from kernels.shrink import lora_shrink_triton  # noqa: E402
 
-NAMES = ["q", "k", "v", "o", "gate", "down", "up"]
 CASES = ((16, 16), (16, 64), (16, 256), (64, 64), (64, 256))     # (adapter rank, pool's largest rank)
 BATCHES = (1, 8, 32, 64)
 SLOTS = 64
-
-
-def launches() -> list[tuple[list[int], int, list[int]]]:
-    """(module indices, in features, out features per slice) of a layer's four LoRA launches."""
-    h, kv, inter = lk.HIDDEN, lk.KV, lk.INTER
-    return [([0, 1, 2], h, [h, kv, kv]), ([3], h, [h]), ([4, 6], h, [inter, inter]), ([5], inter, [h])]
 
 
 def step_us(timer, pool, tables, max_rank: int, B: int) -> float:
@@ -50,12 +43,7 @@ def step_us(timer, pool, tables, max_rank: int, B: int) -> float:
     meta = LoraBatchMeta(B, tables.max_slots, device=dev)
     meta.prepare((torch.arange(B) % SLOTS).to(torch.int32))
     ws = fused_workspace(B, max_rank, dev)
-    bufs = []
-    for mods, fin, outs in launches():
-        offs = [0] + [sum(outs[: i + 1]) for i in range(len(outs))]
-        bufs.append((mods, offs, torch.randn(B, fin, device=dev, dtype=torch.bfloat16),
-                     torch.empty(len(mods), B, max_rank, device=dev),
-                     torch.randn(B, offs[-1], device=dev, dtype=torch.bfloat16)))
+    bufs = lk.step_buffers(B, max_rank)
 
     def step():
         for layer in range(lk.LAYERS):
@@ -87,8 +75,8 @@ def main() -> None:
     timer = lk.GraphTimer() if lk.DEVICE == "cuda" else lk.WallTimer()
     rows = []
     for rank, max_rank in CASES:
-        pool, tables = lk.build_pool(SLOTS, lambda s, rank=rank: rank, NAMES, lk.LAYERS, max_rank)
-        per_adapter = lk.LAYERS * rank * 2 * sum(len(mods) * fin + sum(outs) for mods, fin, outs in launches())
+        pool, tables = lk.build_pool(SLOTS, lambda s, rank=rank: rank, lk.STEP_MODULES, lk.LAYERS, max_rank)
+        per_adapter = lk.LAYERS * rank * 2 * sum(len(mods) * fin + sum(outs) for mods, fin, outs in lk.step_launches())
         for B in BATCHES:
             us = step_us(timer, pool, tables, max_rank, B)
             row = dict(kernels=args.label, rank=rank, max_rank=max_rank, B=B, us=round(us, 1),
