@@ -163,16 +163,20 @@ def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, 
     """
     block_r = rank_block(max_rank)
     if T <= DECODE_MAX_TOKENS:
-        block_m, block_n, num_warps = 16, 128, 4
+        # One stage: the two-stage buffers of B^T rows cost more (registers, shared memory) than they hide at a
+        # token or so an adapter (bench/lora_step_sweep.py, H200, an 8B's 32 layers, 64 tokens of distinct
+        # adapters): rank 16 in a pool of 16 1632 -> 1549 us, of 64 3086 -> 1858, of 256 3658 -> 2550; rank 64
+        # in a pool of 64 4365 -> 3377.
+        block_m, block_n, num_warps, num_stages = 16, 128, 4, 1
     else:
-        block_m, block_n, num_warps = 64, 128, 4
+        block_m, block_n, num_warps, num_stages = 64, 128, 4, 2
     tiles = cdiv(T, block_m) + min(max_slots, T)
     blocks = tiles * sum(cdiv(w, block_n) for w in widths)
     per_group = max(1, blocks // (4 * _num_sms(device)))
     per_group = 1 << (per_group.bit_length() - 1)                     # a power of two, rounded down
     group_n = block_n * min(per_group, cdiv(max(widths), block_n))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, GROUP_N=group_n,
-                num_warps=num_warps, num_stages=2)
+                num_warps=num_warps, num_stages=num_stages)
 
 
 def lora_expand_triton(

@@ -138,8 +138,10 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int
     block_r = rank_block(max_rank)
     r_blocks = cdiv(max_rank, block_r)
     if T <= DECODE_MAX_TOKENS:
-        # Two warps for rank 16 and below: H200, 8B q/k/v, 32 / 64 distinct adapters, 10.8 -> 9.7 / 15.0 -> 12.7 us.
-        block_m, block_k, num_warps, min_k_split = 16, (256 if block_r <= 32 else 128), (2 if block_r <= 16 else 4), 256
+        # Two warps and K steps of 128 at every rank (bench/lora_step_sweep.py, H200, an 8B's 32 layers, 64 tokens
+        # of distinct adapters): rank 16 in a pool of 16 1164 -> 1022 us (K steps of 256 before), in a pool of 64
+        # 1234 -> 1005, of 256 1873 -> 1613 (4 warps before); rank 64 in a pool of 64 3126 -> 3140.
+        block_m, block_k, num_warps, min_k_split = 16, 128, 2, 256
     elif T <= 1024:
         block_m, block_k, num_warps, min_k_split = 32, (256 if block_r <= 32 else 128), 4, 512
     else:
