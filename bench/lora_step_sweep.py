@@ -127,8 +127,9 @@ def main() -> None:
                      lambda cfg: [lora_shrink_triton(x, pool, tables, meta, layer, mods, s, config=cfg,
                                                      out_zeroed=True) for layer in range(lk.LAYERS)]),
                     ("expand", FOCUSED["expand"] if args.focused else
-                     expand_variants(expand_config(B, max_rank, widths, tables.max_slots, y.device)), b_bytes, lambda cfg: [lora_expand_triton(s, pool, tables, meta, layer, mods, y, offs, config=cfg)
-                                           for layer in range(lk.LAYERS)]),
+                     expand_variants(expand_config(B, max_rank, widths, tables.max_slots, y.device)), b_bytes,
+                     lambda cfg: [lora_expand_triton(s, pool, tables, meta, layer, mods, y, offs, config=cfg)
+                                  for layer in range(lk.LAYERS)]),
                 )
                 for kind, variants, nbytes, run in kinds:
                     for label, cfg in variants.items():

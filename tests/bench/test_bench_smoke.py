@@ -144,3 +144,19 @@ def test_lora_rank_pad_smoke(tmp_path):
     proc = _run([*cmd, "--label", "other", "--merge", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["kernels"] for r in json.loads(out.read_text())["rows"]] == ["tree"] * 10 + ["other"] * 10
+
+
+def test_lora_step_sweep_smoke(tmp_path):
+    """The launch-configuration sweep times every launch kind of a step, shrink and expand, at its default and the
+    focused variations; a variation the kernel refuses is recorded as an error, not a time."""
+    out = tmp_path / "sweep.json"
+    proc = _run(["bench/lora_step_sweep.py", "--smoke", "--focused", "--cases", "16:64", "--commit", "test",
+                 "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    timed = {(r["launch"], r["kernel"], r["variant"]) for r in rows if r.get("us", 0) > 0}
+    for launch in ("qkv", "o", "gate_up", "down"):
+        for kernel in ("shrink", "expand"):
+            assert (launch, kernel, "default") in timed and (launch, kernel, "BLOCK_R=16" if kernel == "expand"
+                                                             else "warps=2") in timed
+    assert all("us" in r or "error" in r for r in rows) and len(rows) == 4 * (5 + 7)
