@@ -36,6 +36,12 @@
 #                    rank 16, 64 and 256 (~1.5 minutes); with another commit's kernels unpacked under ab_kernels/
 #                    (`git archive C kernels | tar -x -C ab_kernels`: ignored, name it in the call's carry) the same
 #                    with those, both in one JSON (an A/B on one lease)
+#   lora-step-sweep  bench/lora_step_sweep.py --focused at 32 and 64 tokens, each launch kind of a LoRA decode step
+#                    alone at its configuration and the combinations around it, for rank:pool pairs $SWEEP_CASES
+#                    (default 16:256,64:256: ~1 minute a pair; the one-knob sweep of every pair overran 600 s)
+#   w4-trace-8       bench/step_profile.py on the 4-bit 8B at batch 8, base and rank 16 on every module, with a
+#                    trace of each step's first kernels (what lies on the path between a norm and the tile kernel
+#                    after it: the half sums' launch; ~2 minutes)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
@@ -135,6 +141,12 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       KERNELS_ROOT="$PWD/ab_kernels" python3 bench/lora_rank_pad.py --commit "$commit" --label ab_kernels \
         --merge "$out/lora_rank_pad.json" --out "$out/lora_rank_pad.json" 2>&1 | tee -a "$out/$stage.log"
     fi ;;
+  lora-step-sweep)
+    python3 bench/lora_step_sweep.py --focused --cases "${SWEEP_CASES:-16:256,64:256}" --batches 32,64 \
+      --commit "$commit" --out "$out/lora_step_sweep.json" 2>&1 | tail -5 | tee "$out/$stage.log" ;;
+  w4-trace-8)
+    timeout 300 python3 bench/step_profile.py --bits 4 --cases base:8,distinct_r16_all:8 --steps 10 --trace 60 \
+      --commit "$commit" --out "$out/step_profile_w4_b8.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
   w4-profile)
     timeout 300 python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1,base:64,distinct_r16_all:64 \
       --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4.json" 2>&1 | tail -60 | tee "$out/$stage.log"
