@@ -42,8 +42,10 @@ def _row_shapes(adapter: Adapter, spec: ModelSpec, max_lora_rank: int,
             raise LayerOutOfRangeError(f"{name}: layer {layer} is outside [0, {spec.num_layers}) "
                                        "of the base model", row=i)
         if not 1 <= rank <= max_lora_rank:
-            raise RankError(f"{name} layer {layer}: rank {rank} is outside [1, {max_lora_rank}] "
-                            "(max_lora_rank)", row=i)
+            why = ("a rank is at least 1" if rank < 1 else
+                   f"{max_lora_rank} is the server's largest (--max-lora-rank of `loraplex serve` and the services; "
+                   "start them with a larger one to take this adapter)")
+            raise RankError(f"{name} layer {layer}: rank {rank} is outside [1, {max_lora_rank}]: {why}", row=i)
         if (module_id, layer) in seen:
             raise DuplicateRowError(f"{name} layer {layer} already appears in row "
                                     f"{seen[(module_id, layer)]}", row=i)

@@ -185,3 +185,10 @@ def test_malformed_input_gets_its_error(name, tmp_path, capsys):
     if isinstance(info.value, UnsupportedOptionError) and name not in ("unknown module", "lm_head tensor"):
         assert info.value.option in fragment or fragment in info.value.option
     assert "a pickle payload ran" not in capsys.readouterr().out
+
+
+def test_a_rank_above_the_servers_largest_names_the_flag_that_raises_it(tmp_path):
+    case, error, _ = CASES["rank > max"]
+    with pytest.raises(error) as info:
+        case(tmp_path)
+    assert "--max-lora-rank" in str(info.value) and "rank 9" in str(info.value), str(info.value)
