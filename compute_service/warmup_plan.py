@@ -12,7 +12,9 @@ launch. The other kernels (norm, RoPE + KV write, SwiGLU, decode attention) do
 not depend on T beyond Triton's divisibility-by-16 specialisation of integer
 arguments, which the class includes; a quantized base's projections do (their
 kernels pick tiles and K splits from T), so their launch keys join the class,
-recorded the same way (`quant_class_fn`). Where nothing compiles (CPU, the Triton
+recorded the same way (`quant_class_fn`). (The norm and SwiGLU also write x's
+slice sums where the projection after them takes its pair-codes path: a choice
+made from the same T, so it is named by that projection's launch key.) Where nothing compiles (CPU, the Triton
 interpreter) every T falls in one class. The plan is kept on disk between starts
 (`warmup_plan_cache.py`), so a restart of the same code on the same GPU with the
 same settings skips the dry runs.

@@ -3,6 +3,7 @@
 weight takes over (`dense_min_rows`)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
     return 256 if pair_codes_layout(bits, group_size, K) else 129 if group_pairs_layout(bits, group_size, K) else 65
 
 
+@functools.lru_cache(maxsize=4096)     # a pure function of its arguments; ~9 us of Python a call uncached
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
                 x_dtype: torch.dtype = torch.bfloat16, beside_lora: bool = False) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at

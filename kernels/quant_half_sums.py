@@ -1,9 +1,13 @@
 """Sums of x over each 128-wide half block (or each group of 32), for the pair-codes paths' offsets term
 (`kernels.quant_matmul`).
 
-One launch per quantized matmul call on that path. As a dependent launch (`kernels/pdl.py`) it starts while
-the kernel that wrote x still runs, and the quantized matmul after it starts while it runs (a library
-reduction does neither: both launches' start-up would sit between the two kernels).
+One launch per quantized matmul call on that path whose caller does not hand it the sums: the norms ahead of
+q/k/v and gate/up and the SwiGLU ahead of down write them with x (`kernels.rms_norm.add_rms_norm`,
+`kernels.silu_mul.silu_mul`, asked by `LlamaModel._x_sums`), so in the engine this launch runs for o only (its
+x comes from attention) and under tensor parallelism for q/k/v and gate/up too (the all-reduce + norm writes
+none). As a dependent launch (`kernels/pdl.py`) it starts while the kernel that wrote x still runs, and the
+quantized matmul after it starts while it runs (a library reduction does neither: both launches' start-up
+would sit between the two kernels); still, it sits on the step's path between the two.
 """
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ def quant_matmul(
     partials: torch.Tensor | None = None,   # float32, >= split_k * T * N elements (split_k > 1 only)
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
     addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
+    x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
@@ -65,6 +66,9 @@ def quant_matmul(
     pairs (`kernels.quant_h2`: relative ~2e-3 before the output's rounding; exact range |x| < 2**15; not with
     LORAPLEX_FP16_PAIRS=0).
     `locks` must hold zeros before the call and holds zeros after it.
+    `x_sums`: the sums of x over each `sums_width(config, w, x.dtype)`-wide slice, written by the kernel that
+    wrote x (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`); without them (or where that width
+    is 0, ignored) a launch of `kernels.quant_half_sums` computes what the call needs.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
     x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
@@ -105,16 +109,19 @@ def quant_matmul(
             raise ValueError(f"split-K needs int32 zero locks of >= {grid[0] * grid[1]} elements")
     if T == 0 or N == 0:
         return
-    pairs = (cfg.block_m > 1 and cfg.pair_codes and cfg.field_dots and x.dtype != torch.float32
-             and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K)))
+    width = sums_width(cfg, w, x.dtype)
+    pairs = width > 0
     if pairs and split > 1 and cfg.num_warps > 4:
         raise ValueError(f"bad config {cfg}: the pair-codes tiles on more than 4 warps run without split-K only "
                          "(split-K there made an illegal memory access on an H200; not diagnosed)")
     paired = paired_layout(w.bits, w.group_size)    # without the pair-codes path: one dot per block
-    x_sums = out
-    width = 128 if paired else 32
-    if pairs:       # sum of x over each 128-wide half block (32-wide group), once per call (`_offsets_term`)
+    if not pairs:
+        x_sums = out
+    elif x_sums is None:    # sum of x over each 128-wide half block (32-wide group), once per call (`_offsets_term`)
         x_sums = half_sums(x, width)
+    elif x_sums.shape != (T, K // width) or x_sums.dtype != torch.float32 or not x_sums.is_contiguous():
+        raise ValueError(f"x_sums must be contiguous float32 [{T}, {K // width}] (x's {width}-wide slice sums), got "
+                         f"{x_sums.dtype} {tuple(x_sums.shape)}")
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
@@ -140,7 +147,7 @@ def quant_matmul(
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
                                 EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
     else:
-        quant_mma_kernel[grid](*buffers, x_sums, K // width, *sizes, GROUP=w.group_size, BITS=w.bits,
+        quant_mma_kernel[grid](*buffers, x_sums, K // (128 if paired else 32), *sizes, GROUP=w.group_size, BITS=w.bits,
                                BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
                                NUM_THREADS=32 * cfg.num_warps,
@@ -148,6 +155,15 @@ def quant_matmul(
                                PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
                                **pdl)
+
+
+def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.dtype) -> int:
+    """The width of the slices of x whose sums a call with this config reads (128: the paired layout's half blocks,
+    32: groups of 32), or 0 where it reads none (the pair-codes paths' offsets term, `kernels.quant_mma`)."""
+    K = w.in_features
+    pairs = (config.block_m > 1 and config.pair_codes and config.field_dots and x_dtype != torch.float32
+             and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K)))
+    return (128 if paired_layout(w.bits, w.group_size) else 32) if pairs else 0
 
 
 TMA_ENV = "LORAPLEX_H2_TMA"
@@ -185,4 +201,5 @@ def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:
     return out
 
 
-__all__ = ["QuantMatmulConfig", "dense_min_rows", "half_sums", "pair_codes_layout", "pick_config", "quant_matmul"]
+__all__ = ["QuantMatmulConfig", "dense_min_rows", "half_sums", "pair_codes_layout", "pick_config", "quant_matmul",
+           "sums_width"]

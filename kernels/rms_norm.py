@@ -24,8 +24,20 @@ def rms_norm_row(s, w, H, eps):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def store_slice_sums(v, sums_ptr, first, count, WIDTH: tl.constexpr):
+    """sums[first + j] = fp32 sum of v[j * WIDTH : (j + 1) * WIDTH] (v: [BLOCK] of values as stored, BLOCK a
+    multiple of WIDTH, 0 past the row's end) for j < count: the x sums a quantized matmul's pair-codes path
+    reads (`kernels.quant_half_sums`), written by the kernel that writes x, so that no launch of their own sits
+    between it and the matmul."""
+    S: tl.constexpr = v.shape[0] // WIDTH
+    j = tl.arange(0, S)
+    tl.store(sums_ptr + first + j, tl.sum(tl.reshape(v.to(tl.float32), (S, WIDTH)), axis=1), mask=j < count)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, H, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                         SUMS: tl.constexpr = 0):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -36,7 +48,10 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
         r = tl.load(res_ptr + t * H + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + t * H + offs, x, mask=mask)
-    tl.store(out_ptr + t * H + offs, rms_norm_row(x, w, H, eps).to(out_ptr.dtype.element_ty), mask=mask)
+    y = rms_norm_row(x, w, H, eps).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * H + offs, y, mask=mask)
+    if SUMS:            # SUMS: the slices' width
+        store_slice_sums(y, sums_ptr, t * (H // SUMS), H // SUMS, SUMS)
 
 
 def add_rms_norm(
@@ -46,10 +61,12 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor,                # [T, H] normalised output
     residual_out: torch.Tensor | None = None,   # [T, H] receives x + residual (may alias residual)
+    sums: torch.Tensor | None = None,           # [T, H / width] float32: out's sums over each width-wide slice
 ) -> None:
     """Semantics:
         s = (x + residual) if residual is not None else x          (model dtype); residual_out[:] = s
         out = weight * (s.float() * rsqrt(mean(s.float() ** 2, -1) + eps)).to(dtype)
+        sums = out.float().reshape(T, H // width, width).sum(-1)   (width = H // sums.shape[1]; fp32, some order)
     """
     if x.dim() != 2 or not x.is_contiguous() or not out.is_contiguous() or out.shape != x.shape:
         raise ValueError(f"x and out must be contiguous [T, H] of one shape, got {tuple(x.shape)}, {tuple(out.shape)}")
@@ -60,10 +77,24 @@ def add_rms_norm(
         if residual_out is None or residual.shape != x.shape or residual_out.shape != x.shape \
                 or not residual.is_contiguous() or not residual_out.is_contiguous() or residual.dtype != x.dtype:
             raise ValueError("residual and residual_out must be contiguous tensors like x")
+    width = slice_width(sums, T, H)
     if T == 0:
         return
     pdl = pdl_enabled(x.device)
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
-                               residual_out if residual_out is not None else out, H, eps,
-                               HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8,
+                               residual_out if residual_out is not None else out,
+                               sums if sums is not None else out, H, eps,
+                               HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8, SUMS=width,
                                **launch_args(pdl))
+
+
+def slice_width(sums: torch.Tensor | None, T: int, H: int) -> int:
+    """The width of the slices `sums` ([T, H / width] float32, contiguous) holds a sum for: 32 or 128; 0 without."""
+    if sums is None:
+        return 0
+    width = H // sums.shape[1] if sums.dim() == 2 and sums.shape[1] else 0
+    if width not in (32, 128) or sums.shape != (T, H // width) or H % width or sums.dtype != torch.float32 \
+            or not sums.is_contiguous():
+        raise ValueError(f"sums must be contiguous float32 [{T}, {H} / width] with width 32 or 128 dividing {H}, "
+                         f"got {sums.dtype} {tuple(sums.shape)}")
+    return width

@@ -7,10 +7,12 @@ import triton.language as tl
 
 from kernels.host_ints import cdiv, next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.rms_norm import slice_width, store_slice_sums
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                     SUMS: tl.constexpr = 0):
     wait_then_release(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -19,21 +21,28 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.co
     u = tl.load(gu_ptr + t * 2 * inter + inter + offs, mask=mask, other=0.0)
     gf = g.to(tl.float32)
     act = (gf * tl.sigmoid(gf)).to(g.dtype).to(tl.float32)      # silu rounds to the model dtype, as torch
-    tl.store(out_ptr + t * inter + offs, (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * inter + offs, y, mask=mask)
+    if SUMS:            # SUMS: the slices' width, dividing BLOCK
+        first = tl.program_id(1) * (BLOCK // SUMS)
+        store_slice_sums(y, sums_ptr, t * (inter // SUMS) + first, inter // SUMS - first, SUMS)
 
 
 def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, then up
              out: torch.Tensor,       # [T, I]
+             sums: torch.Tensor | None = None,   # [T, I / width] float32: out's sums over each width-wide slice
              ) -> None:
-    """Semantics: out = F.silu(gate_up[:, :I]) * gate_up[:, I:]   (each op rounded to the model dtype)."""
+    """Semantics: out = F.silu(gate_up[:, :I]) * gate_up[:, I:]   (each op rounded to the model dtype);
+    sums = out.float().reshape(T, I // width, width).sum(-1)   (width = I // sums.shape[1]; fp32, some order)."""
     if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be contiguous [T, 2I], got {tuple(gate_up.shape)}")
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if out.shape != (T, inter) or not out.is_contiguous() or out.dtype != gate_up.dtype:
         raise ValueError(f"out must be contiguous [{T}, {inter}] of dtype {gate_up.dtype}")
+    width = slice_width(sums, T, inter)
     if T == 0:
         return
-    block = min(1024, next_pow2(inter))
+    block = max(min(1024, next_pow2(inter)), width)
     pdl = pdl_enabled(gate_up.device)
-    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4,
-                                              **launch_args(pdl))
+    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, sums if sums is not None else out, inter, BLOCK=block,
+                                              num_warps=4, SUMS=width, **launch_args(pdl))

@@ -72,6 +72,10 @@ class Linear:
         """Whether `self(x, addend=...)` is allowed: one 16-bit row on CUDA (the GEMV kernel runs it)."""
         return takes_gemv(x, self.weight, self.bias, any_size=True)
 
+    def sums_width(self, t: int, dtype: torch.dtype) -> int:
+        """0: a dense projection reads no sums of x (`QuantLinear.sums_width`)."""
+        return 0
+
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
         """[T, N]; `addend` [T, N] float32 is added before rounding and left zero (`dense_linear`)."""
         return dense_linear(x, self.weight, self.bias, addend)

@@ -162,11 +162,12 @@ class LlamaModel:
         from kernels.rope_cache import rope_and_cache
 
         spec, lw = self.spec, self.weights.layers[i]
+        sums = self._norm_sums(lw.qkv, x)
         if pending is None:
-            add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x)
+            add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x, sums=sums)
         else:
-            self._add_norm(pending, h, lw.input_norm, x, 1)
-        qkv = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size])
+            self._add_norm(pending, h, lw.input_norm, x, 1, sums)
+        qkv = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums)
         k_cache, v_cache = kv_caches[i]
         rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache)
 
@@ -179,25 +180,44 @@ class LlamaModel:
 
         spec, lw = self.spec, self.weights.layers[i]
         o = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size])
-        self._add_norm(o, h, lw.post_norm, x, 0)                             # h += o; x = norm(h)
-        gate_up = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2)
+        sums = self._norm_sums(lw.gate_up, x)
+        self._add_norm(o, h, lw.post_norm, x, 0, sums)                       # h += o; x = norm(h)
+        gate_up = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
-        silu_mul(gate_up, act)
-        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size])
+        sums = self._x_sums(lw.down, act)
+        silu_mul(gate_up, act, sums)
+        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums)
+
+    def _x_sums(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """A buffer for the slice sums of x ([T, K]) that `linear` reads on its quantized pair-codes path
+        (`QuantLinear.sums_width`), for the kernel that writes x to fill (no launch of their own between the
+        two); None where it reads none."""
+        width = linear.sums_width(x.shape[0], x.dtype)
+        if not width:
+            return None
+        return torch.empty(x.shape[0], x.shape[1] // width, dtype=torch.float32, device=x.device)
+
+    def _norm_sums(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """`_x_sums` for an x that a norm writes: none under tensor parallelism (its all-reduce + norm writes
+        no sums; the projection computes them itself)."""
+        return None if self.reduce_add_norm is not None else self._x_sums(linear, x)
 
     def _add_norm(self, delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                  slot: int) -> None:
-        """h += delta (summed over the ranks under tensor parallelism); out = norm(h) * weight."""
+                  slot: int, sums: torch.Tensor | None = None) -> None:
+        """h += delta (summed over the ranks under tensor parallelism); out = norm(h) * weight, and `sums` (if
+        any) out's slice sums (`kernels.rms_norm.add_rms_norm`)."""
         from kernels.rms_norm import add_rms_norm
 
         if self.reduce_add_norm is not None:
+            assert sums is None, "the all-reduce + norm writes no slice sums"
             self.reduce_add_norm(delta, h, weight, self.spec.rms_norm_eps, out, slot)
             return
-        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h)
+        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h, sums)
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
-                 widths: list[int]) -> torch.Tensor:
-        """linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices' columns).
+                 widths: list[int], x_sums: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices' columns); `x_sums`:
+        x's slice sums where `linear` reads them (`_x_sums`), written with x.
 
         While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens) is captured, the LoRA runs on a
         side stream into a zeroed buffer concurrently with the base projection and is added after both:
@@ -216,9 +236,10 @@ class LlamaModel:
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
             return linear(x, addend=delta)
         side = self._lora_stream
+        kw = {} if x_sums is None else {"x_sums": x_sums}
         if lora is None or side is None or not 1 < x.shape[0] <= LORA_OVERLAP_TOKENS \
                 or not torch.cuda.is_current_stream_capturing():
-            y = linear(x)
+            y = linear(x, **kw)
             if lora is not None:
                 lora.apply(i, group, x, list(y.split(widths, dim=-1)))
             return y
@@ -228,7 +249,7 @@ class LlamaModel:
         with torch.cuda.stream(side):
             delta.zero_()
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-        y = linear(x)
+        y = linear(x, **kw)
         main.wait_stream(side)
         y.add_(delta)
         return y

@@ -111,9 +111,23 @@ class QuantLinear:
         return (self.use_kernel and self._perm is None and x.is_cuda and x.numel() == x.shape[-1]
                 and x.dtype in (torch.float16, torch.bfloat16))
 
-    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+    def sums_width(self, t: int, dtype: torch.dtype) -> int:
+        """The width of the slices of x ([t, K] of `dtype`) whose float32 sums a call reads (`x_sums`): 128 or 32
+        where it runs a pair-codes path of the kernel, else 0. The kernel that writes x can write them
+        (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`), so that the call needs no launch of its
+        own for them. Not with act-order (x is gathered first: the sums would be of another order's slices)."""
+        if not self.use_kernel or self._perm is not None or t < 2 or t >= self.dense_min_tokens:
+            return 0
+        from kernels.quant_matmul import pick_config, sums_width
+
+        n, k = self._shape
+        return sums_width(pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype), self.packed, dtype)
+
+    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
+                 x_sums: torch.Tensor | None = None) -> torch.Tensor:
         """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
-        then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition)."""
+        then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
+        slice sums as `sums_width` asks for them ([T, K / width] float32), written with x."""
         if addend is not None and not self.takes_addend(x):
             raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -139,7 +153,7 @@ class QuantLinear:
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)
-        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend)
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums)
         return out.view(*lead, n)
 
 

@@ -27,3 +27,62 @@ def test_half_sums_check_inputs() -> None:
         half_sums_into(x[:, :128], torch.zeros(2, 2, device=DEVICE), 64)
     with pytest.raises(ValueError, match="float32"):
         half_sums_into(x[:, :128], torch.zeros(2, 1, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.parametrize("T,H,width", [(3, 640, 128), (2, 96, 32)])
+def test_the_norm_writes_its_outputs_slice_sums(T: int, H: int, width: int) -> None:
+    """The norm that writes a quantized projection's x writes x's slice sums too (no launch of their own between
+    it and the projection), equal to the sums of its output as stored."""
+    from kernels.rms_norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(T * H)
+    x, r = (torch.randn(T, H, generator=gen).half().to(DEVICE) for _ in range(2))
+    w = (1 + 0.2 * torch.randn(H, generator=gen)).half().to(DEVICE)
+    out, h = torch.empty_like(x), torch.empty_like(x)
+    sums = torch.full((T, H // width), float("nan"), device=DEVICE)
+    add_rms_norm(x, r, w, 1e-5, out, h, sums)
+    assert torch.allclose(sums, out.float().reshape(T, H // width, width).sum(-1), rtol=1e-5, atol=1e-4)
+    plain = torch.empty_like(x)
+    add_rms_norm(x, r, w, 1e-5, plain, torch.empty_like(x))
+    assert torch.equal(plain, out)                                  # the sums change nothing else
+    with pytest.raises(ValueError, match="width 32 or 128"):
+        add_rms_norm(x, r, w, 1e-5, out, h, torch.zeros(T, H // 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("T,inter,width", [(2, 1280, 128), (3, 96, 32)])   # 2 programs, the second partial; 1
+def test_swiglu_writes_its_outputs_slice_sums(T: int, inter: int, width: int) -> None:
+    from kernels.silu_mul import silu_mul
+
+    gen = torch.Generator().manual_seed(T * inter)
+    gu = torch.randn(T, 2 * inter, generator=gen).half().to(DEVICE)
+    out = torch.empty(T, inter, dtype=torch.float16, device=DEVICE)
+    sums = torch.full((T, inter // width), float("nan"), device=DEVICE)
+    silu_mul(gu, out, sums)
+    assert torch.allclose(sums, out.float().reshape(T, inter // width, width).sum(-1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [128, 32])
+def test_the_quantized_matmul_reads_given_sums_instead_of_its_own(group: int) -> None:
+    """Given x's slice sums, the pair-codes path reads them (wrong sums give a wrong result) and, given the
+    right ones, equals the call that computes them itself."""
+    from kernels.quant_matmul import QuantMatmulConfig, quant_matmul, sums_width
+    from kernels.quant_pack import pack_quantized
+
+    gen = torch.Generator().manual_seed(group)
+    T, N, K = 5, 32, 512
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen).to(DEVICE)
+    s = (torch.rand(N, K // group, generator=gen) * 0.02 + 0.002).half().to(DEVICE)
+    o = (-torch.rand(N, K // group, generator=gen) * 0.16).half().to(DEVICE)
+    w = pack_quantized(q, s, o, 4, group)
+    x = torch.randn(T, K, generator=gen).half().to(DEVICE)
+    cfg = QuantMatmulConfig(block_n=16, block_m=16, split_k=1)
+    width = sums_width(cfg, w, x.dtype)
+    assert width == (128 if group == 128 else 32) and sums_width(cfg, w, torch.float32) == 0
+    own, given, wrong = (torch.full((T, N), float("nan"), dtype=x.dtype, device=DEVICE) for _ in range(3))
+    quant_matmul(x, w, None, own, cfg)
+    quant_matmul(x, w, None, given, cfg, x_sums=x.float().reshape(T, K // width, width).sum(-1).contiguous())
+    quant_matmul(x, w, None, wrong, cfg, x_sums=torch.zeros(T, K // width, device=DEVICE))
+    assert torch.allclose(given.float(), own.float(), rtol=1e-3, atol=1e-3)
+    assert not torch.allclose(wrong.float(), own.float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="x_sums must be"):
+        quant_matmul(x, w, None, own, cfg, x_sums=torch.zeros(T, 3, device=DEVICE))
