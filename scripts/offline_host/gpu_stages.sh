@@ -42,6 +42,9 @@
 #   w4-trace-8       bench/step_profile.py on the 4-bit 8B at batch 8, base and rank 16 on every module, with a
 #                    trace of each step's first kernels (what lies on the path between a norm and the tile kernel
 #                    after it: the half sums' launch; ~2 minutes)
+#   quant-decode-ab  bench/quant_decode.py at batches $BATCHES (default 8,32,64) in this tree, then in another
+#                    commit's whole tree unpacked under ab_tree/ (`git archive C | tar -x -C ab_tree`: ignored, name
+#                    it in the call's carry; ~17 MB): an engine A/B on one lease (~4 minutes)
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
@@ -141,6 +144,13 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       KERNELS_ROOT="$PWD/ab_kernels" python3 bench/lora_rank_pad.py --commit "$commit" --label ab_kernels \
         --merge "$out/lora_rank_pad.json" --out "$out/lora_rank_pad.json" 2>&1 | tee -a "$out/$stage.log"
     fi ;;
+  quant-decode-ab)
+    [ -d ab_tree/kernels ] || { echo "quant-decode-ab needs another commit's tree in ab_tree/" >&2; exit 2; }
+    python3 bench/quant_decode.py --batches "${BATCHES:-8,32,64}" --commit "$commit" \
+      --out "$out/quant_decode_tree.json" 2>&1 | tail -16 | tee "$out/$stage.log"
+    abs_out=$(cd "$out" && pwd)
+    (cd ab_tree && python3 bench/quant_decode.py --batches "${BATCHES:-8,32,64}" --commit ab_tree \
+      --out "$abs_out/quant_decode_ab_tree.json") 2>&1 | tail -16 | tee -a "$out/$stage.log" ;;
   lora-step-sweep)
     python3 bench/lora_step_sweep.py --focused --cases "${SWEEP_CASES:-16:256,64:256}" --batches 32,64 \
       --commit "$commit" --out "$out/lora_step_sweep.json" 2>&1 | tail -5 | tee "$out/$stage.log" ;;
