@@ -2,8 +2,8 @@
 their projections reads (`Model._x_sums`), so that no launch of their own sits between the norm and the
 projection; the numbers are those of the projection computing them itself.
 
-CPU (Triton interpreter), float16: the tiny llama's q/k/v, o and gate/up as 4-bit groups of 32 on the kernels,
-the pair-codes tiles forced at 2+ rows (its own rule keeps such small weights on other tiles).
+float16 on the GPU, or on the CPU in Triton's interpreter: the tiny llama's q/k/v, o and gate/up as 4-bit groups
+of 32 on the kernels, the pair-codes tiles forced at 2+ rows (its own rule keeps such small weights on other tiles).
 """
 from __future__ import annotations
 
@@ -16,17 +16,20 @@ from compute_service.engine.quantized import quantize_rtn
 from test_parity import run_collecting
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _quantized_engine(folder) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float16", block_size=4,
+    engine = LLMEngine(EngineConfig(model=str(folder), device=DEVICE, dtype="float16", block_size=4,
                                     max_num_batched_tokens=16, enforce_eager=True))
-    engine.runner.decode_kernel = True              # the Triton kernels in the interpreter
+    engine.runner.decode_kernel = True              # the Triton decode kernel (on the CPU: interpreted)
     model = engine.runner.model
     model.fused = True                              # the norms, RoPE and SwiGLU launches of a GPU step
     for lw in model.weights.layers:
         for name in ("qkv", "o", "gate_up"):        # K = 64 (down's 80 holds no groups of 32: left dense)
             dense = getattr(lw, name)
             setattr(lw, name, QuantLinear(quantize_rtn(dense.weight.float(), 4, 32), dense.bias,
-                                          torch.device("cpu"), use_kernel=True))
+                                          torch.device(DEVICE), use_kernel=True))
     return engine
 
 
