@@ -7,6 +7,7 @@ of 32 on the kernels, the pair-codes tiles forced at 2+ rows (its own rule keeps
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
@@ -16,11 +17,12 @@ from compute_service.engine.quantized import quantize_rtn
 from test_parity import run_collecting
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs only")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _quantized_engine(folder) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(folder), device=DEVICE, dtype="float16", block_size=4,
+def _quantized_engine(folder, device: str) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float16", block_size=4,
                                     max_num_batched_tokens=16, enforce_eager=True))
     engine.runner.decode_kernel = True              # the Triton decode kernel (on the CPU: interpreted)
     model = engine.runner.model
@@ -29,11 +31,12 @@ def _quantized_engine(folder) -> LLMEngine:
         for name in ("qkv", "o", "gate_up"):        # K = 64 (down's 80 holds no groups of 32: left dense)
             dense = getattr(lw, name)
             setattr(lw, name, QuantLinear(quantize_rtn(dense.weight.float(), 4, 32), dense.bias,
-                                          torch.device(DEVICE), use_kernel=True))
+                                          torch.device(device), use_kernel=True))
     return engine
 
 
-def test_norms_write_the_sums_the_quantized_projections_read(tiny_models, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_norms_write_the_sums_the_quantized_projections_read(tiny_models, monkeypatch, device):
     import kernels.quant_matmul as qm
 
     real_pick, real_sums = qm.pick_config, qm.half_sums
@@ -45,11 +48,11 @@ def test_norms_write_the_sums_the_quantized_projections_read(tiny_models, monkey
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
     _, folder = tiny_models["llama"]
-    tokens, logits = run_collecting(_quantized_engine(folder), requests, params)
+    tokens, logits = run_collecting(_quantized_engine(folder, device), requests, params)
     given = list(launches)
     launches.clear()
     monkeypatch.setattr(LlamaModel, "_x_sums", lambda self, linear, x: None)      # every projection sums x itself
-    tokens_own, logits_own = run_collecting(_quantized_engine(folder), requests, params)
+    tokens_own, logits_own = run_collecting(_quantized_engine(folder, device), requests, params)
 
     # Steps of 2+ tokens: the projection computes sums only for o (its x comes from attention), 1 a layer,
     # where without the norms' sums it does for q/k/v and gate/up as well.

@@ -86,3 +86,40 @@ def test_the_quantized_matmul_reads_given_sums_instead_of_its_own(group: int) ->
     assert not torch.allclose(wrong.float(), own.float(), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="x_sums must be"):
         quant_matmul(x, w, None, own, cfg, x_sums=torch.zeros(T, 3, device=DEVICE))
+
+
+@pytest.mark.gpu
+def test_gpu_sums_written_with_x_on_the_8b_shapes() -> None:
+    """Compiled, bfloat16, the 8B's widths: the norm's and the SwiGLU's sums equal their outputs' (halves of 128),
+    and q/k/v's pair-codes tiles at 8 rows given them equal the same call summing x itself."""
+    from kernels.quant_matmul import pick_config, quant_matmul, sums_width
+    from kernels.quant_pack import pack_quantized
+    from kernels.rms_norm import add_rms_norm
+    from kernels.silu_mul import silu_mul
+
+    gen = torch.Generator().manual_seed(8)
+    T, H, inter = 8, 4096, 14336
+    x, r = (torch.randn(T, H, generator=gen).bfloat16().cuda() for _ in range(2))
+    w = (1 + 0.2 * torch.randn(H, generator=gen)).bfloat16().cuda()
+    out, h = torch.empty_like(x), torch.empty_like(x)
+    sums = torch.full((T, H // 128), float("nan"), device="cuda")
+    add_rms_norm(x, r, w, 1e-5, out, h, sums)
+    assert torch.allclose(sums, out.float().reshape(T, -1, 128).sum(-1), rtol=1e-4, atol=1e-3)
+    gu = torch.randn(T, 2 * inter, generator=gen).bfloat16().cuda()
+    act = torch.empty(T, inter, dtype=torch.bfloat16, device="cuda")
+    act_sums = torch.full((T, inter // 128), float("nan"), device="cuda")
+    silu_mul(gu, act, act_sums)
+    assert torch.allclose(act_sums, act.float().reshape(T, -1, 128).sum(-1), rtol=1e-4, atol=1e-3)
+    N = 6144
+    q = torch.randint(0, 16, (N, H), dtype=torch.uint8, generator=gen).cuda()
+    s = (torch.rand(N, H // 128, generator=gen) * 0.02 + 0.002).half().cuda()
+    o = (-torch.rand(N, H // 128, generator=gen) * 0.16).half().cuda()
+    wq = pack_quantized(q, s, o, 4, 128)
+    cfg = pick_config(T, N, H, 4, torch.cuda.get_device_properties(0).multi_processor_count, 128, torch.bfloat16)
+    assert sums_width(cfg, wq, torch.bfloat16) == 128
+    locks = torch.zeros(4 * N // 16, dtype=torch.int32, device="cuda")
+    partials = torch.empty(cfg.split_k * T * N, device="cuda")
+    own, given = (torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    quant_matmul(out, wq, None, own, cfg, partials, locks)
+    quant_matmul(out, wq, None, given, cfg, partials, locks, x_sums=sums)
+    assert torch.allclose(given.float(), own.float(), rtol=1e-2, atol=1e-2)
