@@ -2,10 +2,11 @@
 
 One launch covers every slice and adapter. Grid: (slices x column groups,
 token tiles). A program maps its tile to a segment on the
-device, loops over its adapter's true rank in BLOCK_R chunks (so a rank-8 and
-a rank-64 adapter read only their own rows), and adds into `y` in fp32. An
-adapter of rank <= SMALL_R (16) in a pool of larger ranks takes tiles of 16
-rank rows, not the pool's (kernels/shrink.py).
+device, walks its column group once per BLOCK_R rows of its adapter's true rank
+(so a rank-8 and a rank-64 adapter read only their own rows), and adds into `y`
+in fp32, rounding to y's dtype once a pass. An adapter of rank <= SMALL_R (16)
+in a pool of larger ranks takes tiles of 16 rank rows, not the pool's
+(kernels/shrink.py).
 Programs past the last tile, past the slice's width or on a module the
 adapter lacks exit at once.
 """
@@ -39,10 +40,9 @@ def _bt_block(pool_ptr, rows0, r_mask0, n0, width, BLOCK_N: tl.constexpr, EVEN_N
 
 
 @triton.jit
-def _expand_block(n0, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width, col0,
-                  y_ptr, y_stride, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_R_BLOCK: tl.constexpr,
-                  ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
-    """y[toks, col0 + n0 : + BLOCK_N] += s @ B^T for one column block; bt: the first rank block's B^T rows."""
+def _expand_block(n0, bt, s0, toks, m_mask, width, col0, y_ptr, y_stride, BLOCK_N: tl.constexpr,
+                  COL_ALIGN: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+    """y[toks, col0 + n0 : + BLOCK_N] += s0 @ bt for one column block and one rank block (bt: its B^T rows)."""
     offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
     # Alignment hints let the compiler move y and B^T 16 bytes at a time; with every slice width a
     # multiple of BLOCK_N the column mask is dropped, which keeps those loads vectorised too.
@@ -53,19 +53,6 @@ def _expand_block(n0, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, m
     else:
         y_mask = m_mask[:, None] & (offs_n < width)[None, :]
     acc = dot(s0, bt, IEEE)                                                                     # [BLOCK_M, BLOCK_N]
-    if not ONE_R_BLOCK:
-        offs_rb = tl.arange(0, BLOCK_R)
-        for r0 in range(BLOCK_R, rank, BLOCK_R):
-            offs_r = r0 + offs_rb
-            r_mask = offs_r < rank
-            rows = tl.multiple_of(tl.load(b_off_ptr + entry * max_rank + offs_r, mask=r_mask, other=0), ROW_ALIGN)
-            st = tl.load(s_row + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-            if EVEN_N:
-                b_mask = r_mask[:, None]
-            else:
-                b_mask = r_mask[:, None] & (offs_n < width)[None, :]
-            btr = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=b_mask, other=0.0)
-            acc += dot(st.to(btr.dtype), btr, IEEE)
     cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
     tl.store(y_ptrs, (cur.to(tl.float32) + acc).to(cur.dtype), mask=y_mask)
 
@@ -134,15 +121,28 @@ def _expand_program(n_start, n_end, rank, entry, s_row, toks, m_mask, pool_ptr, 
     bt = _bt_block(pool_ptr, rows0, r_mask0, n_start, width, BLOCK_N, EVEN_N)
     wait_then_release(USE_PDL)
     if rank > 0:
-        # Ranks up to BLOCK_R: the s tile is read once and kept in registers for every column block.
+        # The first rank block: its s tile is read once and kept in registers for every column block.
         s0 = tl.load(s_row + offs_rb[None, :], mask=m_mask[:, None] & r_mask0[None, :], other=0.0)
         s0 = s0.to(pool_ptr.dtype.element_ty)
-        _expand_block(n_start, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width,
-                      col0, y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
+        _expand_block(n_start, bt, s0, toks, m_mask, width, col0, y_ptr, y_stride, BLOCK_N, COL_ALIGN, EVEN_N, IEEE)
         for n0 in range(n_start + BLOCK_N, n_end, BLOCK_N):
             bt = _bt_block(pool_ptr, rows0, r_mask0, n0, width, BLOCK_N, EVEN_N)
-            _expand_block(n0, bt, s0, s_row, toks, m_mask, pool_ptr, b_off_ptr, entry, max_rank, rank, width,
-                          col0, y_ptr, y_stride, BLOCK_N, BLOCK_R, ONE_R_BLOCK, ROW_ALIGN, COL_ALIGN, EVEN_N, IEEE)
+            _expand_block(n0, bt, s0, toks, m_mask, width, col0, y_ptr, y_stride, BLOCK_N, COL_ALIGN, EVEN_N,
+                          IEEE)
+        if not ONE_R_BLOCK:
+            # A rank above one block: each further block is another pass over the columns, adding into y
+            # again (one rounding to y's dtype a block), with the first block's code and registers.
+            for r0 in range(BLOCK_R, rank, BLOCK_R):
+                tl.debug_barrier()               # the previous pass's stores of y land before this pass reads y
+                r_mask = r0 + offs_rb < rank
+                rows = tl.load(b_off_ptr + entry * max_rank + r0 + offs_rb, mask=r_mask, other=0)
+                rows = tl.multiple_of(rows, ROW_ALIGN)
+                sr = tl.load(s_row + r0 + offs_rb[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+                sr = sr.to(pool_ptr.dtype.element_ty)
+                for n0 in range(n_start, n_end, BLOCK_N):
+                    bt = _bt_block(pool_ptr, rows, r_mask, n0, width, BLOCK_N, EVEN_N)
+                    _expand_block(n0, bt, sr, toks, m_mask, width, col0, y_ptr, y_stride, BLOCK_N, COL_ALIGN,
+                                  EVEN_N, IEEE)
 
 
 def _alignment(values: Sequence[int], limit: int = 8) -> int:
@@ -195,7 +195,8 @@ def lora_expand_triton(
     Semantics:
         for t with slot a = a(t) >= 0, for i, m in enumerate(module_indices):
             r = tables.ranks[a, layer, m]
-            y[t, off[i]:off[i+1]] += s[i, t, :r] @ B[a, layer, m].T      (fp32 add, then y's dtype)
+            y[t, off[i]:off[i+1]] += s[i, t, :r] @ B[a, layer, m].T      (fp32 add, then y's dtype; a rank
+                                                                           above BLOCK_R: once a BLOCK_R rows)
         rows of tokens without adapter, and slices of absent modules, are left as they were.
     """
     check_launch(s, pool, tables, meta, layer, module_indices)
