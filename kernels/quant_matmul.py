@@ -31,7 +31,7 @@ from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs
 from kernels.quant_gemv import quant_gemv_kernel
 from kernels.quant_gemv_tma import quant_gemv_tma_kernel
 from kernels.quant_h2 import fp16_pairs_enabled
-from kernels.quant_half_sums import half_sums_into
+from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 
@@ -119,9 +119,8 @@ def quant_matmul(
         x_sums = out
     elif x_sums is None:    # sum of x over each 128-wide half block (32-wide group), once per call (`_offsets_term`)
         x_sums = half_sums(x, width)
-    elif x_sums.shape != (T, K // width) or x_sums.dtype != torch.float32 or not x_sums.is_contiguous():
-        raise ValueError(f"x_sums must be contiguous float32 [{T}, {K // width}] (x's {width}-wide slice sums), got "
-                         f"{x_sums.dtype} {tuple(x_sums.shape)}")
+    else:
+        check_sums(x_sums, T, K, width, "x_sums")
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)

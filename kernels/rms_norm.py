@@ -12,6 +12,7 @@ import triton.language as tl
 
 from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.quant_half_sums import slice_width, store_slice_sums
 
 
 @triton.jit
@@ -21,17 +22,6 @@ def rms_norm_row(s, w, H, eps):
     sf = s.to(tl.float32)
     var = tl.sum(sf * sf, axis=0) / H
     return (sf * tl.rsqrt(var + eps)).to(s.dtype).to(tl.float32) * w
-
-
-@triton.jit
-def store_slice_sums(v, sums_ptr, first, count, WIDTH: tl.constexpr):
-    """sums[first + j] = fp32 sum of v[j * WIDTH : (j + 1) * WIDTH] (v: [BLOCK] of values as stored, BLOCK a
-    multiple of WIDTH, 0 past the row's end) for j < count: the x sums a quantized matmul's pair-codes path
-    reads (`kernels.quant_half_sums`), written by the kernel that writes x, so that no launch of their own sits
-    between it and the matmul."""
-    S: tl.constexpr = v.shape[0] // WIDTH
-    j = tl.arange(0, S)
-    tl.store(sums_ptr + first + j, tl.sum(tl.reshape(v.to(tl.float32), (S, WIDTH)), axis=1), mask=j < count)
 
 
 @triton.jit
@@ -86,15 +76,3 @@ def add_rms_norm(
                                sums if sums is not None else out, H, eps,
                                HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8, SUMS=width,
                                **launch_args(pdl))
-
-
-def slice_width(sums: torch.Tensor | None, T: int, H: int) -> int:
-    """The width of the slices `sums` ([T, H / width] float32, contiguous) holds a sum for: 32 or 128; 0 without."""
-    if sums is None:
-        return 0
-    width = H // sums.shape[1] if sums.dim() == 2 and sums.shape[1] else 0
-    if width not in (32, 128) or sums.shape != (T, H // width) or H % width or sums.dtype != torch.float32 \
-            or not sums.is_contiguous():
-        raise ValueError(f"sums must be contiguous float32 [{T}, {H} / width] with width 32 or 128 dividing {H}, "
-                         f"got {sums.dtype} {tuple(sums.shape)}")
-    return width

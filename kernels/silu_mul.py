@@ -7,7 +7,7 @@ import triton.language as tl
 
 from kernels.host_ints import cdiv, next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
-from kernels.rms_norm import slice_width, store_slice_sums
+from kernels.quant_half_sums import slice_width, store_slice_sums
 
 
 @triton.jit
