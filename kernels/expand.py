@@ -22,10 +22,13 @@ from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
-from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_launch,
-                            check_slices, rank_block)
+from kernels.shrink import (DECODE_MAX_TOKENS, MAX_RANK_BLOCK, MAX_SLICES, SMALL_RANK, _capturing, _num_sms,
+                            check_launch, check_slices, rank_block)
 from kernels.dots import dot
 from kernels.tiles import segment_tile
+
+MANY_PROGRAMS_PER_SM = 5  # decode launches of at least this many expand programs an SM take 32-row blocks
+                          # where the pool's rank would give them 64 (expand_config)
 
 
 @triton.jit
@@ -153,14 +156,18 @@ def _alignment(values: Sequence[int], limit: int = 8) -> int:
     return align
 
 
-def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, device: torch.device
-                  ) -> dict[str, int]:
+def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, device: torch.device,
+                  num_sms: int | None = None) -> dict[str, int]:
     """Block sizes and column grouping; depends only on host-known shapes (graph-stable).
 
     Each program walks a group of column blocks with its s tile in registers, so
     s is read once per group instead of once per block; groups are as wide as
-    possible while the launch keeps about four programs per SM.
+    possible while the launch keeps about four programs per SM. A decode launch
+    that still has MANY_PROGRAMS_PER_SM or more takes rank blocks of 32 rows
+    instead of 64 (more programs resident an SM). `num_sms` overrides the
+    device's count (tests).
     """
+    sms = num_sms or _num_sms(device)
     block_r = rank_block(max_rank)
     if T <= DECODE_MAX_TOKENS:
         # One stage: the two-stage buffers of B^T rows cost more (registers, shared memory) than they hide at a
@@ -172,9 +179,20 @@ def expand_config(T: int, max_rank: int, widths: Sequence[int], max_slots: int, 
         block_m, block_n, num_warps, num_stages = 64, 128, 4, 2
     tiles = cdiv(T, block_m) + min(max_slots, T)
     blocks = tiles * sum(cdiv(w, block_n) for w in widths)
-    per_group = max(1, blocks // (4 * _num_sms(device)))
+    per_group = max(1, blocks // (4 * sms))
     per_group = 1 << (per_group.bit_length() - 1)                     # a power of two, rounded down
     group_n = block_n * min(per_group, cdiv(max(widths), block_n))
+    programs = tiles * sum(cdiv(w, group_n) for w in widths)
+    if T <= DECODE_MAX_TOKENS and block_r == MAX_RANK_BLOCK and programs >= MANY_PROGRAMS_PER_SM * sms:
+        # 64-row blocks hold 104 registers (sm_90, one stage), so 4 programs fit an SM and a launch of 5-8
+        # programs an SM (the grouping's power-of-two rounding) runs in two waves; 32-row blocks hold 72 (7
+        # fit). H200, an 8B's 32 layers, 32 / 64 tokens of distinct adapters, pool of rank 256
+        # (bench/results/lora_step_sweep_pool256.json): rank 16 on q/k/v (6.2 programs an SM) 248 -> 188 / 339
+        # -> 269 us, gate/up (7.2) 598 -> 404 / 1124 -> 770; rank 64 346 -> 351 / 585 -> 594, 1136 -> 1093 /
+        # 2149 -> 2124. o and down (4.1 an SM) keep 64 rows: 32 cost a rank-64 adapter two passes, 208 -> 299 /
+        # 328 -> 533 us. The whole step (bench/results/lora_rank_pad.json): rank 16 in a pool of 64 -11 / -12%,
+        # of 256 -9 / -10%; rank 64 within +0.8%.
+        block_r = MAX_RANK_BLOCK // 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, GROUP_N=group_n,
                 num_warps=num_warps, num_stages=num_stages)
 

@@ -57,6 +57,9 @@ def test_expand_mixed_ranks_odd_width(out, ranks):
     run_expand(case, 9, 0.1, [0], layer=0, gen=gen)
     # Column groups of several blocks per program, as large batches get on the GPU.
     run_expand(case, 9, 0.1, [0], layer=0, gen=gen, config={"GROUP_N": 256})
+    # Both rank-block sizes a pool above 32 takes at decode (expand_config: 32 rows in launches of many
+    # programs an SM, the interpreter's case, else 64): a rank of 256 in 8 or 4 passes.
+    run_expand(case, 9, 0.1, [0], layer=0, gen=gen, config={"GROUP_N": 256, "BLOCK_R": 64})
 
 
 @pytest.mark.parametrize("T", [9, 140])

@@ -23,7 +23,7 @@ def test_decode_launches_do_not_grow_with_the_pools_rank(T, K, widths):
     for big in (128, 256, 1024):
         assert fused_config(T, K, widths, big, 64, CPU, num_sms=132) == fused_config(T, K, widths, 64, 64, CPU,
                                                                                      num_sms=132)
-        assert expand_config(T, big, widths, 64, CPU) == expand_config(T, 64, widths, 64, CPU)
+        assert expand_config(T, big, widths, 64, CPU, 132) == expand_config(T, 64, widths, 64, CPU, 132)
         a, b = shrink_config(T, K, big, len(widths), 64, CPU), shrink_config(T, K, 64, len(widths), 64, CPU)
         # Only the count of rank-block programs grows (those past an adapter's rank exit at once); the K split
         # and tiles that do the work stay.
@@ -38,3 +38,16 @@ def test_rank_blocks_are_at_most_64_rows_and_the_workspace_holds_the_pools_rank(
         assert workspace_rank(max_rank) % min(64, workspace_rank(max_rank)) == 0
     sums, _ = fused_workspace(4, 256, CPU)
     assert sums.shape == (4, 4 * 256)
+
+
+@pytest.mark.parametrize("T", [32, 64, DECODE_MAX_TOKENS])
+def test_expand_takes_32_row_blocks_where_a_decode_launch_has_many_programs_an_sm(T):
+    """At 32-128 tokens, an expand launch of five or more programs an SM (8B q/k/v, gate/up: 6-7 on 132 SMs)
+    takes 32-row blocks in pools of ranks above 32; one of about four an SM (o, down) keeps 64 (a rank-64
+    adapter would take two passes); pools up to 32 and prefill keep their blocks."""
+    for widths, block_r in (([4096, 1024, 1024], 32), ([14336, 14336], 32), ([4096], 64)):
+        for max_rank in (64, 256):
+            assert expand_config(T, max_rank, widths, 64, CPU, 132)["BLOCK_R"] == block_r, (widths, max_rank)
+        assert expand_config(T, 32, widths, 64, CPU, 132)["BLOCK_R"] == 32
+        assert expand_config(T, 16, widths, 64, CPU, 132)["BLOCK_R"] == 16
+    assert expand_config(256, 256, [14336, 14336], 64, CPU, 132)["BLOCK_R"] == 64
