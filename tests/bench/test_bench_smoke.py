@@ -27,6 +27,24 @@ def test_quant_decode_smoke(tmp_path):
     assert set(res["goals"]) >= {"b1_speedup", "b64_speedup", "multi_lora_over_floor"}
 
 
+def test_quant_decode_goals_from_a_run_without_batch_1():
+    """A run of some batches (gpu_stages.sh quant-decode-ab: 8, 32, 64) reports the goals it can and names the
+    others, instead of dropping every goal at the first missing row."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("quant_decode", ROOT / "bench" / "quant_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = lambda ms, over: {"tpot_ms": ms, "tpot_over_floor": over}                       # noqa: E731
+    eng = {"bf16": {"base": {"8": row(4.0, 3.0), "64": row(5.0, 3.5)}},
+           "int4": {"base": {"8": row(2.0, 2.0), "64": row(4.0, 3.0)}, "distinct_r16_all": {"8": row(3.0, 1.1)}}}
+    goals = mod.goals({"engine": eng})
+    assert goals["not_run"] == ["batch 1, no adapter, both engines"] and "b1_speedup" not in goals
+    assert goals["b64_speedup"] == 1.25 and goals["multi_lora_goal_1.2"] is True
+    eng["bf16"]["base"]["1"], eng["int4"]["base"]["1"] = row(6.0, 1.2), row(2.0, 1.5)
+    goals = mod.goals({"engine": eng})
+    assert goals["not_run"] == [] and goals["b1_speedup"] == 3.0 and goals["b1_over_floor_goal_1.4"] is False
+
+
 def test_tp_decode_tiny_over_gloo(tmp_path):
     out = tmp_path / "tp.json"
     proc = _run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "bench/tp_decode.py", "--tiny",
