@@ -10,8 +10,9 @@ atomically into a zeroed fp32 output; prefill keeps the whole reduction in one
 program and stores.
 
 What an adapter costs follows its own rank more than the pool's largest: rank
-blocks are at most 64 rows, the decode K split is sized for one rank block a
-slice (programs of blocks past an adapter's rank exit at once), and an adapter
+blocks are at most 64 rows, at decode one program a slice and split walks its
+adapter's blocks (the grid of a pool of rank 64; at prefill a program per block,
+those past an adapter's rank exiting at once), and an adapter
 of rank <= SMALL_R (16) in a pool of larger ranks takes tiles of 16 rows
 (docs/kernels.md, "Adapters smaller than the pool's largest rank").
 """
@@ -34,6 +35,8 @@ MAX_SLICES = 4
 DECODE_MAX_TOKENS = 128  # at or below this many tokens the split-K (decode) configuration is used
 SMALL_RANK = 16          # adapters of at most this rank take tiles of this many rows in a pool of larger ranks
 MAX_RANK_BLOCK = 64      # rank rows a tile holds at most; a larger rank takes further blocks
+WALK_MAXNREG = 152       # registers a 16-bit decode shrink that walks rank blocks may hold: the one-block kernel's
+                         # (sm_90, scripts/kernel_sass.py; 192 unbounded, no spills at 152)
 
 
 @triton.jit
@@ -44,13 +47,14 @@ def _shrink_kernel(
     mod0, mod1, mod2, mod3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr, R_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr, SMALL_R: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr, SMALL_R: tl.constexpr, WALK_R: tl.constexpr = False,
 ):
     # With programmatic dependent launch (kernels/pdl.py) the step's metadata (segments, tokens, ranks, row
     # offsets) is read before the wait for the previous kernel, x and A after it; every path waits before
     # it exits.
     # Slice / rank block / K split vary fastest, so programs sharing a token tile run together and
-    # the tile of x is read from DRAM once, then from L2.
+    # the tile of x is read from DRAM once, then from L2. WALK_R (decode, one rank-block program a slice and
+    # split): the program walks its adapter's further rank blocks itself.
     pid_sub = tl.program_id(0)
     pid_tile = tl.program_id(1)
     slice_id = pid_sub // (R_BLOCKS * SPLIT_K)
@@ -89,11 +93,23 @@ def _shrink_kernel(
                             BLOCK_M, SMALL_R, BLOCK_K, EVEN_K, IEEE)                        # [BLOCK_M, SMALL_R]
         _store_sums(out_row + offs_s[None, :], acc_s, m_mask[:, None] & s_mask[None, :], SPLIT_K)
     else:
-        # This program's rank block.
-        r_mask = r_first + offs_rb < rank
-        acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
-                          BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)                         # [BLOCK_M, BLOCK_R]
-        _store_sums(out_row + r_first + offs_rb[None, :], acc, m_mask[:, None] & r_mask[None, :], SPLIT_K)
+        if WALK_R:
+            # Each block of its adapter's rank in turn, through the same code (x's tile again, from L2), the
+            # next block's rows requested before this block's sums.
+            for r0 in range(0, rank, BLOCK_R):
+                r_mask = r0 + offs_rb < rank
+                nxt = r0 + BLOCK_R + offs_rb
+                rows_next = tl.load(a_off_ptr + entry * max_rank + nxt, mask=nxt < rank, other=0)
+                acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
+                                  BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)
+                _store_sums(out_row + r0 + offs_rb[None, :], acc, m_mask[:, None] & r_mask[None, :], SPLIT_K)
+                rows = tl.multiple_of(rows_next, ROW_ALIGN)
+        else:
+            # This program's rank block.
+            r_mask = r_first + offs_rb < rank
+            acc = shrink_tile(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r_mask, k_lo, k_hi, K,
+                              BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)                     # [BLOCK_M, BLOCK_R]
+            _store_sums(out_row + r_first + offs_rb[None, :], acc, m_mask[:, None] & r_mask[None, :], SPLIT_K)
 
 
 @triton.jit
@@ -146,15 +162,21 @@ def shrink_config(T: int, K: int, max_rank: int, num_slices: int, max_slots: int
         block_m, block_k, num_warps, min_k_split = 32, (256 if block_r <= 32 else 128), 4, 512
     else:
         block_m, block_k, num_warps, min_k_split = 128, 64, 8, 512
+    # Decode in a pool of ranks above one block: one program a slice and split walks its adapter's rank blocks
+    # (WALK_R), so the grid is the one a pool of rank 64 gets; with a program per rank block, those past a
+    # rank-16 adapter's (three in four in a pool of 256) waited for the previous kernel and exited, which cost
+    # its shrink 1.6x its pool-64 time (bench/results/lora_step_sweep_pool256.json against
+    # lora_step_sweep.json, 64 tokens: 1600 against 1007 us a step).
+    walk_r = T <= DECODE_MAX_TOKENS and r_blocks > 1
+    if walk_r:
+        r_blocks = 1
     tiles = cdiv(T, block_m) + min(max_slots, T)
-    # The K split counts one rank block a slice: the programs of further blocks exit at once for adapters of
-    # smaller ranks than the pool's largest, and must not thin the split of those that work.
-    programs = tiles * num_slices * (1 if T <= DECODE_MAX_TOKENS else r_blocks)
+    programs = tiles * num_slices * r_blocks
     split_k = max(1, min(cdiv(4 * _num_sms(device), programs), K // min_k_split))
     k_per_split = cdiv(cdiv(K, split_k), block_k) * block_k
     split_k = cdiv(K, k_per_split)
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
-                K_PER_SPLIT=k_per_split, R_BLOCKS=r_blocks, num_warps=num_warps, num_stages=3)
+                K_PER_SPLIT=k_per_split, R_BLOCKS=r_blocks, WALK_R=int(walk_r), num_warps=num_warps, num_stages=3)
 
 
 def check_input(x: torch.Tensor, pool: torch.Tensor) -> None:
@@ -237,7 +259,7 @@ def lora_shrink_triton(
     cfg = shrink_config(T, K, tables.max_rank, num_slices, meta.max_slots, x.device)
     if config:
         cfg.update(config)
-        cfg["R_BLOCKS"] = cdiv(tables.max_rank, cfg["BLOCK_R"])
+        cfg["R_BLOCKS"] = 1 if cfg["WALK_R"] else cdiv(tables.max_rank, cfg["BLOCK_R"])
         cfg["K_PER_SPLIT"] = cdiv(cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
         cfg["SPLIT_K"] = cdiv(K, cfg["K_PER_SPLIT"])
     if cfg["SPLIT_K"] > 1 and not out_zeroed:
@@ -246,6 +268,10 @@ def lora_shrink_triton(
     mods = list(module_indices) + [0] * (MAX_SLICES - num_slices)
     tiles = cdiv(T, cfg["BLOCK_M"]) + min(meta.max_slots, T)
     grid = (num_slices * cfg["R_BLOCKS"] * cfg["SPLIT_K"], tiles)
+    walk = bool(cfg["WALK_R"]) and cfg["BLOCK_R"] < tables.max_rank
+    # The walk's loop would hold 40 more registers than one block (fewer programs an SM for every adapter);
+    # bounded to the one-block kernel's count, the 16-bit code has no spills.
+    bound = {"maxnreg": WALK_MAXNREG} if walk and pool.dtype != torch.float32 and x.is_cuda else {}
     _shrink_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.ranks, out, out.stride(0), out.stride(1),
         meta.token_indices, meta.seg_starts, meta.seg_slots, meta.max_slots,
@@ -254,6 +280,6 @@ def lora_shrink_triton(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
         MAX_SEGS=next_pow2(meta.max_slots), EVEN_K=(K % cfg["BLOCK_K"] == 0), R_BLOCKS=cfg["R_BLOCKS"],
         ROW_ALIGN=tables.row_alignment(), IEEE=pool.dtype == torch.float32,
-        SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(pdl),
+        SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), WALK_R=walk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_args(pdl), **bound,
     )

@@ -25,10 +25,10 @@ def test_decode_launches_do_not_grow_with_the_pools_rank(T, K, widths):
                                                                                      num_sms=132)
         assert expand_config(T, big, widths, 64, CPU, 132) == expand_config(T, 64, widths, 64, CPU, 132)
         a, b = shrink_config(T, K, big, len(widths), 64, CPU), shrink_config(T, K, 64, len(widths), 64, CPU)
-        # Only the count of rank-block programs grows (those past an adapter's rank exit at once); the K split
-        # and tiles that do the work stay.
-        assert a["R_BLOCKS"] == big // 64 and b["R_BLOCKS"] == 1
-        assert {k: v for k, v in a.items() if k != "R_BLOCKS"} == {k: v for k, v in b.items() if k != "R_BLOCKS"}
+        # The same grid, K split and tiles: one rank-block program a slice and split, which walks an adapter's
+        # further blocks itself (WALK_R) instead of a program per block of the pool's largest rank.
+        assert a["R_BLOCKS"] == b["R_BLOCKS"] == 1 and a["WALK_R"] == 1 and b["WALK_R"] == 0
+        assert {k: v for k, v in a.items() if k != "WALK_R"} == {k: v for k, v in b.items() if k != "WALK_R"}
 
 
 def test_rank_blocks_are_at_most_64_rows_and_the_workspace_holds_the_pools_rank():
@@ -51,3 +51,8 @@ def test_expand_takes_32_row_blocks_where_a_decode_launch_has_many_programs_an_s
         assert expand_config(T, 32, widths, 64, CPU, 132)["BLOCK_R"] == 32
         assert expand_config(T, 16, widths, 64, CPU, 132)["BLOCK_R"] == 16
     assert expand_config(256, 256, [14336, 14336], 64, CPU, 132)["BLOCK_R"] == 64
+
+
+def test_prefill_shrink_keeps_a_program_per_rank_block():
+    cfg = shrink_config(DECODE_MAX_TOKENS + 1, 4096, 256, 3, 64, CPU)
+    assert cfg["R_BLOCKS"] == 4 and cfg["WALK_R"] == 0

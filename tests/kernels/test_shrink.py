@@ -60,6 +60,8 @@ def test_shrink_mixed_ranks_odd_hidden(h_in, ranks):
     # The split-K (atomic) path, forced where the interpreter's small grid would not choose it.
     run_shrink(case, 9, 0.1, [0], layer=0, gen=gen, config={"SPLIT_K": 3})
     run_shrink(case, 150, 0.1, [0], layer=0, gen=gen, config={"SPLIT_K": 2})
+    # Decode's one program per slice and split walking a rank of 256 in 64- and 32-row blocks.
+    run_shrink(case, 9, 0.1, [0], layer=0, gen=gen, config={"SPLIT_K": 2, "BLOCK_R": 32})
 
 
 def test_split_shrink_adds_into_zeros_the_caller_gives():
