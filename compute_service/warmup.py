@@ -35,6 +35,7 @@ import torch
 
 from compute_service.build import Runtime, zero_kv_cache
 from compute_service.engine.attention import DecodeMetadata, step_metadata
+from compute_service.engine.graph_capture import graph_forward
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
 from compute_service.compile_pool import CompilePool, PoolReport, default_processes, pool_applies, recording
@@ -378,7 +379,8 @@ class _ForwardPass:
                               torch.zeros(batch, self.table_width, dtype=torch.int32, device=dev),
                               torch.ones(batch, dtype=torch.int32, device=dev))
         ids = torch.zeros(batch, dtype=torch.int64, device=dev)
-        hidden = self.model.forward(ids, ids.clone(), meta, self.kv, self._lora(batch, with_lora))
+        with graph_forward():            # as the decode graphs run it: what they launch compiles here
+            hidden = self.model.forward(ids, ids.clone(), meta, self.kv, self._lora(batch, with_lora))
         self.model.compute_logits(hidden)
 
     def prefill(self, num_tokens: int, with_lora: bool) -> None:

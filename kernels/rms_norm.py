@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.addend import check_extra, with_extra
 from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.quant_half_sums import slice_width, store_slice_sums
@@ -27,13 +28,13 @@ def rms_norm_row(s, w, H, eps):
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, H, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                         SUMS: tl.constexpr = 0):
+                         SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)     # weights: read before the wait
     wait_then_release(USE_PDL)
-    x = tl.load(x_ptr + t * H + offs, mask=mask, other=0.0)
+    x = with_extra(tl.load(x_ptr + t * H + offs, mask=mask, other=0.0), extra_ptr + t * H + offs, mask, EXTRA)
     if HAS_RES:
         r = tl.load(res_ptr + t * H + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -52,8 +53,10 @@ def add_rms_norm(
     out: torch.Tensor,                # [T, H] normalised output
     residual_out: torch.Tensor | None = None,   # [T, H] receives x + residual (may alias residual)
     sums: torch.Tensor | None = None,           # [T, H / width] float32: out's sums over each width-wide slice
+    extra: torch.Tensor | None = None,          # [T, H] contiguous like x: added to x first
 ) -> None:
     """Semantics:
+        x = x + extra if extra is not None                         (model dtype, as torch adds them)
         s = (x + residual) if residual is not None else x          (model dtype); residual_out[:] = s
         out = weight * (s.float() * rsqrt(mean(s.float() ** 2, -1) + eps)).to(dtype)
         sums = out.float().reshape(T, H // width, width).sum(-1)   (width = H // sums.shape[1]; fp32, some order)
@@ -68,11 +71,17 @@ def add_rms_norm(
                 or not residual.is_contiguous() or not residual_out.is_contiguous() or residual.dtype != x.dtype:
             raise ValueError("residual and residual_out must be contiguous tensors like x")
     width = slice_width(sums, T, H)
+    check_extra(extra, x, "x")
+    if extra is not None and not extra.is_contiguous():
+        raise ValueError("extra must be contiguous")
     if T == 0:
         return
-    pdl = pdl_enabled(x.device)
+    # After a join of two streams (the extra's LoRA ran beside the projection that wrote x) a plain launch:
+    # its predecessors are two kernels (kernels/pdl.py).
+    pdl = pdl_enabled(x.device) and extra is None
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
                                residual_out if residual_out is not None else out,
                                sums if sums is not None else out, H, eps,
                                HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8, SUMS=width,
+                               extra_ptr=extra if extra is not None else x, EXTRA=extra is not None,
                                **launch_args(pdl))

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.addend import check_extra, with_extra
 from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 
@@ -32,13 +33,15 @@ def _rotate(x1, x2, c1, c2, s1, s2):
 def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
                        v_cache_ptr, num_heads, num_kv_heads, head_dim, half,
                        BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+                       BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, extra_ptr=None, extra_stride=0,
+                       EXTRA: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
     j = tl.arange(0, BLOCK_HALF)
     jm = j < half
     row = qkv_ptr + t * qkv_stride
+    xrow = extra_ptr + t * extra_stride               # the extra's row, columns as qkv's (EXTRA)
     dt = qkv_ptr.dtype.element_ty
     c1 = tl.load(cos_ptr + pos * head_dim + j, mask=jm, other=0.0).to(dt).to(tl.float32)
     c2 = tl.load(cos_ptr + pos * head_dim + half + j, mask=jm, other=0.0).to(dt).to(tl.float32)
@@ -49,7 +52,8 @@ def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     h = tl.arange(0, BLOCK_H)
     m = (h < num_heads)[:, None] & jm[None, :]
     base = h[:, None] * head_dim + j[None, :]
-    o1, o2 = _rotate(tl.load(row + base, mask=m, other=0.0), tl.load(row + base + half, mask=m, other=0.0),
+    o1, o2 = _rotate(with_extra(tl.load(row + base, mask=m, other=0.0), xrow + base, m, EXTRA),
+                     with_extra(tl.load(row + base + half, mask=m, other=0.0), xrow + base + half, m, EXTRA),
                      c1[None, :], c2[None, :], s1[None, :], s2[None, :])
     q_row = q_out_ptr + t * num_heads * head_dim
     tl.store(q_row + base, o1, mask=m)
@@ -60,7 +64,9 @@ def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     m = (g < num_kv_heads)[:, None] & jm[None, :]
     base = g[:, None] * head_dim + j[None, :]
     k_src = row + num_heads * head_dim
-    o1, o2 = _rotate(tl.load(k_src + base, mask=m, other=0.0), tl.load(k_src + base + half, mask=m, other=0.0),
+    k_xtr = xrow + num_heads * head_dim
+    o1, o2 = _rotate(with_extra(tl.load(k_src + base, mask=m, other=0.0), k_xtr + base, m, EXTRA),
+                     with_extra(tl.load(k_src + base + half, mask=m, other=0.0), k_xtr + base + half, m, EXTRA),
                      c1[None, :], c2[None, :], s1[None, :], s2[None, :])
     k_row = k_cache_ptr + slot * kv_width
     tl.store(k_row + base, o1, mask=m)
@@ -69,7 +75,7 @@ def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     d = tl.arange(0, BLOCK_D)
     m = (g < num_kv_heads)[:, None] & (d < head_dim)[None, :]
     vbase = g[:, None] * head_dim + d[None, :]
-    v = tl.load(k_src + kv_width + vbase, mask=m, other=0.0)
+    v = with_extra(tl.load(k_src + kv_width + vbase, mask=m, other=0.0), k_xtr + kv_width + vbase, m, EXTRA)
     tl.store(v_cache_ptr + slot * kv_width + vbase, v, mask=m)
 
 
@@ -82,8 +88,10 @@ def rope_and_cache(
     q_out: torch.Tensor,          # [T, H, D] contiguous
     k_cache: torch.Tensor,        # [num_blocks, block_size, KVH, D] contiguous
     v_cache: torch.Tensor,        # [num_blocks, block_size, KVH, D] contiguous
+    extra: torch.Tensor | None = None,   # like qkv (rows contiguous): added to it first
 ) -> None:
     """Semantics (rot(x) = x * cos[p] + cat(-x[D/2:], x[:D/2]) * sin[p], in the model dtype):
+        qkv = qkv + extra if extra is not None        (model dtype, as torch adds them; not stored)
         q, k, v = qkv.split([H*D, KVH*D, KVH*D], -1)
         q_out[t] = rot(q[t].view(H, D));  k_cache.view(-1, KVH, D)[slot[t]] = rot(k[t].view(KVH, D))
         v_cache.view(-1, KVH, D)[slot[t]] = v[t].view(KVH, D)
@@ -104,10 +112,12 @@ def rope_and_cache(
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 or positions.shape[0] < T \
             or slot_mapping.shape[0] < T:
         raise ValueError(f"positions and slot_mapping must be int64 [>= {T}]")
+    check_extra(extra, qkv, "qkv")
     if T == 0:
         return
-    pdl = pdl_enabled(qkv.device)
+    pdl = pdl_enabled(qkv.device) and extra is None     # after a join of two streams: a plain launch
     _rope_cache_kernel[(T,)](
         qkv, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
         BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D),
-        num_warps=4, **launch_args(pdl))
+        num_warps=4, extra_ptr=extra if extra is not None else qkv,
+        extra_stride=extra.stride(0) if extra is not None else 0, EXTRA=extra is not None, **launch_args(pdl))

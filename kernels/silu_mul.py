@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.addend import check_extra, with_extra
 from kernels.host_ints import cdiv, next_pow2
 from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.quant_half_sums import slice_width, store_slice_sums
@@ -12,13 +13,15 @@ from kernels.quant_half_sums import slice_width, store_slice_sums
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                     SUMS: tl.constexpr = 0):
+                     SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False):
     wait_then_release(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     g = tl.load(gu_ptr + t * 2 * inter + offs, mask=mask, other=0.0)
     u = tl.load(gu_ptr + t * 2 * inter + inter + offs, mask=mask, other=0.0)
+    g = with_extra(g, extra_ptr + t * 2 * inter + offs, mask, EXTRA)
+    u = with_extra(u, extra_ptr + t * 2 * inter + inter + offs, mask, EXTRA)
     gf = g.to(tl.float32)
     act = (gf * tl.sigmoid(gf)).to(g.dtype).to(tl.float32)      # silu rounds to the model dtype, as torch
     y = (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -31,8 +34,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_
 def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, then up
              out: torch.Tensor,       # [T, I]
              sums: torch.Tensor | None = None,   # [T, I / width] float32: out's sums over each width-wide slice
+             extra: torch.Tensor | None = None,  # [T, 2I] contiguous like gate_up: added to it first
              ) -> None:
-    """Semantics: out = F.silu(gate_up[:, :I]) * gate_up[:, I:]   (each op rounded to the model dtype);
+    """Semantics: gate_up = gate_up + extra if extra is not None   (model dtype, as torch adds them; not stored)
+    out = F.silu(gate_up[:, :I]) * gate_up[:, I:]   (each op rounded to the model dtype);
     sums = out.float().reshape(T, I // width, width).sum(-1)   (width = I // sums.shape[1]; fp32, some order)."""
     if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be contiguous [T, 2I], got {tuple(gate_up.shape)}")
@@ -40,9 +45,14 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
     if out.shape != (T, inter) or not out.is_contiguous() or out.dtype != gate_up.dtype:
         raise ValueError(f"out must be contiguous [{T}, {inter}] of dtype {gate_up.dtype}")
     width = slice_width(sums, T, inter)
+    check_extra(extra, gate_up, "gate_up")
+    if extra is not None and not extra.is_contiguous():
+        raise ValueError("extra must be contiguous")
     if T == 0:
         return
     block = max(min(1024, next_pow2(inter)), width)
-    pdl = pdl_enabled(gate_up.device)
+    pdl = pdl_enabled(gate_up.device) and extra is None      # after a join of two streams: a plain launch
     _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, sums if sums is not None else out, inter, BLOCK=block,
-                                              num_warps=4, SUMS=width, **launch_args(pdl))
+                                              num_warps=4, SUMS=width,
+                                              extra_ptr=extra if extra is not None else gate_up,
+                                              EXTRA=extra is not None, **launch_args(pdl))

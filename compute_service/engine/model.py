@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_service.engine.attention import StepMetadata, paged_attention
+from compute_service.engine.graph_capture import in_graph_forward
 from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
@@ -26,6 +27,9 @@ from compute_service.engine.spec import ModelSpec
 # launches (H200, 8B shape, batch 1, rank-16 all-module adapter: GPU step 5.72 ms beside, 5.37 after;
 # at batch 8, on the library GEMM, 6.27 beside against 6.47 after).
 LORA_OVERLAP_TOKENS = 16
+# A layer's delta not yet added to the residual stream h: the down projection's output, and its LoRA delta
+# where that is still to be added too (`LlamaModel._project`'s extra), else None.
+Pending = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
 @dataclass
@@ -142,7 +146,7 @@ class LlamaModel:
         h = self.weights.embed[input_ids]                                     # [T, H] residual stream
         t = h.shape[0]
         x = torch.empty_like(h)
-        pending: torch.Tensor | None = None                                   # delta not yet added to h
+        pending: Pending | None = None                                        # delta not yet added to h
         for i in range(len(self.weights.layers)):
             q = torch.empty(t, spec.num_heads, spec.head_dim, dtype=h.dtype, device=h.device)
             self.attention_in(i, pending, h, x, positions, meta.slot_mapping, kv_caches, q, lora)
@@ -152,7 +156,7 @@ class LlamaModel:
         self.final_norm(pending, h, out)
         return out
 
-    def attention_in(self, i: int, pending: torch.Tensor | None, h: torch.Tensor, x: torch.Tensor,
+    def attention_in(self, i: int, pending: Pending | None, h: torch.Tensor, x: torch.Tensor,
                      positions: torch.Tensor, slot_mapping: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], q: torch.Tensor,
                      lora: LoraBackend | None) -> None:
@@ -166,27 +170,31 @@ class LlamaModel:
         if pending is None:
             add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x, sums=sums)
         else:
-            self._add_norm(pending, h, lw.input_norm, x, 1, sums)
-        qkv = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums)
+            self._add_norm(pending[0], h, lw.input_norm, x, 1, sums, pending[1])
+        qkv, extra = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums,
+                                   defer=True)
         k_cache, v_cache = kv_caches[i]
-        rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache)
+        rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache, extra)
 
     def attention_out_mlp(self, i: int, attn: torch.Tensor, h: torch.Tensor, x: torch.Tensor,
-                          lora: LoraBackend | None) -> torch.Tensor:
+                          lora: LoraBackend | None) -> Pending:
         """Layer i after its attention (attn [T, q]): h += o; x = norm(h); returns the MLP's delta
         (added to h by the next layer's `attention_in` or by `final_norm`; under tensor parallelism
-        this rank's partial delta, summed over the ranks there)."""
+        this rank's partial delta, summed over the ranks there), with its LoRA delta where that is
+        still to be added (`_project`'s extra)."""
         from kernels.silu_mul import silu_mul
 
         spec, lw = self.spec, self.weights.layers[i]
-        o = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size])
+        local = self.reduce_add_norm is None         # o's and down's outputs reach a kernel of this rank
+        o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local)
         sums = self._norm_sums(lw.gate_up, x)
-        self._add_norm(o, h, lw.post_norm, x, 0, sums)                       # h += o; x = norm(h)
-        gate_up = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums)
+        self._add_norm(o, h, lw.post_norm, x, 0, sums, extra)                # h += o; x = norm(h)
+        gate_up, extra = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums,
+                                       defer=True)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         sums = self._x_sums(lw.down, act)
-        silu_mul(gate_up, act, sums)
-        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums)
+        silu_mul(gate_up, act, sums, extra)
+        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local)
 
     def _x_sums(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
         """A buffer for the slice sums of x ([T, K]) that `linear` reads on its quantized pair-codes path
@@ -203,25 +211,31 @@ class LlamaModel:
         return None if self.reduce_add_norm is not None else self._x_sums(linear, x)
 
     def _add_norm(self, delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                  slot: int, sums: torch.Tensor | None = None) -> None:
-        """h += delta (summed over the ranks under tensor parallelism); out = norm(h) * weight, and `sums` (if
-        any) out's slice sums (`kernels.rms_norm.add_rms_norm`)."""
+                  slot: int, sums: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> None:
+        """h += delta + extra (delta summed over the ranks under tensor parallelism, where there is no extra);
+        out = norm(h) * weight, and `sums` (if any) out's slice sums (`kernels.rms_norm.add_rms_norm`)."""
         from kernels.rms_norm import add_rms_norm
 
         if self.reduce_add_norm is not None:
             assert sums is None, "the all-reduce + norm writes no slice sums"
+            assert extra is None, "under tensor parallelism a LoRA delta is added before the all-reduce"
             self.reduce_add_norm(delta, h, weight, self.spec.rms_norm_eps, out, slot)
             return
-        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h, sums)
+        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h, sums, extra)
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
-                 widths: list[int], x_sums: torch.Tensor | None = None) -> torch.Tensor:
-        """linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices' columns); `x_sums`:
-        x's slice sums where `linear` reads them (`_x_sums`), written with x.
+                 widths: list[int], x_sums: torch.Tensor | None = None,
+                 defer: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, extra): y = linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices'
+        columns), or, where `defer` and the delta is still to be added, y without it and the delta as extra
+        (y's dtype and shape) for the kernel that reads y next to add (`kernels.addend.with_extra`); else extra
+        is None. `x_sums`: x's slice sums where `linear` reads them (`_x_sums`), written with x.
 
-        While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens) is captured, the LoRA runs on a
-        side stream into a zeroed buffer concurrently with the base projection and is added after both:
-        there the LoRA kernels are bound by latency, not bytes, and the base matmul hides them.
+        While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens) is captured (and in the forwards
+        that stand for one: `graph_capture.in_graph_forward`), the LoRA runs on a side stream into a zeroed
+        buffer concurrently with the base projection and is added after both (by the next kernel, `defer`, or
+        by an add of its own): there the LoRA kernels are bound by latency, not bytes, and the base matmul
+        hides them.
         A step of one token whose projection runs a one-row kernel (`takes_addend`) launches the LoRA first,
         into float32 zeros (`_lora_delta`; backends that say `delta_first`: they always launch a kernel for
         a float32 output), and the kernel adds it: that kernel reads x and its whole
@@ -234,15 +248,14 @@ class LlamaModel:
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-            return linear(x, addend=delta)
+            return linear(x, addend=delta), None
         side = self._lora_stream
         kw = {} if x_sums is None else {"x_sums": x_sums}
-        if lora is None or side is None or not 1 < x.shape[0] <= LORA_OVERLAP_TOKENS \
-                or not torch.cuda.is_current_stream_capturing():
+        if lora is None or side is None or not 1 < x.shape[0] <= LORA_OVERLAP_TOKENS or not in_graph_forward():
             y = linear(x, **kw)
             if lora is not None:
                 lora.apply(i, group, x, list(y.split(widths, dim=-1)))
-            return y
+            return y, None
         main = torch.cuda.current_stream()
         delta = torch.empty(x.shape[0], sum(widths), dtype=x.dtype, device=x.device)   # main stream's memory
         side.wait_stream(main)
@@ -251,17 +264,19 @@ class LlamaModel:
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
         y = linear(x, **kw)
         main.wait_stream(side)
+        if defer:
+            return y, delta
         y.add_(delta)
-        return y
+        return y, None
 
-    def final_norm(self, pending: torch.Tensor | None, h: torch.Tensor, out: torch.Tensor) -> None:
+    def final_norm(self, pending: Pending | None, h: torch.Tensor, out: torch.Tensor) -> None:
         """out = norm(h + pending) (h updated in place), or norm(h) for a model with no layers."""
         from kernels.rms_norm import add_rms_norm
 
         if pending is None:
             add_rms_norm(h, None, self.weights.norm, self.spec.rms_norm_eps, out)
         else:
-            self._add_norm(pending, h, self.weights.norm, out, 1)
+            self._add_norm(pending[0], h, self.weights.norm, out, 1, extra=pending[1])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
