@@ -25,11 +25,28 @@ from compute_service.engine.spec import ModelSpec
 # one token runs it after the projection: its base matmul is the one-row GEMV (`linear.dense_linear`),
 # which keeps every SM reading weights, and a LoRA beside it only adds the side stream's zero and add
 # launches (H200, 8B shape, batch 1, rank-16 all-module adapter: GPU step 5.72 ms beside, 5.37 after;
-# at batch 8, on the library GEMM, 6.27 beside against 6.47 after).
+# at batch 8, on the library GEMM, 6.27 beside against 6.47 after). LORAPLEX_LORA_OVERLAP_TOKENS sets another
+# bound (tuning: above 16 tokens the LoRA is a shrink and an expand launch, not measured beside the base).
 LORA_OVERLAP_TOKENS = 16
+OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
 # A layer's delta not yet added to the residual stream h: the down projection's output, and its LoRA delta
 # where that is still to be added too (`LlamaModel._project`'s extra), else None.
 Pending = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def overlap_tokens() -> int:
+    """The most tokens a captured step runs its LoRA beside the base projection at: LORA_OVERLAP_TOKENS, or
+    LORAPLEX_LORA_OVERLAP_TOKENS (2 or more; 1 turns the overlap off, as LORAPLEX_LORA_OVERLAP=0 does)."""
+    raw = os.environ.get(OVERLAP_TOKENS_ENV, "").strip()
+    if not raw:
+        return LORA_OVERLAP_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{OVERLAP_TOKENS_ENV} must be a whole number of tokens, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{OVERLAP_TOKENS_ENV} must be at least 1, got {value}")
+    return value
 
 
 @dataclass
@@ -81,6 +98,7 @@ class LlamaModel:
         # Side stream for LoRA overlapped with the base projections in captured graphs (`_project`).
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
+        self._overlap_tokens = overlap_tokens()
         # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
         # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
@@ -231,7 +249,7 @@ class LlamaModel:
         (y's dtype and shape) for the kernel that reads y next to add (`kernels.addend.with_extra`); else extra
         is None. `x_sums`: x's slice sums where `linear` reads them (`_x_sums`), written with x.
 
-        While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens) is captured (and in the forwards
+        While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens, `overlap_tokens`) is captured (and in the forwards
         that stand for one: `graph_capture.in_graph_forward`), the LoRA runs on a side stream into a zeroed
         buffer concurrently with the base projection and is added after both (by the next kernel, `defer`, or
         by an add of its own): there the LoRA kernels are bound by latency, not bytes, and the base matmul
@@ -251,7 +269,7 @@ class LlamaModel:
             return linear(x, addend=delta), None
         side = self._lora_stream
         kw = {} if x_sums is None else {"x_sums": x_sums}
-        if lora is None or side is None or not 1 < x.shape[0] <= LORA_OVERLAP_TOKENS or not in_graph_forward():
+        if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():
             y = linear(x, **kw)
             if lora is not None:
                 lora.apply(i, group, x, list(y.split(widths, dim=-1)))

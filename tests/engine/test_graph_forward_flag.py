@@ -1,5 +1,6 @@
 """`graph_capture.graph_forward`: the forwards that stand for a captured graph (the capture's warm run, the
-warm-up's decode forwards) take the graph's paths on this thread only, and the flag is restored after."""
+warm-up's decode forwards) take the graph's paths on this thread only, and the flag is restored after; the
+bound on the token count of those paths' LoRA overlap (`model.overlap_tokens`)."""
 from __future__ import annotations
 
 import threading
@@ -25,3 +26,16 @@ def test_graph_forward_is_per_thread_and_restored():
         with graph_forward():
             raise RuntimeError("a failed forward")
     assert not in_graph_forward()
+
+
+def test_overlap_tokens_default_and_setting(monkeypatch):
+    from compute_service.engine.model import LORA_OVERLAP_TOKENS, OVERLAP_TOKENS_ENV, overlap_tokens
+
+    monkeypatch.delenv(OVERLAP_TOKENS_ENV, raising=False)
+    assert overlap_tokens() == LORA_OVERLAP_TOKENS == 16
+    monkeypatch.setenv(OVERLAP_TOKENS_ENV, "64")
+    assert overlap_tokens() == 64
+    for bad in ("0", "many"):
+        monkeypatch.setenv(OVERLAP_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=OVERLAP_TOKENS_ENV):
+            overlap_tokens()
