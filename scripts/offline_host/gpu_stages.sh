@@ -21,6 +21,9 @@
 #                    TMA-read kernel (kernels/quant_gemv_tma.py) over programs, splits, stages (~3 minutes)
 #   tma-decode       bench/quant_decode.py --batches 1 with LORAPLEX_H2_TMA unset, then set to each of
 #                    $TMA_VARIANTS (default "4 4,1"): the engine at batch 1 on either one-row kernel
+#   overlap-tokens   bench/quant_decode.py at batches $BATCHES (default 32,64) with LORAPLEX_LORA_OVERLAP_TOKENS
+#                    unset (16), then set to each of $OVERLAP_VARIANTS (default 64): the LoRA of 17-64 tokens
+#                    beside the base projection in the decode graphs, or after it (~4 minutes)
 #   tma-checks       the GPU tests of the TMA-read one-row kernel, in the kernels and in the engine (~1 minute;
 #                    suite-rest runs them too)
 #   compile-pool-specs  tests/compute_service/test_compile_pool.py's cold start once, then the LoRA kernels'
@@ -113,6 +116,12 @@ case "$stage" in
     for v in "" ${TMA_VARIANTS:-4 4,1}; do
       LORAPLEX_H2_TMA="$v" timeout 200 python3 bench/quant_decode.py --commit "$commit${v:+ LORAPLEX_H2_TMA=$v}" \
         --batches 1 --out "$out/quant_decode_tma${v:+_$v}.json" 2>&1 | tail -12 | tee -a "$out/$stage.log"
+    done ;;
+  overlap-tokens)
+    for v in "" ${OVERLAP_VARIANTS:-64}; do
+      LORAPLEX_LORA_OVERLAP_TOKENS="$v" timeout 280 python3 bench/quant_decode.py \
+        --commit "$commit${v:+ LORAPLEX_LORA_OVERLAP_TOKENS=$v}" --batches "${BATCHES:-32,64}" \
+        --out "$out/quant_decode_overlap${v:+_$v}.json" 2>&1 | tail -12 | tee -a "$out/$stage.log"
     done ;;
   tma-checks)
     # the GPU tests of the TMA-read one-row kernel (kernels and engine) and of the shared mid-sized model
