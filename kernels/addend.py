@@ -32,9 +32,12 @@ def with_extra(x, ptrs, mask, EXTRA: tl.constexpr):
     return x
 
 
-def check_extra(extra: torch.Tensor | None, like: torch.Tensor, name: str) -> None:
-    """`extra` (if any) must be shaped and typed like `like` (the output it is added to), rows contiguous."""
+def check_extra(extra: torch.Tensor | None, like: torch.Tensor, name: str, contiguous: bool = False) -> None:
+    """`extra` (if any) must be shaped and typed like `like` (the output it is added to), rows contiguous, and
+    with `contiguous` (a kernel that indexes it as `like`'s rows, t * width) contiguous as a whole."""
     if extra is not None and (extra.shape != like.shape or extra.dtype != like.dtype or extra.stride(-1) != 1
                               or extra.device != like.device):
         raise ValueError(f"extra must be {like.dtype} {tuple(like.shape)} on {like.device} with contiguous rows "
                          f"like {name}, got {extra.dtype} {tuple(extra.shape)}")
+    if contiguous and extra is not None and not extra.is_contiguous():
+        raise ValueError("extra must be contiguous")

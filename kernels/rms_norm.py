@@ -71,9 +71,7 @@ def add_rms_norm(
                 or not residual.is_contiguous() or not residual_out.is_contiguous() or residual.dtype != x.dtype:
             raise ValueError("residual and residual_out must be contiguous tensors like x")
     width = slice_width(sums, T, H)
-    check_extra(extra, x, "x")
-    if extra is not None and not extra.is_contiguous():
-        raise ValueError("extra must be contiguous")
+    check_extra(extra, x, "x", contiguous=True)
     if T == 0:
         return
     # After a join of two streams (the extra's LoRA ran beside the projection that wrote x) a plain launch:

@@ -45,9 +45,7 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
     if out.shape != (T, inter) or not out.is_contiguous() or out.dtype != gate_up.dtype:
         raise ValueError(f"out must be contiguous [{T}, {inter}] of dtype {gate_up.dtype}")
     width = slice_width(sums, T, inter)
-    check_extra(extra, gate_up, "gate_up")
-    if extra is not None and not extra.is_contiguous():
-        raise ValueError("extra must be contiguous")
+    check_extra(extra, gate_up, "gate_up", contiguous=True)
     if T == 0:
         return
     block = max(min(1024, next_pow2(inter)), width)

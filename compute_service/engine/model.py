@@ -249,11 +249,11 @@ class LlamaModel:
         (y's dtype and shape) for the kernel that reads y next to add (`kernels.addend.with_extra`); else extra
         is None. `x_sums`: x's slice sums where `linear` reads them (`_x_sums`), written with x.
 
-        While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens, `overlap_tokens`) is captured (and in the forwards
-        that stand for one: `graph_capture.in_graph_forward`), the LoRA runs on a side stream into a zeroed
-        buffer concurrently with the base projection and is added after both (by the next kernel, `defer`, or
-        by an add of its own): there the LoRA kernels are bound by latency, not bytes, and the base matmul
-        hides them.
+        While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens, `overlap_tokens`) is captured (and
+        in the forwards that stand for one: `graph_capture.in_graph_forward`), the LoRA runs on a side stream
+        into a zeroed buffer concurrently with the base projection and is added after both (by the next kernel,
+        `defer`, or by an add of its own): there the LoRA kernels are bound by latency, not bytes, and the base
+        matmul hides them.
         A step of one token whose projection runs a one-row kernel (`takes_addend`) launches the LoRA first,
         into float32 zeros (`_lora_delta`; backends that say `delta_first`: they always launch a kernel for
         a float32 output), and the kernel adds it: that kernel reads x and its whole
