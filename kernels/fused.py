@@ -44,12 +44,6 @@ FUSED_MAX_TOKENS = 16
 COUNTERS = 1 << 16         # counters in a default workspace (8 per token tile)
 # Column groups of a one-token launch that writes a float32 delta (the one-row base kernel runs beside it).
 DELTA_MAX_GROUPS = 48
-# Registers a 4-warp launch into a 16-bit y in a pool of ranks above one block may hold: three programs an SM,
-# as the one-block kernel (140-155 on sm_90) gets; its loop over further blocks would take 152-192 (two an SM
-# at 3 and 2 slices), and at 168 that code has no spills (scripts/kernel_sass.py, Triton 3.6). A float32 y (the
-# one-token delta) is left unbounded: 203 registers at 3 slices, 24 B of spills at 168, and at one token a pool
-# of 256 costs what a pool of 64 does (bench/results/lora_rank_pad.json).
-BLOCKS_MAXNREG = 168
 
 
 @triton.jit
@@ -343,9 +337,6 @@ def lora_fused_triton(
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
     grid = (num_slices * cfg["SPLIT_K"] + num_groups, tiles)
     pdl = bool(cfg.get("PDL", pdl_enabled(x.device)))
-    one_block = r_pad <= cfg["BLOCK_R"]
-    bound = ({"maxnreg": BLOCKS_MAXNREG} if not one_block and cfg["num_warps"] == 4 and y.dtype == pool.dtype
-             and pool.dtype != torch.float32 and x.is_cuda else {})
     _fused_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.b_offsets, tables.ranks, y, y.stride(0),
         sums, sums.stride(0), counters,
@@ -355,7 +346,7 @@ def lora_fused_triton(
         NUM_SLICES=num_slices, BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
-        IEEE=pool.dtype == torch.float32, SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), ONE_BLOCK=one_block,
+        IEEE=pool.dtype == torch.float32, SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), ONE_BLOCK=r_pad <= cfg["BLOCK_R"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_args(pdl), **bound,
+        **launch_args(pdl),
     )
