@@ -1,7 +1,7 @@
 """One way to capture a CUDA graph: a warm run on a side stream, then a thread-local capture.
 
 Both runs are graph forwards (`in_graph_forward`): the model takes the paths it takes in a graph (the LoRA
-of 2-16 tokens beside the base projection, its delta added by the next kernel) in the warm run as well, so
+of 2-64 tokens beside the base projection, its delta added by the next kernel) in the warm run as well, so
 every Triton program the capture launches was compiled before it. The warm-up's decode forwards run as
 graph forwards too (`graph_forward`), so that they compile those programs with the others.
 """

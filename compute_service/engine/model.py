@@ -22,12 +22,13 @@ from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
 
 # Steps of 2 to this many tokens run their LoRA beside the base projection inside CUDA graphs. A step of
-# one token runs it after the projection: its base matmul is the one-row GEMV (`linear.dense_linear`),
-# which keeps every SM reading weights, and a LoRA beside it only adds the side stream's zero and add
-# launches (H200, 8B shape, batch 1, rank-16 all-module adapter: GPU step 5.72 ms beside, 5.37 after;
-# at batch 8, on the library GEMM, 6.27 beside against 6.47 after). LORAPLEX_LORA_OVERLAP_TOKENS sets another
-# bound (tuning: above 16 tokens the LoRA is a shrink and an expand launch, not measured beside the base).
-LORA_OVERLAP_TOKENS = 16
+# one token runs it first instead (`_project`): its base matmul is a one-row kernel that keeps every SM reading
+# weights, and adds the delta. At batch 8, on the library GEMM, 6.27 ms beside against 6.47 after (H200, 8B
+# shape, rank-16 all-module adapters); at 32 / 64 tokens (a shrink and an expand launch) 4.87 / 6.95 ms beside
+# against 5.32 / 7.05 after on the 4-bit base, 6.36 / 7.66 against 6.64 / 7.86 in bf16, so the bound is 64, the
+# largest decode batch the benchmarks ran (bench/results/quant_decode_overlap_tokens.json).
+# LORAPLEX_LORA_OVERLAP_TOKENS sets another bound (tuning).
+LORA_OVERLAP_TOKENS = 64
 OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
 # A layer's delta not yet added to the residual stream h: the down projection's output, and its LoRA delta
 # where that is still to be added too (`LlamaModel._project`'s extra), else None.

@@ -32,9 +32,9 @@ def test_overlap_tokens_default_and_setting(monkeypatch):
     from compute_service.engine.model import LORA_OVERLAP_TOKENS, OVERLAP_TOKENS_ENV, overlap_tokens
 
     monkeypatch.delenv(OVERLAP_TOKENS_ENV, raising=False)
-    assert overlap_tokens() == LORA_OVERLAP_TOKENS == 16
-    monkeypatch.setenv(OVERLAP_TOKENS_ENV, "64")
-    assert overlap_tokens() == 64
+    assert overlap_tokens() == LORA_OVERLAP_TOKENS == 64
+    monkeypatch.setenv(OVERLAP_TOKENS_ENV, "16")
+    assert overlap_tokens() == 16
     for bad in ("0", "many"):
         monkeypatch.setenv(OVERLAP_TOKENS_ENV, bad)
         with pytest.raises(ValueError, match=OVERLAP_TOKENS_ENV):
