@@ -53,6 +53,8 @@
 #                    model reads the default model's tokenizer: install the default model first (on an
 #                    offline host, its two halves, as for suite-rest). QUANT_GROUP=32 in the environment:
 #                    the 4-bit side in groups of 32 (serve_load_8b_w4g32.json; the bf16 side's name as before)
+#                    MAX_LORA_RANK=256: both sides with the pool of a server's default largest rank instead of the
+#                    adapters' (64); the JSONs' names end in _r256
 set -u
 stage=${1:?stage}; commit=${2:?commit}; out=${3:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -98,12 +100,13 @@ case "$stage" in
       2>&1 | tail -30 | tee "$out/quant_decode.log" ;;
   serve-8b-w4)
     common="--make-random-model /tmp/llama8b --shape 8b --lora-root /tmp/lora8b --num-adapters 32 --arrivals burst
-            --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 --commit $commit"
-    w4=serve_load_8b_w4${QUANT_GROUP:+g$QUANT_GROUP}
+            --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 --commit $commit
+            ${MAX_LORA_RANK:+--max-lora-rank $MAX_LORA_RANK}"
+    w4=serve_load_8b_w4${QUANT_GROUP:+g$QUANT_GROUP}${MAX_LORA_RANK:+_r$MAX_LORA_RANK}
     python3 bench/serve_load.py $common --quantize-bits 4 ${QUANT_GROUP:+--quantize-group-size $QUANT_GROUP} \
       --out "$out/$w4.json" --plot "$out/$w4.png" > "$out/serve_8b_w4.log" 2>&1
-    python3 bench/serve_load.py $common --out "$out/serve_load_8b_w4_bf16.json" \
-      --plot "$out/serve_load_8b_w4_bf16.png" > "$out/serve_8b_bf16.log" 2>&1
+    bf=serve_load_8b_w4_bf16${MAX_LORA_RANK:+_r$MAX_LORA_RANK}
+    python3 bench/serve_load.py $common --out "$out/$bf.json" --plot "$out/$bf.png" > "$out/serve_8b_bf16.log" 2>&1
     tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
   gemv-sweep)
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
