@@ -1,6 +1,7 @@
 """Compiles a Triton kernel for a GPU architecture on a machine without one and reports its machine code:
-registers, spills, instruction mix, and per loop the instruction count, the global loads the loop waits
-for in the same iteration they are requested in (a prefetch that does not hide latency), and its barriers
+registers, spills, the launch's shared memory and how many programs fit an SM by each, the instruction mix,
+and per loop the instruction count, the global loads the loop waits for in the same iteration they are
+requested in (a prefetch that does not hide latency), and its barriers
 and shared-memory stores and loads (a value moved between two layouts goes through shared memory behind
 barriers, which hold the program's warps together; the compiler inserts such moves where a value is
 produced in one layout and used in another, e.g. a [BN] load used across a [BN, K] tile).
@@ -142,7 +143,25 @@ def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def report(compiled, dump: Path | None) -> str:
+# Per SM: (shared memory a GPU of this compute capability gives its programs in all, bytes). Every program also
+# takes 1 KiB the system reserves; registers are 64K 32-bit a SM, allocated per warp in units of 256; at most
+# 2048 threads and 32 programs a SM.
+SHARED_PER_SM = {80: 167936, 86: 102400, 87: 167936, 89: 102400, 90: 233472, 100: 233472, 120: 102400}
+RESERVED_SHARED = 1024
+REGISTERS_PER_SM = 65536
+
+
+def programs_per_sm(registers: int, shared: int, warps: int, arch: int) -> tuple[int, int | None]:
+    """How many programs of `warps` warps fit on one SM by their registers (a thread's count) and threads, and
+    by their shared memory (bytes a program; None for an architecture not in SHARED_PER_SM)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = min(REGISTERS_PER_SM // (per_warp * warps), 2048 // (32 * warps), 32)
+    total = SHARED_PER_SM.get(arch)
+    by_shared = None if total is None else min(total // (shared + RESERVED_SHARED), 32)
+    return by_registers, by_shared
+
+
+def report(compiled, dump: Path | None, warps: int = 4, arch: int = 90) -> str:
     import triton
 
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -160,8 +179,13 @@ def report(compiled, dump: Path | None) -> str:
         (dump / "kernel.sass").write_text(sass)
     code = parse_sass(sass)
     res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
-    out = [f"registers {res.group(1)}, stack (spills) {res.group(2)} B, shared {res.group(3)} B" if res else usage,
-           f"instructions {len(code)}: {mix(code)}"]
+    out = [f"registers {res.group(1)}, stack (spills) {res.group(2)} B, shared {res.group(3)} B" if res else usage]
+    shared = compiled.metadata.shared         # what a launch asks for: the static part and the pipeline's buffers
+    if res:
+        by_registers, by_shared = programs_per_sm(int(res.group(1)), shared, warps, arch)
+        out.append(f"launch shared memory {shared} B; programs an SM: {by_registers} by registers and threads"
+                   + ("" if by_shared is None else f", {by_shared} by shared memory"))
+    out.append(f"instructions {len(code)}: {mix(code)}")
     for first, last in loops(code):
         body = code[first:last + 1]
         hits, loads, in_flight = waits(body)
@@ -197,7 +221,7 @@ def main() -> None:
                               args.maxnreg, args.arch, dict(d.split("=", 1) for d in args.desc))
     if defaults:
         print("constexpr defaults taken: " + " ".join(f"{k}={v}" for k, v in defaults.items()))
-    print(report(compiled, args.dump))
+    print(report(compiled, args.dump, args.warps, args.arch))
 
 
 if __name__ == "__main__":

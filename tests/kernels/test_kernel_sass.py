@@ -73,3 +73,27 @@ def test_a_reduction_across_warps_shows_barriers_and_shared_traffic_in_the_loop(
     for kernel, *consts in (("tile_sums_each_step", "AXIS=1"), ("sum_as_loaded",)):
         loops = shared_lines(report(kernel, *consts))
         assert loops and all(n == (0, 0, 0) for n in loops), (kernel, loops)
+
+
+def test_programs_an_sm_by_registers_threads_and_shared_memory():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from kernel_sass import programs_per_sm
+
+    # sm_90, 4 warps: 168 registers (5376 a warp) give 3 programs, 176 (5632) only 2; 114688 B of shared memory
+    # (+1 KiB reserved) 2 of 228 KiB, 73728 B 3
+    assert programs_per_sm(168, 73728, 4, 90) == (3, 3)
+    assert programs_per_sm(176, 114688, 4, 90) == (2, 2)
+    assert programs_per_sm(161, 0, 4, 90) == (3, 32)          # registers round up to 8 a thread: 168
+    assert programs_per_sm(32, 0, 4, 90)[0] == 16               # threads: 2048 an SM
+    assert programs_per_sm(128, 65536, 4, 75)[1] is None        # shared memory of an unlisted architecture
+
+
+def test_the_launch_shared_memory_of_a_pipelined_loop_and_programs_an_sm():
+    plain = re.search(r"launch shared memory (\d+) B; programs an SM: (\d+) by registers and threads, (\d+) by "
+                      r"shared memory", report("sum_as_loaded"))
+    piped = re.search(r"launch shared memory (\d+) B; programs an SM: (\d+) by registers and threads, (\d+) by "
+                      r"shared memory", report("sum_pipelined"))
+    assert plain and piped
+    assert int(piped.group(1)) > int(plain.group(1))            # the pipeline's stages are buffers in shared memory
+    for m in (plain, piped):                                     # 228 KiB an SM on sm_90, 1 KiB reserved each
+        assert int(m.group(3)) == min(233472 // (int(m.group(1)) + 1024), 32), m.group(0)
