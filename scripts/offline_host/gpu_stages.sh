@@ -31,7 +31,8 @@
 #                    beside the pool's (the test itself names a program looked up that the pool was not handed;
 #                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
-#                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host)
+#                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host); ROWS=64
+#                    (2-64): the tensor-core tile kernel at that many rows instead (quant_gemv_stalls_rows64.json)
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
 #                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
@@ -174,7 +175,8 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4.json" 2>&1 | tail -60 | tee "$out/$stage.log"
     bash "$0" gemv-stalls "$commit" "$out" ;;
   gemv-stalls)
-    python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" \
-      --out "$out/quant_gemv_stalls.json" --raw /tmp/quant_gemv_stalls_raw 2>&1 | tee "$out/gemv_stalls.log" ;;
+    python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
+      --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
+      | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
