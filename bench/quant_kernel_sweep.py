@@ -12,9 +12,10 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     python3 bench/quant_kernel_sweep.py --out big.json --only 8b --rows 96,128,192,256   # where dense takes over
     python3 bench/quant_kernel_sweep.py --out g32.json --only 8b --group-size 32     # an 8B's Q4_0 / Q4_K GGUF
     python3 bench/quant_kernel_sweep.py --out tma.json --only 8b --rows 1 --tma   # the TMA-read one-row kernel
+    python3 bench/quant_kernel_sweep.py --out tt.json --only 8b --rows 32,64,128 --tma   # the TMA-read tiles
 
 Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages], then 1 for whole rows a
-thread, or 0, tma_stages, scales_ahead for the TMA-read one-row kernel. Cases on the
+thread, or 0, tma_stages, scales_ahead for the TMA-read kernels. Cases on the
 pair-codes path (4 bits, groups of 128+, 2+ rows) also record `x_sums_us`: the launch that sums x per
 128-wide half on every call, alone (part of every pair-codes time here).
 """
@@ -91,6 +92,16 @@ def tma_configs(n: int, k: int, group: int) -> list[QuantMatmulConfig]:
         for st in (2, 3, 4) for a in (False, True)]
 
 
+def tile_tma_configs(t: int, n: int, k: int, group: int) -> list[QuantMatmulConfig]:
+    """2+ rows: pick_config's choice (the register-set tiles), then the tiles whose words are read by TMA a half block
+    a step (`kernels.quant_mma_tma`) at the same token tile, 64 features, splits 1-4, 2-5 stages (sm_90, 64 rows:
+    130 registers; 3 stages take 57.9 KB of shared memory, three programs an SM; 4 and 5 stages two;
+    scripts/kernel_sass.py)."""
+    picked = pick_config(t, n, k, 4, 132, group)
+    return [picked] + [QuantMatmulConfig(64, picked.block_m, s, tma_stages=st) for s in (1, 2, 4)
+                       for st in (2, 3, 4, 5)]
+
+
 def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
     """Warps per program and narrower tiles (latency-bound small weights)."""
     C = QuantMatmulConfig
@@ -159,8 +170,8 @@ def main() -> None:
     ap.add_argument("--picked-only", action="store_true", help="with --compare: time only pick_config's choice "
                     "(a quick before/after over many shapes and rows)")
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
-    ap.add_argument("--tma", action="store_true", help="one row: pick_config's choice against the TMA-read kernel's "
-                    "configs (`tma_configs`)")
+    ap.add_argument("--tma", action="store_true", help="pick_config's choice against the TMA-read kernels' configs: "
+                    "one row `tma_configs`, 2+ rows `tile_tma_configs`")
     ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
                     "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
     args = ap.parse_args()
@@ -209,7 +220,8 @@ def main() -> None:
                     r["old_err"] = ((oouts[0].float() - want).norm() / want.norm()).item()
                     r["old_us_first"] = graph_us(old_calls)
                 found = []
-                cfgs = (tma_configs(n, k, group) if args.tma and t == 1 else warps_configs(model, t) if args.warps
+                cfgs = (tma_configs(n, k, group) if args.tma and t == 1 else tile_tma_configs(t, n, k, group)
+                        if args.tma else warps_configs(model, t) if args.warps
                         else compare_configs(model, t, n, k, group) if old is not None else configs(model, t))
                 if args.picked_only:
                     cfgs = cfgs[:1] if old is not None else [pick_config(t, n, k, 4, 132, group)]

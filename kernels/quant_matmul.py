@@ -30,6 +30,7 @@ from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs
                                   pair_codes_layout, pick_config)
 from kernels.quant_gemv import quant_gemv_kernel
 from kernels.quant_gemv_tma import quant_gemv_tma_kernel
+from kernels.quant_mma_tma import quant_mma_tma_kernel
 from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
@@ -131,7 +132,7 @@ def quant_matmul(
         x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
         h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w) and fp16_pairs_enabled()
         stages, ahead = tma_override() or (cfg.tma_stages, cfg.scales_ahead)
-        if h2 and stages > 0 and (not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9):
+        if h2 and stages > 0 and _tma_capable(x):
             quant_gemv_tma_kernel[grid](x, _words_desc(w, cfg.block_n), w.words, *buffers[2:],
                                         addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                         BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
@@ -145,6 +146,13 @@ def quant_matmul(
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
                                 EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
+    elif pairs and paired and cfg.tma_stages > 0 and _tma_capable(x):      # the words by TMA, a half block a step
+        quant_mma_tma_kernel[grid](x, _words_desc(w, cfg.block_n, 16), *buffers[1:], x_sums, K // 128, *sizes,
+                                   GROUP=w.group_size, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1,
+                                   HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=asm,
+                                   NUM_THREADS=32 * cfg.num_warps, ASM=asm,
+                                   SCALE_WORDS=N % 2 == 0 and w.scales.data_ptr() % 4 == 0, STAGES=cfg.tma_stages,
+                                   num_warps=cfg.num_warps, **pdl)
     else:
         quant_mma_kernel[grid](*buffers, x_sums, K // (128 if paired else 32), *sizes, GROUP=w.group_size, BITS=w.bits,
                                BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
@@ -186,10 +194,15 @@ def tma_override() -> tuple[int, bool] | None:
     return stages, ahead
 
 
-def _words_desc(w: PackedQuantWeight, block_n: int) -> TensorDescriptor:
-    """The words' TMA descriptor with [block_n, 32] boxes (one block of block_n rows; made per call, a few host
-    microseconds, so that no cache holds weights alive)."""
-    return TensorDescriptor.from_tensor(w.words, [block_n, 32])
+def _tma_capable(x: torch.Tensor) -> bool:
+    """Whether x's device reads by TMA (sm_90 and later; the interpreter emulates it on the CPU)."""
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _words_desc(w: PackedQuantWeight, block_n: int, width: int = 32) -> TensorDescriptor:
+    """The words' TMA descriptor with [block_n, width] boxes (a block of block_n rows, or with width 16 a half
+    block; made per call, a few host microseconds, so that no cache holds weights alive)."""
+    return TensorDescriptor.from_tensor(w.words, [block_n, width])
 
 
 def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:

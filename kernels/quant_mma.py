@@ -230,6 +230,16 @@ def quant_mma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lo
     if PAIRS:           # the offsets' part
         acc = _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
                             x_ptr.dtype.element_ty == tl.bfloat16, acc, 128 if PAIRED else 32)
+    store_tile(acc, offs_n, offs_m, n_mask, m_mask, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_m, pid_k,
+               split_k, T, N, stride_out, HAS_BIAS, SPLIT, FENCE, NUM_THREADS)
+
+
+@triton.jit
+def store_tile(acc, offs_n, offs_m, n_mask, m_mask, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_m, pid_k,
+               split_k, T, N, stride_out, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr,
+               NUM_THREADS: tl.constexpr):
+    """out[offs_m, offs_n] = acc.T (+ bias), or under split-K this program's partial, the tile's last program
+    summing them (`write_out`, the tile's counter in lock_ptr)."""
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0

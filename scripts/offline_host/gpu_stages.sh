@@ -21,6 +21,9 @@
 #                    TMA-read kernel (kernels/quant_gemv_tma.py) over programs, splits, stages (~3 minutes)
 #   tma-decode       bench/quant_decode.py --batches 1 with LORAPLEX_H2_TMA unset, then set to each of
 #                    $TMA_VARIANTS (default "4 4,1"): the engine at batch 1 on either one-row kernel
+#   tile-tma-sweep   bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 32,64,128) --tma: pick_config's
+#                    tiles against the tiles whose words are read by TMA a half block a step (kernels/quant_mma_tma.py,
+#                    splits 1-4, 2-5 stages; not picked by pick_config until this has run; ~2-3 minutes)
 #   overlap-tokens   bench/quant_decode.py at batches $BATCHES (default 32,64) with LORAPLEX_LORA_OVERLAP_TOKENS
 #                    unset (16), then set to each of $OVERLAP_VARIANTS (default 64): the LoRA of 17-64 tokens
 #                    beside the base projection in the decode graphs, or after it (~4 minutes)
@@ -112,6 +115,9 @@ case "$stage" in
   gemv-sweep)
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
       | cut -c1-150 | tee "$out/$stage.log" ;;
+  tile-tma-sweep)
+    python3 bench/quant_kernel_sweep.py --out "$out/quant_tile_tma_sweep.json" --only 8b --rows "${ROWS:-32,64,128}" \
+      --tma 2>&1 | cut -c1-220 | tee "$out/$stage.log" ;;
   tma-sweep)
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma \
       ${TMA_SHAPES:+--shapes $TMA_SHAPES} 2>&1 \
