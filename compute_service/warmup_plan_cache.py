@@ -78,9 +78,9 @@ def switch_names() -> tuple[str, ...]:
     """The environment switches that change which kernels a step launches."""
     from kernels.pdl import ENV as PDL_ENV
     from kernels.quant_h2 import ENV as FP16_PAIRS_ENV
-    from kernels.quant_matmul import TMA_ENV
+    from kernels.quant_matmul import TILE_TMA_ENV, TMA_ENV
 
-    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV)
+    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV)
 
 
 def switch_parts() -> str:

@@ -24,6 +24,9 @@
 #   tile-tma-sweep   bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 32,64,128) --tma: pick_config's
 #                    tiles against the tiles whose words are read by TMA a half block a step (kernels/quant_mma_tma.py,
 #                    splits 1-4, 2-5 stages; not picked by pick_config until this has run; ~2-3 minutes)
+#   tile-tma-decode  bench/quant_decode.py at batches $BATCHES (default 32,64) with LORAPLEX_TILE_TMA unset, then set to
+#                    each of $TILE_TMA_VARIANTS (default "3 4"): the engine on the register-set tiles or the TMA-read
+#                    ones (~3 minutes)
 #   overlap-tokens   bench/quant_decode.py at batches $BATCHES (default 32,64) with LORAPLEX_LORA_OVERLAP_TOKENS
 #                    unset (16), then set to each of $OVERLAP_VARIANTS (default 64): the LoRA of 17-64 tokens
 #                    beside the base projection in the decode graphs, or after it (~4 minutes)
@@ -132,6 +135,12 @@ case "$stage" in
       LORAPLEX_LORA_OVERLAP_TOKENS="$v" timeout 280 python3 bench/quant_decode.py \
         --commit "$commit${v:+ LORAPLEX_LORA_OVERLAP_TOKENS=$v}" --batches "${BATCHES:-32,64}" \
         --out "$out/quant_decode_overlap${v:+_$v}.json" 2>&1 | tail -12 | tee -a "$out/$stage.log"
+    done ;;
+  tile-tma-decode)
+    for v in "" ${TILE_TMA_VARIANTS:-3 4}; do
+      LORAPLEX_TILE_TMA="$v" timeout 200 python3 bench/quant_decode.py --commit "$commit${v:+ LORAPLEX_TILE_TMA=$v}" \
+        --batches "${BATCHES:-32,64}" --out "$out/quant_decode_tile_tma${v:+_$v}.json" 2>&1 | tail -12 \
+        | tee -a "$out/$stage.log"
     done ;;
   tma-checks)
     # the GPU tests of the TMA-read one-row kernel (kernels and engine) and of the shared mid-sized model

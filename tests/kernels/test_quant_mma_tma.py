@@ -21,7 +21,8 @@ def test_tma_tiles_match_reference(stages: int, T: int, N: int, K: int, group: i
 
 def test_a_tile_config_with_tma_stages_launches_the_tma_kernel(monkeypatch) -> None:
     """tma_stages > 0 on the pair-codes path launches `quant_mma_tma_kernel` with those stages; 0, or a layout
-    off that path (groups of 32), the register-set tiles."""
+    off that path (groups of 32), the register-set tiles; LORAPLEX_TILE_TMA overrides the config's stages (0: the
+    register-set tiles) on that path only, and bad values are refused with the variable's name."""
     import kernels.quant_matmul as qm
 
     launched = []
@@ -35,13 +36,25 @@ def test_a_tile_config_with_tma_stages_launches_the_tma_kernel(monkeypatch) -> N
 
     monkeypatch.setattr(qm, "quant_mma_tma_kernel", Recorder("tma"))
     monkeypatch.setattr(qm, "quant_mma_kernel", Recorder("tiles"))
-    for group, stages, want in ((128, 3, ("tma", 3)), (128, 0, ("tiles", None)), (32, 3, ("tiles", None))):
+    monkeypatch.delenv("LORAPLEX_TILE_TMA", raising=False)
+    cases = [(None, 128, 3, ("tma", 3)), (None, 128, 0, ("tiles", None)), (None, 32, 3, ("tiles", None)),
+             ("4", 128, 0, ("tma", 4)), ("4", 128, 2, ("tma", 4)), ("0", 128, 3, ("tiles", None)),
+             ("4", 32, 0, ("tiles", None))]
+    for env, group, stages, want in cases:
+        if env is None:
+            monkeypatch.delenv("LORAPLEX_TILE_TMA", raising=False)
+        else:
+            monkeypatch.setenv("LORAPLEX_TILE_TMA", env)
         launched.clear()
         try:
             check(8, 64, 512, 4, group, torch.bfloat16, False, QuantMatmulConfig(64, 16, 1, tma_stages=stages))
         except AssertionError:
             pass                                 # nothing ran: the output is left as it was
-        assert launched == [want], (group, stages, launched)
+        assert launched == [want], (env, group, stages, launched)
+    for bad in ("x", "1", "9"):
+        monkeypatch.setenv("LORAPLEX_TILE_TMA", bad)
+        with pytest.raises(ValueError, match="LORAPLEX_TILE_TMA"):
+            qm.tile_tma_override()
 
 
 @pytest.mark.gpu
