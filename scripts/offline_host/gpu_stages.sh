@@ -21,7 +21,7 @@
 #                    TMA-read kernel (kernels/quant_gemv_tma.py) over programs, splits, stages (~3 minutes)
 #   tma-decode       bench/quant_decode.py --batches 1 with LORAPLEX_H2_TMA unset, then set to each of
 #                    $TMA_VARIANTS (default "4 4,1"): the engine at batch 1 on either one-row kernel
-#   tile-tma-sweep   bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 32,64,128) --tma: pick_config's
+#   tile-tma-sweep   bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 16,32,64,128) --tma: pick_config's
 #                    tiles against the tiles whose words are read by TMA a half block a step (kernels/quant_mma_tma.py,
 #                    splits 1-4, 2-5 stages; not picked by pick_config until this has run; ~2-3 minutes)
 #   tile-tma-decode  bench/quant_decode.py at batches $BATCHES (default 32,64) with LORAPLEX_TILE_TMA unset, then set to
@@ -119,7 +119,7 @@ case "$stage" in
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
       | cut -c1-150 | tee "$out/$stage.log" ;;
   tile-tma-sweep)
-    python3 bench/quant_kernel_sweep.py --out "$out/quant_tile_tma_sweep.json" --only 8b --rows "${ROWS:-32,64,128}" \
+    python3 bench/quant_kernel_sweep.py --out "$out/quant_tile_tma_sweep.json" --only 8b --rows "${ROWS:-16,32,64,128}" \
       --tma 2>&1 | cut -c1-220 | tee "$out/$stage.log" ;;
   tma-sweep)
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma \
