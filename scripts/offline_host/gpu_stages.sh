@@ -119,8 +119,8 @@ case "$stage" in
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
       | cut -c1-150 | tee "$out/$stage.log" ;;
   tile-tma-sweep)
-    python3 bench/quant_kernel_sweep.py --out "$out/quant_tile_tma_sweep.json" --only 8b --rows "${ROWS:-16,32,64,128}" \
-      --tma 2>&1 | cut -c1-220 | tee "$out/$stage.log" ;;
+    python3 bench/quant_kernel_sweep.py --out "$out/quant_tile_tma_sweep.json" --only 8b --tma \
+      --rows "${ROWS:-16,32,64,128}" 2>&1 | cut -c1-220 | tee "$out/$stage.log" ;;
   tma-sweep)
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma \
       ${TMA_SHAPES:+--shapes $TMA_SHAPES} 2>&1 \
