@@ -1,6 +1,6 @@
 """The tensor-core pair-codes path with its words read by TMA, a half block a step (`kernels.quant_mma_tma`:
-`QuantMatmulConfig.tma_stages` with 2+ rows) against the fp32 dequantize-then-matmul reference: token and feature
-tiles with partial ones (TMA fills rows past N with zeros), split-K with odd block counts and a K of whole blocks
+`QuantMatmulConfig.tma_stages` with 2+ rows) against the fp32 dequantize-then-matmul reference: several token
+tiles, feature tiles with partial ones (TMA fills rows past N with zeros), split-K with odd block counts and a K of whole blocks
 plus a half (the last block's second half past K), groups of 128 and 256, a bias, both 16-bit dtypes; and which
 kernel a config launches."""
 import pytest
@@ -12,7 +12,7 @@ from test_quant_matmul import check
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("T,N,K,group,split,bm", [(5, 64, 512, 128, 1, 16), (20, 72, 1664, 128, 3, 32),
+@pytest.mark.parametrize("T,N,K,group,split,bm", [(5, 64, 512, 128, 1, 16), (40, 72, 1664, 128, 3, 16),
                                                   (33, 40, 768, 256, 2, 64)])
 def test_tma_tiles_match_reference(stages: int, T: int, N: int, K: int, group: int, split: int, bm: int) -> None:
     for dtype, bias in ((torch.bfloat16, True), (torch.float16, False)):
