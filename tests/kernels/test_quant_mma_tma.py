@@ -1,8 +1,8 @@
 """The tensor-core pair-codes path with its words read by TMA, a half block a step (`kernels.quant_mma_tma`:
 `QuantMatmulConfig.tma_stages` with 2+ rows) against the fp32 dequantize-then-matmul reference: several token
-tiles, feature tiles with partial ones (TMA fills rows past N with zeros), split-K with odd block counts and a K of whole blocks
-plus a half (the last block's second half past K), groups of 128 and 256, a bias, both 16-bit dtypes; and which
-kernel a config launches."""
+tiles, feature tiles with partial ones (TMA fills rows past N with zeros), split-K with odd block counts and a K
+of whole blocks plus a half (the last block's second half past K), groups of 128 and 256, a bias, both 16-bit
+dtypes; and which kernel a config launches."""
 import pytest
 import torch
 
