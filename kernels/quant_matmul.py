@@ -24,6 +24,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.env_switch import env_int
 from kernels.host_ints import cdiv
 from kernels.pdl import compiled, launch_args, pdl_enabled
 from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs_layout,  # noqa: F401
@@ -146,14 +147,16 @@ def quant_matmul(
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
                                 EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
-    elif pairs and paired and _tile_stages(cfg) > 0 and _tma_capable(x):    # the words by TMA, a half block a step
-        quant_mma_tma_kernel[grid](x, _words_desc(w, cfg.block_n, 16), *buffers[1:], x_sums, K // 128, *sizes,
-                                   GROUP=w.group_size, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1,
-                                   HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=asm,
-                                   NUM_THREADS=32 * cfg.num_warps, ASM=asm,
-                                   SCALE_WORDS=N % 2 == 0 and w.scales.data_ptr() % 4 == 0, STAGES=_tile_stages(cfg),
-                                   num_warps=cfg.num_warps, **pdl)
     else:
+        stages = _tile_stages(cfg) if pairs and paired else 0
+        if stages > 0 and _tma_capable(x):      # the words by TMA, a half block a step (`kernels.quant_mma_tma`)
+            quant_mma_tma_kernel[grid](x, _words_desc(w, cfg.block_n, 16), *buffers[1:], x_sums, K // 128, *sizes,
+                                       GROUP=w.group_size, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1,
+                                       HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=asm,
+                                       NUM_THREADS=32 * cfg.num_warps, ASM=asm,
+                                       SCALE_WORDS=N % 2 == 0 and w.scales.data_ptr() % 4 == 0, STAGES=stages,
+                                       num_warps=cfg.num_warps, **pdl)
+            return
         quant_mma_kernel[grid](*buffers, x_sums, K // (128 if paired else 32), *sizes, GROUP=w.group_size, BITS=w.bits,
                                BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
@@ -202,16 +205,7 @@ def tile_tma_override() -> int | None:
     tiles never ask for it); 0, the register-set tiles everywhere; 2-8, every pair-codes tile launch (2+ rows, 4
     bits in groups of 128+, 16-bit x) reads its words by TMA a half block a stage through that many stages
     (`kernels.quant_mma_tma`; sm_90+)."""
-    raw = os.environ.get(TILE_TMA_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        stages = int(raw)
-    except ValueError:
-        raise ValueError(f"{TILE_TMA_ENV} must be 0 or a number of stages 2-8, got {raw!r}") from None
-    if stages != 0 and not 2 <= stages <= 8:
-        raise ValueError(f"{TILE_TMA_ENV}: stages must be 0 (off) or 2-8, got {stages}")
-    return stages
+    return env_int(TILE_TMA_ENV, lambda v: v == 0 or 2 <= v <= 8, "0 (off) or a number of stages 2-8")
 
 
 def _tile_stages(cfg: QuantMatmulConfig) -> int:

@@ -20,6 +20,7 @@ from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
+from kernels.env_switch import env_int
 
 # Steps of 2 to this many tokens run their LoRA beside the base projection inside CUDA graphs. A step of
 # one token runs it first instead (`_project`): its base matmul is a one-row kernel that keeps every SM reading
@@ -38,16 +39,8 @@ Pending = tuple[torch.Tensor, "torch.Tensor | None"]
 def overlap_tokens() -> int:
     """The most tokens a captured step runs its LoRA beside the base projection at: LORA_OVERLAP_TOKENS, or
     LORAPLEX_LORA_OVERLAP_TOKENS (2 or more; 1 turns the overlap off, as LORAPLEX_LORA_OVERLAP=0 does)."""
-    raw = os.environ.get(OVERLAP_TOKENS_ENV, "").strip()
-    if not raw:
-        return LORA_OVERLAP_TOKENS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{OVERLAP_TOKENS_ENV} must be a whole number of tokens, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{OVERLAP_TOKENS_ENV} must be at least 1, got {value}")
-    return value
+    value = env_int(OVERLAP_TOKENS_ENV, lambda v: v >= 1, "a whole number of tokens, at least 1")
+    return LORA_OVERLAP_TOKENS if value is None else value
 
 
 @dataclass
