@@ -4,7 +4,7 @@
   `quant_split.write_out`): a one-token step's LoRA delta, written into zeros by the launch before them,
   added to the output before rounding and left zero for the next projection;
 - the 16-bit `extra` of the kernels that read a projection's output (`rope_cache`, `silu_mul`, `rms_norm`'s
-  residual add): a 2-16-token step's LoRA delta, computed on a side stream beside the projection, added to
+  residual add): a 2-64-token step's LoRA delta, computed on a side stream beside the projection, added to
   what they load as torch adds two 16-bit tensors, instead of a launch of its own between the two.
 """
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.pdl import pdl_enabled
 
 
 @triton.jit
@@ -41,3 +43,9 @@ def check_extra(extra: torch.Tensor | None, like: torch.Tensor, name: str, conti
                          f"like {name}, got {extra.dtype} {tuple(extra.shape)}")
     if contiguous and extra is not None and not extra.is_contiguous():
         raise ValueError("extra must be contiguous")
+
+
+def extra_pdl(device: torch.device, extra: torch.Tensor | None) -> bool:
+    """Whether a kernel that takes `extra` launches as a dependent launch (kernels/pdl.py): not with one, as it
+    then follows the join of two streams (the extra's LoRA ran beside the projection), two predecessors."""
+    return pdl_enabled(device) and extra is None

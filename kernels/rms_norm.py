@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.addend import check_extra, with_extra
+from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import next_pow2
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, wait_then_release
 from kernels.quant_half_sums import slice_width, store_slice_sums
 
 
@@ -74,9 +74,7 @@ def add_rms_norm(
     check_extra(extra, x, "x", contiguous=True)
     if T == 0:
         return
-    # After a join of two streams (the extra's LoRA ran beside the projection that wrote x) a plain launch:
-    # its predecessors are two kernels (kernels/pdl.py).
-    pdl = pdl_enabled(x.device) and extra is None
+    pdl = extra_pdl(x.device, extra)
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
                                residual_out if residual_out is not None else out,
                                sums if sums is not None else out, H, eps,

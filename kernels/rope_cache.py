@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.addend import check_extra, with_extra
+from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import next_pow2
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, wait_then_release
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def rope_and_cache(
     check_extra(extra, qkv, "qkv")
     if T == 0:
         return
-    pdl = pdl_enabled(qkv.device) and extra is None     # after a join of two streams: a plain launch
+    pdl = extra_pdl(qkv.device, extra)
     _rope_cache_kernel[(T,)](
         qkv, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
         BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D),

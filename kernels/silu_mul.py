@@ -5,9 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.addend import check_extra, with_extra
+from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import cdiv, next_pow2
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, wait_then_release
 from kernels.quant_half_sums import slice_width, store_slice_sums
 
 
@@ -49,7 +49,7 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
     if T == 0:
         return
     block = max(min(1024, next_pow2(inter)), width)
-    pdl = pdl_enabled(gate_up.device) and extra is None      # after a join of two streams: a plain launch
+    pdl = extra_pdl(gate_up.device, extra)
     _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, sums if sums is not None else out, inter, BLOCK=block,
                                               num_warps=4, SUMS=width,
                                               extra_ptr=extra if extra is not None else gate_up,
