@@ -28,7 +28,7 @@ class QuantMatmulConfig:
     tma_stages: int = 0         # one row on the float16-pairs path: > 0 reads the words by TMA through that many
                                 # pipeline stages (`kernels.quant_gemv_tma`; sm_90+, else the register-set kernel);
                                 # 2+ rows on the pair-codes path: the same, a half block a stage
-                                # (`kernels.quant_mma_tma`; not picked by pick_config, not measured yet)
+                                # (`kernels.quant_mma_tma`; not picked: H200, no rule won, docs/quantization.md)
     scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
 
 
