@@ -137,8 +137,11 @@ def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned
             sig[p] = "i32"
             if p in aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(params.index(p),): v for p, v in consts.items()},
-                    attrs=attrs)
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():     # a kernel in the explicit-layout dialect
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=kernel, signature=sig, constexprs={(params.index(p),): v for p, v in consts.items()},
+                 attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -175,7 +178,8 @@ def report(compiled, dump: Path | None, warps: int = 4, arch: int = 90) -> str:
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         for kind in ("ttir", "ttgir", "llir", "ptx"):
-            (dump / f"kernel.{kind}").write_text(compiled.asm[kind])
+            if kind in compiled.asm.keys():             # an explicit-layout kernel starts at ttgir
+                (dump / f"kernel.{kind}").write_text(compiled.asm[kind])
         (dump / "kernel.sass").write_text(sass)
     code = parse_sass(sass)
     res = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)

@@ -36,6 +36,8 @@
 #                    programs' signatures (their specialisations) counted: which programs the warm-up compiled
 #                    beside the pool's (the test itself names a program looked up that the pool was not handed;
 #                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
+#   async-dots       the asynchronous-dot 4-bit tiles (kernels/quant_wgmma.py, an experiment): their GPU tests, then
+#                    bench/quant_async_dots.py at rows $ROWS (default 16,32,64) against pick_config's tiles (~3 minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host); ROWS=64
 #                    (2-64): the tensor-core tile kernel at that many rows instead (quant_gemv_stalls_rows64.json)
@@ -189,6 +191,11 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     timeout 300 python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1,base:64,distinct_r16_all:64 \
       --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4.json" 2>&1 | tail -60 | tee "$out/$stage.log"
     bash "$0" gemv-stalls "$commit" "$out" ;;
+  async-dots)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma.py 2>&1 | tail -15 \
+      | tee "$out/$stage.log"
+    python3 bench/quant_async_dots.py --rows "${ROWS:-16,32,64}" --commit "$commit" \
+      --out "$out/quant_async_dots.json" 2>&1 | cut -c1-260 | tee -a "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \

@@ -1,0 +1,101 @@
+"""The asynchronous-dot 4-bit tiles (`kernels.quant_wgmma`, an experiment) against pick_config's tiles
+(`kernels.quant_matmul`) on the 8B layer shapes, groups of 128, bf16 x, both given the sums of x: per shape and row
+count, pick_config's time and error, then each tried tile / split / ring / step of the experiment (its error
+against the fp32 reference; split > 1 times include zeroing its fp32 partials, reported beside). Weights rotate
+through more than the L2 holds; CUDA graphs, median of replays.
+
+    python3 bench/quant_async_dots.py --rows 16,32,64 --out bench/results/quant_async_dots.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels.quant_dequant import dequantize_packed  # noqa: E402
+from kernels.quant_matmul import half_sums, pick_config, quant_matmul  # noqa: E402
+from kernels.quant_pack import pack_quantized  # noqa: E402
+from kernels.quant_wgmma import quant_wgmma  # noqa: E402
+from quant_kernel_sweep import graph_us  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="16,32,64")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(dev), "commit": args.commit, "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "date": datetime.now(timezone.utc).isoformat(), "cases": {}}
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        ws = []
+        while sum(w.nbytes for w in ws) < SPAN:
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)
+            s = (torch.rand(n, k // 128, device=dev, generator=gen) * 0.002 + 1e-4).half()
+            ws.append(pack_quantized(q, s, (-8 * s.float()).half(), 4, 128))
+        w0 = torch.empty(n, k, device=dev)
+        dequantize_packed(ws[0], w0)
+        for t in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
+            xs = half_sums(x)
+            want = x.float() @ w0.t()
+            outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+            cfg = pick_config(t, n, k, 4, 132, 128)
+            part = torch.empty(16 * t * n, device=dev)
+            locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+            quant_matmul(x, ws[0], None, outs[0], cfg, part, locks, x_sums=xs)
+            r = {"pick": [cfg.block_n, cfg.block_m, cfg.split_k],
+                 "pick_err": ((outs[0].float() - want).norm() / want.norm()).item(),
+                 "pick_us": graph_us([lambda w=w, o=outs[i % 2]: quant_matmul(x, w, None, o, cfg, part, locks,
+                                                                             x_sums=xs) for i, w in enumerate(ws)]),
+                 "tried": []}
+            for bm in sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set())):
+                for split in (1, 2, 4):
+                    for nx, u in ((4, 4), (6, 4), (4, 2)):
+                        if (k // 128) % (u * split):
+                            continue
+                        p32 = torch.zeros(t, n, device=dev)
+                        t0 = time.time()
+                        try:
+                            quant_wgmma(x, ws[0], outs[0], xs, bm, split, nx, u, p32)
+                            torch.cuda.synchronize()
+                            got = outs[0].float() if split == 1 else p32
+                            err = ((got - want).norm() / want.norm()).item()
+                            calls = [lambda w=w, o=outs[i % 2]: (p32.zero_() if split > 1 else None,
+                                                                 quant_wgmma(x, w, o, xs, bm, split, nx, u, p32))
+                                     for i, w in enumerate(ws)]
+                            us = graph_us(calls)
+                            zero_us = graph_us([lambda: p32.zero_()] * 8) if split > 1 else 0.0
+                        except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
+                            r["tried"].append(dict(bm=bm, split=split, nx=nx, u=u, failed=repr(e)[:300]))
+                            continue
+                        r["tried"].append(dict(bm=bm, split=split, nx=nx, u=u, us=us, zero_us=zero_us, err=err,
+                                               first_call_s=time.time() - t0))
+            ok = [c for c in r["tried"] if "us" in c and c["err"] < 1e-2]
+            best = min(ok, key=lambda c: c["us"] - c["zero_us"]) if ok else None
+            bad = [c for c in r["tried"] if "failed" in c or c.get("err", 0) >= 1e-2]
+            print(f"{name:8s} T={t:3d} pick {r['pick']} {r['pick_us']:6.1f} us | async dots best "
+                  + (f"{best['us'] - best['zero_us']:6.1f} us (tile {best['bm']} split {best['split']} ring "
+                     f"{best['nx']} step {best['u']})" if best else "none correct")
+                  + (f" | {len(bad)} failed or wrong, e.g. {bad[0]}" if bad else ""), flush=True)
+            res["cases"][f"{name}/{t}"] = r
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
