@@ -5,7 +5,7 @@ that half block h's dot runs while half block h + 1's codes are unpacked and hal
 Why: the register-set tiles (`kernels.quant_mma`) wait for every dot before the next instruction (the compiler
 waits after a dot whose result is scaled before the next one; its hottest stalls at 64 rows,
 `bench/results/quant_gemv_stalls_rows64.json`). Written in Triton's explicit-layout dialect: the words are read
-straight into the layout of the dot's register operand (`WORDS_LAYOUT`: a thread holds the words of its operand
+straight into the layout of the dot's register operand (`w_layout`: a thread holds the words of its operand
 rows and pairs), x's half blocks go by asynchronous copies into a ring of NX half blocks in shared memory, and
 each loop step covers U half blocks and ends with its dots complete (a dot running across the loop's back edge
 makes the assembler wait after every dot: the compiler copies loop-carried values there). The arithmetic is
@@ -33,7 +33,7 @@ from kernels.quant_pack import PackedQuantWeight, paired_layout
 x_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-BLOCK_N = 64        # features a program: the 4 warps' 16-row slices of the dot's M = 64
+BLOCK_N = 64        # features a program (4 warps' 16-row slices of the dot's M; the kernel's layouts assume 64)
 
 
 @gluon.jit
