@@ -1,7 +1,7 @@
 """The asynchronous-dot 4-bit tiles (`kernels.quant_wgmma`, an experiment) against pick_config's tiles
 (`kernels.quant_matmul`) on the 8B layer shapes, groups of 128, bf16 x, both given the sums of x: per shape and row
-count, pick_config's time and error, then each tried tile / split / ring / step of the experiment (its error
-against the fp32 reference; split > 1 times include zeroing its fp32 partials, reported beside). Weights rotate
+count, pick_config's time and error without and with `async_dots` (the kernel's rule), then each tried tile /
+split / ring / step of the kernel (its error against the fp32 reference; split-K summed in order). Weights rotate
 through more than the L2 holds; CUDA graphs, median of replays.
 
     python3 bench/quant_async_dots.py --rows 16,32,64 --out bench/results/quant_async_dots.json
@@ -54,42 +54,43 @@ def main() -> None:
             xs = half_sums(x)
             want = x.float() @ w0.t()
             outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-            cfg = pick_config(t, n, k, 4, 132, 128)
             part = torch.empty(16 * t * n, device=dev)
             locks = torch.zeros(4096, dtype=torch.int32, device=dev)
-            quant_matmul(x, ws[0], None, outs[0], cfg, part, locks, x_sums=xs)
-            r = {"pick": [cfg.block_n, cfg.block_m, cfg.split_k],
-                 "pick_err": ((outs[0].float() - want).norm() / want.norm()).item(),
-                 "pick_us": graph_us([lambda w=w, o=outs[i % 2]: quant_matmul(x, w, None, o, cfg, part, locks,
-                                                                             x_sums=xs) for i, w in enumerate(ws)]),
-                 "tried": []}
-            for bm in sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set())):
+            r = {}
+            for key, on in (("pick", False), ("pick_async", True)):
+                cfg = pick_config(t, n, k, 4, 132, 128, async_dots=on)
+                quant_matmul(x, ws[0], None, outs[0], cfg, part, locks, x_sums=xs)
+                r[key] = [cfg.block_n, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step]
+                r[f"{key}_err"] = ((outs[0].float() - want).norm() / want.norm()).item()
+                r[f"{key}_us"] = graph_us([lambda w=w, o=outs[i % 2], c=cfg: quant_matmul(x, w, None, o, c, part, locks,
+                                                                                         x_sums=xs)
+                                           for i, w in enumerate(ws)])
+            r["tried"] = []
+            for bm in sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set())):
                 for split in (1, 2, 4):
-                    for nx, u in ((4, 4), (6, 4), (4, 2)):
+                    for nx, u in ((4, 4), (6, 2), (8, 2)):
                         if (k // 128) % (u * split):
                             continue
-                        p32 = torch.zeros(t, n, device=dev)
                         t0 = time.time()
                         try:
-                            quant_wgmma(x, ws[0], outs[0], xs, bm, split, nx, u, p32)
+                            quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks)
                             torch.cuda.synchronize()
-                            got = outs[0].float() if split == 1 else p32
-                            err = ((got - want).norm() / want.norm()).item()
-                            calls = [lambda w=w, o=outs[i % 2]: (p32.zero_() if split > 1 else None,
-                                                                 quant_wgmma(x, w, o, xs, bm, split, nx, u, p32))
+                            err = ((outs[0].float() - want).norm() / want.norm()).item()
+                            calls = [lambda w=w, o=outs[i % 2]: quant_wgmma(x, w, None, o, xs, bm, split, nx, u, part,
+                                                                            locks)
                                      for i, w in enumerate(ws)]
                             us = graph_us(calls)
-                            zero_us = graph_us([lambda: p32.zero_()] * 8) if split > 1 else 0.0
                         except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
                             r["tried"].append(dict(bm=bm, split=split, nx=nx, u=u, failed=repr(e)[:300]))
                             continue
-                        r["tried"].append(dict(bm=bm, split=split, nx=nx, u=u, us=us, zero_us=zero_us, err=err,
+                        r["tried"].append(dict(bm=bm, split=split, nx=nx, u=u, us=us, err=err,
                                                first_call_s=time.time() - t0))
             ok = [c for c in r["tried"] if "us" in c and c["err"] < 1e-2]
-            best = min(ok, key=lambda c: c["us"] - c["zero_us"]) if ok else None
+            best = min(ok, key=lambda c: c["us"]) if ok else None
             bad = [c for c in r["tried"] if "failed" in c or c.get("err", 0) >= 1e-2]
-            print(f"{name:8s} T={t:3d} pick {r['pick']} {r['pick_us']:6.1f} us | async dots best "
-                  + (f"{best['us'] - best['zero_us']:6.1f} us (tile {best['bm']} split {best['split']} ring "
+            print(f"{name:8s} T={t:3d} pick {r['pick']} {r['pick_us']:6.1f} us | with async dots {r['pick_async']} "
+                  f"{r['pick_async_us']:6.1f} us (err {r['pick_async_err']:.1e}) | best "
+                  + (f"{best['us']:6.1f} us (tile {best['bm']} split {best['split']} ring "
                      f"{best['nx']} step {best['u']})" if best else "none correct")
                   + (f" | {len(bad)} failed or wrong, e.g. {bad[0]}" if bad else ""), flush=True)
             res["cases"][f"{name}/{t}"] = r

@@ -30,6 +30,10 @@ class QuantMatmulConfig:
                                 # 2+ rows on the pair-codes path: the same, a half block a stage
                                 # (`kernels.quant_mma_tma`; not picked: H200, no rule won, docs/quantization.md)
     scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
+    ring: int = 0               # 2-32 rows on the pair-codes path, bfloat16 x, sm_90+: > 0 runs the asynchronous-dot
+                                # kernel (`kernels.quant_wgmma`: block_n 64, block_m 8 / 16 / 32) with a ring of
+                                # that many half blocks, ring_step half blocks a loop step
+    ring_step: int = 4
 
 
 def group_pairs_layout(bits: int, group_size: int, K: int) -> bool:
@@ -63,7 +67,8 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
 
 @functools.lru_cache(maxsize=4096)     # a pure function of its arguments; ~9 us of Python a call uncached
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
-                x_dtype: torch.dtype = torch.bfloat16, beside_lora: bool = False) -> QuantMatmulConfig:
+                x_dtype: torch.dtype = torch.bfloat16, beside_lora: bool = False,
+                async_dots: bool = False) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
@@ -138,6 +143,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         per_sm = 256 * num_sms // bn            # 8 programs of 32 features (4 of 64) per SM, over the T rows
         return QuantMatmulConfig(bn, 1, min(pow2_floor(min(per_sm // (triton.cdiv(N, bn) * T), 16)), num_blocks))
     pairs = pair_codes_layout(bits, group_size, K)
+    if async_dots and T <= 32 and pairs and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
+        ring = _async_dots_config(T, N, K, num_sms)
+        if ring is not None:
+            return ring
     if T > 64 and N * K >= SMALL_WEIGHT and group_pairs_layout(bits, group_size, K):
         if cdiv(N, 128) >= num_sms:
             return QuantMatmulConfig(128, 128, 1, num_warps=8)
@@ -165,3 +174,23 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
     split = 1 if T > 32 and tiles >= num_sms else 2 if tiles >= 2 * num_sms else 8 if K >= 8192 else 4
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
+
+
+def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfig | None:
+    """2-32 rows of a large 4-bit weight in groups of 128+ with bfloat16 x on sm_90+ (`async_dots`): the
+    asynchronous-dot kernel (`kernels.quant_wgmma`), 64 features by 8 / 16 / 32 rows a program, split 4 and a ring
+    of 4 half blocks taken 4 a step; where the feature tiles alone fill the SMs twice (gate/up) split 2, or above
+    16 rows no split with a ring of 6 taken 2 a step. H200 sweep of the 8B shapes at 1-64 rows against the tiles
+    above (`bench/quant_async_dots.py`, bench/results/quant_async_dots.json): a layer 71.1 -> 58.0 us at 8 rows,
+    72.8 -> 64.0 at 16, 88.9 -> 78.2 at 32; at 64 rows gate/up and down were slower (gate/up 60.5 against 46.0),
+    at one row even with the one-row kernel. A split or step that does not divide K's half blocks steps down;
+    None where nothing does."""
+    halves = K // 128
+    block_m = 8 if T <= 8 else 16 if T <= 16 else 32
+    wide = cdiv(N, 64) >= 2 * num_sms
+    split, step = (1, 2) if wide and T > 16 else (2, 4) if wide else (4, 4)
+    for sp in (split, split // 2, 1):
+        for st in (step, 2):
+            if sp >= 1 and halves % (sp * st) == 0:
+                return QuantMatmulConfig(64, block_m, sp, ring=4 if st == 4 else 6, ring_step=st)
+    return None

@@ -36,6 +36,7 @@ from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
+from kernels.quant_wgmma import async_dots_supported, quant_wgmma
 
 
 def _quad_words(w: PackedQuantWeight) -> bool:
@@ -91,8 +92,10 @@ def quant_matmul(
     if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
     cfg = config
-    if cfg.block_n < 16 or not (cfg.block_m == 1 or cfg.block_m >= 16) or cfg.split_k < 1:
-        raise ValueError(f"bad config {cfg}: block_n >= 16, block_m 1 (one row per program) or >= 16, split_k >= 1")
+    if cfg.block_n < 16 or not (cfg.block_m == 1 or cfg.block_m >= 16 or cfg.ring and cfg.block_m == 8) \
+            or cfg.split_k < 1:
+        raise ValueError(f"bad config {cfg}: block_n >= 16, block_m 1 (one row per program) or >= 16 (8 with a ring), "
+                         "split_k >= 1")
     if cfg.thread_rows and (cfg.block_m != 1 or w.group_size != 32):
         raise ValueError(f"bad config {cfg}: thread_rows is the one-row kernel's path for groups of 32")
     if addend is not None and (cfg.block_m != 1 or addend.dtype != torch.float32 or addend.numel() != T * N
@@ -123,6 +126,12 @@ def quant_matmul(
         x_sums = half_sums(x, width)
     else:
         check_sums(x_sums, T, K, width, "x_sums")
+    if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
+        if not (pairs and paired and async_dots_supported(x, w)) or cfg.block_n != 64:
+            raise ValueError(f"bad config {cfg}: a ring runs 64-feature tiles of the asynchronous-dot kernel: 4 bits "
+                             "in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
+        quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks)
+        return
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)

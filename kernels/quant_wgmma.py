@@ -27,6 +27,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from kernels.env_switch import env_int
+from kernels.pdl import compiled, launch_args, pdl_enabled
+from kernels.quant_half_sums import check_sums
 from kernels.quant_pack import PackedQuantWeight, paired_layout
 
 # Triton 3.6 and 3.9 name two of the dialect's operations differently
@@ -57,13 +60,46 @@ def _operand(words, A_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, out_ptr, part_ptr, T, N, stride_x, stride_out,
-                       words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, NX: gl.constexpr,
-                       U: gl.constexpr, SPLIT: gl.constexpr):
+def _fill_weights(i, H, h0, N, GROUP: gl.constexpr, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs,
+                  sc_mask):
+    """Copy half block i's words, group scales and offsets into ring slot i % NX (masked off past the program's
+    H halves): what no kernel of a step writes, so copied before a dependent launch's wait too."""
+    slot = i % w_smem.shape[0]
+    ok = i < H
+    g = ((h0 + gl.minimum(i, H - 1)) * 128) // GROUP
+    x_copy(w_smem.index(slot), w_half + i * 16, mask=w_mask & ok)
+    x_copy(s_smem.index(slot), s_ptrs + g * N, mask=sc_mask & ok)
+    x_copy(o_smem.index(slot), o_ptrs + g * N, mask=sc_mask & ok)
+
+
+@gluon.jit
+def _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask):
+    """Copy half block i's x and x's sums into ring slot i % NX."""
+    slot = i % x_smem.shape[0]
+    ok = i < H
+    x_copy(x_smem.index(slot), x_half + i * 128, mask=x_mask & ok)
+    x_copy(xs_smem.index(slot), xs_ptrs + gl.minimum(i, H - 1), mask=xs_mask & ok)
+
+
+@gluon.jit
+def _gpu_fence(NUM_THREADS: gl.constexpr):
+    """One GPU-scope fence a thread (`kernels.pdl.gpu_fence`)."""
+    gl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r",
+                              [gl.arange(0, NUM_THREADS, layout=gl.BlockedLayout([1], [32], [4], [0]))],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, T, N, stride_x,
+                       stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                       NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       FENCE: gl.constexpr, USE_PDL: gl.constexpr):
     """out.T tile [64, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
-    multiple of U). SPLIT 1 writes out (x's dtype); more add fp32 partials into part ([T, N], zeroed)."""
-    pid_n = gl.program_id(0)
-    pid_m = gl.program_id(1)
+    multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
+    of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
+    protocol)."""
+    pid_m = gl.program_id(0)                        # row tiles of one feature block run side by side (its words
+    pid_n = gl.program_id(1)                        # read once from memory, then from L2)
     pid_k = gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -77,12 +113,26 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, out_ptr, part_ptr, T,
                                            order=[1, 0])
     x_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NX, BLOCK_M, 128], x_sh)
+    # the words of a half block go by asynchronous copies too, into the same ring slot and copy group as its x
+    # (16-byte vectors of 4 words; the swizzle puts the 8 rows x 4 words each load instruction reads in 32 banks)
+    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
+                                          order=[1, 0])
+    w_sh: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [NX, 64, 16], w_sh)
+    # and so do its group scales, offsets and x's sums (no register copies of loads across the loop's back edge)
+    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+    xs_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    s_smem = gl.allocate_shared_memory(gl.float16, [NX, 64], flat)
+    o_smem = gl.allocate_shared_memory(gl.float16, [NX, 64], flat)
+    xs_smem = gl.allocate_shared_memory(gl.float32, [NX, BLOCK_M], flat)
 
     offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
     offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
     x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
-    offs_wn = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_layout))
-    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_layout))
+    offs_wn = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_cp))
+    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
+    w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
     offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     n_mask = offs_n < N
@@ -92,14 +142,23 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, out_ptr, part_ptr, T,
     x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
     w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :] + h0 * 16
 
-    for i in gl.static_range(NX):                   # x of halves 0 .. NX - 1, a copy group a half
-        x_copy(x_smem.index(i), x_half + i * 128, mask=x_mask & (i < H))
+    offs_sn = pid_n * 64 + gl.arange(0, 64, layout=sc_cp)
+    offs_sm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=xs_cp)
+    s_ptrs = s_ptr + offs_sn
+    o_ptrs = o_ptr + offs_sn
+    sc_mask = offs_sn < N
+    xs_ptrs = xs_ptr + offs_sm * num_halves + h0
+    xs_mask = offs_sm < T
+    for i in gl.static_range(NX):                   # the weights of halves 0 .. NX - 1 before the wait
+        _fill_weights(i, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+    if USE_PDL:                                     # kernels/pdl.py: x and its sums come from earlier launches
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    for i in gl.static_range(NX):                   # a copy group a half (the first one holds every weight above)
+        _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
-    w1 = gl.load(w_half)
-    w2 = gl.load(w_half + gl.minimum(1, H - 1) * 16)
-    s1 = gl.load(s_ptr + ((h0 * 128) // GROUP) * N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-    o1 = gl.load(o_ptr + ((h0 * 128) // GROUP) * N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-    x1 = gl.load(xs_ptr + offs_m * num_halves + h0, mask=m_mask, other=0.0)
     acc = gl.zeros([64, BLOCK_M], gl.float32, mma)
     free_a = gl.zeros([64, BLOCK_M], gl.float32, mma)       # accumulators no running dot holds
     free_b = gl.zeros([64, BLOCK_M], gl.float32, mma)
@@ -114,23 +173,18 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, out_ptr, part_ptr, T,
                 async_copy.wait_group(NX - 2)
             fence_async_shared()
             cta_barrier()
-            a = _operand(w1, a_layout)
+            a = _operand(w_smem.index(h % NX).load(w_layout), a_layout)
             tok = warpgroup_mma(a, x_smem.index(h % NX).permute((1, 0)), free_a, use_acc=False, is_async=True)
-            s_cur = s1
-            c_cur = o1 - 128.0 * s1
-            xs_cur = x1
-            w1 = w2                                             # words two half blocks ahead, scales one
-            w2 = gl.load(w_half + gl.minimum(h + 2, H - 1) * 16)
-            g1 = ((h0 + gl.minimum(h + 1, H - 1)) * 128) // GROUP
-            s1 = gl.load(s_ptr + g1 * N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-            o1 = gl.load(o_ptr + g1 * N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-            x1 = gl.load(xs_ptr + offs_m * num_halves + h0 + gl.minimum(h + 1, H - 1), mask=m_mask, other=0.0)
+            s_cur = s_smem.index(h % NX).load(gl.SliceLayout(1, mma)).to(gl.float32)
+            c_cur = o_smem.index(h % NX).load(gl.SliceLayout(1, mma)).to(gl.float32) - 128.0 * s_cur
+            xs_cur = xs_smem.index(h % NX).load(gl.SliceLayout(0, mma))
             if u > 0:                                           # half h - 1's dot done: its sums, its x slot
                 d_done, a_done = warpgroup_mma_wait(1, deps=(tok_prev, a_prev))
                 acc = acc + s_prev[:, None] * d_done + c_prev[:, None] * xs_prev[None, :]
                 free_a = d_done
                 nxt = h - 1 + NX
-                x_copy(x_smem.index(nxt % NX), x_half + nxt * 128, mask=x_mask & (nxt < H))
+                _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+                _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
                 async_copy.commit_group()
             else:
                 free_a = free_b
@@ -143,37 +197,87 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, out_ptr, part_ptr, T,
         acc = acc + s_prev[:, None] * d_done + c_prev[:, None] * xs_prev[None, :]
         free_b = d_done
         nxt = it * U + U - 1 + NX
-        x_copy(x_smem.index(nxt % NX), x_half + nxt * 128, mask=x_mask & (nxt < H))
+        _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+        _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
     async_copy.wait_group(0)
     mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT == 1:
-        out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
-        gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
     else:
-        gl.atomic_add(part_ptr + offs_m[None, :] * N + offs_n[:, None], acc, mask=mask, sem="relaxed")
+        bias = gl.zeros([64, 1], gl.float32, mma)
+    if SPLIT == 1:
+        gl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part_stride = T * N                         # split-K runs for few rows: int32 offsets
+        part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
+        gl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)
+        if FENCE:                                   # the partial is visible GPU-wide before the count moves
+            _gpu_fence(128)
+        cta_barrier()
+        lock = lock_ptr + pid_m * gl.num_programs(1) + pid_n
+        done = gl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:                       # the last program of the tile sums the partials in order
+            if FENCE:
+                _gpu_fence(128)
+            total = gl.zeros([64, BLOCK_M], gl.float32, mma)
+            for k in gl.static_range(SPLIT):
+                total += gl.load(part_ptrs + k * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+
+ENV = "LORAPLEX_ASYNC_DOTS"
+
+
+def async_dots_enabled(device: torch.device) -> bool:
+    """Whether `kernels.quant_config.pick_config` may pick this kernel for a device (its `async_dots`): a CUDA GPU
+    of sm_90 or later, compiled kernels, and LORAPLEX_ASYNC_DOTS not 0 (for A/B runs: 0 keeps the tiles of
+    `kernels.quant_mma` at 2-32 rows)."""
+    flag = env_int(ENV, lambda v: v in (0, 1), "0 or 1")
+    return (device.type == "cuda" and compiled() and flag != 0
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def async_dots_supported(x: torch.Tensor, w: PackedQuantWeight) -> bool:
+    """Whether `quant_wgmma` runs this call: bfloat16 x on a CUDA GPU of sm_90 or later (not interpreted), 4 bits
+    in groups of 128 and more (the paired layout), K a multiple of 128."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and compiled() and w.bits == 4
+            and paired_layout(w.bits, w.group_size) and w.in_features % 128 == 0
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride along K
-                w: PackedQuantWeight,         # [N, K], 4 bits in groups of 128+ (paired layout), K % (128 U SPLIT) == 0
-                out: torch.Tensor,            # [T, N] bfloat16 (split 1)
+                w: PackedQuantWeight,         # [N, K], 4 bits in groups of 128+ (paired layout), K % (128 u split) == 0
+                bias: torch.Tensor | None,    # [N] bfloat16 or None
+                out: torch.Tensor,            # [T, N] bfloat16
                 x_sums: torch.Tensor,         # [T, K / 128] float32: `quant_matmul.half_sums(x)`
                 block_m: int = 32, split: int = 1, nx: int = 4, u: int = 4,
-                partials: torch.Tensor | None = None,  # [T, N] float32 zeros (split > 1): out.float() after
+                partials: torch.Tensor | None = None,  # float32, >= split * T * N elements (split > 1)
+                locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, 64) (split > 1)
                 ) -> None:
-    """out = x @ W.T with W = q * scale + offset (sm_90+, the experiment above; see the module docstring)."""
+    """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
+    before and after the call."""
     T, K = x.shape
     N = w.out_features
-    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x must be bfloat16 [T, K] with unit stride along K, got {x.dtype} {tuple(x.stride())}")
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"x and out must be bfloat16 with unit stride along features, got {x.dtype} "
+                         f"{tuple(x.stride())}, {out.dtype} {tuple(out.stride())}")
     if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u * split):
         raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u * split}: bits {w.bits}, "
                          f"group {w.group_size}, K {K}")
-    if block_m not in (16, 32, 64) or nx < 3:
-        raise ValueError(f"block_m must be 16, 32 or 64 and nx at least 3, got {block_m}, {nx}")
-    if split > 1 and (partials is None or partials.dtype != torch.float32 or partials.shape != (T, N)):
-        raise ValueError("split > 1 adds into partials: float32 [T, N] zeros")
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(T, block_m), split)
-    quant_wgmma_kernel[grid](x, w.words, w.scales, w.offsets, x_sums, out, partials if split > 1 else out, T, N,
-                             x.stride(0), out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size,
-                             BLOCK_M=block_m, NX=nx, U=u, SPLIT=split, num_warps=4)
+    if block_m not in (8, 16, 32, 64) or nx < 3:
+        raise ValueError(f"block_m must be 8, 16, 32 or 64 and nx at least 3, got {block_m}, {nx}")
+    grid = (triton.cdiv(T, block_m), triton.cdiv(N, BLOCK_N), split)
+    if split > 1 and (partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N
+                      or locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]):
+        raise ValueError(f"split {split} needs float32 partials of >= {split * T * N} elements and int32 zero locks "
+                         f"of >= {grid[0] * grid[1]}")
+    if T == 0 or N == 0:
+        return
+    check_sums(x_sums, T, K, 128, "x_sums")
+    pdl = launch_args(pdl_enabled(x.device))
+    quant_wgmma_kernel[grid](x, w.words, w.scales, w.offsets, x_sums, bias if bias is not None else out, out,
+                             partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
+                             out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
+                             U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, num_warps=4, **pdl)

@@ -57,6 +57,9 @@ class QuantLinear:
         # One zero counter per output tile of a split-K launch (16-feature tiles of up to 64 tokens, or 64-feature
         # tiles of up to 256, suffice).
         self.locks = torch.zeros(4 * -(-self._shape[0] // 16), dtype=torch.int32, device=self.device)
+        from kernels.quant_wgmma import async_dots_enabled
+
+        self.async_dots = async_dots_enabled(self.device)     # 2-32 rows: the asynchronous-dot kernel (sm_90+)
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -121,7 +124,8 @@ class QuantLinear:
         from kernels.quant_matmul import pick_config, sums_width
 
         n, k = self._shape
-        return sums_width(pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype), self.packed, dtype)
+        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype, async_dots=self.async_dots)
+        return sums_width(cfg, self.packed, dtype)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
                  x_sums: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +153,8 @@ class QuantLinear:
             dequantize_packed(self.packed, w)
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype, addend is not None)
+        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype, addend is not None,
+                          self.async_dots)
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)

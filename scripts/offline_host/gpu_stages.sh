@@ -194,7 +194,7 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
   async-dots)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma.py 2>&1 | tail -15 \
       | tee "$out/$stage.log"
-    python3 bench/quant_async_dots.py --rows "${ROWS:-16,32,64}" --commit "$commit" \
+    python3 bench/quant_async_dots.py --rows "${ROWS:-1,8,16,32,64}" --commit "$commit" \
       --out "$out/quant_async_dots.json" 2>&1 | cut -c1-260 | tee -a "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \

@@ -25,9 +25,9 @@ def sass(block_m: int, split: int, tmp_path: Path) -> tuple[str, list[tuple[int,
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / f"bm{block_m}_split{split}"
     cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "kernels.quant_wgmma:quant_wgmma_kernel",
-           "--const", "GROUP=128", f"BLOCK_M={block_m}", "NX=4", "U=4", f"SPLIT={split}",
-           "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "xs_ptr=fp32", "out_ptr=bf16",
-           "part_ptr=fp32", "--aligned", "N", "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
+           "--const", "GROUP=128", f"BLOCK_M={block_m}", "NX=4", "U=4", f"SPLIT={split}", "HAS_BIAS=1", "FENCE=1",
+           "USE_PDL=1", "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "xs_ptr=fp32",
+           "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N", "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout, parse_sass((out / "kernel.sass").read_text())
@@ -76,22 +76,64 @@ def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
     out = torch.empty(8, 64, dtype=torch.bfloat16)
     sums = torch.zeros(8, 4)
     with pytest.raises(ValueError, match="bfloat16"):
-        quant_wgmma(x.half(), weight(512, 128), out, sums)
+        quant_wgmma(x.half(), weight(512, 128), None, out, sums)
     with pytest.raises(ValueError, match="groups of 128"):
-        quant_wgmma(x, weight(512, 32), out, sums)
+        quant_wgmma(x, weight(512, 32), None, out, sums)
     with pytest.raises(ValueError, match="multiple of 1024"):
-        quant_wgmma(x, weight(512, 128), out, sums, split=2)
+        quant_wgmma(x, weight(512, 128), None, out, sums, split=2)
     with pytest.raises(ValueError, match="block_m"):
-        quant_wgmma(x, weight(512, 128), out, sums, block_m=8)
+        quant_wgmma(x, weight(512, 128), None, out, sums, block_m=12)
     with pytest.raises(ValueError, match="partials"):
-        quant_wgmma(torch.randn(8, 1024).to(torch.bfloat16), weight(1024, 128), out, torch.zeros(8, 8), split=2)
+        quant_wgmma(torch.randn(8, 1024).to(torch.bfloat16), weight(1024, 128), None, out, torch.zeros(8, 8),
+                    split=2)
+
+
+def test_pick_config_takes_the_kernel_where_it_was_faster() -> None:
+    """2-32 rows of the 8B shapes (4 bits, groups of 128, bfloat16 x) with `async_dots`; not at 1 or 33+ rows,
+    not for float16 x, small weights or groups of 32, nor without `async_dots`; a split or step that does not
+    divide K's half blocks steps down."""
+    from kernels.quant_config import pick_config
+
+    for T, bm in ((2, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32)):
+        for N, K, split, step in ((6144, 4096, 4, 4), (4096, 4096, 4, 4), (4096, 14336, 4, 4),
+                                  (28672, 4096, 2 if T <= 16 else 1, 4 if T <= 16 else 2)):
+            cfg = pick_config(T, N, K, 4, 132, 128, torch.bfloat16, async_dots=True)
+            assert (cfg.block_n, cfg.block_m, cfg.split_k, cfg.ring_step) == (64, bm, split, step), (T, N, K, cfg)
+            assert cfg.ring == (4 if step == 4 else 6)
+            assert (K // 128) % (cfg.split_k * cfg.ring_step) == 0
+            assert pick_config(T, N, K, 4, 132, 128, torch.bfloat16).ring == 0
+    assert pick_config(1, 4096, 4096, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
+    assert pick_config(33, 4096, 4096, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
+    assert pick_config(8, 4096, 4096, 4, 132, 128, torch.float16, async_dots=True).ring == 0
+    assert pick_config(8, 960, 576, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
+    assert pick_config(8, 4096, 4096, 4, 132, 32, torch.bfloat16, async_dots=True).ring == 0
+    odd = pick_config(8, 4096, 128 * 14, 4, 132, 128, torch.bfloat16, async_dots=True)    # 14 halves: split 1, step 2
+    assert (odd.split_k, odd.ring_step, odd.ring) == (1, 2, 6), odd
+    assert pick_config(8, 4096, 128 * 35, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0   # 35 halves
+
+
+def test_quant_matmul_refuses_a_ring_it_cannot_run() -> None:
+    """On the CPU (or for float16 x) a config with a ring is an error, not a silent fallback."""
+    from kernels.quant_config import QuantMatmulConfig
+    from kernels.quant_matmul import quant_matmul
+    from kernels.quant_pack import pack_quantized
+
+    q = torch.randint(0, 16, (64, 1024), dtype=torch.uint8)
+    s = (torch.rand(64, 8) * 0.01 + 1e-3).half()
+    w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
+    x = torch.randn(8, 1024).to(torch.bfloat16)
+    out = torch.empty(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="asynchronous-dot"):
+        quant_matmul(x, w, None, out, QuantMatmulConfig(64, 8, 1, ring=4, ring_step=4))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a CUDA GPU of sm_90 or later")
 @pytest.mark.parametrize("T,N,K,group,block_m,split", [(16, 128, 1024, 128, 16, 1), (20, 96, 2048, 256, 32, 2),
-                                                       (32, 6144, 4096, 128, 32, 1), (64, 4096, 14336, 128, 32, 4)])
+                                                       (32, 6144, 4096, 128, 32, 1), (64, 4096, 14336, 128, 32, 4),
+                                                       (3, 192, 2048, 128, 8, 2), (1, 4096, 4096, 128, 16, 1),
+                                                       (70, 256, 1024, 128, 64, 1)])
 def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int, split: int) -> None:
     from kernels.quant_matmul import half_sums
     from kernels.quant_pack import pack_quantized
@@ -104,11 +146,48 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     o = (-8 * s.float() + torch.randn(N, K // group, device=dev, generator=gen) * 1e-3).half()
     w = pack_quantized(q, s, o, 4, group)
     x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+    bias = (torch.randn(N, device=dev, generator=gen) * 0.1).to(torch.bfloat16) if split > 1 else None
     g = torch.arange(K, device=dev) // group
     want = x.float() @ (q.float() * s.float()[:, g] + o.float()[:, g]).t()
-    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
-    partials = torch.zeros(T, N, device=dev) if split > 1 else None
-    quant_wgmma(x, w, out, half_sums(x), block_m=block_m, split=split, partials=partials)
-    got = out.float() if split == 1 else partials
-    err = ((got - want).norm() / want.norm()).item()
+    if bias is not None:
+        want += bias.float()
+    outs = [torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    partials = torch.empty(split * T * N, device=dev)
+    locks = torch.zeros(64, dtype=torch.int32, device=dev)
+    for out in outs:
+        quant_wgmma(x, w, bias, out, half_sums(x), block_m=block_m, split=split, partials=partials, locks=locks)
+    err = ((outs[0].float() - want).norm() / want.norm()).item()
     assert err < 1e-2, f"rel err {err}"
+    assert torch.equal(outs[0], outs[1])            # split-K sums in a fixed order
+    assert not locks.any()                          # the counters are left zero
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of sm_90 or later")
+@pytest.mark.parametrize("T", [2, 8, 13, 32])
+def test_gpu_quant_linear_takes_it(T: int) -> None:
+    """A QuantLinear on an sm_90 GPU runs the kernel at 2-32 rows (pick_config's rule), with a bias, and matches
+    the fp32 reference; with LORAPLEX_ASYNC_DOTS=0 the tiles give the same result to rounding."""
+    from compute_service.engine.quant_linear import QuantLinear
+    from compute_service.engine.quantized import QuantizedWeight
+    from kernels.quant_matmul import pick_config
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T)
+    N, K, G = 4096, 4096, 128
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
+    s = (torch.rand(N, K // G, device=dev, generator=gen) * 0.01 + 1e-3).half()
+    o = (-8 * s.float()).half()
+    bias = torch.randn(N, device=dev, generator=gen) * 0.1
+    lin = QuantLinear(QuantizedWeight(q, s, o, 4, G), bias=bias, device=dev)
+    assert lin.async_dots
+    assert pick_config(T, N, K, 4, lin.num_sms, G, torch.bfloat16, async_dots=True).ring > 0
+    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+    g = torch.arange(K, device=dev) // G
+    want = x.float() @ (q.float() * s.float()[:, g] + o.float()[:, g]).t() + bias.to(torch.bfloat16).float()
+    got = lin(x).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    lin.async_dots = False
+    tiles = lin(x).float()
+    assert ((tiles - got).norm() / want.norm()).item() < 1e-2
