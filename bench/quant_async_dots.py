@@ -67,7 +67,7 @@ def main() -> None:
                                            for i, w in enumerate(ws)])
             r["tried"] = []
             for bm in sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set())):
-                for split in (1, 2, 4):
+                for split in (1, 2, 4) + ((8,) if k >= 8192 else ()):
                     for nx, u in ((4, 4), (6, 2), (8, 2)):
                         if (k // 128) % (u * split):
                             continue

@@ -256,6 +256,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--sweep", action="store_true", help="also try tile/split configs in the kernel table")
     ap.add_argument("--no-engine", action="store_true", help="kernel table only")
+    ap.add_argument("--labels", default="bf16,int4", help="engines to run: bf16, int4 or both (an A/B of 4-bit "
+                    "kernel choices needs int4 only)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, no figures")
     ap.add_argument("--group-size", type=int, help="quantization group (default 128, the smoke run 32); 32 is "
                     "what Q4_0 / Q4_1 / Q4_K GGUF files run")
@@ -283,7 +285,7 @@ def main() -> None:
     save()
     if not args.no_engine:
         hf = build_hf(dims, dev, dtype)
-        for label in ("bf16", "int4"):
+        for label in args.labels.split(","):
             engine, _ = build_engine(hf, dev, dtype, max(batches), in_len, out_len, [(in_len, max(batches))])
             if label == "int4":
                 quantize_layers(engine.runner.model, 4, res["group_size"])
@@ -293,9 +295,10 @@ def main() -> None:
             del engine
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        res["memory"] = memory_table(dims, res)
-        res["goals"] = goals(res)
-        print("goals", json.dumps(res["goals"]), flush=True)
+        if "bf16" in res["engine"] and "int4" in res["engine"]:
+            res["memory"] = memory_table(dims, res)
+            res["goals"] = goals(res)
+            print("goals", json.dumps(res["goals"]), flush=True)
     res["wall_s"] = time.perf_counter() - t0
     save()
     if args.plot:

@@ -72,6 +72,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
+    `async_dots` (the caller's GPU runs `kernels.quant_wgmma`: sm_90+, compiled): 2-32 rows of a large 4-bit
+    weight in groups of 128+ with bfloat16 x take that kernel (`_async_dots_config`, its rules and figures).
     One row of a large 4-bit weight in groups of 32 with K < 8192 (what a Q4_0 GGUF of an 8B runs): each
     thread holds two whole rows of a block (`thread_rows`, 128-feature programs of 2 warps; sm_90 machine code
     4.52 instructions a code against 7.95 for the elementwise kernel's 32-feature programs), split to about 8
@@ -82,8 +84,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     two-register-set float16-pairs path): 128-feature programs, split to about three programs an SM or fewer
     (one wave at its 168 registers), at most 16 (H200 sweep of the 8B shapes over 32/64/128 features and splits
     1-16, bench/results/quant_sweep_8b_rows1.json: q/k/v 7.6 us at split 8 against 9.5 at the two-an-SM rule's
-    4; o and down 6.9 / 16.1 at 8, each the fastest; gate/up 28.9 at 1, the fastest 27.9). `beside_lora` (the
-    call adds a LoRA delta whose fused launch runs beside it, `quant_matmul`'s addend): about two an SM, leaving
+    4; o and down 6.9 / 16.1 at 8, each the fastest; gate/up 28.9 at 1, the fastest 27.9). `beside_lora` (a LoRA
+    launch runs beside the call: at one row the fused launch whose delta it adds, `quant_matmul`'s addend; at 2+
+    rows the LoRA on a side stream, `LlamaModel._project`): at one row about two an SM, leaving
     room for that launch's programs (only q/k/v differs, 8 -> 4: H200 engine at batch 1, one run each, rank 16
     on every module 2.91 against 2.84 ms a token, rank 64 on q/k/v 2.65 against 2.55; with no adapter 2.39
     against 2.43, bench/results/quant_chain4_ab.json). Where the 128-feature tiles alone fill the SMs (gate/up) the
@@ -143,7 +146,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         per_sm = 256 * num_sms // bn            # 8 programs of 32 features (4 of 64) per SM, over the T rows
         return QuantMatmulConfig(bn, 1, min(pow2_floor(min(per_sm // (triton.cdiv(N, bn) * T), 16)), num_blocks))
     pairs = pair_codes_layout(bits, group_size, K)
-    if async_dots and T <= 32 and pairs and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
+    if async_dots and T <= 32 and pairs and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT \
+            and (T > 16 or not beside_lora):
         ring = _async_dots_config(T, N, K, num_sms)
         if ring is not None:
             return ring
@@ -178,19 +182,34 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
 
 def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfig | None:
     """2-32 rows of a large 4-bit weight in groups of 128+ with bfloat16 x on sm_90+ (`async_dots`): the
-    asynchronous-dot kernel (`kernels.quant_wgmma`), 64 features by 8 / 16 / 32 rows a program, split 4 and a ring
-    of 4 half blocks taken 4 a step; where the feature tiles alone fill the SMs twice (gate/up) split 2, or above
-    16 rows no split with a ring of 6 taken 2 a step. H200 sweep of the 8B shapes at 1-64 rows against the tiles
-    above (`bench/quant_async_dots.py`, bench/results/quant_async_dots.json): a layer 71.1 -> 58.0 us at 8 rows,
-    72.8 -> 64.0 at 16, 88.9 -> 78.2 at 32; at 64 rows gate/up and down were slower (gate/up 60.5 against 46.0),
-    at one row even with the one-row kernel. A split or step that does not divide K's half blocks steps down;
-    None where nothing does."""
+    asynchronous-dot kernel (`kernels.quant_wgmma`), 64 features by 8 / 16 / 32 rows a program. Where the
+    feature tiles alone fill the SMs twice (gate/up) no split, a ring of 6 half blocks taken 2 a step; else up to
+    8 rows split 4, a ring of 4 taken 4 a step (a long K: split 8, a ring of 8 taken 2), 9-16 rows the same but
+    a long K (down) keeps the tiles; above 16 rows
+    split 4 unless that makes more than two programs an SM (then none, a ring of 6 taken 2). H200 sweep of the 8B
+    shapes at 1-64 rows against the tiles above (`bench/quant_async_dots.py`, the split-K sums in order,
+    bench/results/quant_async_dots.json). At one row the kernel was even with the one-row kernel, and at 64 rows
+    gate/up and down slower than the tiles (gate/up 64.2 us against 47.4). A split or step that does not divide
+    K's half blocks steps down; None where nothing does. Not at 2-16 rows beside a LoRA launch (`beside_lora`: the
+    LoRA on a side stream): the 8B engine with rank-16 adapters on every module, each request its own, took 3.95 /
+    4.56 ms a token at batch 8 / 16 against 3.56 / 4.25 with the tiles (at 32, 4.80 against 4.75; rank 64 on
+    q/k/v 4.28 against 4.54; H200, bench/results/quant_decode_async_dots{,_off}.json)."""
     halves = K // 128
     block_m = 8 if T <= 8 else 16 if T <= 16 else 32
-    wide = cdiv(N, 64) >= 2 * num_sms
-    split, step = (1, 2) if wide and T > 16 else (2, 4) if wide else (4, 4)
-    for sp in (split, split // 2, 1):
-        for st in (step, 2):
+    tiles = cdiv(N, 64) * cdiv(T, block_m)
+    long_k = K >= 8192
+    if cdiv(N, 64) >= 2 * num_sms:
+        split, ring, step = 1, 6, 2
+    elif T <= 16:
+        if long_k and T > 8:        # down at 9-16 rows: the tiles (19.7 us against 23.1 at split 8)
+            return None
+        split, ring, step = (8, 8, 2) if long_k else (4, 4, 4)
+    elif 4 * tiles > 2 * num_sms:
+        split, ring, step = 1, 6, 2
+    else:
+        split, ring, step = 4, 4, 4
+    for sp in (split, split // 2, split // 4, 1):
+        for st, rg in ((step, ring), (2, max(ring, 6))):
             if sp >= 1 and halves % (sp * st) == 0:
-                return QuantMatmulConfig(64, block_m, sp, ring=4 if st == 4 else 6, ring_step=st)
+                return QuantMatmulConfig(64, block_m, sp, ring=rg, ring_step=st)
     return None

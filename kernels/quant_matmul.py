@@ -1,12 +1,15 @@
 """Weight-only quantized matmul (W4A16 / W8A16): out = x @ dequant(W).T, reading the packed codes in place.
 
-Two kernels of one family, both reading `kernels.quant_pack`'s layout (per K block, 32 int32 words per
+Kernels of one family, all reading `kernels.quant_pack`'s layout (per K block, 32 int32 words per
 row; field i of the words holds 32 consecutive codes of one group, or, in the paired layout of 4 bits in
 groups of 128+, 32 codes of one half block, two neighbours a word):
 
 - Tensor-core kernel (2+ rows, `kernels.quant_mma`): a program owns BLOCK_N features by BLOCK_M tokens
   and a range of K blocks; the weight dequantized in registers, or (4 bits in groups of 128+ with
   16-bit x) the codes fed to the dots as they are, the group scales applied to the dots' sums.
+- Asynchronous-dot kernel (2-32 rows of a large 4-bit weight in groups of 128+, bfloat16 x, sm_90+:
+  `kernels.quant_wgmma`, where pick_config is given `async_dots`): the pair codes fed to tensor-core dots that
+  run while the next half block is unpacked, everything a half block needs copied ahead into a shared ring.
 - One-row kernel (batch-1 decode, `kernels.quant_gemv`): no tensor cores, codes * x elementwise in fp32 (in
   float16 pairs for bfloat16 x on 4 bits in groups of 128+, `kernels.quant_h2`); for gate/up-sized weights on
   sm_90+ the float16-pairs arithmetic with its words read by TMA (`kernels.quant_gemv_tma`).

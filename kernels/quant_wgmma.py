@@ -1,22 +1,24 @@
-"""EXPERIMENT, not called by `kernels.quant_matmul` (and never picked): the 4-bit pair-codes tile (2-64 rows; 4 bits
-in groups of 128 and more, the paired layout, bfloat16 x) with its tensor-core dots issued asynchronously, so
-that half block h's dot runs while half block h + 1's codes are unpacked and half block h - 1's sums are scaled.
+"""The asynchronous-dot 4-bit kernel: 2-32 rows of a large weight, 4 bits in groups of 128 and more (the paired
+layout), bfloat16 x, sm_90+. `kernels.quant_matmul` runs it where `kernels.quant_config.pick_config` is given
+`async_dots` (QuantLinear on such a GPU; LORAPLEX_ASYNC_DOTS=0 keeps the register-set tiles of
+`kernels.quant_mma`).
 
-Why: the register-set tiles (`kernels.quant_mma`) wait for every dot before the next instruction (the compiler
-waits after a dot whose result is scaled before the next one; its hottest stalls at 64 rows,
-`bench/results/quant_gemv_stalls_rows64.json`). Written in Triton's explicit-layout dialect: the words are read
-straight into the layout of the dot's register operand (`w_layout`: a thread holds the words of its operand
-rows and pairs), x's half blocks go by asynchronous copies into a ring of NX half blocks in shared memory, and
-each loop step covers U half blocks and ends with its dots complete (a dot running across the loop's back edge
-makes the assembler wait after every dot: the compiler copies loop-carried values there). The arithmetic is
-`quant_mma`'s pair-codes path: BIAS + q as the operand (`biased_pair`'s and-or), one K=128 dot a half block,
-fp32 sums times the group scale, and the offsets' term (o - BIAS s) * sum(x) as a second FMA a half block.
+A program owns 64 features by 8 / 16 / 32 / 64 rows (BLOCK_M) and a range of K's half blocks (128 codes, one
+group). Everything a half block needs goes by asynchronous copies into a ring of NX slots in shared memory, one
+copy group a half block: x's [BLOCK_M, 128] tile, the [64, 16] words (swizzled so that each load instruction
+reads 32 banks), the group scales, offsets and x's sums; the loop has no global loads (a loop-carried register
+copy of a load waits for it in the same iteration). Each half block's words become the dot's register operand
+(`w_layout`: a thread loads the words whose pairs are its operand registers), BIAS + q as bfloat16 pairs by one
+`lop3` (`quant_tile.biased_pair`), and one K=128 tensor-core dot runs asynchronously while the next half block is
+unpacked and the previous one's fp32 sums are scaled: acc += s * D + (o - BIAS s) * sum(x). A loop step covers U
+half blocks and ends with its dots complete (a dot running across the loop's back edge makes the assembler wait
+after every dot). Split-K: each program stores its fp32 partial and the last of a tile sums them in split order
+(`kernels.quant_split`'s protocol, deterministic); a bias is added once. As a dependent launch (kernels/pdl.py)
+the first NX half blocks' words, scales and offsets are copied before the wait, x and its sums after it.
 
-State (2026-11-29): compiled for sm_90 with Triton 3.6 and 3.9, two dots in flight (tests/kernels/
-test_quant_wgmma.py); its first GPU run (an earlier version, bench/results/quant_async_dots_first_run.json) gave
-wrong sums from a ring bug since fixed, and this version has NOT RUN on a GPU. `bench/quant_async_dots.py` times
-it against pick_config's tiles; split-K here adds fp32 partials atomically (order-dependent rounding), unlike
-`kernels.quant_split`'s ordered sum.
+Written in Triton's explicit-layout dialect (`triton.experimental.gluon`), which the interpreter does not run:
+on the CPU only its compiled sm_90 code is checked (tests/kernels/test_quant_wgmma.py). Measured on an H200
+(docs/quantization.md, "Asynchronous dots at 2-32 rows").
 """
 from __future__ import annotations
 

@@ -36,8 +36,11 @@
 #                    programs' signatures (their specialisations) counted: which programs the warm-up compiled
 #                    beside the pool's (the test itself names a program looked up that the pool was not handed;
 #                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
-#   async-dots       the asynchronous-dot 4-bit tiles (kernels/quant_wgmma.py, an experiment): their GPU tests, then
-#                    bench/quant_async_dots.py at rows $ROWS (default 16,32,64) against pick_config's tiles (~3 minutes)
+#   async-dots       the asynchronous-dot 4-bit kernel (kernels/quant_wgmma.py): its GPU tests and the engine's
+#                    (tests/engine/test_quant_async_dots_gpu.py), then bench/quant_async_dots.py at rows $ROWS
+#                    (default 1,8,16,32,64): pick_config's choice without and with it, and its variants (~4 minutes)
+#   async-dots-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
+#                    LORAPLEX_ASYNC_DOTS=1 then 0: an A/B of the kernel on one lease (~3 minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host); ROWS=64
 #                    (2-64): the tensor-core tile kernel at that many rows instead (quant_gemv_stalls_rows64.json)
@@ -192,10 +195,16 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4.json" 2>&1 | tail -60 | tee "$out/$stage.log"
     bash "$0" gemv-stalls "$commit" "$out" ;;
   async-dots)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma.py 2>&1 | tail -15 \
-      | tee "$out/$stage.log"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma.py \
+      tests/engine/test_quant_async_dots_gpu.py 2>&1 | tail -15 | tee "$out/$stage.log"
     python3 bench/quant_async_dots.py --rows "${ROWS:-1,8,16,32,64}" --commit "$commit" \
       --out "$out/quant_async_dots.json" 2>&1 | cut -c1-260 | tee -a "$out/$stage.log" ;;
+  async-dots-decode)
+    for flag in 1 0; do
+      LORAPLEX_ASYNC_DOTS=$flag python3 bench/quant_decode.py --labels int4 --batches "${BATCHES:-8,16,32}" \
+        --commit "$commit" --out "$out/quant_decode_async_dots_$flag.json" 2>&1 | grep "^engine" \
+        | tee -a "$out/$stage.log"
+    done ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \

@@ -1,8 +1,9 @@
-"""The asynchronous-dot 4-bit tiles (`kernels.quant_wgmma`, an experiment quant_matmul does not call): compiled for
-Hopper with no GPU, each half block's 8 tensor-core instructions issue back to back and the program waits for all
-but the latest group (two dots in flight), never after each instruction (what the assembler does when a running
-dot's accumulators are read or copied); the launcher refuses what the kernel cannot do; on a GPU, the
-fp32 dequantize-then-matmul reference (tiles with masked rows and features, split-K, groups of 128 and 256)."""
+"""The asynchronous-dot 4-bit kernel (`kernels.quant_wgmma`): compiled for Hopper with no GPU, each half block's 8
+tensor-core instructions issue back to back and the program waits for all but the latest group (two dots in
+flight), never after each instruction (what the assembler does when a running dot's accumulators are read or
+copied); the launcher and quant_matmul refuse what the kernel cannot do; pick_config's rule for it; on a GPU, the
+fp32 dequantize-then-matmul reference (tiles with masked rows and features, a bias, split-K summed in order and
+deterministic, groups of 128 and 256) and QuantLinear taking it at 2-32 rows."""
 from __future__ import annotations
 
 import os
@@ -27,7 +28,8 @@ def sass(block_m: int, split: int, tmp_path: Path) -> tuple[str, list[tuple[int,
     cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "kernels.quant_wgmma:quant_wgmma_kernel",
            "--const", "GROUP=128", f"BLOCK_M={block_m}", "NX=4", "U=4", f"SPLIT={split}", "HAS_BIAS=1", "FENCE=1",
            "USE_PDL=1", "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "xs_ptr=fp32",
-           "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N", "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
+           "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N", "stride_x",
+           "stride_out", "words_per_row", "--dump", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout, parse_sass((out / "kernel.sass").read_text())
@@ -90,19 +92,24 @@ def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
 
 def test_pick_config_takes_the_kernel_where_it_was_faster() -> None:
     """2-32 rows of the 8B shapes (4 bits, groups of 128, bfloat16 x) with `async_dots`; not at 1 or 33+ rows,
-    not for float16 x, small weights or groups of 32, nor without `async_dots`; a split or step that does not
-    divide K's half blocks steps down."""
+    not for float16 x, small weights or groups of 32, nor without `async_dots`, nor down at 9-16 rows or 2-16 rows
+    beside a LoRA launch; a split or step that does not divide K's half blocks steps down."""
     from kernels.quant_config import pick_config
 
-    for T, bm in ((2, 8), (8, 8), (9, 16), (16, 16), (17, 32), (32, 32)):
-        for N, K, split, step in ((6144, 4096, 4, 4), (4096, 4096, 4, 4), (4096, 14336, 4, 4),
-                                  (28672, 4096, 2 if T <= 16 else 1, 4 if T <= 16 else 2)):
-            cfg = pick_config(T, N, K, 4, 132, 128, torch.bfloat16, async_dots=True)
-            assert (cfg.block_n, cfg.block_m, cfg.split_k, cfg.ring_step) == (64, bm, split, step), (T, N, K, cfg)
-            assert cfg.ring == (4 if step == 4 else 6)
-            assert (K // 128) % (cfg.split_k * cfg.ring_step) == 0
-            assert pick_config(T, N, K, 4, 132, 128, torch.bfloat16).ring == 0
+    expect = {  # (T, N, K): (block_m, split, ring, step)
+        (2, 6144, 4096): (8, 4, 4, 4), (8, 4096, 4096): (8, 4, 4, 4), (8, 4096, 14336): (8, 8, 8, 2),
+        (8, 28672, 4096): (8, 1, 6, 2), (9, 6144, 4096): (16, 4, 4, 4), (16, 28672, 4096): (16, 1, 6, 2),
+        (17, 6144, 4096): (32, 1, 6, 2), (32, 4096, 4096): (32, 4, 4, 4), (32, 4096, 14336): (32, 4, 4, 4),
+        (32, 28672, 4096): (32, 1, 6, 2)}
+    for (T, N, K), want in expect.items():
+        cfg = pick_config(T, N, K, 4, 132, 128, torch.bfloat16, async_dots=True)
+        assert cfg.block_n == 64 and (cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step) == want, (T, N, K, cfg)
+        assert (K // 128) % (cfg.split_k * cfg.ring_step) == 0
+        assert pick_config(T, N, K, 4, 132, 128, torch.bfloat16).ring == 0
     assert pick_config(1, 4096, 4096, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
+    assert pick_config(16, 4096, 14336, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
+    assert pick_config(16, 4096, 4096, 4, 132, 128, torch.bfloat16, True, async_dots=True).ring == 0  # LoRA beside
+    assert pick_config(32, 4096, 4096, 4, 132, 128, torch.bfloat16, True, async_dots=True).ring == 4
     assert pick_config(33, 4096, 4096, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
     assert pick_config(8, 4096, 4096, 4, 132, 128, torch.float16, async_dots=True).ring == 0
     assert pick_config(8, 960, 576, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
@@ -153,7 +160,7 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
         want += bias.float()
     outs = [torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(2)]
     partials = torch.empty(split * T * N, device=dev)
-    locks = torch.zeros(64, dtype=torch.int32, device=dev)
+    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
     for out in outs:
         quant_wgmma(x, w, bias, out, half_sums(x), block_m=block_m, split=split, partials=partials, locks=locks)
     err = ((outs[0].float() - want).norm() / want.norm()).item()
