@@ -44,6 +44,23 @@ MID_DIMS = dict(vocab_size=128, hidden_size=1024, intermediate_size=4096, num_hi
                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
 
 
+# A rank-16 adapter on every projection, for the GPU tests of the engine's 4-bit kernels.
+ALL_MODULES = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+
+
+def w4_mid_llama(tmp_path_factory) -> tuple[Path, Path]:
+    """(a 4-bit compressed-tensors copy of `mid_llama` in groups of 128, the folder holding its adapter "all"
+    (ALL_MODULES)), made under pytest's `tmp_path_factory`."""
+    from compute_service.engine.quant_formats.export import quantize_checkpoint
+
+    src, adapters = tmp_path_factory.mktemp("mid"), tmp_path_factory.mktemp("adapters")
+    mid_llama({"all": ALL_MODULES}, src, adapters)
+    folder = quantize_checkpoint(src, tmp_path_factory.mktemp("w4") / "ct4", bits=4, group_size=128,
+                                 progress=False).out
+    return folder, adapters
+
+
 def mid_llama(adapters: dict[str, dict], src: Path, adapter_dir: Path):
     """A random llama of MID_DIMS (projections large enough for the GPU's one-row kernels), saved to `src`, and
     PEFT `adapters` on it with B large enough to move the logits clearly, saved to `adapter_dir`; the PEFT model

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
-from compute_service.engine.quant_formats.export import quantize_checkpoint
 from compute_service.engine.quant_linear import QuantLinear
-from helpers import MID_DIMS, assert_same_logits, mid_llama
+from helpers import MID_DIMS, assert_same_logits, w4_mid_llama
 from loraplex.formats import read_peft
 from test_parity import run_collecting
 
@@ -19,17 +18,10 @@ pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-ADAPTER = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                    "up_proj", "down_proj"])
-
 
 @pytest.fixture(scope="module")
 def w4_llama(tmp_path_factory):
-    src, adapters = tmp_path_factory.mktemp("mid"), tmp_path_factory.mktemp("adapters")
-    mid_llama({"all": ADAPTER}, src, adapters)
-    folder = quantize_checkpoint(src, tmp_path_factory.mktemp("w4") / "ct4", bits=4, group_size=128,
-                                 progress=False).out
-    return folder, adapters
+    return w4_mid_llama(tmp_path_factory)
 
 
 def _run(folder, adapters, monkeypatch, tma: str):
