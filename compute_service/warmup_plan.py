@@ -134,7 +134,8 @@ def describe_quantized(model: Any) -> str:
 
 def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Callable[[int], LaunchClass]:
     """T -> the launch keys of the quantized base projections at T rows: their kernels pick tiles and K splits
-    from T (`kernels.quant_matmul.pick_config`), so a step of T tokens can need programs no other T compiled.
+    from T (`kernels.quant_matmul.pick_config`), so a step of T tokens can need programs no other T compiled;
+    at 2+ rows both choices, alone and beside a LoRA launch (`QuantLinear(..., beside_lora=True)`).
     From `dense_min_tokens` rows a projection dequantizes and calls the library GEMM, the same launches at
     every T: one class of its own, without a dry run."""
     projections = quantized_projections(model)
@@ -151,6 +152,8 @@ def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Call
                 continue
             with LaunchRecorder() as rec:
                 p(xs[p.in_features][:t])
+                if t > 1:       # beside a LoRA launch (graphs of 2+ tokens) pick_config may choose other programs
+                    p(xs[p.in_features][:t], beside_lora=True)
             keys.extend(rec.keys)
         return tuple(keys)
     return launch_keys
