@@ -39,7 +39,7 @@ from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
-from kernels.quant_wgmma import async_dots_supported, quant_wgmma
+from kernels.quant_wgmma import quant_wgmma, runs_on
 
 
 def _quad_words(w: PackedQuantWeight) -> bool:
@@ -130,7 +130,7 @@ def quant_matmul(
     else:
         check_sums(x_sums, T, K, width, "x_sums")
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
-        if not (pairs and paired and async_dots_supported(x, w)) or cfg.block_n != 64:
+        if not (pairs and paired and runs_on(x.device)) or cfg.block_n != 64:     # x's dtype: quant_wgmma
             raise ValueError(f"bad config {cfg}: a ring runs 64-feature tiles of the asynchronous-dot kernel: 4 bits "
                              "in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
         quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks)

@@ -233,20 +233,16 @@ ENV = "LORAPLEX_ASYNC_DOTS"
 
 
 def async_dots_enabled(device: torch.device) -> bool:
-    """Whether `kernels.quant_config.pick_config` may pick this kernel for a device (its `async_dots`): a CUDA GPU
-    of sm_90 or later, compiled kernels, and LORAPLEX_ASYNC_DOTS not 0 (for A/B runs: 0 keeps the tiles of
-    `kernels.quant_mma` at 2-32 rows)."""
-    flag = env_int(ENV, lambda v: v in (0, 1), "0 or 1")
-    return (device.type == "cuda" and compiled() and flag != 0
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    """Whether `kernels.quant_config.pick_config` may pick this kernel for a device (its `async_dots`): one that
+    runs it (`runs_on`), and LORAPLEX_ASYNC_DOTS not 0 (for A/B runs: 0 keeps the tiles of `kernels.quant_mma`
+    at 2-32 rows)."""
+    return env_int(ENV, lambda v: v in (0, 1), "0 or 1") != 0 and runs_on(device)
 
 
-def async_dots_supported(x: torch.Tensor, w: PackedQuantWeight) -> bool:
-    """Whether `quant_wgmma` runs this call: bfloat16 x on a CUDA GPU of sm_90 or later (not interpreted), 4 bits
-    in groups of 128 and more (the paired layout), K a multiple of 128."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and compiled() and w.bits == 4
-            and paired_layout(w.bits, w.group_size) and w.in_features % 128 == 0
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+def runs_on(device: torch.device) -> bool:
+    """Whether this kernel runs on `device`: a CUDA GPU of sm_90 or later, compiled (the interpreter does not run
+    the dialect)."""
+    return device.type == "cuda" and compiled() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride along K

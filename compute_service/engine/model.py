@@ -18,7 +18,6 @@ from compute_service.engine.attention import StepMetadata, paged_attention
 from compute_service.engine.graph_capture import in_graph_forward
 from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
-from compute_service.engine.quant_linear import QuantLinear
 from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
 from kernels.env_switch import env_int
@@ -275,9 +274,7 @@ class LlamaModel:
         with torch.cuda.stream(side):
             delta.zero_()
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-        if isinstance(linear, QuantLinear):
-            kw["beside_lora"] = True            # its kernel choice leaves room for the LoRA launch beside it
-        y = linear(x, **kw)
+        y = linear(x, beside_lora=True, **kw)     # its kernel choice leaves room for the LoRA launch beside it
         main.wait_stream(side)
         if defer:
             return y, delta
