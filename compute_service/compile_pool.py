@@ -89,6 +89,18 @@ def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
+def source_class(fn: Any) -> type:
+    """The Triton source type `fn` compiles from: the explicit-layout dialect's kernels (`is_gluon`) parse
+    only as their own (as plain Triton source their layout builtins fail to parse)."""
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    from triton.compiler import ASTSource
+
+    return ASTSource
+
+
 def compile_program(module: str, qualname: str, spec: str, target: tuple[str, int, int]) -> float:
     """In a worker: compiles one program from Triton's serialised specialisation into the on-disk cache and
     builds its launcher there too; returns the seconds it took."""
@@ -96,7 +108,6 @@ def compile_program(module: str, qualname: str, spec: str, target: tuple[str, in
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     data = json.loads(spec)
@@ -113,7 +124,8 @@ def compile_program(module: str, qualname: str, spec: str, target: tuple[str, in
     attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
     signature = {k: _as_tuple(v) for k, v in data["signature"].items()}
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
-    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget(*target), options=options)
+    kernel = triton.compile(source_class(fn)(fn, signature, constants, attrs), target=GPUTarget(*target),
+                            options=options)
     try:                                             # the launcher, a small C module, cached by its source
         from triton.backends.nvidia.driver import CudaLauncher
 

@@ -111,12 +111,10 @@ def constexpr_defaults(kernel) -> dict[str, int]:
             if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)}
 
 
-def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned: set[str], warps: int = 4,
-                   stages: int = 3, maxnreg: int | None = None, arch: int = 90, descs: dict[str, str] | None = None):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def specialization(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned: set[str],
+                   descs: dict[str, str] | None = None) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of one program of `kernel`, in the forms Triton's sources take: `consts`
+    (over the kernel's constexpr defaults), pointers' element types, the integers divisible by 16."""
     name = kernel.fn.__name__
     params = list(inspect.signature(kernel.fn).parameters)
     descs = descs or {}
@@ -137,11 +135,18 @@ def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned
             sig[p] = "i32"
             if p in aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource
-    if getattr(kernel, "is_gluon", lambda: False)():     # a kernel in the explicit-layout dialect
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-    src = source(fn=kernel, signature=sig, constexprs={(params.index(p),): v for p, v in consts.items()},
-                 attrs=attrs)
+    return sig, {(params.index(p),): v for p, v in consts.items()}, attrs
+
+
+def compile_kernel(kernel, consts: dict[str, int], ptrs: dict[str, str], aligned: set[str], warps: int = 4,
+                   stages: int = 3, maxnreg: int | None = None, arch: int = 90, descs: dict[str, str] | None = None):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from compute_service.compile_pool import source_class
+
+    sig, constexprs, attrs = specialization(kernel, consts, ptrs, aligned, descs)
+    src = source_class(kernel)(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 

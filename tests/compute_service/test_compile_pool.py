@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -169,3 +170,42 @@ def test_a_program_not_done_in_time_is_left_to_the_warm_up():
         pool.close()
     assert (report.programs, report.compiled, report.failed) == (1, 0, 1)
     assert "TimeoutError" in report.errors[0] and "within 0 s" in report.errors[0]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# Compiled for sm_90 with Triton's own assembler: a worker never touches the GPU, so no GPU is needed here.
+WORKER_COMPILE = """
+import json, sys
+sys.path.insert(0, "scripts")
+from kernel_sass import specialization
+from kernels.quant_wgmma import quant_wgmma_kernel
+from compute_service.compile_pool import compile_program
+
+sig, constexprs, attrs = specialization(
+    quant_wgmma_kernel, {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 0, "FENCE": 1,
+                         "USE_PDL": 1},
+    {"x_ptr": "bf16", "w_ptr": "i32", "s_ptr": "fp16", "o_ptr": "fp16", "xs_ptr": "fp32", "bias_ptr": "bf16",
+     "out_ptr": "bf16", "part_ptr": "fp32", "lock_ptr": "i32"},
+    {"N", "stride_x", "stride_out", "words_per_row"})
+spec = json.dumps({"signature": sig, "constant_keys": [list(k) for k in constexprs],
+                   "constant_vals": [{"constexpr": v} for v in constexprs.values()],
+                   "attrs_keys": [list(k) for k in attrs], "attrs_vals": list(attrs.values()),
+                   "options": {"num_warps": 4, "num_stages": 3}})
+compile_program("kernels.quant_wgmma", "quant_wgmma_kernel", spec, ("cuda", 90, 32))
+"""
+
+
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+                    .exists(), reason="Triton's CUDA assembler is not installed")
+def test_a_worker_compiles_a_kernel_of_the_explicit_layout_dialect(tmp_path):
+    # The asynchronous-dot 4-bit kernel is written in Triton's explicit-layout dialect: parsed as plain Triton
+    # source it fails, and every such program was left to the warm-up's main process, one at a time.
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # compiled, not interpreted
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", WORKER_COMPILE], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [p.name for p in tmp_path.rglob("*.cubin")] == ["quant_wgmma_kernel.cubin"]
