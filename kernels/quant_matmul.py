@@ -28,7 +28,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.env_switch import env_int
-from kernels.host_ints import cdiv
 from kernels.pdl import compiled, launch_args, pdl_enabled
 from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs_layout,  # noqa: F401
                                   pair_codes_layout, pick_config)

@@ -63,7 +63,7 @@
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
-#                    offline host, its two halves, as for suite-rest). QUANT_GROUP=32 in the environment:
+#                    offline host, its parts, as for suite-rest). QUANT_GROUP=32 in the environment:
 #                    the 4-bit side in groups of 32 (serve_load_8b_w4g32.json; the bf16 side's name as before)
 #                    MAX_LORA_RANK=256: both sides with the pool of a server's default largest rank instead of the
 #                    adapters' (64); the JSONs' names end in _r256
