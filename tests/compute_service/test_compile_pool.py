@@ -124,19 +124,32 @@ def _forget_compiled_programs() -> None:
                         entry[0].clear()
 
 
+@pytest.fixture(scope="module")
+def w4_mid_dir(tmp_path_factory) -> Path:
+    """A 4-bit llama in groups of 128 whose gate/up and down take the asynchronous-dot kernel at 2-32 rows on an
+    sm_90+ GPU (a kernel in Triton's explicit-layout dialect)."""
+    from helpers import w4_mid_llama
+
+    return w4_mid_llama(tmp_path_factory)[0]
+
+
 @pytest.mark.gpu
-def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["tiny", "w4_mid"])
+def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(model, request, tmp_path, monkeypatch):
     """Empty Triton cache (so no saved plan either): every program the warm-up needs is compiled once, by a
-    worker; the warm-up's own launches then find each in the cache (no second copy of any program)."""
+    worker; the warm-up's own launches then find each in the cache (no second copy of any program). The 4-bit
+    model's kernels include one of the explicit-layout dialect on an sm_90+ GPU."""
     from triton import knobs
 
     from compute_service.build import build_runtime
     from compute_service.warmup import compiled_kernels, warm_up
+    from kernels.quant_wgmma import runs_on
 
+    folder = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "w4_mid_dir")
     cache = tmp_path / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     _forget_compiled_programs()
-    cfg = ComputeConfig(model=str(tiny_model_dir), device="cuda", max_model_len=96, kv_cache_bytes=1 << 20,
+    cfg = ComputeConfig(model=str(folder), device="cuda", max_model_len=96, kv_cache_bytes=1 << 20,
                         lora_gpu_cache_bytes=8 << 20, max_lora_rank=64, max_num_batched_tokens=256)
     rt = build_runtime(cfg, None, capture_graphs=False)
     looked_up: set[tuple[str, str]] = set()       # programs the main process looked for outside the recordings
@@ -156,6 +169,8 @@ def test_a_cold_start_compiles_in_workers_and_the_warm_up_reads_their_cache(tiny
     cubins = list(Path(cache).rglob("*.cubin"))
     assert len(cubins) == pool.programs                 # the warm-up compiled no program again
     assert compiled_kernels() == pool.programs          # and every program it runs was handed over
+    if model == "w4_mid" and runs_on(torch.device("cuda")):
+        assert "quant_wgmma_kernel" in pool.kernel_s, sorted(pool.kernel_s)
     torch.cuda.synchronize()
 
 
