@@ -44,6 +44,9 @@
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host); ROWS=64
 #                    (2-64): the tensor-core tile kernel at that many rows instead (quant_gemv_stalls_rows64.json)
+#   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
+#                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
+#                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
 #                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
@@ -209,5 +212,11 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
       | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
+  async-stalls)
+    for rows in ${ROWS:-8 32}; do
+      python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \
+        --out "$out/quant_async_stalls_rows$rows.json" --raw "/tmp/quant_async_stalls_raw_$rows" 2>&1 \
+        | tee -a "$out/async_stalls.log"
+    done ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -136,3 +136,26 @@ def test_the_profiled_kernel_is_the_one_pick_config_runs():
         for rows in (1, 2, 8, 64):
             one_row = pick_config(rows, n, k, 4, 132, 128).block_m == 1
             assert stalls.KERNELS[rows == 1] == stalls.KERNELS[one_row]
+
+
+def test_async_dots_profile_the_ring_kernel_and_keep_their_own_files(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(stalls.shutil, "which", lambda name: "/usr/bin/ncu")
+    monkeypatch.setattr(stalls, "_ncu", lambda args: calls.append(args) or "")
+    stalls.profile("down", tmp_path, 8, async_dots=True)
+    assert all(a[a.index("--kernel-name") + 1] == stalls.ASYNC_KERNELS and a[-1] == "--async-dots" for a in calls)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["down_t8_async_metrics.txt", "down_t8_async_source.csv"]
+    (tmp_path / "down_t8_async_source.csv").write_text(
+        _csv().replace("quant_gemv_kernel", "quant_wgmma_kernel").replace("block_m=1", "block_m=8"))
+    out = tmp_path / "s.json"
+    _main(monkeypatch, "--parse", str(tmp_path), "--shapes", "down", "--rows", "8", "--async-dots", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert res["async_dots"] and res["command"].endswith("--rows 8 --async-dots")
+    assert res["shapes"]["down"]["kernel"] == "quant_wgmma_kernel" and res["shapes"]["down"]["config"][1] == 8
+
+
+def test_async_dots_launch_what_pick_config_picks_with_them():
+    from kernels.quant_matmul import pick_config
+    n, k = stalls.SHAPES["gate_up"]
+    assert pick_config(8, n, k, 4, 132, 128, async_dots=True).ring > 0       # the ring kernel at 8 rows
+    assert "wgmma" in stalls.ASYNC_KERNELS and "gemv" in stalls.ASYNC_KERNELS   # one row keeps its kernel
