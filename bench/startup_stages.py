@@ -19,13 +19,27 @@ STAGE_PATTERNS = {          # the compute service's start-up log lines, as secon
 }
 
 
+COUNT_PATTERNS = {          # the compile pool's counts: programs handed to it, compiled there, left to the warm-up
+    "pool_programs": r"\d+/(\d+) Triton programs compiled in \d+ processes",
+    "pool_compiled": r"(\d+)/\d+ Triton programs compiled in \d+ processes",
+    "pool_failed": r"Triton programs compiled in \d+ processes \([\d.]+ s summed\); (\d+) left to the warm-up",
+}
+
+
 def stages(log_text: str) -> dict:
-    """Seconds of each start-up stage the compute service logged (a stage it did not log is left out), and
+    """Seconds of each start-up stage the compute service logged (a stage it did not log is left out), the
+    compile pool's counts (a program a worker failed on is compiled later by the service, one at a time), and
     whether the warm-up plan came from the cache."""
     out: dict = {}
     for name, pattern in STAGE_PATTERNS.items():
         m = re.search(pattern, log_text)
         if m:
             out[name] = float(m.group(1))
+    for name, pattern in COUNT_PATTERNS.items():
+        m = re.search(pattern, log_text)
+        if m:
+            out[name] = int(m.group(1))
+    if "pool_programs" in out:
+        out.setdefault("pool_failed", 0)
     out["plan_cached"] = "plan from cache" in log_text
     return out

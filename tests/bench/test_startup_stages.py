@@ -30,9 +30,20 @@ CUDA graphs in 1.9 s
 
 def test_a_cold_start_s_stages():
     got = _startup().stages(COLD)
-    assert got == {"runtime_s": 1.2, "cuda_context_s": 0.3, "model_s": 0.7, "plan_s": 9.0, "pool_summed_s": 102.7, "pool_recording_s": 3.1,
-                   "pool_tail_s": 2.7, "compile_pass_s": 9.2, "graphs_s": 1.9, "engine_pass_s": 0.2,
-                   "compute_serving_s": 24.2, "plan_cached": False}
+    assert got == {"runtime_s": 1.2, "cuda_context_s": 0.3, "model_s": 0.7, "plan_s": 9.0, "pool_summed_s": 102.7,
+                   "pool_recording_s": 3.1, "pool_tail_s": 2.7, "compile_pass_s": 9.2, "graphs_s": 1.9,
+                   "engine_pass_s": 0.2, "compute_serving_s": 24.2, "pool_programs": 105, "pool_compiled": 105,
+                   "pool_failed": 0, "plan_cached": False}
+
+
+def test_programs_a_worker_failed_on_are_counted():
+    # what the served 8B 4-bit start-up logged while the workers parsed the explicit-layout dialect as plain Triton
+    failing = COLD.replace("105/105 Triton programs compiled in 15 processes (102.7 s summed);",
+                           "93/105 Triton programs compiled in 15 processes (102.7 s summed); 12 left to the "
+                           "warm-up (quant_wgmma_kernel: RuntimeError: error encountered during parsing);")
+    got = _startup().stages(failing)
+    assert (got["pool_programs"], got["pool_compiled"], got["pool_failed"]) == (105, 93, 12)
+    assert got["pool_summed_s"] == 102.7 and got["pool_recording_s"] == 3.1
 
 
 def test_a_warm_start_has_no_plan_or_pool_stage():
