@@ -1,7 +1,8 @@
 """The asynchronous-dot 4-bit tiles (`kernels.quant_wgmma`, an experiment) against pick_config's tiles
 (`kernels.quant_matmul`) on the 8B layer shapes, groups of 128, bf16 x, both given the sums of x: per shape and row
-count, pick_config's time and error without and with `async_dots` (the kernel's rule), then each tried tile /
-split / ring / step of the kernel (its error against the fp32 reference; split-K summed in order). Weights rotate
+count, pick_config's time and error without and with `async_dots` (the kernel's rule), then each tried tile (64
+features, or 128 on two warpgroups at 16+ rows) / split / ring / step of the kernel (its error against the fp32
+reference; split-K summed in order). Weights rotate
 through more than the L2 holds; CUDA graphs, median of replays.
 
     python3 bench/quant_async_dots.py --rows 16,32,64 --out bench/results/quant_async_dots.json
@@ -66,32 +67,35 @@ def main() -> None:
                                                                                          x_sums=xs)
                                            for i, w in enumerate(ws)])
             r["tried"] = []
-            for bm in sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set())):
+            tiles = sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set()))
+            for bn, bm in [(bn, bm) for bn in (64, 128) for bm in tiles if bn == 64 or bm >= 16]:
                 for split in (1, 2, 4) + ((8,) if k >= 8192 else ()):
                     for nx, u in ((4, 4), (6, 2), (8, 2)):
                         if (k // 128) % (u * split):
                             continue
                         t0 = time.time()
+                        case = dict(bn=bn, bm=bm, split=split, nx=nx, u=u)
                         try:
-                            quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks)
+                            quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks, bn)
                             torch.cuda.synchronize()
                             err = ((outs[0].float() - want).norm() / want.norm()).item()
                             calls = [lambda w=w, o=outs[i % 2]: quant_wgmma(x, w, None, o, xs, bm, split, nx, u, part,
-                                                                            locks)
+                                                                            locks, bn)
                                      for i, w in enumerate(ws)]
                             us = graph_us(calls)
                         except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
-                            r["tried"].append(dict(bm=bm, split=split, nx=nx, u=u, failed=repr(e)[:300]))
+                            r["tried"].append(dict(case, failed=repr(e)[:300]))
                             continue
-                        r["tried"].append(dict(bm=bm, split=split, nx=nx, u=u, us=us, err=err,
-                                               first_call_s=time.time() - t0))
+                        r["tried"].append(dict(case, us=us, err=err, first_call_s=time.time() - t0))
             ok = [c for c in r["tried"] if "us" in c and c["err"] < 1e-2]
             best = min(ok, key=lambda c: c["us"]) if ok else None
             bad = [c for c in r["tried"] if "failed" in c or c.get("err", 0) >= 1e-2]
             print(f"{name:8s} T={t:3d} pick {r['pick']} {r['pick_us']:6.1f} us | with async dots {r['pick_async']} "
                   f"{r['pick_async_us']:6.1f} us (err {r['pick_async_err']:.1e}) | best "
-                  + (f"{best['us']:6.1f} us (tile {best['bm']} split {best['split']} ring "
+                  + (f"{best['us']:6.1f} us (tile {best['bn']}x{best['bm']} split {best['split']} ring "
                      f"{best['nx']} step {best['u']})" if best else "none correct")
+                  + "".join(f" | best of {bn} features {min(c['us'] for c in ok if c['bn'] == bn):6.1f} us"
+                            for bn in (64, 128) if any(c["bn"] == bn for c in ok))
                   + (f" | {len(bad)} failed or wrong, e.g. {bad[0]}" if bad else ""), flush=True)
             res["cases"][f"{name}/{t}"] = r
     args.out.parent.mkdir(parents=True, exist_ok=True)

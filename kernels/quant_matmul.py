@@ -129,10 +129,11 @@ def quant_matmul(
     else:
         check_sums(x_sums, T, K, width, "x_sums")
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
-        if not (pairs and paired and runs_on(x.device)) or cfg.block_n != 64:     # x's dtype: quant_wgmma
-            raise ValueError(f"bad config {cfg}: a ring runs 64-feature tiles of the asynchronous-dot kernel: 4 bits "
-                             "in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
-        quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks)
+        if not (pairs and paired and runs_on(x.device)) or cfg.block_n not in (64, 128):    # the rest: quant_wgmma
+            raise ValueError(f"bad config {cfg}: a ring runs 64- or 128-feature tiles of the asynchronous-dot kernel: "
+                             "4 bits in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
+        quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks,
+                    cfg.block_n)
         return
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)

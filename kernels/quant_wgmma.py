@@ -3,9 +3,10 @@ layout), bfloat16 x, sm_90+. `kernels.quant_matmul` runs it where `kernels.quant
 `async_dots` (QuantLinear on such a GPU; LORAPLEX_ASYNC_DOTS=0 keeps the register-set tiles of
 `kernels.quant_mma`).
 
-A program owns 64 features by 8 / 16 / 32 / 64 rows (BLOCK_M) and a range of K's half blocks (128 codes, one
+A program owns 64 features (one warpgroup) or 128 (two warpgroups sharing each half block's x: half the copies
+of x a feature, for 16+ rows) by 8 / 16 / 32 / 64 rows (BLOCK_M) and a range of K's half blocks (128 codes, one
 group). Everything a half block needs goes by asynchronous copies into a ring of NX slots in shared memory, one
-copy group a half block: x's [BLOCK_M, 128] tile, the [64, 16] words (swizzled so that each load instruction
+copy group a half block: x's [BLOCK_M, 128] tile, the [BLOCK_N, 16] words (swizzled so that each load instruction
 reads 32 banks), the group scales, offsets and x's sums; the loop has no global loads (a loop-carried register
 copy of a load waits for it in the same iteration). Each half block's words become the dot's register operand
 (`w_layout`: a thread loads the words whose pairs are its operand registers), BIAS + q as bfloat16 pairs by one
@@ -38,7 +39,13 @@ from kernels.quant_pack import PackedQuantWeight, paired_layout
 x_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-BLOCK_N = 64        # features a program (4 warps' 16-row slices of the dot's M; the kernel's layouts assume 64)
+BLOCK_NS = (64, 128)    # features a program: one or two warpgroups, each warp a 16-row slice of the dot's M
+
+
+@gluon.constexpr_function
+def _warp_rows(num_warps):
+    """Warp bases of a [16 * num_warps, *] layout whose warp w holds rows 16 w .. 16 w + 15."""
+    return [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
 
 
 @gluon.jit
@@ -84,10 +91,10 @@ def _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask):
 
 
 @gluon.jit
-def _gpu_fence(NUM_THREADS: gl.constexpr):
+def _gpu_fence(NUM_WARPS: gl.constexpr):
     """One GPU-scope fence a thread (`kernels.pdl.gpu_fence`)."""
     gl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.b32 $0, $1;", "=r,r",
-                              [gl.arange(0, NUM_THREADS, layout=gl.BlockedLayout([1], [32], [4], [0]))],
+                              [gl.arange(0, 32 * NUM_WARPS, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))],
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -95,47 +102,48 @@ def _gpu_fence(NUM_THREADS: gl.constexpr):
 def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, T, N, stride_x,
                        stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                        NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       FENCE: gl.constexpr, USE_PDL: gl.constexpr):
-    """out.T tile [64, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
+                       FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64):
+    """out.T tile [BLOCK_N, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
     multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
     of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
     protocol)."""
     pid_m = gl.program_id(0)                        # row tiles of one feature block run side by side (its words
     pid_n = gl.program_id(1)                        # read once from memory, then from L2)
     pid_k = gl.program_id(2)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    NW: gl.constexpr = BLOCK_N // 16                # warps: one or two warpgroups
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    # [64, 16] words of a half block: lane l of warp w holds rows 16 w + l / 4 (+ 8) and words l % 4 (+ 4, 8,
+    # [BLOCK_N, 16] words of a half block: lane l of warp w holds rows 16 w + l / 4 (+ 8) and words l % 4 (+ 4, 8,
     # 12), the words whose pairs are its operand registers
     w_layout: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
-    x_reg: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
+        warp_bases=_warp_rows(NW), block_bases=[], shape=[BLOCK_N, 16])
+    x_reg: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
                                            order=[1, 0])
     x_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NX, BLOCK_M, 128], x_sh)
     # the words of a half block go by asynchronous copies too, into the same ring slot and copy group as its x
     # (16-byte vectors of 4 words; the swizzle puts the 8 rows x 4 words each load instruction reads in 32 banks)
-    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
+    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
                                           order=[1, 0])
     w_sh: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
-    w_smem = gl.allocate_shared_memory(gl.int32, [NX, 64, 16], w_sh)
+    w_smem = gl.allocate_shared_memory(gl.int32, [NX, BLOCK_N, 16], w_sh)
     # and so do its group scales, offsets and x's sums (no register copies of loads across the loop's back edge)
-    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-    xs_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+    xs_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    s_smem = gl.allocate_shared_memory(gl.float16, [NX, 64], flat)
-    o_smem = gl.allocate_shared_memory(gl.float16, [NX, 64], flat)
+    s_smem = gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat)
+    o_smem = gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat)
     xs_smem = gl.allocate_shared_memory(gl.float32, [NX, BLOCK_M], flat)
 
     offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
     offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
     x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
-    offs_wn = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_cp))
+    offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
     offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
     w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
-    offs_n = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     n_mask = offs_n < N
     m_mask = offs_m < T
@@ -144,7 +152,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
     w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :] + h0 * 16
 
-    offs_sn = pid_n * 64 + gl.arange(0, 64, layout=sc_cp)
+    offs_sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sc_cp)
     offs_sm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=xs_cp)
     s_ptrs = s_ptr + offs_sn
     o_ptrs = o_ptr + offs_sn
@@ -161,9 +169,9 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     for i in gl.static_range(NX):                   # a copy group a half (the first one holds every weight above)
         _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
-    acc = gl.zeros([64, BLOCK_M], gl.float32, mma)
-    free_a = gl.zeros([64, BLOCK_M], gl.float32, mma)       # accumulators no running dot holds
-    free_b = gl.zeros([64, BLOCK_M], gl.float32, mma)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    free_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)       # accumulators no running dot holds
+    free_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for it in range(0, H // U):
         for u in gl.static_range(U):
             h = it * U + u
@@ -185,6 +193,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                 acc = acc + s_prev[:, None] * d_done + c_prev[:, None] * xs_prev[None, :]
                 free_a = d_done
                 nxt = h - 1 + NX
+                cta_barrier()                           # every warp (both warpgroups) done with the slot
                 _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
                 _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
                 async_copy.commit_group()
@@ -199,6 +208,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
         acc = acc + s_prev[:, None] * d_done + c_prev[:, None] * xs_prev[None, :]
         free_b = d_done
         nxt = it * U + U - 1 + NX
+        cta_barrier()
         _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
         _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
@@ -208,7 +218,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     if HAS_BIAS:
         bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
     else:
-        bias = gl.zeros([64, 1], gl.float32, mma)
+        bias = gl.zeros([BLOCK_N, 1], gl.float32, mma)
     if SPLIT == 1:
         gl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -216,14 +226,14 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
         part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
         gl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)
         if FENCE:                                   # the partial is visible GPU-wide before the count moves
-            _gpu_fence(128)
+            _gpu_fence(NW)
         cta_barrier()
         lock = lock_ptr + pid_m * gl.num_programs(1) + pid_n
         done = gl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:                       # the last program of the tile sums the partials in order
             if FENCE:
-                _gpu_fence(128)
-            total = gl.zeros([64, BLOCK_M], gl.float32, mma)
+                _gpu_fence(NW)
+            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
             for k in gl.static_range(SPLIT):
                 total += gl.load(part_ptrs + k * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
             gl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=mask)
@@ -252,7 +262,8 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 x_sums: torch.Tensor,         # [T, K / 128] float32: `quant_matmul.half_sums(x)`
                 block_m: int = 32, split: int = 1, nx: int = 4, u: int = 4,
                 partials: torch.Tensor | None = None,  # float32, >= split * T * N elements (split > 1)
-                locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, 64) (split > 1)
+                locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
+                block_n: int = 64,                     # features a program: 64, or 128 (block_m 16+)
                 ) -> None:
     """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
     before and after the call."""
@@ -264,9 +275,10 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
     if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u * split):
         raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u * split}: bits {w.bits}, "
                          f"group {w.group_size}, K {K}")
-    if block_m not in (8, 16, 32, 64) or nx < 3:
-        raise ValueError(f"block_m must be 8, 16, 32 or 64 and nx at least 3, got {block_m}, {nx}")
-    grid = (triton.cdiv(T, block_m), triton.cdiv(N, BLOCK_N), split)
+    if block_m not in (8, 16, 32, 64) or nx < 3 or block_n not in BLOCK_NS or block_n == 128 and block_m < 16:
+        raise ValueError(f"block_m must be 8, 16, 32 or 64, block_n 64 or 128 (with block_m 16+) and nx at least 3, "
+                         f"got {block_m}, {block_n}, {nx}")
+    grid = (triton.cdiv(T, block_m), triton.cdiv(N, block_n), split)
     if split > 1 and (partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N
                       or locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]):
         raise ValueError(f"split {split} needs float32 partials of >= {split * T * N} elements and int32 zero locks "
@@ -278,4 +290,5 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
     quant_wgmma_kernel[grid](x, w.words, w.scales, w.offsets, x_sums, bias if bias is not None else out, out,
                              partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
                              out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
-                             U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, num_warps=4, **pdl)
+                             U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, BLOCK_N=block_n,
+                             num_warps=block_n // 16, **pdl)

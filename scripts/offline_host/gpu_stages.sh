@@ -38,7 +38,8 @@
 #                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
 #   async-dots       the asynchronous-dot 4-bit kernel (kernels/quant_wgmma.py): its GPU tests and the engine's
 #                    (tests/engine/test_quant_async_dots_gpu.py), then bench/quant_async_dots.py at rows $ROWS
-#                    (default 1,8,16,32,64): pick_config's choice without and with it, and its variants (~4 minutes)
+#                    (default 1,8,16,32,64): pick_config's choice without and with it, and its variants, 64 and
+#                    128 features a program (~5 minutes; ROWS=16,32,64 for the wider programs alone)
 #   async-dots-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
 #                    LORAPLEX_ASYNC_DOTS=1 then 0: an A/B of the kernel on one lease (~3 minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the

@@ -1,9 +1,10 @@
 """The asynchronous-dot 4-bit kernel (`kernels.quant_wgmma`): compiled for Hopper with no GPU, each half block's 8
 tensor-core instructions issue back to back and the program waits for all but the latest group (two dots in
 flight), never after each instruction (what the assembler does when a running dot's accumulators are read or
-copied); the launcher and quant_matmul refuse what the kernel cannot do; pick_config's rule for it; on a GPU, the
-fp32 dequantize-then-matmul reference (tiles with masked rows and features, a bias, split-K summed in order and
-deterministic, groups of 128 and 256) and QuantLinear taking it at 2-32 rows."""
+copied), with one warpgroup a program or two; the launcher and quant_matmul refuse what the kernel cannot do;
+pick_config's rule for it; on a GPU, the fp32 dequantize-then-matmul reference (tiles of 64 and 128 features with
+masked rows and features, a bias, split-K summed in order and deterministic, groups of 128 and 256; 128 features
+also through quant_matmul) and QuantLinear taking it at 2-32 rows."""
 from __future__ import annotations
 
 import os
@@ -19,27 +20,28 @@ TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bi
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def sass(block_m: int, split: int, tmp_path: Path) -> tuple[str, list[tuple[int, str, str]]]:
+def sass(block_m: int, split: int, tmp_path: Path, block_n: int = 64) -> tuple[str, list[tuple[int, str, str]]]:
     """(kernel_sass.py's report, the machine code) of the kernel compiled for sm_90."""
     from kernel_sass import parse_sass
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / f"bm{block_m}_split{split}"
+    out = tmp_path / f"bm{block_m}_split{split}_bn{block_n}"
     cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "kernels.quant_wgmma:quant_wgmma_kernel",
+           "--warps", str(block_n // 16),
            "--const", "GROUP=128", f"BLOCK_M={block_m}", "NX=4", "U=4", f"SPLIT={split}", "HAS_BIAS=1", "FENCE=1",
-           "USE_PDL=1", "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "xs_ptr=fp32",
-           "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N", "stride_x",
-           "stride_out", "words_per_row", "--dump", str(out)]
+           "USE_PDL=1", f"BLOCK_N={block_n}", "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16",
+           "xs_ptr=fp32", "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N",
+           "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout, parse_sass((out / "kernel.sass").read_text())
 
 
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
-@pytest.mark.parametrize("block_m,split", [(16, 1), (32, 2)])
-def test_two_dots_in_flight(block_m: int, split: int, tmp_path: Path) -> None:
-    report, code = sass(block_m, split, tmp_path)
-    if block_m == 16:
+@pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (32, 2, 64), (16, 1, 128), (32, 2, 128)])
+def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
+    report, code = sass(block_m, split, tmp_path, block_n)
+    if block_m == 16 or block_n == 128:     # two warpgroups: x's copies spread over twice the threads
         assert "stack (spills) 0 B" in report, report.splitlines()[0]
     ops = [op for _, op, _ in code]
     groups, current = [], []
@@ -85,6 +87,10 @@ def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
         quant_wgmma(x, weight(512, 128), None, out, sums, split=2)
     with pytest.raises(ValueError, match="block_m"):
         quant_wgmma(x, weight(512, 128), None, out, sums, block_m=12)
+    with pytest.raises(ValueError, match="block_n"):     # two warpgroups need 16+ rows a tile
+        quant_wgmma(x, weight(512, 128), None, out, sums, block_m=8, block_n=128)
+    with pytest.raises(ValueError, match="block_n"):
+        quant_wgmma(x, weight(512, 128), None, out, sums, block_m=16, block_n=96)
     with pytest.raises(ValueError, match="partials"):
         quant_wgmma(torch.randn(8, 1024).to(torch.bfloat16), weight(1024, 128), None, out, torch.zeros(8, 8),
                     split=2)
@@ -141,7 +147,8 @@ def test_quant_matmul_refuses_a_ring_it_cannot_run() -> None:
                                                        (32, 6144, 4096, 128, 32, 1), (64, 4096, 14336, 128, 32, 4),
                                                        (3, 192, 2048, 128, 8, 2), (1, 4096, 4096, 128, 16, 1),
                                                        (70, 256, 1024, 128, 64, 1)])
-def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int, split: int) -> None:
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int, split: int, block_n: int) -> None:
     from kernels.quant_matmul import half_sums
     from kernels.quant_pack import pack_quantized
     from kernels.quant_wgmma import quant_wgmma
@@ -161,12 +168,38 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     outs = [torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(2)]
     partials = torch.empty(split * T * N, device=dev)
     locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+    if block_n == 128 and block_m < 16:
+        pytest.skip("two warpgroups take 16+ rows a tile")
     for out in outs:
-        quant_wgmma(x, w, bias, out, half_sums(x), block_m=block_m, split=split, partials=partials, locks=locks)
+        quant_wgmma(x, w, bias, out, half_sums(x), block_m=block_m, split=split, partials=partials, locks=locks,
+                    block_n=block_n)
     err = ((outs[0].float() - want).norm() / want.norm()).item()
     assert err < 1e-2, f"rel err {err}"
     assert torch.equal(outs[0], outs[1])            # split-K sums in a fixed order
     assert not locks.any()                          # the counters are left zero
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of sm_90 or later")
+def test_gpu_quant_matmul_runs_two_warpgroups() -> None:
+    """A ring config of 128 features through quant_matmul (its sums of x computed there) against the reference."""
+    from kernels.quant_config import QuantMatmulConfig
+    from kernels.quant_matmul import quant_matmul
+    from kernels.quant_pack import pack_quantized
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    T, N, K = 48, 4096 + 64, 2048
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
+    s = (torch.rand(N, K // 128, device=dev, generator=gen) * 0.01 + 1e-3).half()
+    w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
+    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+    g = torch.arange(K, device=dev) // 128
+    want = x.float() @ (q.float() * s.float()[:, g] + (-8 * s.float()).half().float()[:, g]).t()
+    out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
+    quant_matmul(x, w, None, out, QuantMatmulConfig(128, 64, 1, ring=6, ring_step=2))
+    assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu
