@@ -77,7 +77,7 @@ mkdir -p "$out"
 kernels1="tests/kernels/test_shrink.py tests/kernels/test_expand.py"
 kernels2="tests/kernels/test_fused.py tests/kernels/test_quant_matmul.py"
 ignore="--ignore=tests/deploy --ignore=tests/gateway/test_http_openai.py --ignore=tests/gateway/test_tls.py"
-pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | tail -40 | tee "$out/$stage.log"; }
+pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -m gpu --durations=20 "$@" 2>&1 | tail -60 | tee "$out/$stage.log"; }
 # The kernel suites should be mostly Triton compiling a program per parametrized case, one core at a time:
 # spread over worker processes (pytest-xdist, in the bundle) sharing the GPU. Their tests are independent
 # (no files, ports or memory sizing); the rest stays serial (its engines size their KV cache from free memory).
