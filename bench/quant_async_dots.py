@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--commit", default="")
+    ap.add_argument("--fence-last", default="0,1", help="the kernel's half-block order(s) to try: 0, fence then "
+                    "barrier (as measured so far); 1, barrier then fence (one barrier fewer)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -68,34 +70,37 @@ def main() -> None:
                                            for i, w in enumerate(ws)])
             r["tried"] = []
             tiles = sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set()))
+            lasts = [bool(int(v)) for v in args.fence_last.split(",")]
             for bn, bm in [(bn, bm) for bn in (64, 128) for bm in tiles if bn == 64 or bm >= 16]:
-                for split in (1, 2, 4) + ((8,) if k >= 8192 else ()):
-                    for nx, u in ((4, 4), (6, 2), (8, 2)):
-                        if (k // 128) % (u * split):
-                            continue
-                        t0 = time.time()
-                        case = dict(bn=bn, bm=bm, split=split, nx=nx, u=u)
-                        try:
-                            quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks, bn)
-                            torch.cuda.synchronize()
-                            err = ((outs[0].float() - want).norm() / want.norm()).item()
-                            calls = [lambda w=w, o=outs[i % 2]: quant_wgmma(x, w, None, o, xs, bm, split, nx, u, part,
-                                                                            locks, bn)
-                                     for i, w in enumerate(ws)]
-                            us = graph_us(calls)
-                        except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
-                            r["tried"].append(dict(case, failed=repr(e)[:300]))
-                            continue
-                        r["tried"].append(dict(case, us=us, err=err, first_call_s=time.time() - t0))
+                for split, (nx, u), last in [(sp, ring, last) for sp in (1, 2, 4) + ((8,) if k >= 8192 else ())
+                                             for ring in ((4, 4), (6, 2), (8, 2)) for last in lasts]:
+                    if (k // 128) % (u * split):
+                        continue
+                    t0 = time.time()
+                    case = dict(bn=bn, bm=bm, split=split, nx=nx, u=u, fence_last=last)
+                    try:
+                        quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks, bn, last)
+                        torch.cuda.synchronize()
+                        err = ((outs[0].float() - want).norm() / want.norm()).item()
+                        calls = [lambda w=w, o=outs[i % 2]: quant_wgmma(x, w, None, o, xs, bm, split, nx, u, part,
+                                                                        locks, bn, last)
+                                 for i, w in enumerate(ws)]
+                        us = graph_us(calls)
+                    except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
+                        r["tried"].append(dict(case, failed=repr(e)[:300]))
+                        continue
+                    r["tried"].append(dict(case, us=us, err=err, first_call_s=time.time() - t0))
             ok = [c for c in r["tried"] if "us" in c and c["err"] < 1e-2]
             best = min(ok, key=lambda c: c["us"]) if ok else None
             bad = [c for c in r["tried"] if "failed" in c or c.get("err", 0) >= 1e-2]
             print(f"{name:8s} T={t:3d} pick {r['pick']} {r['pick_us']:6.1f} us | with async dots {r['pick_async']} "
                   f"{r['pick_async_us']:6.1f} us (err {r['pick_async_err']:.1e}) | best "
                   + (f"{best['us']:6.1f} us (tile {best['bn']}x{best['bm']} split {best['split']} ring "
-                     f"{best['nx']} step {best['u']})" if best else "none correct")
+                     f"{best['nx']} step {best['u']} fence last {int(best['fence_last'])})" if best else "none correct")
                   + "".join(f" | best of {bn} features {min(c['us'] for c in ok if c['bn'] == bn):6.1f} us"
                             for bn in (64, 128) if any(c["bn"] == bn for c in ok))
+                  + "".join(f" | best fence last {v} {min(c['us'] for c in ok if c['fence_last'] == v):6.1f} us"
+                            for v in (False, True) if any(c["fence_last"] == v for c in ok))
                   + (f" | {len(bad)} failed or wrong, e.g. {bad[0]}" if bad else ""), flush=True)
             res["cases"][f"{name}/{t}"] = r
     args.out.parent.mkdir(parents=True, exist_ok=True)

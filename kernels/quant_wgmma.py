@@ -16,6 +16,10 @@ half blocks and ends with its dots complete (a dot running across the loop's bac
 after every dot). Split-K: each program stores its fp32 partial and the last of a tile sums them in split order
 (`kernels.quant_split`'s protocol, deterministic); a bias is added once. As a dependent launch (kernels/pdl.py)
 the first NX half blocks' words, scales and offsets are copied before the wait, x and its sums after it.
+Each half block's wait for its copies is followed by a shared-memory proxy fence (the dot reads x through the
+asynchronous proxy) and a block-wide barrier, and the compiler adds a barrier of its own between the wait and
+the fence; FENCE_LAST=True orders them barrier then fence, as the compiler's own pipelined dots after
+asynchronous copies do (Triton 3.9), which needs one barrier a half block fewer (`fence_last`).
 
 Written in Triton's explicit-layout dialect (`triton.experimental.gluon`), which the interpreter does not run:
 on the CPU only its compiled sm_90 code is checked (tests/kernels/test_quant_wgmma.py). Measured on an H200
@@ -102,7 +106,8 @@ def _gpu_fence(NUM_WARPS: gl.constexpr):
 def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, T, N, stride_x,
                        stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                        NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64):
+                       FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64,
+                       FENCE_LAST: gl.constexpr = False):
     """out.T tile [BLOCK_N, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
     multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
     of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
@@ -181,8 +186,12 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                 async_copy.wait_group(NX - 1)
             else:
                 async_copy.wait_group(NX - 2)
-            fence_async_shared()
-            cta_barrier()
+            if FENCE_LAST:                          # see the module docstring
+                cta_barrier()
+                fence_async_shared()
+            else:
+                fence_async_shared()
+                cta_barrier()
             a = _operand(w_smem.index(h % NX).load(w_layout), a_layout)
             tok = warpgroup_mma(a, x_smem.index(h % NX).permute((1, 0)), free_a, use_acc=False, is_async=True)
             s_cur = s_smem.index(h % NX).load(gl.SliceLayout(1, mma)).to(gl.float32)
@@ -240,6 +249,15 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
             gl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 ENV = "LORAPLEX_ASYNC_DOTS"
+FENCE_LAST_ENV = "LORAPLEX_ASYNC_DOTS_FENCE_LAST"
+
+
+def fence_last() -> bool:
+    """LORAPLEX_ASYNC_DOTS_FENCE_LAST (for A/B runs): unset or 0, each half block's wait for its copies is followed
+    by the proxy fence, then the barrier (the kernel as measured so far: three barriers a half block with the
+    compiler's own and the refill's); 1, by the barrier, then the fence (two barriers a half block; not yet
+    measured)."""
+    return env_int(FENCE_LAST_ENV, lambda v: v in (0, 1), "0 or 1") == 1
 
 
 def async_dots_enabled(device: torch.device) -> bool:
@@ -264,6 +282,7 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 partials: torch.Tensor | None = None,  # float32, >= split * T * N elements (split > 1)
                 locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
                 block_n: int = 64,                     # features a program: 64, or 128 (block_m 16+)
+                barrier_first: bool | None = None,     # barrier, then proxy fence, a half (None: `fence_last`)
                 ) -> None:
     """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
     before and after the call."""
@@ -291,4 +310,5 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                              partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
                              out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
                              U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, BLOCK_N=block_n,
+                             FENCE_LAST=fence_last() if barrier_first is None else barrier_first,
                              num_warps=block_n // 16, **pdl)

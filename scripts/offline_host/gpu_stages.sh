@@ -39,12 +39,16 @@
 #   async-dots       the asynchronous-dot 4-bit kernel (kernels/quant_wgmma.py): its GPU tests and the engine's
 #                    (tests/engine/test_quant_async_dots_gpu.py), then bench/quant_async_dots.py at rows $ROWS
 #                    (default 1,8,16,32,64): pick_config's choice without and with it, and its variants, 64 and
-#                    128 features a program (~5 minutes; ROWS=16,32,64 for the wider programs alone)
+#                    128 features a program, each with either fence order (~7 minutes; ROWS=16,32,64 for the
+#                    wider programs alone)
 #   async-dots-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
 #                    LORAPLEX_ASYNC_DOTS=1 then 0: an A/B of the kernel on one lease (~3 minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host); ROWS=64
 #                    (2-64): the tensor-core tile kernel at that many rows instead (quant_gemv_stalls_rows64.json)
+#   async-fence-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
+#                    LORAPLEX_ASYNC_DOTS_FENCE_LAST=0 then 1: the kernel's half blocks fence then barrier (as
+#                    measured) or barrier then fence (one barrier fewer), an A/B on one lease (~3 minutes)
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -87,6 +91,14 @@ not_kernels=""                                       # the rest: every test file
 for f in $kernels1 $kernels2; do not_kernels="$not_kernels --ignore=$f"; done
 workers=""
 python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-14}"
+# The 4-bit engine alone at batches $BATCHES (default 8,16,32) with switch $1 set to each of $2 in turn (one lease):
+# quant_decode_$3_<value>.json each
+int4_decode_ab() {
+  for flag in $2; do
+    env "$1=$flag" python3 bench/quant_decode.py --labels int4 --batches "${BATCHES:-8,16,32}" --commit "$commit" \
+      --out "$out/quant_decode_$3_$flag.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
+  done
+}
 case "$stage" in
   suite-kernels-1) pytest_gpu $workers $kernels1 ;;
   suite-kernels-2) pytest_gpu $workers $kernels2 ;;
@@ -202,17 +214,13 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma.py \
       tests/engine/test_quant_async_dots_gpu.py 2>&1 | tail -15 | tee "$out/$stage.log"
     python3 bench/quant_async_dots.py --rows "${ROWS:-1,8,16,32,64}" --commit "$commit" \
-      --out "$out/quant_async_dots.json" 2>&1 | cut -c1-260 | tee -a "$out/$stage.log" ;;
-  async-dots-decode)
-    for flag in 1 0; do
-      LORAPLEX_ASYNC_DOTS=$flag python3 bench/quant_decode.py --labels int4 --batches "${BATCHES:-8,16,32}" \
-        --commit "$commit" --out "$out/quant_decode_async_dots_$flag.json" 2>&1 | grep "^engine" \
-        | tee -a "$out/$stage.log"
-    done ;;
+      --out "$out/quant_async_dots.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
+  async-dots-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS "1 0" async_dots ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
       | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
+  async-fence-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_FENCE_LAST "0 1" fence_last ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \
