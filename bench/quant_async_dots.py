@@ -1,8 +1,8 @@
 """The asynchronous-dot 4-bit tiles (`kernels.quant_wgmma`, an experiment) against pick_config's tiles
 (`kernels.quant_matmul`) on the 8B layer shapes, groups of 128, bf16 x, both given the sums of x: per shape and row
 count, pick_config's time and error without and with `async_dots` (the kernel's rule), then each tried tile (64
-features, or 128 on two warpgroups at 16+ rows) / split / ring / step of the kernel (its error against the fp32
-reference; split-K summed in order). Weights rotate
+features, or 128 on two warpgroups at 16+ rows) / split / ring / step / half-block synchronisation (`--syncs`) of
+the kernel (its error against the fp32 reference; split-K summed in order). Weights rotate
 through more than the L2 holds; CUDA graphs, median of replays.
 
     python3 bench/quant_async_dots.py --rows 16,32,64 --out bench/results/quant_async_dots.json
@@ -35,8 +35,8 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--commit", default="")
-    ap.add_argument("--fence-last", default="0,1", help="the kernel's half-block order(s) to try: 0, fence then "
-                    "barrier (as measured so far); 1, barrier then fence (one barrier fewer)")
+    ap.add_argument("--syncs", default="0,1,2", help="the kernel's half-block synchronisations to try (its SYNC: "
+                    "0 as measured so far, 1 barrier before fence, 2 and the early refill; kernels/quant_wgmma.py)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -70,20 +70,20 @@ def main() -> None:
                                            for i, w in enumerate(ws)])
             r["tried"] = []
             tiles = sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set()))
-            lasts = [bool(int(v)) for v in args.fence_last.split(",")]
+            syncs = [int(v) for v in args.syncs.split(",")]
             for bn, bm in [(bn, bm) for bn in (64, 128) for bm in tiles if bn == 64 or bm >= 16]:
-                for split, (nx, u), last in [(sp, ring, last) for sp in (1, 2, 4) + ((8,) if k >= 8192 else ())
-                                             for ring in ((4, 4), (6, 2), (8, 2)) for last in lasts]:
+                for split, (nx, u), sync in [(sp, ring, sync) for sp in (1, 2, 4) + ((8,) if k >= 8192 else ())
+                                             for ring in ((4, 4), (6, 2), (8, 2)) for sync in syncs]:
                     if (k // 128) % (u * split):
                         continue
                     t0 = time.time()
-                    case = dict(bn=bn, bm=bm, split=split, nx=nx, u=u, fence_last=last)
+                    case = dict(bn=bn, bm=bm, split=split, nx=nx, u=u, sync=sync)
                     try:
-                        quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks, bn, last)
+                        quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks, bn, sync)
                         torch.cuda.synchronize()
                         err = ((outs[0].float() - want).norm() / want.norm()).item()
                         calls = [lambda w=w, o=outs[i % 2]: quant_wgmma(x, w, None, o, xs, bm, split, nx, u, part,
-                                                                        locks, bn, last)
+                                                                        locks, bn, sync)
                                  for i, w in enumerate(ws)]
                         us = graph_us(calls)
                     except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
@@ -96,11 +96,11 @@ def main() -> None:
             print(f"{name:8s} T={t:3d} pick {r['pick']} {r['pick_us']:6.1f} us | with async dots {r['pick_async']} "
                   f"{r['pick_async_us']:6.1f} us (err {r['pick_async_err']:.1e}) | best "
                   + (f"{best['us']:6.1f} us (tile {best['bn']}x{best['bm']} split {best['split']} ring "
-                     f"{best['nx']} step {best['u']} fence last {int(best['fence_last'])})" if best else "none correct")
+                     f"{best['nx']} step {best['u']} sync {best['sync']})" if best else "none correct")
                   + "".join(f" | best of {bn} features {min(c['us'] for c in ok if c['bn'] == bn):6.1f} us"
                             for bn in (64, 128) if any(c["bn"] == bn for c in ok))
-                  + "".join(f" | best fence last {v} {min(c['us'] for c in ok if c['fence_last'] == v):6.1f} us"
-                            for v in (False, True) if any(c["fence_last"] == v for c in ok))
+                  + "".join(f" | best sync {v} {min(c['us'] for c in ok if c['sync'] == v):6.1f} us"
+                            for v in (0, 1, 2) if any(c["sync"] == v for c in ok))
                   + (f" | {len(bad)} failed or wrong, e.g. {bad[0]}" if bad else ""), flush=True)
             res["cases"][f"{name}/{t}"] = r
     args.out.parent.mkdir(parents=True, exist_ok=True)

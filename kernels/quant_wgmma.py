@@ -16,10 +16,14 @@ half blocks and ends with its dots complete (a dot running across the loop's bac
 after every dot). Split-K: each program stores its fp32 partial and the last of a tile sums them in split order
 (`kernels.quant_split`'s protocol, deterministic); a bias is added once. As a dependent launch (kernels/pdl.py)
 the first NX half blocks' words, scales and offsets are copied before the wait, x and its sums after it.
-Each half block's wait for its copies is followed by a shared-memory proxy fence (the dot reads x through the
-asynchronous proxy) and a block-wide barrier, and the compiler adds a barrier of its own between the wait and
-the fence; FENCE_LAST=True orders them barrier then fence, as the compiler's own pipelined dots after
-asynchronous copies do (Triton 3.9), which needs one barrier a half block fewer (`fence_last`).
+How a half block's copies are made safe to read (SYNC, `ring_sync`): 0, the wait for them, a shared-memory proxy
+fence (the dot reads x through the asynchronous proxy) and a block-wide barrier, with a barrier the compiler adds
+between the wait and the fence and one before each refill, whose slot every warp must be done with (three a half
+block; as measured so far); 1, the barrier before the fence, the order of the compiler's own pipelined dots after
+asynchronous copies (Triton 3.9), so it adds none there (two); 2, as 1, and the half's refill goes into half
+h - 2's slot (every warp has read it and waited for its dot before reaching that barrier) with no barrier of its
+own, a ring of NX slots holding NX - 2 halves ahead (one barrier a half block where the compiler can tell the
+ring's slots apart: Triton 3.9; two with 3.6). Only 0 has run on a GPU.
 
 Written in Triton's explicit-layout dialect (`triton.experimental.gluon`), which the interpreter does not run:
 on the CPU only its compiled sm_90 code is checked (tests/kernels/test_quant_wgmma.py). Measured on an H200
@@ -107,7 +111,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                        stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                        NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                        FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64,
-                       FENCE_LAST: gl.constexpr = False):
+                       SYNC: gl.constexpr = 0):
     """out.T tile [BLOCK_N, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
     multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
     of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
@@ -164,14 +168,15 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     sc_mask = offs_sn < N
     xs_ptrs = xs_ptr + offs_sm * num_halves + h0
     xs_mask = offs_sm < T
-    for i in gl.static_range(NX):                   # the weights of halves 0 .. NX - 1 before the wait
+    AHEAD: gl.constexpr = NX - 2 if SYNC == 2 else NX      # halves copied before the loop
+    for i in gl.static_range(AHEAD):                # the weights of halves 0 .. AHEAD - 1 before the wait
         _fill_weights(i, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
     if USE_PDL:                                     # kernels/pdl.py: x and its sums come from earlier launches
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    for i in gl.static_range(NX):                   # a copy group a half (the first one holds every weight above)
+    for i in gl.static_range(AHEAD):                # a copy group a half (the first one holds every weight above)
         _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
@@ -180,32 +185,48 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     for it in range(0, H // U):
         for u in gl.static_range(U):
             h = it * U + u
-            # half h's copy group is done: before a loop step's first half the halves up to h + NX - 1 are
-            # committed (the previous step's end, or the prologue), before the others up to h + NX - 2
-            if u == 0:
-                async_copy.wait_group(NX - 1)
-            else:
-                async_copy.wait_group(NX - 2)
-            if FENCE_LAST:                          # see the module docstring
+            if SYNC == 2:
+                # copy group g holds half g: halves up to h + NX - 3 are committed, so half h's is done with NX - 3
+                # younger ones in flight; past the barrier every warp has read half h - 2's slot and waited for
+                # its dot (in half h - 1 or at the step's end), so half h + NX - 2 goes there (below) with no other
+                # barrier
+                async_copy.wait_group(NX - 3)
                 cta_barrier()
                 fence_async_shared()
             else:
-                fence_async_shared()
-                cta_barrier()
+                # half h's copy group is done: before a loop step's first half the halves up to h + NX - 1 are
+                # committed (the previous step's end, or the prologue), before the others up to h + NX - 2
+                if u == 0:
+                    async_copy.wait_group(NX - 1)
+                else:
+                    async_copy.wait_group(NX - 2)
+                if SYNC == 1:                       # see the module docstring
+                    cta_barrier()
+                    fence_async_shared()
+                else:
+                    fence_async_shared()
+                    cta_barrier()
             a = _operand(w_smem.index(h % NX).load(w_layout), a_layout)
             tok = warpgroup_mma(a, x_smem.index(h % NX).permute((1, 0)), free_a, use_acc=False, is_async=True)
             s_cur = s_smem.index(h % NX).load(gl.SliceLayout(1, mma)).to(gl.float32)
             c_cur = o_smem.index(h % NX).load(gl.SliceLayout(1, mma)).to(gl.float32) - 128.0 * s_cur
             xs_cur = xs_smem.index(h % NX).load(gl.SliceLayout(0, mma))
+            if SYNC == 2:                               # after this half's reads and its dot's issue
+                nxt = h + NX - 2
+                _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+                _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
+                async_copy.commit_group()
             if u > 0:                                           # half h - 1's dot done: its sums, its x slot
                 d_done, a_done = warpgroup_mma_wait(1, deps=(tok_prev, a_prev))
                 acc = acc + s_prev[:, None] * d_done + c_prev[:, None] * xs_prev[None, :]
                 free_a = d_done
-                nxt = h - 1 + NX
-                cta_barrier()                           # every warp (both warpgroups) done with the slot
-                _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
-                _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
-                async_copy.commit_group()
+                if SYNC != 2:
+                    nxt = h - 1 + NX
+                    cta_barrier()                       # every warp (both warpgroups) done with the slot
+                    _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs,
+                                  sc_mask)
+                    _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
+                    async_copy.commit_group()
             else:
                 free_a = free_b
             tok_prev = tok
@@ -216,11 +237,12 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
         d_done, a_done = warpgroup_mma_wait(0, deps=(tok_prev, a_prev))
         acc = acc + s_prev[:, None] * d_done + c_prev[:, None] * xs_prev[None, :]
         free_b = d_done
-        nxt = it * U + U - 1 + NX
-        cta_barrier()
-        _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
-        _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
-        async_copy.commit_group()
+        if SYNC != 2:
+            nxt = it * U + U - 1 + NX
+            cta_barrier()
+            _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+            _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
+            async_copy.commit_group()
     async_copy.wait_group(0)
     mask = n_mask[:, None] & m_mask[None, :]
     out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
@@ -249,15 +271,13 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
             gl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 ENV = "LORAPLEX_ASYNC_DOTS"
-FENCE_LAST_ENV = "LORAPLEX_ASYNC_DOTS_FENCE_LAST"
+SYNC_ENV = "LORAPLEX_ASYNC_DOTS_SYNC"
+SYNCS = (0, 1, 2)
 
 
-def fence_last() -> bool:
-    """LORAPLEX_ASYNC_DOTS_FENCE_LAST (for A/B runs): unset or 0, each half block's wait for its copies is followed
-    by the proxy fence, then the barrier (the kernel as measured so far: three barriers a half block with the
-    compiler's own and the refill's); 1, by the barrier, then the fence (two barriers a half block; not yet
-    measured)."""
-    return env_int(FENCE_LAST_ENV, lambda v: v in (0, 1), "0 or 1") == 1
+def ring_sync() -> int:
+    """LORAPLEX_ASYNC_DOTS_SYNC (for A/B runs): the kernel's SYNC (module docstring), 0 where unset."""
+    return env_int(SYNC_ENV, lambda v: v in SYNCS, "0, 1 or 2") or 0
 
 
 def async_dots_enabled(device: torch.device) -> bool:
@@ -282,7 +302,7 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 partials: torch.Tensor | None = None,  # float32, >= split * T * N elements (split > 1)
                 locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
                 block_n: int = 64,                     # features a program: 64, or 128 (block_m 16+)
-                barrier_first: bool | None = None,     # barrier, then proxy fence, a half (None: `fence_last`)
+                sync: int | None = None,               # SYNC (module docstring; None: `ring_sync`)
                 ) -> None:
     """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
     before and after the call."""
@@ -310,5 +330,4 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                              partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
                              out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
                              U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, BLOCK_N=block_n,
-                             FENCE_LAST=fence_last() if barrier_first is None else barrier_first,
-                             num_warps=block_n // 16, **pdl)
+                             SYNC=ring_sync() if sync is None else sync, num_warps=block_n // 16, **pdl)

@@ -39,16 +39,17 @@
 #   async-dots       the asynchronous-dot 4-bit kernel (kernels/quant_wgmma.py): its GPU tests and the engine's
 #                    (tests/engine/test_quant_async_dots_gpu.py), then bench/quant_async_dots.py at rows $ROWS
 #                    (default 1,8,16,32,64): pick_config's choice without and with it, and its variants, 64 and
-#                    128 features a program, each with either fence order (~7 minutes; ROWS=16,32,64 for the
-#                    wider programs alone)
+#                    128 features a program, each with SYNC 0, 1 and 2 (~9 minutes with every row count: split
+#                    it, e.g. ROWS=1,8,16 then ROWS=32,64 with SKIP_TESTS=1)
 #   async-dots-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
 #                    LORAPLEX_ASYNC_DOTS=1 then 0: an A/B of the kernel on one lease (~3 minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
 #                    one-row 4-bit kernel on gate/up, down and q/k/v (~1 minute; needs `ncu` on the host); ROWS=64
 #                    (2-64): the tensor-core tile kernel at that many rows instead (quant_gemv_stalls_rows64.json)
-#   async-fence-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
-#                    LORAPLEX_ASYNC_DOTS_FENCE_LAST=0 then 1: the kernel's half blocks fence then barrier (as
-#                    measured) or barrier then fence (one barrier fewer), an A/B on one lease (~3 minutes)
+#   async-sync-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
+#                    LORAPLEX_ASYNC_DOTS_SYNC set to each of $SYNCS (default "0 1 2"): the kernel's half-block
+#                    synchronisation as measured, barrier before fence, and the early refill (kernels/quant_wgmma.py),
+#                    an A/B on one lease (~4 minutes)
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -211,16 +212,17 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4.json" 2>&1 | tail -60 | tee "$out/$stage.log"
     bash "$0" gemv-stalls "$commit" "$out" ;;
   async-dots)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma.py \
+    [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma.py \
       tests/engine/test_quant_async_dots_gpu.py 2>&1 | tail -15 | tee "$out/$stage.log"
-    python3 bench/quant_async_dots.py --rows "${ROWS:-1,8,16,32,64}" --commit "$commit" \
-      --out "$out/quant_async_dots.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
+    rows=${ROWS:-1,8,16,32,64}
+    python3 bench/quant_async_dots.py --rows "$rows" --commit "$commit" \
+      --out "$out/quant_async_dots_rows${rows//,/_}.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
   async-dots-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS "1 0" async_dots ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
       | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
-  async-fence-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_FENCE_LAST "0 1" fence_last ;;
+  async-sync-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_SYNC "${SYNCS:-0 1 2}" sync ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \
