@@ -208,6 +208,20 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     assert not locks.any()                          # the counters are left zero
 
 
+def _case(T: int, N: int, K: int, seed: int):
+    """(device, a random 4-bit weight in groups of 128, bfloat16 x [T, K], the fp32 reference x @ W.T)."""
+    from kernels.quant_pack import pack_quantized
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
+    s = (torch.rand(N, K // 128, device=dev, generator=gen) * 0.01 + 1e-3).half()
+    o = (-8 * s.float()).half()
+    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+    g = torch.arange(K, device=dev) // 128
+    return dev, pack_quantized(q, s, o, 4, 128), x, x.float() @ (q.float() * s.float()[:, g] + o.float()[:, g]).t()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a CUDA GPU of sm_90 or later")
@@ -217,18 +231,10 @@ def test_gpu_rings_and_syncs(nx: int, u: int, sync: int) -> None:
     """Every half-block synchronisation with the smallest ring (3 slots: the early refill keeps one half ahead)
     and the picked ones, one and two warpgroups, split-K: the same sums as the plain order, to rounding."""
     from kernels.quant_matmul import half_sums
-    from kernels.quant_pack import pack_quantized
     from kernels.quant_wgmma import quant_wgmma
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(nx * 10 + u)
-    T, N, K = 24, 320, 2048
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
-    s = (torch.rand(N, K // 128, device=dev, generator=gen) * 0.01 + 1e-3).half()
-    w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
-    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
-    g = torch.arange(K, device=dev) // 128
-    want = x.float() @ (q.float() * s.float()[:, g] + (-8 * s.float()).half().float()[:, g]).t()
+    T, N = 24, 320
+    dev, w, x, want = _case(T, N, 2048, nx * 10 + u)
     partials = torch.empty(2 * T * N, device=dev)
     locks = torch.zeros(4096, dtype=torch.int32, device=dev)
     for block_n in (64, 128):
@@ -246,17 +252,9 @@ def test_gpu_quant_matmul_runs_two_warpgroups() -> None:
     """A ring config of 128 features through quant_matmul (its sums of x computed there) against the reference."""
     from kernels.quant_config import QuantMatmulConfig
     from kernels.quant_matmul import quant_matmul
-    from kernels.quant_pack import pack_quantized
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(5)
-    T, N, K = 48, 4096 + 64, 2048
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
-    s = (torch.rand(N, K // 128, device=dev, generator=gen) * 0.01 + 1e-3).half()
-    w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
-    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
-    g = torch.arange(K, device=dev) // 128
-    want = x.float() @ (q.float() * s.float()[:, g] + (-8 * s.float()).half().float()[:, g]).t()
+    T, N = 48, 4096 + 64
+    dev, w, x, want = _case(T, N, 2048, 5)
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
     quant_matmul(x, w, None, out, QuantMatmulConfig(128, 64, 1, ring=6, ring_step=2))
     assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
