@@ -1,8 +1,9 @@
 """The asynchronous-dot 4-bit tiles (`kernels.quant_wgmma`, an experiment) against pick_config's tiles
 (`kernels.quant_matmul`) on the 8B layer shapes, groups of 128, bf16 x, both given the sums of x: per shape and row
-count, pick_config's time and error without and with `async_dots` (the kernel's rule), then each tried tile (64
-features, or 128 on two warpgroups at 16+ rows) / split / ring / step / half-block synchronisation (`--syncs`) of
-the kernel (its error against the fp32 reference; split-K summed in order). Weights rotate
+count, pick_config's time and error without and with `async_dots` (the kernel's rule), then each tile / split /
+ring / step of the kernel as measured so far (64 features, SYNC 0), and its best three again with the other
+half-block synchronisations (`--syncs`) and, at 16+ rows a tile, on two warpgroups (128 features); each with its
+error against the fp32 reference (split-K summed in order). Weights rotate
 through more than the L2 holds; CUDA graphs, median of replays.
 
     python3 bench/quant_async_dots.py --rows 16,32,64 --out bench/results/quant_async_dots.json
@@ -35,8 +36,8 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--commit", default="")
-    ap.add_argument("--syncs", default="0,1,2", help="the kernel's half-block synchronisations to try (its SYNC: "
-                    "0 as measured so far, 1 barrier before fence, 2 and the early refill; kernels/quant_wgmma.py)")
+    ap.add_argument("--syncs", default="0,1,2", help="the half-block synchronisations the best configs are tried with "
+                    "(the kernel's SYNC: 0 as measured so far, 1 barrier before fence, 2 and the early refill)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -69,27 +70,38 @@ def main() -> None:
                                                                                          x_sums=xs)
                                            for i, w in enumerate(ws)])
             r["tried"] = []
+
+            def run(case: dict) -> None:
+                """Times one configuration of the kernel into r["tried"] (or records why it failed)."""
+                bn, bm, split, nx, u, sync = (case[key] for key in ("bn", "bm", "split", "nx", "u", "sync"))
+                t0 = time.time()
+                try:
+                    quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks, bn, sync)
+                    torch.cuda.synchronize()
+                    err = ((outs[0].float() - want).norm() / want.norm()).item()
+                    us = graph_us([lambda w=w, o=outs[i % 2]: quant_wgmma(x, w, None, o, xs, bm, split, nx, u, part,
+                                                                         locks, bn, sync)
+                                   for i, w in enumerate(ws)])
+                except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
+                    r["tried"].append(dict(case, failed=repr(e)[:300]))
+                    return
+                r["tried"].append(dict(case, us=us, err=err, first_call_s=time.time() - t0))
+
+            # every tile / split / ring of one warpgroup as measured so far (SYNC 0), then the best three of
+            # those with the other synchronisations and, at 16+ rows a tile, on two warpgroups (each program a
+            # distinct compile: the full product would take ~10x as long)
             tiles = sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set()))
+            for bm, split, (nx, u) in [(bm, sp, ring) for bm in tiles for sp in (1, 2, 4) + ((8,) if k >= 8192 else ())
+                                       for ring in ((4, 4), (6, 2), (8, 2))]:
+                if (k // 128) % (u * split) == 0:
+                    run(dict(bn=64, bm=bm, split=split, nx=nx, u=u, sync=0))
+            base = sorted((c for c in r["tried"] if "us" in c and c["err"] < 1e-2), key=lambda c: c["us"])[:3]
             syncs = [int(v) for v in args.syncs.split(",")]
-            for bn, bm in [(bn, bm) for bn in (64, 128) for bm in tiles if bn == 64 or bm >= 16]:
-                for split, (nx, u), sync in [(sp, ring, sync) for sp in (1, 2, 4) + ((8,) if k >= 8192 else ())
-                                             for ring in ((4, 4), (6, 2), (8, 2)) for sync in syncs]:
-                    if (k // 128) % (u * split):
-                        continue
-                    t0 = time.time()
-                    case = dict(bn=bn, bm=bm, split=split, nx=nx, u=u, sync=sync)
-                    try:
-                        quant_wgmma(x, ws[0], None, outs[0], xs, bm, split, nx, u, part, locks, bn, sync)
-                        torch.cuda.synchronize()
-                        err = ((outs[0].float() - want).norm() / want.norm()).item()
-                        calls = [lambda w=w, o=outs[i % 2]: quant_wgmma(x, w, None, o, xs, bm, split, nx, u, part,
-                                                                        locks, bn, sync)
-                                 for i, w in enumerate(ws)]
-                        us = graph_us(calls)
-                    except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
-                        r["tried"].append(dict(case, failed=repr(e)[:300]))
-                        continue
-                    r["tried"].append(dict(case, us=us, err=err, first_call_s=time.time() - t0))
+            for c in base:
+                for bn in (64, 128) if c["bm"] >= 16 else (64,):
+                    for sync in syncs:
+                        if bn != 64 or sync != 0:
+                            run(dict(bn=bn, bm=c["bm"], split=c["split"], nx=c["nx"], u=c["u"], sync=sync))
             ok = [c for c in r["tried"] if "us" in c and c["err"] < 1e-2]
             best = min(ok, key=lambda c: c["us"]) if ok else None
             bad = [c for c in r["tried"] if "failed" in c or c.get("err", 0) >= 1e-2]

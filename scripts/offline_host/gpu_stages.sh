@@ -38,9 +38,9 @@
 #                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
 #   async-dots       the asynchronous-dot 4-bit kernel (kernels/quant_wgmma.py): its GPU tests and the engine's
 #                    (tests/engine/test_quant_async_dots_gpu.py), then bench/quant_async_dots.py at rows $ROWS
-#                    (default 1,8,16,32,64): pick_config's choice without and with it, and its variants, 64 and
-#                    128 features a program, each with SYNC 0, 1 and 2 (~9 minutes with every row count: split
-#                    it, e.g. ROWS=1,8,16 then ROWS=32,64 with SKIP_TESTS=1)
+#                    (default 1,8,16,32,64): pick_config's choice without and with it, its variants, and the best
+#                    three of those with SYNC 1 and 2 and on 128 features (~6 minutes with the tests, which now
+#                    run 3 syncs x 2 widths; SKIP_TESTS=1 for the sweep alone, e.g. over two calls by ROWS)
 #   async-dots-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16,32), with
 #                    LORAPLEX_ASYNC_DOTS=1 then 0: an A/B of the kernel on one lease (~3 minutes)
 #   gemv-stalls      bench/quant_gemv_stalls.py: the GPU profiler's stall reasons and hot machine-code lines of the
