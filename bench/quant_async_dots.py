@@ -2,7 +2,7 @@
 (`kernels.quant_matmul`) on the 8B layer shapes, groups of 128, bf16 x, both given the sums of x: per shape and row
 count, pick_config's time and error without and with `async_dots` (the kernel's rule), then each tile / split /
 ring / step of the kernel as measured so far (64 features, SYNC 0), and its best three again with the other
-half-block synchronisations (`--syncs`) and, at 16+ rows a tile, on two warpgroups (128 features); each with its
+half-block synchronisations (`--syncs`) and on two warpgroups (128 features); each with its
 error against the fp32 reference (split-K summed in order). Weights rotate
 through more than the L2 holds; CUDA graphs, median of replays.
 
@@ -88,8 +88,8 @@ def main() -> None:
                 r["tried"].append(dict(case, us=us, err=err, first_call_s=time.time() - t0))
 
             # every tile / split / ring of one warpgroup as measured so far (SYNC 0), then the best three of
-            # those with the other synchronisations and, at 16+ rows a tile, on two warpgroups (each program a
-            # distinct compile: the full product would take ~10x as long)
+            # those with the other synchronisations and on two warpgroups (each program a distinct compile: the
+            # full product would take ~10x as long)
             tiles = sorted({min(32, max(16, t)), 16} | ({64} if t >= 64 else set()) | ({8} if t <= 8 else set()))
             for bm, split, (nx, u) in [(bm, sp, ring) for bm in tiles for sp in (1, 2, 4) + ((8,) if k >= 8192 else ())
                                        for ring in ((4, 4), (6, 2), (8, 2))]:
@@ -98,7 +98,7 @@ def main() -> None:
             base = sorted((c for c in r["tried"] if "us" in c and c["err"] < 1e-2), key=lambda c: c["us"])[:3]
             syncs = [int(v) for v in args.syncs.split(",")]
             for c in base:
-                for bn in (64, 128) if c["bm"] >= 16 else (64,):
+                for bn in (64, 128):
                     for sync in syncs:
                         if bn != 64 or sync != 0:
                             run(dict(bn=bn, bm=c["bm"], split=c["split"], nx=c["nx"], u=c["u"], sync=sync))

@@ -32,8 +32,8 @@ class QuantMatmulConfig:
     scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
     ring: int = 0               # 2-32 rows on the pair-codes path, bfloat16 x, sm_90+: > 0 runs the asynchronous-dot
                                 # kernel (`kernels.quant_wgmma`: block_n 64, block_m 8 / 16 / 32; block_n 128, two
-                                # warpgroups, at 16+ rows: not picked yet, unmeasured) with a ring of that many half
-                                # blocks, ring_step half blocks a loop step
+                                # warpgroups: not picked yet, unmeasured) with a ring of that many half blocks,
+                                # ring_step half blocks a loop step
     ring_step: int = 4
 
 

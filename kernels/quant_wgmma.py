@@ -4,7 +4,7 @@ layout), bfloat16 x, sm_90+. `kernels.quant_matmul` runs it where `kernels.quant
 `kernels.quant_mma`).
 
 A program owns 64 features (one warpgroup) or 128 (two warpgroups sharing each half block's x: half the copies
-of x a feature, for 16+ rows) by 8 / 16 / 32 / 64 rows (BLOCK_M) and a range of K's half blocks (128 codes, one
+of x a feature) by 8 / 16 / 32 / 64 rows (BLOCK_M) and a range of K's half blocks (128 codes, one
 group). Everything a half block needs goes by asynchronous copies into a ring of NX slots in shared memory, one
 copy group a half block: x's [BLOCK_M, 128] tile, the [BLOCK_N, 16] words (swizzled so that each load instruction
 reads 32 banks), the group scales, offsets and x's sums; the loop has no global loads (a loop-carried register
@@ -48,6 +48,17 @@ x_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK_NS = (64, 128)    # features a program: one or two warpgroups, each warp a 16-row slice of the dot's M
+
+
+@gluon.constexpr_function
+def _x_copy_layout(num_warps, block_m):
+    """Threads over x's [block_m, 128] tile for its copies, 16 bytes a thread, or 8 where two warpgroups share an
+    8-row tile (a [16, 128] cover would copy each element twice)."""
+    if num_warps * 2 > block_m and block_m == 8:
+        return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[2, num_warps // 2],
+                                order=[1, 0])
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[num_warps, 1],
+                            order=[1, 0])
 
 
 @gluon.constexpr_function
@@ -128,8 +139,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     w_layout: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
         warp_bases=_warp_rows(NW), block_bases=[], shape=[BLOCK_N, 16])
-    x_reg: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NW, 1],
-                                           order=[1, 0])
+    x_reg: gl.constexpr = _x_copy_layout(NW, BLOCK_M)
     x_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NX, BLOCK_M, 128], x_sh)
     # the words of a half block go by asynchronous copies too, into the same ring slot and copy group as its x
@@ -301,7 +311,7 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 block_m: int = 32, split: int = 1, nx: int = 4, u: int = 4,
                 partials: torch.Tensor | None = None,  # float32, >= split * T * N elements (split > 1)
                 locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
-                block_n: int = 64,                     # features a program: 64, or 128 (block_m 16+)
+                block_n: int = 64,                     # features a program: 64, or 128 (two warpgroups)
                 sync: int | None = None,               # SYNC (module docstring; None: `ring_sync`)
                 ) -> None:
     """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
@@ -314,9 +324,9 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
     if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u * split):
         raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u * split}: bits {w.bits}, "
                          f"group {w.group_size}, K {K}")
-    if block_m not in (8, 16, 32, 64) or nx < 3 or block_n not in BLOCK_NS or block_n == 128 and block_m < 16:
-        raise ValueError(f"block_m must be 8, 16, 32 or 64, block_n 64 or 128 (with block_m 16+) and nx at least 3, "
-                         f"got {block_m}, {block_n}, {nx}")
+    if block_m not in (8, 16, 32, 64) or nx < 3 or block_n not in BLOCK_NS:
+        raise ValueError(f"block_m must be 8, 16, 32 or 64, block_n 64 or 128 and nx at least 3, got {block_m}, "
+                         f"{block_n}, {nx}")
     grid = (triton.cdiv(T, block_m), triton.cdiv(N, block_n), split)
     if split > 1 and (partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N
                       or locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]):
