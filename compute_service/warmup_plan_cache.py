@@ -80,9 +80,9 @@ def switch_names() -> tuple[str, ...]:
     from kernels.quant_h2 import ENV as FP16_PAIRS_ENV
     from kernels.quant_matmul import TILE_TMA_ENV, TMA_ENV
     from kernels.quant_wgmma import ENV as ASYNC_DOTS_ENV
-    from kernels.quant_wgmma import SYNC_ENV
+    from kernels.quant_wgmma import ONE_ROW_ENV, SYNC_ENV
 
-    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV)
+    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV)
 
 
 def switch_parts() -> str:

@@ -69,12 +69,14 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
 @functools.lru_cache(maxsize=4096)     # a pure function of its arguments; ~9 us of Python a call uncached
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
                 x_dtype: torch.dtype = torch.bfloat16, beside_lora: bool = False,
-                async_dots: bool = False) -> QuantMatmulConfig:
+                async_dots: bool = False, async_one_row: bool = False) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
     `async_dots` (the caller's GPU runs `kernels.quant_wgmma`: sm_90+, compiled): 2-32 rows of a large 4-bit
-    weight in groups of 128+ with bfloat16 x take that kernel (`_async_dots_config`, its rules and figures).
+    weight in groups of 128+ with bfloat16 x take that kernel (`_async_dots_config`, its rules and figures);
+    with `async_one_row` one row too where no LoRA launch runs beside it (its 8-row tile's rule; for A/B runs,
+    `kernels.quant_wgmma.async_one_row_enabled`: not measured in the engine yet).
     One row of a large 4-bit weight in groups of 32 with K < 8192 (what a Q4_0 GGUF of an 8B runs): each
     thread holds two whole rows of a block (`thread_rows`, 128-feature programs of 2 warps; sm_90 machine code
     4.52 instructions a code against 7.95 for the elementwise kernel's 32-feature programs), split to about 8
@@ -132,6 +134,11 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     def pow2_floor(v: int) -> int:
         return 1 << (max(1, v).bit_length() - 1)
 
+    if async_one_row and async_dots and T == 1 and not beside_lora and x_dtype == torch.bfloat16 \
+            and N * K >= SMALL_WEIGHT and pair_codes_layout(bits, group_size, K):
+        ring = _async_dots_config(T, N, K, num_sms)
+        if ring is not None:
+            return ring
     if T == 1 and bits == 4 and group_size == 32 and K < 8192 and N * K >= SMALL_WEIGHT:     # whole rows a thread
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)

@@ -297,6 +297,16 @@ def async_dots_enabled(device: torch.device) -> bool:
     return env_int(ENV, lambda v: v in (0, 1), "0 or 1") != 0 and runs_on(device)
 
 
+ONE_ROW_ENV = "LORAPLEX_ASYNC_DOTS_ONE_ROW"
+
+
+def async_one_row_enabled() -> bool:
+    """LORAPLEX_ASYNC_DOTS_ONE_ROW=1 (for A/B runs; unset or 0 by default): where this kernel runs at all
+    (`async_dots_enabled`), one row with no LoRA launch beside it takes it too, an 8-row tile (pick_config's
+    `async_one_row`), instead of the one-row kernels."""
+    return env_int(ONE_ROW_ENV, lambda v: v in (0, 1), "0 or 1") == 1
+
+
 def runs_on(device: torch.device) -> bool:
     """Whether this kernel runs on `device`: a CUDA GPU of sm_90 or later, compiled (the interpreter does not run
     the dialect)."""

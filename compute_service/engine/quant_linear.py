@@ -57,9 +57,10 @@ class QuantLinear:
         # One zero counter per output tile of a split-K launch (16-feature tiles of up to 64 tokens, or 64-feature
         # tiles of up to 256, suffice).
         self.locks = torch.zeros(4 * -(-self._shape[0] // 16), dtype=torch.int32, device=self.device)
-        from kernels.quant_wgmma import async_dots_enabled
+        from kernels.quant_wgmma import async_dots_enabled, async_one_row_enabled
 
         self.async_dots = async_dots_enabled(self.device)     # 2-32 rows: the asynchronous-dot kernel (sm_90+)
+        self.async_one_row = self.async_dots and async_one_row_enabled()    # and one row (A/B runs)
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -119,12 +120,13 @@ class QuantLinear:
         where it runs a pair-codes path of the kernel, else 0. The kernel that writes x can write them
         (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`), so that the call needs no launch of its
         own for them. Not with act-order (x is gathered first: the sums would be of another order's slices)."""
-        if not self.use_kernel or self._perm is not None or t < 2 or t >= self.dense_min_tokens:
+        if not self.use_kernel or self._perm is not None or t < 1 or t >= self.dense_min_tokens:
             return 0
         from kernels.quant_matmul import pick_config, sums_width
 
         n, k = self._shape
-        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype, async_dots=self.async_dots)
+        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype, async_dots=self.async_dots,
+                          async_one_row=self.async_one_row)
         return sums_width(cfg, self.packed, dtype)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
@@ -156,7 +158,7 @@ class QuantLinear:
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
-                          addend is not None or beside_lora, self.async_dots)
+                          addend is not None or beside_lora, self.async_dots, self.async_one_row)
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)

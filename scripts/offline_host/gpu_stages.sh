@@ -50,6 +50,10 @@
 #                    LORAPLEX_ASYNC_DOTS_SYNC set to each of $SYNCS (default "0 1 2"): the kernel's half-block
 #                    synchronisation as measured, barrier before fence, and the early refill (kernels/quant_wgmma.py),
 #                    an A/B on one lease (~4 minutes)
+#   async-one-row-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 1,2), with
+#                    LORAPLEX_ASYNC_DOTS_ONE_ROW=0 then 1: one row on the one-row kernels or on the asynchronous-dot
+#                    kernel's 8-row tile (where no LoRA launch runs beside it), an A/B on one lease (~2 minutes;
+#                    add LORAPLEX_ASYNC_DOTS_SYNC=... to the environment to A/B with another synchronisation)
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -82,7 +86,9 @@ mkdir -p "$out"
 kernels1="tests/kernels/test_shrink.py tests/kernels/test_expand.py"
 kernels2="tests/kernels/test_fused.py tests/kernels/test_quant_matmul.py"
 ignore="--ignore=tests/deploy --ignore=tests/gateway/test_http_openai.py --ignore=tests/gateway/test_tls.py"
-pytest_gpu() { python3 -m pytest -q -p no:cacheprovider -m gpu --durations=20 "$@" 2>&1 | tail -60 | tee "$out/$stage.log"; }
+pytest_gpu() {      # the 20 slowest tests are logged too
+  python3 -m pytest -q -p no:cacheprovider -m gpu --durations=20 "$@" 2>&1 | tail -60 | tee "$out/$stage.log"
+}
 # The kernel suites should be mostly Triton compiling a program per parametrized case, one core at a time:
 # spread over worker processes (pytest-xdist, in the bundle) sharing the GPU. Their tests are independent
 # (no files, ports or memory sizing); the rest stays serial (its engines size their KV cache from free memory).
@@ -92,12 +98,12 @@ not_kernels=""                                       # the rest: every test file
 for f in $kernels1 $kernels2; do not_kernels="$not_kernels --ignore=$f"; done
 workers=""
 python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-14}"
-# The 4-bit engine alone at batches $BATCHES (default 8,16,32) with switch $1 set to each of $2 in turn (one lease):
-# quant_decode_$3_<value>.json each
+# The 4-bit engine alone at batches $BATCHES (default $4, else 8,16,32) with switch $1 set to each of $2 in turn
+# (one lease): quant_decode_$3_<value>.json each
 int4_decode_ab() {
   for flag in $2; do
-    env "$1=$flag" python3 bench/quant_decode.py --labels int4 --batches "${BATCHES:-8,16,32}" --commit "$commit" \
-      --out "$out/quant_decode_$3_$flag.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
+    env "$1=$flag" python3 bench/quant_decode.py --labels int4 --batches "${BATCHES:-${4:-8,16,32}}" \
+      --commit "$commit" --out "$out/quant_decode_$3_$flag.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
   done
 }
 case "$stage" in
@@ -173,7 +179,7 @@ case "$stage" in
     # specialisation) with how many programs share it: a program the warm-up compiled beside the pool's shows
     # as a signature the recording did not produce
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/compute_service/test_compile_pool.py \
-      -k "cold_start and tiny" --basetemp=/tmp/cps --log-level=INFO > "$out/$stage.full.log" 2>&1   # with the warm-up's log
+      -k "cold_start and tiny" --basetemp=/tmp/cps --log-level=INFO > "$out/$stage.full.log" 2>&1   # + warm-up's log
     grep -E "passed|failed|recording pass stopped|warm-up:" "$out/$stage.full.log" | cut -c1-300 | tee "$out/$stage.log"
     for k in _shrink_kernel _fused_kernel _expand_kernel; do
       echo "== $k" >> "$out/$stage.log"
@@ -223,6 +229,7 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
       | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
   async-sync-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_SYNC "${SYNCS:-0 1 2}" sync ;;
+  async-one-row-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_ONE_ROW "0 1" one_row 1,2 ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \

@@ -151,6 +151,33 @@ def test_pick_config_takes_the_kernel_where_it_was_faster() -> None:
     assert pick_config(8, 4096, 128 * 35, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0   # 35 halves
 
 
+def test_one_row_takes_the_kernel_only_when_asked_and_alone() -> None:
+    """`async_one_row` (LORAPLEX_ASYNC_DOTS_ONE_ROW, for A/B runs): one row of a large 4-bit g128 weight takes the
+    kernel's 8-row tile, not beside a LoRA launch (the one-row kernel adds that launch's delta) nor without
+    `async_dots`; off, one row keeps the one-row kernels."""
+    from kernels.quant_config import pick_config
+
+    for N, K in ((6144, 4096), (28672, 4096), (4096, 14336)):
+        on = pick_config(1, N, K, 4, 132, 128, torch.bfloat16, async_dots=True, async_one_row=True)
+        assert on.ring > 0 and on.block_m == 8, (N, K, on)
+        assert pick_config(1, N, K, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
+        assert pick_config(1, N, K, 4, 132, 128, torch.bfloat16, True, True, True).ring == 0      # LoRA beside
+        assert pick_config(1, N, K, 4, 132, 128, torch.bfloat16, async_one_row=True).ring == 0
+    assert pick_config(1, 960, 576, 4, 132, 128, torch.bfloat16, async_dots=True, async_one_row=True).ring == 0
+
+
+def test_one_row_switch_is_read_from_the_environment(monkeypatch) -> None:
+    from kernels.quant_wgmma import ONE_ROW_ENV, async_one_row_enabled
+
+    monkeypatch.delenv(ONE_ROW_ENV, raising=False)
+    assert not async_one_row_enabled()
+    monkeypatch.setenv(ONE_ROW_ENV, "1")
+    assert async_one_row_enabled()
+    monkeypatch.setenv(ONE_ROW_ENV, "2")
+    with pytest.raises(ValueError, match=ONE_ROW_ENV):
+        async_one_row_enabled()
+
+
 def test_quant_matmul_refuses_a_ring_it_cannot_run() -> None:
     """On the CPU (or for float16 x) a config with a ring is an error, not a silent fallback."""
     from kernels.quant_config import QuantMatmulConfig
@@ -254,6 +281,33 @@ def test_gpu_quant_matmul_runs_two_warpgroups() -> None:
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
     quant_matmul(x, w, None, out, QuantMatmulConfig(128, 64, 1, ring=6, ring_step=2))
     assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of sm_90 or later")
+def test_gpu_quant_linear_one_row_on_the_kernel_when_asked(monkeypatch) -> None:
+    """LORAPLEX_ASYNC_DOTS_ONE_ROW=1: a QuantLinear's one row takes the kernel (its sums of x asked of the
+    writer: sums_width 128), matches the reference; with an addend it keeps the one-row kernel."""
+    from compute_service.engine.quant_linear import QuantLinear
+    from compute_service.engine.quantized import QuantizedWeight
+    from kernels.quant_wgmma import ONE_ROW_ENV
+
+    monkeypatch.setenv(ONE_ROW_ENV, "1")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(11)
+    N, K, G = 4096, 4096, 128
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
+    s = (torch.rand(N, K // G, device=dev, generator=gen) * 0.01 + 1e-3).half()
+    o = (-8 * s.float()).half()
+    lin = QuantLinear(QuantizedWeight(q, s, o, 4, G), device=dev)
+    assert lin.async_one_row and lin.sums_width(1, torch.bfloat16) == 128
+    x = torch.randn(1, K, device=dev, generator=gen).to(torch.bfloat16)
+    g = torch.arange(K, device=dev) // G
+    want = x.float() @ (q.float() * s.float()[:, g] + o.float()[:, g]).t()
+    assert ((lin(x).float() - want).norm() / want.norm()).item() < 1e-2
+    addend = torch.zeros(1, N, device=dev)
+    assert ((lin(x, addend=addend).float() - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu
