@@ -15,7 +15,8 @@ unpacked and the previous one's fp32 sums are scaled: acc += s * D + (o - BIAS s
 half blocks and ends with its dots complete (a dot running across the loop's back edge makes the assembler wait
 after every dot). Split-K: each program stores its fp32 partial and the last of a tile sums them in split order
 (`kernels.quant_split`'s protocol, deterministic); a bias is added once. As a dependent launch (kernels/pdl.py)
-the first NX half blocks' words, scales and offsets are copied before the wait, x and its sums after it.
+the first NX half blocks' words, scales and offsets (NX - 2 with SYNC 2) are copied before the wait, x and its
+sums after it.
 How a half block's copies are made safe to read (SYNC, `ring_sync`): 0, the wait for them, a shared-memory proxy
 fence (the dot reads x through the asynchronous proxy) and a block-wide barrier, with a barrier the compiler adds
 between the wait and the fence and one before each refill, whose slot every warp must be done with (three a half
@@ -54,7 +55,7 @@ BLOCK_NS = (64, 128)    # features a program: one or two warpgroups, each warp a
 def _x_copy_layout(num_warps, block_m):
     """Threads over x's [block_m, 128] tile for its copies, 16 bytes a thread, or 8 where two warpgroups share an
     8-row tile (a [16, 128] cover would copy each element twice)."""
-    if num_warps * 2 > block_m and block_m == 8:
+    if num_warps == 8 and block_m == 8:
         return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[2, num_warps // 2],
                                 order=[1, 0])
     return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[num_warps, 1],
