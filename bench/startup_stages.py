@@ -19,11 +19,9 @@ STAGE_PATTERNS = {          # the compute service's start-up log lines, as secon
 }
 
 
-COUNT_PATTERNS = {          # the compile pool's counts: programs handed to it, compiled there, left to the warm-up
-    "pool_programs": r"\d+/(\d+) Triton programs compiled in \d+ processes",
-    "pool_compiled": r"(\d+)/\d+ Triton programs compiled in \d+ processes",
-    "pool_failed": r"Triton programs compiled in \d+ processes \([\d.]+ s summed\); (\d+) left to the warm-up",
-}
+# the compile pool's line: programs compiled there / handed to it, and those left to the warm-up
+POOL_PATTERN = (r"(\d+)/(\d+) Triton programs compiled in \d+ processes \([\d.]+ s summed\)"
+                r"(?:; (\d+) left to the warm-up)?")
 
 
 def stages(log_text: str) -> dict:
@@ -35,11 +33,8 @@ def stages(log_text: str) -> dict:
         m = re.search(pattern, log_text)
         if m:
             out[name] = float(m.group(1))
-    for name, pattern in COUNT_PATTERNS.items():
-        m = re.search(pattern, log_text)
-        if m:
-            out[name] = int(m.group(1))
-    if "pool_programs" in out:
-        out.setdefault("pool_failed", 0)
+    m = re.search(POOL_PATTERN, log_text)
+    if m:
+        out.update(pool_compiled=int(m.group(1)), pool_programs=int(m.group(2)), pool_failed=int(m.group(3) or 0))
     out["plan_cached"] = "plan from cache" in log_text
     return out

@@ -134,8 +134,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     def pow2_floor(v: int) -> int:
         return 1 << (max(1, v).bit_length() - 1)
 
-    if async_one_row and async_dots and T == 1 and not beside_lora and x_dtype == torch.bfloat16 \
-            and N * K >= SMALL_WEIGHT and pair_codes_layout(bits, group_size, K):
+    pairs = pair_codes_layout(bits, group_size, K)
+    if async_dots and (T > 1 or async_one_row) and T <= 32 and pairs and x_dtype == torch.bfloat16 \
+            and N * K >= SMALL_WEIGHT and (T > 16 or not beside_lora):
         ring = _async_dots_config(T, N, K, num_sms)
         if ring is not None:
             return ring
@@ -153,12 +154,6 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
             return QuantMatmulConfig(bn, 1, 1)
         per_sm = 256 * num_sms // bn            # 8 programs of 32 features (4 of 64) per SM, over the T rows
         return QuantMatmulConfig(bn, 1, min(pow2_floor(min(per_sm // (triton.cdiv(N, bn) * T), 16)), num_blocks))
-    pairs = pair_codes_layout(bits, group_size, K)
-    if async_dots and T <= 32 and pairs and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT \
-            and (T > 16 or not beside_lora):
-        ring = _async_dots_config(T, N, K, num_sms)
-        if ring is not None:
-            return ring
     if T > 64 and N * K >= SMALL_WEIGHT and group_pairs_layout(bits, group_size, K):
         if cdiv(N, 128) >= num_sms:
             return QuantMatmulConfig(128, 128, 1, num_warps=8)

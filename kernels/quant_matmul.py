@@ -38,7 +38,7 @@ from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
-from kernels.quant_wgmma import quant_wgmma, runs_on
+from kernels.quant_wgmma import BLOCK_NS, quant_wgmma, runs_on
 
 
 def _quad_words(w: PackedQuantWeight) -> bool:
@@ -129,7 +129,7 @@ def quant_matmul(
     else:
         check_sums(x_sums, T, K, width, "x_sums")
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
-        if not (pairs and paired and runs_on(x.device)) or cfg.block_n not in (64, 128):    # the rest: quant_wgmma
+        if not (pairs and paired and runs_on(x.device)) or cfg.block_n not in BLOCK_NS:     # the rest: quant_wgmma
             raise ValueError(f"bad config {cfg}: a ring runs 64- or 128-feature tiles of the asynchronous-dot kernel: "
                              "4 bits in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
         quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks,

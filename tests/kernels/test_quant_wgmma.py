@@ -21,18 +21,20 @@ TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bi
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def sass(block_m: int, split: int, tmp_path: Path, block_n: int = 64) -> tuple[str, list[tuple[int, str, str]]]:
-    """(kernel_sass.py's report, the machine code) of the kernel compiled for sm_90."""
+def sass(tmp_path: Path, **consts: int) -> tuple[str, list[tuple[int, str, str]]]:
+    """(kernel_sass.py's report, the machine code) of the kernel compiled for sm_90 with `consts` over a 16-row
+    tile of 64 features, a ring of 4 taken 4 a step, no split, a bias."""
     from kernel_sass import parse_sass
 
+    consts = {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 1, "FENCE": 1, "USE_PDL": 1,
+              "BLOCK_N": 64, **consts}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / f"bm{block_m}_split{split}_bn{block_n}"
+    out = tmp_path / "_".join(f"{k}{v}" for k, v in consts.items())
     cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "kernels.quant_wgmma:quant_wgmma_kernel",
-           "--warps", str(block_n // 16),
-           "--const", "GROUP=128", f"BLOCK_M={block_m}", "NX=4", "U=4", f"SPLIT={split}", "HAS_BIAS=1", "FENCE=1",
-           "USE_PDL=1", f"BLOCK_N={block_n}", "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16",
-           "xs_ptr=fp32", "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N",
-           "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
+           "--warps", str(consts["BLOCK_N"] // 16), "--const", *(f"{k}={v}" for k, v in consts.items()),
+           "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "xs_ptr=fp32", "bias_ptr=bf16",
+           "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N", "stride_x", "stride_out",
+           "words_per_row", "--dump", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout, parse_sass((out / "kernel.sass").read_text())
@@ -41,7 +43,7 @@ def sass(block_m: int, split: int, tmp_path: Path, block_n: int = 64) -> tuple[s
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
 @pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (32, 2, 64), (8, 1, 128), (32, 2, 128)])
 def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
-    report, code = sass(block_m, split, tmp_path, block_n)
+    report, code = sass(tmp_path, BLOCK_M=block_m, SPLIT=split, BLOCK_N=block_n)
     if block_m <= 16 or block_n == 128:     # two warpgroups: x's copies spread over twice the threads
         assert "stack (spills) 0 B" in report, report.splitlines()[0]
     ops = [op for _, op, _ in code]
@@ -69,23 +71,14 @@ def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Pa
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
 def test_each_half_block_synchronisation_s_barriers(tmp_path: Path) -> None:
     """SYNC 0: three block-wide barriers a half block (ours after the fence, the compiler's between the wait and
-    the fence, the refill's); 1, barrier before fence: two, the fences kept; 2, the refill right after that barrier
-    into half h - 2's slot: one where the compiler tells the ring's slots apart (Triton 3.9), two where it does
-    not (3.6 adds one between the refill and the next shared-memory read)."""
-    from kernel_sass import loops, parse_sass
+    the fence, the refill's); 1, barrier before fence: two, the fences kept; 2, as 1 with the refill into half
+    h - 2's slot and no barrier of its own: one where the compiler tells the ring's slots apart (Triton 3.9), two
+    where it does not (3.6 adds one before the refill)."""
+    from kernel_sass import loops
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     counts = {}
     for sync in (0, 1, 2):
-        out = tmp_path / f"sync{sync}"
-        cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "kernels.quant_wgmma:quant_wgmma_kernel",
-               "--const", "GROUP=128", "BLOCK_M=8", "NX=8", "U=2", "SPLIT=1", "HAS_BIAS=0", "FENCE=1", "USE_PDL=1",
-               f"SYNC={sync}", "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16",
-               "xs_ptr=fp32", "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N",
-               "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-        assert run.returncode == 0, run.stderr[-2000:]
-        code = parse_sass((out / "kernel.sass").read_text())
+        _, code = sass(tmp_path, BLOCK_M=8, NX=8, U=2, HAS_BIAS=0, SYNC=sync)
         first, last = max(loops(code), key=lambda span: span[1] - span[0])
         body = [op for _, op, _ in code[first:last + 1]]
         counts[sync] = (sum(op.startswith("BAR.SYNC") for op in body), sum(op.startswith("MEMBAR") for op in body))
