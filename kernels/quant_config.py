@@ -188,8 +188,11 @@ def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfi
     asynchronous-dot kernel (`kernels.quant_wgmma`), 64 features by 8 / 16 / 32 rows a program. Where the
     feature tiles alone fill the SMs twice (gate/up) no split, a ring of 6 half blocks taken 2 a step; else up to
     8 rows split 4, a ring of 4 taken 4 a step (a long K: split 8, a ring of 8 taken 2), 9-16 rows the same but
-    a long K (down) keeps the tiles; above 16 rows
-    split 4 unless that makes more than two programs an SM (then none, a ring of 6 taken 2). H200 sweep of the 8B
+    a long K (down) takes 128 features, split 4, a ring of 8 taken 2; above 16 rows
+    split 4 unless that makes more than two programs an SM (then none, a ring of 6 taken 2). At 9-16 rows gate/up
+    and down run 128 features a program (two warpgroups sharing each copy of x): 16 rows, SYNC 1, gate/up 28.5 us
+    against 30.3 on 64, down 17.7 against the tiles' 19.8; on q/k/v and o, and at 8 or 32 rows, 128 features were
+    no faster (bench/results/quant_async_dots_rows1_8_16.json, _rows32_64.json). H200 sweep of the 8B
     shapes at 1-64 rows against the tiles above (`bench/quant_async_dots.py`, the split-K sums in order,
     bench/results/quant_async_dots.json). At one row the kernel was even with the one-row kernel, and at 64 rows
     gate/up and down slower than the tiles (gate/up 64.2 us against 47.4). A split or step that does not divide
@@ -201,12 +204,15 @@ def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfi
     block_m = 8 if T <= 8 else 16 if T <= 16 else 32
     tiles = cdiv(N, 64) * cdiv(T, block_m)
     long_k = K >= 8192
+    block_n = 64
     if cdiv(N, 64) >= 2 * num_sms:
         split, ring, step = 1, 6, 2
+        block_n = 128 if 8 < T <= 16 else 64        # gate/up at 9-16 rows: two warpgroups share x
     elif T <= 16:
-        if long_k and T > 8:        # down at 9-16 rows: the tiles (19.7 us against 23.1 at split 8)
-            return None
-        split, ring, step = (8, 8, 2) if long_k else (4, 4, 4)
+        if long_k and T > 8:        # down at 9-16 rows: 128 features, split 4, a ring of 8 taken 2
+            split, ring, step, block_n = 4, 8, 2, 128
+        else:
+            split, ring, step = (8, 8, 2) if long_k else (4, 4, 4)
     elif 4 * tiles > 2 * num_sms:
         split, ring, step = 1, 6, 2
     else:
@@ -214,5 +220,5 @@ def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfi
     for sp in (split, split // 2, split // 4, 1):
         for st, rg in ((step, ring), (2, max(ring, 6))):
             if sp >= 1 and halves % (sp * st) == 0:
-                return QuantMatmulConfig(64, block_m, sp, ring=rg, ring_step=st)
+                return QuantMatmulConfig(block_n, block_m, sp, ring=rg, ring_step=st)
     return None

@@ -24,7 +24,10 @@ block; as measured so far); 1, the barrier before the fence, the order of the co
 asynchronous copies (Triton 3.9), so it adds none there (two); 2, as 1, and the half's refill goes into half
 h - 2's slot (every warp has read it and waited for its dot before reaching that barrier) with no barrier of its
 own, a ring of NX slots holding NX - 2 halves ahead (one barrier a half block where the compiler can tell the
-ring's slots apart: Triton 3.9; two with 3.6). Only 0 has run on a GPU.
+ring's slots apart: Triton 3.9; two with 3.6). 1 is the default: every variant passes its GPU tests, and
+over the 8B shapes at 1-64 rows the best configuration with 1 was the fastest of all in 14 of 20 cases and
+beat 0's in 18 (q/k/v at 16 rows and down at 8: 1.5-2% behind); 2 was 5-9% faster on down at 1 and 8 rows
+(docs/quantization.md).
 
 Written in Triton's explicit-layout dialect (`triton.experimental.gluon`), which the interpreter does not run:
 on the CPU only its compiled sm_90 code is checked (tests/kernels/test_quant_wgmma.py). Measured on an H200
@@ -287,8 +290,11 @@ SYNCS = (0, 1, 2)
 
 
 def ring_sync() -> int:
-    """LORAPLEX_ASYNC_DOTS_SYNC (for A/B runs): the kernel's SYNC (module docstring), 0 where unset."""
-    return env_int(SYNC_ENV, lambda v: v in SYNCS, "0, 1 or 2") or 0
+    """LORAPLEX_ASYNC_DOTS_SYNC (for A/B runs): the kernel's SYNC (module docstring), 1 where unset (H200, the
+    8B engine at batch 8 / 16 / 32: 2.58 / 2.94 / 3.38 ms a token against 2.60 / 2.95 / 3.43 with 0 and 2.61 /
+    3.02 / 3.45 with 2; bench/results/quant_decode_sync_{0,1,2}.json)."""
+    v = env_int(SYNC_ENV, lambda v: v in SYNCS, "0, 1 or 2")
+    return 1 if v is None else v
 
 
 def async_dots_enabled(device: torch.device) -> bool:

@@ -116,23 +116,25 @@ def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
 
 
 def test_pick_config_takes_the_kernel_where_it_was_faster() -> None:
-    """2-32 rows of the 8B shapes (4 bits, groups of 128, bfloat16 x) with `async_dots`; not at 1 or 33+ rows,
-    not for float16 x, small weights or groups of 32, nor without `async_dots`, nor down at 9-16 rows or 2-16 rows
-    beside a LoRA launch; a split or step that does not divide K's half blocks steps down."""
+    """2-32 rows of the 8B shapes (4 bits, groups of 128, bfloat16 x) with `async_dots`, 128 features a program
+    on gate/up and down at 9-16 rows (64 elsewhere); not at 1 or 33+ rows, not for float16 x, small weights or
+    groups of 32, nor without `async_dots`, nor 2-16 rows beside a LoRA launch; a split or step that does not
+    divide K's half blocks steps down."""
     from kernels.quant_config import pick_config
 
-    expect = {  # (T, N, K): (block_m, split, ring, step)
-        (2, 6144, 4096): (8, 4, 4, 4), (8, 4096, 4096): (8, 4, 4, 4), (8, 4096, 14336): (8, 8, 8, 2),
-        (8, 28672, 4096): (8, 1, 6, 2), (9, 6144, 4096): (16, 4, 4, 4), (16, 28672, 4096): (16, 1, 6, 2),
-        (17, 6144, 4096): (32, 1, 6, 2), (32, 4096, 4096): (32, 4, 4, 4), (32, 4096, 14336): (32, 4, 4, 4),
-        (32, 28672, 4096): (32, 1, 6, 2)}
+    expect = {  # (T, N, K): (block_n, block_m, split, ring, step)
+        (2, 6144, 4096): (64, 8, 4, 4, 4), (8, 4096, 4096): (64, 8, 4, 4, 4), (8, 4096, 14336): (64, 8, 8, 8, 2),
+        (8, 28672, 4096): (64, 8, 1, 6, 2), (9, 6144, 4096): (64, 16, 4, 4, 4),
+        (16, 28672, 4096): (128, 16, 1, 6, 2), (9, 28672, 4096): (128, 16, 1, 6, 2),
+        (16, 4096, 14336): (128, 16, 4, 8, 2), (16, 4096, 4096): (64, 16, 4, 4, 4),
+        (17, 6144, 4096): (64, 32, 1, 6, 2), (32, 4096, 4096): (64, 32, 4, 4, 4), (32, 4096, 14336): (64, 32, 4, 4, 4),
+        (32, 28672, 4096): (64, 32, 1, 6, 2)}
     for (T, N, K), want in expect.items():
         cfg = pick_config(T, N, K, 4, 132, 128, torch.bfloat16, async_dots=True)
-        assert cfg.block_n == 64 and (cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step) == want, (T, N, K, cfg)
+        assert (cfg.block_n, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step) == want, (T, N, K, cfg)
         assert (K // 128) % (cfg.split_k * cfg.ring_step) == 0
         assert pick_config(T, N, K, 4, 132, 128, torch.bfloat16).ring == 0
     assert pick_config(1, 4096, 4096, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
-    assert pick_config(16, 4096, 14336, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
     assert pick_config(16, 4096, 4096, 4, 132, 128, torch.bfloat16, True, async_dots=True).ring == 0  # LoRA beside
     assert pick_config(32, 4096, 4096, 4, 132, 128, torch.bfloat16, True, async_dots=True).ring == 4
     assert pick_config(33, 4096, 4096, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0
@@ -169,6 +171,23 @@ def test_one_row_switch_is_read_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(ONE_ROW_ENV, "2")
     with pytest.raises(ValueError, match=ONE_ROW_ENV):
         async_one_row_enabled()
+
+
+def test_synchronisation_defaults_to_barrier_before_fence(monkeypatch) -> None:
+    """SYNC 1 where LORAPLEX_ASYNC_DOTS_SYNC is unset or blank (the engine A/B's winner); 0 and 2 on request;
+    anything else an error naming the variable."""
+    from kernels.quant_wgmma import SYNC_ENV, ring_sync
+
+    monkeypatch.delenv(SYNC_ENV, raising=False)
+    assert ring_sync() == 1
+    monkeypatch.setenv(SYNC_ENV, " ")
+    assert ring_sync() == 1
+    for v in (0, 1, 2):
+        monkeypatch.setenv(SYNC_ENV, str(v))
+        assert ring_sync() == v
+    monkeypatch.setenv(SYNC_ENV, "3")
+    with pytest.raises(ValueError, match=SYNC_ENV):
+        ring_sync()
 
 
 def test_quant_matmul_refuses_a_ring_it_cannot_run() -> None:
@@ -293,7 +312,7 @@ def test_gpu_quant_linear_one_row_on_the_kernel_when_asked(monkeypatch) -> None:
     q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
     s = (torch.rand(N, K // G, device=dev, generator=gen) * 0.01 + 1e-3).half()
     o = (-8 * s.float()).half()
-    lin = QuantLinear(QuantizedWeight(q, s, o, 4, G), device=dev)
+    lin = QuantLinear(QuantizedWeight(q, s, o, 4, G), bias=None, device=dev)
     assert lin.async_one_row and lin.sums_width(1, torch.bfloat16) == 128
     x = torch.randn(1, K, device=dev, generator=gen).to(torch.bfloat16)
     g = torch.arange(K, device=dev) // G
@@ -306,24 +325,29 @@ def test_gpu_quant_linear_one_row_on_the_kernel_when_asked(monkeypatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a CUDA GPU of sm_90 or later")
-@pytest.mark.parametrize("T", [2, 8, 13, 32])
-def test_gpu_quant_linear_takes_it(T: int) -> None:
+@pytest.mark.parametrize("T,shape", [(2, "square"), (8, "square"), (13, "square"), (32, "square"),
+                                     (13, "long_k"), (13, "wide"), (8, "wide")])
+def test_gpu_quant_linear_takes_it(T: int, shape: str) -> None:
     """A QuantLinear on an sm_90 GPU runs the kernel at 2-32 rows (pick_config's rule), with a bias, and matches
-    the fp32 reference; with LORAPLEX_ASYNC_DOTS=0 the tiles give the same result to rounding."""
+    the fp32 reference; with LORAPLEX_ASYNC_DOTS=0 the tiles give the same result to rounding. A long K (down)
+    and features that fill the SMs twice (gate/up) at 9-16 rows take 128 features a program."""
     from compute_service.engine.quant_linear import QuantLinear
     from compute_service.engine.quantized import QuantizedWeight
     from kernels.quant_matmul import pick_config
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(T)
-    N, K, G = 4096, 4096, 128
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    N, K = {"square": (4096, 4096), "long_k": (4096, 14336), "wide": (128 * sms, 4096)}[shape]
+    G = 128
     q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
     s = (torch.rand(N, K // G, device=dev, generator=gen) * 0.01 + 1e-3).half()
     o = (-8 * s.float()).half()
     bias = torch.randn(N, device=dev, generator=gen) * 0.1
     lin = QuantLinear(QuantizedWeight(q, s, o, 4, G), bias=bias, device=dev)
     assert lin.async_dots
-    assert pick_config(T, N, K, 4, lin.num_sms, G, torch.bfloat16, async_dots=True).ring > 0
+    cfg = pick_config(T, N, K, 4, lin.num_sms, G, torch.bfloat16, async_dots=True)
+    assert cfg.ring > 0 and cfg.block_n == (128 if shape != "square" and 8 < T <= 16 else 64), cfg
     x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
     g = torch.arange(K, device=dev) // G
     want = x.float() @ (q.float() * s.float()[:, g] + o.float()[:, g]).t() + bias.to(torch.bfloat16).float()
