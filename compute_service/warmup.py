@@ -74,19 +74,20 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 
 def compiled_kernels() -> int | None:
-    """Compiled Triton programs held by the kernels package (None when Triton runs interpreted)."""
+    """Compiled Triton programs held by the kernels package (None when Triton runs interpreted). A kernel one
+    module imports from another (quant_matmul's launchers) is counted once."""
     import sys
 
     from triton.runtime.jit import JITFunction
 
-    total, seen = 0, False
+    total, seen = 0, set()
     for name, mod in list(sys.modules.items()):
         if not (name == "kernels" or name.startswith("kernels.")) or mod is None:
             continue
         for obj in vars(mod).values():
             caches = getattr(obj, "device_caches", None) if isinstance(obj, JITFunction) else None
-            if caches is not None:
-                seen = True
+            if caches is not None and id(obj) not in seen:
+                seen.add(id(obj))
                 total += sum(len(entry[0]) for entry in caches.values())
     return total if seen else None
 

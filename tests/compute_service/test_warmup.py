@@ -5,6 +5,7 @@ import asyncio
 import os
 import random
 import signal
+import sys
 import types
 
 import grpc
@@ -198,3 +199,20 @@ def test_quantized_projections_are_told_apart_by_what_their_launches_depend_on()
 def test_start_up_line_names_the_compiled_programs_or_says_there_are_none():
     assert describe_compiled(12) == "12 Triton programs"
     assert "None" not in describe_compiled(None) and "no compiled Triton programs" in describe_compiled(None)
+
+
+def _counted_kernel(x_ptr):        # source for a JITFunction built by hand below
+    pass
+
+
+def test_a_kernel_one_module_imports_from_another_is_counted_once(monkeypatch):
+    """quant_matmul imports the 4-bit kernels' JIT functions by name: their programs count once, not per module
+    that holds the name (the compile pool's GPU test compares this count with the programs it compiled)."""
+    from triton.runtime.jit import JITFunction
+
+    before = compiled_kernels() or 0
+    fn = JITFunction(_counted_kernel)
+    fn.device_caches = {0: ({"program a": None, "program b": None},)}     # two programs on device 0
+    for name in ("kernels._counted_here", "kernels._counted_there"):
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(kernel=fn))
+    assert compiled_kernels() == before + 2
