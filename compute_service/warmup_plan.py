@@ -14,8 +14,9 @@ arguments, which the class includes; a quantized base's projections do (their
 kernels pick tiles and K splits from T), so their launch keys join the class,
 recorded the same way (`quant_class_fn`). (The norm and SwiGLU also write x's
 slice sums where the projection after them takes its pair-codes path: a choice
-made from the same T, so it is named by that projection's launch key.) Where nothing compiles (CPU, the Triton
-interpreter) every T falls in one class. The plan is kept on disk between starts
+made from the same T, so it is named by that projection's launch key; the dry runs hand a projection those
+sums where the forward does, so that they record no launch of the sums the forward never makes.) Where
+nothing compiles (CPU, the Triton interpreter) every T falls in one class. The plan is kept on disk between starts
 (`warmup_plan_cache.py`), so a restart of the same code on the same GPU with the
 same settings skips the dry runs.
 """
@@ -138,25 +139,46 @@ def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Call
     at 2+ rows both choices, alone and beside a LoRA launch (`QuantLinear(..., beside_lora=True)`).
     From `dense_min_tokens` rows a projection dequantizes and calls the library GEMM, the same launches at
     every T: one class of its own, without a dry run."""
-    projections = quantized_projections(model)
+    projections = _projection_calls(model)
     if not projections or not LaunchRecorder.available() or device.type != "cuda":
         return lambda t: ()
-    rows = max(p.dense_min_tokens for p in projections)
-    xs = {k: torch.zeros(rows, k, dtype=dtype, device=device) for k in {p.in_features for p in projections}}
+    rows = max(p.dense_min_tokens for p, _ in projections)
+    xs = {k: torch.zeros(rows, k, dtype=dtype, device=device) for k in {p.in_features for p, _ in projections}}
 
     def launch_keys(t: int) -> LaunchClass:
         keys: list[str] = []
-        for p in projections:
+        for p, sums_written in projections:
             if t >= p.dense_min_tokens:
                 keys.append(f"dequantize+GEMM {p.out_features}x{p.in_features}")
                 continue
+            width = p.sums_width(t, dtype) if sums_written else 0      # as the forward calls it (`_x_sums`)
+            kw = {"x_sums": torch.zeros(t, p.in_features // width, dtype=torch.float32, device=device)} if width else {}
             with LaunchRecorder() as rec:
-                p(xs[p.in_features][:t])
+                p(xs[p.in_features][:t], **kw)
                 if t > 1:       # beside a LoRA launch (graphs of 2+ tokens) pick_config may choose other programs
-                    p(xs[p.in_features][:t], beside_lora=True)
+                    p(xs[p.in_features][:t], beside_lora=True, **kw)
             keys.extend(rec.keys)
         return tuple(keys)
     return launch_keys
+
+
+def _projection_calls(model: Any) -> list[tuple[Any, bool]]:
+    """`quantized_projections`, each with whether the forward hands it x's slice sums written by the kernel
+    before it (`LlamaModel.writes_sums`), else it launches their sums itself: one of each such pair, so the
+    dry runs launch what the forward launches and nothing else (a launch only a dry run makes would be
+    compiled at start-up for nothing)."""
+    from compute_service.engine.model import LAYER_PROJECTIONS
+    from compute_service.engine.quant_linear import QuantLinear
+
+    writes = getattr(model, "writes_sums", lambda name: False)
+    seen: dict[tuple[int, ...], tuple[Any, bool]] = {}
+    for layer in model.weights.layers:
+        for name in LAYER_PROJECTIONS:
+            p = getattr(layer, name)
+            if isinstance(p, QuantLinear) and p.use_kernel:
+                key = (p.out_features, p.in_features, p.bits, p.group_size, p.dense_min_tokens, writes(name))
+                seen.setdefault(key, (p, writes(name)))
+    return list(seen.values())
 
 
 def joined(*class_fns: Callable[[int], LaunchClass]) -> Callable[[int], LaunchClass]:

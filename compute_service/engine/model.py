@@ -208,6 +208,14 @@ class LlamaModel:
         silu_mul(gate_up, act, sums, extra)
         return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local)
 
+    def writes_sums(self, name: str) -> bool:
+        """Whether the kernel that writes projection `name`'s x (LAYER_PROJECTIONS) writes its slice sums too
+        (`_x_sums`), in the fused forward: the norms before q/k/v and gate/up (not under tensor parallelism)
+        and the SwiGLU before down; o's x comes from attention, so o's call computes them itself."""
+        if not self.fused or name == "o":
+            return False
+        return name == "down" or self.reduce_add_norm is None
+
     def _x_sums(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
         """A buffer for the slice sums of x ([T, K]) that `linear` reads on its quantized pair-codes path
         (`QuantLinear.sums_width`), for the kernel that writes x to fill (no launch of their own between the

@@ -196,6 +196,32 @@ def test_quantized_projections_are_told_apart_by_what_their_launches_depend_on()
     assert joined(lambda t: ("x",) * t, lambda t: (), lambda t: (t,))(2) == ("x", "x", 2)
 
 
+def test_dry_runs_hand_a_projection_the_sums_the_forward_hands_it():
+    """The dry runs call each quantized projection as the fused forward does: with x's slice sums where the
+    kernel before it writes them (q/k/v and gate/up after a norm, down after the SwiGLU), without for o (its
+    call launches their sums); one projection of a shape stands for both cases only when they agree."""
+    from compute_service.engine.model import LlamaModel
+    from compute_service.engine.quant_linear import QuantLinear
+    from compute_service.engine.quantized import quantize_rtn
+    from compute_service.warmup_plan import _projection_calls
+
+    def quant(n, k):
+        return QuantLinear(quantize_rtn(torch.randn(n, k), 4, 32), None, torch.device("cpu"), use_kernel=True)
+    square, wide = quant(64, 64), quant(96, 64)
+    layers = [types.SimpleNamespace(qkv=wide, o=square, gate_up=quant(128, 64), down=quant(64, 64))]
+    model = types.SimpleNamespace(weights=types.SimpleNamespace(layers=layers), fused=True, reduce_add_norm=None)
+    model.writes_sums = types.MethodType(LlamaModel.writes_sums, model)
+    calls = _projection_calls(model)
+    assert [(p.out_features, written) for p, written in calls] == [(96, True), (64, False), (128, True), (64, True)]
+    assert calls[1][0] is square
+    model.reduce_add_norm = object()        # tensor parallel: the norms write no sums
+    assert [written for _, written in _projection_calls(model)] == [False, False, False, True]
+    model.fused = False
+    assert [written for _, written in _projection_calls(model)] == [False, False, False]   # o and down: one
+    assert [written for _, written in _projection_calls(types.SimpleNamespace(weights=model.weights))] == \
+        [False, False, False]
+
+
 def test_start_up_line_names_the_compiled_programs_or_says_there_are_none():
     assert describe_compiled(12) == "12 Triton programs"
     assert "None" not in describe_compiled(None) and "no compiled Triton programs" in describe_compiled(None)
