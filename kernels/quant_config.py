@@ -191,8 +191,9 @@ def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfi
     a long K (down) takes 128 features, split 4, a ring of 8 taken 2; above 16 rows
     split 4 unless that makes more than two programs an SM (then none, a ring of 6 taken 2). At 9-16 rows gate/up
     and down run 128 features a program (two warpgroups sharing each copy of x): 16 rows, SYNC 1, gate/up 28.5 us
-    against 30.3 on 64, down 17.7 against the tiles' 19.8; on q/k/v and o, and at 8 or 32 rows, 128 features were
-    no faster (bench/results/quant_async_dots_rows1_8_16.json, _rows32_64.json). H200 sweep of the 8B
+    against 30.3 on the 64-feature config picked before, down 17.7 against the tiles' 19.8; on q/k/v and o, and
+    at 8 or 32 rows, 128 features were no faster (bench/results/quant_async_dots_rows1_8_16.json,
+    _rows32_64.json; the engine at batch 16, no adapter: 2.79 against 2.92 ms a token). H200 sweep of the 8B
     shapes at 1-64 rows against the tiles above (`bench/quant_async_dots.py`, the split-K sums in order,
     bench/results/quant_async_dots.json). At one row the kernel was even with the one-row kernel, and at 64 rows
     gate/up and down slower than the tiles (gate/up 64.2 us against 47.4). A split or step that does not divide
