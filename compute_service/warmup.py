@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -74,13 +75,20 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 
 def compiled_kernels() -> int | None:
-    """Compiled Triton programs held by the kernels package (None when Triton runs interpreted). A kernel one
-    module imports from another (quant_matmul's launchers) is counted once."""
+    """Compiled Triton programs held by the kernels package (None when Triton runs interpreted)."""
+    by_kernel = compiled_by_kernel()
+    return None if by_kernel is None else sum(by_kernel.values())
+
+
+def compiled_by_kernel() -> Counter[str] | None:
+    """`compiled_kernels` by kernel name. A kernel one module imports from another (quant_matmul's launchers)
+    is counted once."""
     import sys
 
     from triton.runtime.jit import JITFunction
 
-    total, seen = 0, set()
+    held: Counter[str] = Counter()
+    seen: set[int] = set()
     for name, mod in list(sys.modules.items()):
         if not (name == "kernels" or name.startswith("kernels.")) or mod is None:
             continue
@@ -88,8 +96,8 @@ def compiled_kernels() -> int | None:
             caches = getattr(obj, "device_caches", None) if isinstance(obj, JITFunction) else None
             if caches is not None and id(obj) not in seen:
                 seen.add(id(obj))
-                total += sum(len(entry[0]) for entry in caches.values())
-    return total if seen else None
+                held[obj.fn.__qualname__] += sum(len(entry[0]) for entry in caches.values())
+    return held if seen else None
 
 
 def describe_compiled(count: int | None) -> str:
