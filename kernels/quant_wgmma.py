@@ -71,6 +71,35 @@ def _warp_rows(num_warps):
     return [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
 
 
+@gluon.constexpr_function
+def _mma_layout(num_warps, block_m):
+    """The dots' accumulator: [16 * num_warps features, block_m rows], one warpgroup per 64 features."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
+
+
+@gluon.constexpr_function
+def _words_layout(num_warps):
+    """A half block's [16 * num_warps, 16] words: lane l of warp w holds rows 16 w + l / 4 (+ 8) and words l % 4
+    (+ 4, 8, 12), the words whose pairs are its registers of the dot's register operand."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=_warp_rows(num_warps), block_bases=[], shape=[16 * num_warps, 16])
+
+
+@gluon.jit
+def _ring(NX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The ring's NX slots in shared memory: x's [BLOCK_M, 128] tiles (the dot's operand layout), the [BLOCK_N, 16]
+    words (swizzled: the 8 rows x 4 words each load instruction reads lie in 32 banks), the float16 scales and
+    offsets of BLOCK_N features."""
+    x_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
+    w_sh: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    return (gl.allocate_shared_memory(gl.bfloat16, [NX, BLOCK_M, 128], x_sh),
+            gl.allocate_shared_memory(gl.int32, [NX, BLOCK_N, 16], w_sh),
+            gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat),
+            gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat))
+
+
 @gluon.jit
 def _biased(words, i: gl.constexpr):
     """Fields i and i + 4 of each word as two bfloat16 128 + q in one register (`quant_tile.biased_pair`)."""
@@ -83,8 +112,15 @@ def _biased(words, i: gl.constexpr):
 def _operand(words, A_LAYOUT: gl.constexpr):
     """[BN, 128] bfloat16 128 + q of a half block in k order from its [BN, 16] words (paired layout: k = 32 i +
     2 j + s is field 4 s + i of word j), in the dot's register-operand layout (`quant_mma._half_operand`)."""
-    BN: gl.constexpr = words.shape[0]
-    j = gl.join(gl.join(_biased(words, 0), _biased(words, 1)), gl.join(_biased(words, 2), _biased(words, 3)))
+    return _pairs_operand(_biased(words, 0), _biased(words, 1), _biased(words, 2), _biased(words, 3), A_LAYOUT)
+
+
+@gluon.jit
+def _pairs_operand(b0, b1, b2, b3, A_LAYOUT: gl.constexpr):
+    """[BN, 128] bfloat16 in k order, in the dot's register-operand layout, from each word's fields i and i + 4
+    as two bfloat16 in one register (b<i>, [BN, 16]: `_operand`)."""
+    BN: gl.constexpr = b0.shape[0]
+    j = gl.join(gl.join(b0, b1), gl.join(b2, b3))
     p = gl.reshape(gl.permute(j, (0, 3, 2, 1)), (BN, 64))           # pair p = 16 i + j of each row
     lo = p.to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (p >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
@@ -135,29 +171,19 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     pid_n = gl.program_id(1)                        # read once from memory, then from L2)
     pid_k = gl.program_id(2)
     NW: gl.constexpr = BLOCK_N // 16                # warps: one or two warpgroups
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                  instr_shape=[16, BLOCK_M, 16])
+    mma: gl.constexpr = _mma_layout(NW, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    # [BLOCK_N, 16] words of a half block: lane l of warp w holds rows 16 w + l / 4 (+ 8) and words l % 4 (+ 4, 8,
-    # 12), the words whose pairs are its operand registers
-    w_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=_warp_rows(NW), block_bases=[], shape=[BLOCK_N, 16])
+    w_layout: gl.constexpr = _words_layout(NW)
     x_reg: gl.constexpr = _x_copy_layout(NW, BLOCK_M)
-    x_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NX, BLOCK_M, 128], x_sh)
     # the words of a half block go by asynchronous copies too, into the same ring slot and copy group as its x
-    # (16-byte vectors of 4 words; the swizzle puts the 8 rows x 4 words each load instruction reads in 32 banks)
+    # (16-byte vectors of 4 words; the swizzle puts the 8 rows x 4 words each load instruction reads in 32 banks),
+    # and so do its group scales, offsets and x's sums (no register copies of loads across the loop's back edge)
+    x_smem, w_smem, s_smem, o_smem = _ring(NX, BLOCK_M, BLOCK_N)
     w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
                                           order=[1, 0])
-    w_sh: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
-    w_smem = gl.allocate_shared_memory(gl.int32, [NX, BLOCK_N, 16], w_sh)
-    # and so do its group scales, offsets and x's sums (no register copies of loads across the loop's back edge)
     sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
     xs_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    s_smem = gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat)
-    o_smem = gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat)
     xs_smem = gl.allocate_shared_memory(gl.float32, [NX, BLOCK_M], flat)
 
     offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))

@@ -54,6 +54,9 @@
 #                    LORAPLEX_ASYNC_DOTS_ONE_ROW=0 then 1: one row on the one-row kernels or on the asynchronous-dot
 #                    kernel's 8-row tile (where no LoRA launch runs beside it), an A/B on one lease (~2 minutes;
 #                    add LORAPLEX_ASYNC_DOTS_SYNC=... to the environment to A/B with another synchronisation)
+#   rows-sweep       the many-row asynchronous-dot kernel (kernels/quant_wgmma_rows.py, not run on a GPU before
+#                    2026-11-29's last session; not picked): its GPU tests, then bench/quant_wgmma_rows.py at rows
+#                    $ROWS (default 64,128,192,255) against pick_config's tiles and the bf16 GEMM (~4 minutes)
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -224,6 +227,12 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     python3 bench/quant_async_dots.py --rows "$rows" --commit "$commit" \
       --out "$out/quant_async_dots_rows${rows//,/_}.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
   async-dots-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS "1 0" async_dots ;;
+  rows-sweep)
+    [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma_rows.py \
+      2>&1 | tail -15 | tee "$out/$stage.log"
+    rows=${ROWS:-64,128,192,255}
+    python3 bench/quant_wgmma_rows.py --rows "$rows" --commit "$commit" \
+      --out "$out/quant_wgmma_rows_${rows//,/_}.json" 2>&1 | cut -c1-300 | tee -a "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \

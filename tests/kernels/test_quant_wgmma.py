@@ -21,31 +21,34 @@ TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bi
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def sass(tmp_path: Path, **consts: int) -> tuple[str, list[tuple[int, str, str]]]:
-    """(kernel_sass.py's report, the machine code) of the kernel compiled for sm_90 with `consts` over a 16-row
-    tile of 64 features, a ring of 4 taken 4 a step, no split, a bias."""
+def sass(tmp_path: Path, kernel: str = "quant_wgmma:quant_wgmma_kernel", **consts: int
+         ) -> tuple[str, list[tuple[int, str, str]]]:
+    """(kernel_sass.py's report, the machine code) of `kernel` (module:function under kernels) compiled for sm_90
+    with `consts`; quant_wgmma's default: a 16-row tile of 64 features, a ring of 4 taken 4 a step, no split, a
+    bias."""
     from kernel_sass import parse_sass
 
-    consts = {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 1, "FENCE": 1, "USE_PDL": 1,
-              "BLOCK_N": 64, **consts}
+    rows = kernel.startswith("quant_wgmma_rows")
+    defaults = {"GROUP": 128, "BLOCK_M": 128, "NX": 4, "U": 2, "HAS_BIAS": 1, "USE_PDL": 1, "BLOCK_N": 128} if rows \
+        else {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 1, "FENCE": 1, "USE_PDL": 1,
+              "BLOCK_N": 64}
+    consts = {**defaults, **consts}
+    ptrs = ["x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "bias_ptr=bf16", "out_ptr=bf16"]
+    if not rows:
+        ptrs += ["xs_ptr=fp32", "part_ptr=fp32", "lock_ptr=i32"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "_".join(f"{k}{v}" for k, v in consts.items())
-    cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "kernels.quant_wgmma:quant_wgmma_kernel",
+    out = tmp_path / (kernel.split(":")[0] + "_".join(f"{k}{v}" for k, v in consts.items()))
+    cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), f"kernels.{kernel}",
            "--warps", str(consts["BLOCK_N"] // 16), "--const", *(f"{k}={v}" for k, v in consts.items()),
-           "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "xs_ptr=fp32", "bias_ptr=bf16",
-           "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N", "stride_x", "stride_out",
-           "words_per_row", "--dump", str(out)]
+           "--ptr", *ptrs, "--aligned", "N", "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout, parse_sass((out / "kernel.sass").read_text())
 
 
-@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
-@pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (32, 2, 64), (8, 1, 128), (32, 2, 128)])
-def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
-    report, code = sass(tmp_path, BLOCK_M=block_m, SPLIT=split, BLOCK_N=block_n)
-    if block_m <= 16 or block_n == 128:     # two warpgroups: x's copies spread over twice the threads
-        assert "stack (spills) 0 B" in report, report.splitlines()[0]
+def check_dots_in_flight(code: list[tuple[int, str, str]]) -> None:
+    """Each half block's 8 tensor-core instructions (K = 128) issue back to back, no wait inside a group, and
+    some wait leaves one group running while the next issues."""
     ops = [op for _, op, _ in code]
     groups, current = [], []
     for op, (_, _, args) in zip(ops, code):
@@ -66,6 +69,15 @@ def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Pa
     assert not between, f"the assembler waits inside a dot's group: {between[:4]}"
     waits = [args.strip() for (_, op, args) in code if op.startswith("WARPGROUP.DEPBAR")]
     assert any(w.endswith("0x1") for w in waits), waits           # one group left running while the next issues
+
+
+@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
+@pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (32, 2, 64), (8, 1, 128), (32, 2, 128)])
+def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
+    report, code = sass(tmp_path, BLOCK_M=block_m, SPLIT=split, BLOCK_N=block_n)
+    if block_m <= 16 or block_n == 128:     # two warpgroups: x's copies spread over twice the threads
+        assert "stack (spills) 0 B" in report, report.splitlines()[0]
+    check_dots_in_flight(code)
 
 
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")

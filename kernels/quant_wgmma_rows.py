@@ -1,0 +1,176 @@
+"""The asynchronous-dot 4-bit kernel for many rows (64-256 a program): 4 bits in groups of 128 and more (the paired
+layout), bfloat16 x, sm_90+. NOT RUN ON A GPU yet, and not picked by `kernels.quant_config.pick_config`: built for
+a sweep against the tiles at 65-255 rows (docs/quantization.md, "Open: 128-256 streams").
+
+`kernels.quant_wgmma` starts each half block's dot from zero and scales it into the running sum after it, which
+takes three accumulators a program and spills at 128 rows. Here the group scale goes onto the weights instead,
+before the dot: a thread turns each of its words' code pairs into bfloat16 `128 + q` (`quant_wgmma._biased`),
+widens them to fp32, forms `s * (128 + q) + (o - 128 s)` with fp32 scales and offsets (one rounding, to
+bfloat16, as the dequantize-then-GEMM path rounds its weights) and the dots accumulate into one accumulator,
+chained asynchronously, one in flight while the next half block is unpacked: no sums of x, no scaling after the
+dot. The ring of half blocks in shared memory (x's [BLOCK_M, 128] tile and the [BLOCK_N, 16] words, scales and
+offsets, one copy group a half) and its synchronisation are `quant_wgmma`'s with SYNC 1 (wait, barrier, fence;
+a barrier before each refill). One program per output tile, no split-K (at these row counts the tiles fill the
+GPU). As a dependent launch (kernels/pdl.py) the first NX half blocks' words, scales and offsets are copied
+before the wait, x after it.
+
+Written in Triton's explicit-layout dialect, which the interpreter does not run: on the CPU only its compiled
+sm_90 code is checked (tests/kernels/test_quant_wgmma_rows.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from kernels.pdl import launch_args, pdl_enabled
+from kernels.quant_pack import PackedQuantWeight, paired_layout
+from kernels.quant_wgmma import BLOCK_NS, _biased, _mma_layout, _pairs_operand, _ring, _words_layout, \
+    async_copy, cta_barrier, runs_on, x_copy
+
+BLOCK_MS = (64, 128, 256)   # rows a program: the dot's N
+
+
+@gluon.jit
+def _scaled(words, i: gl.constexpr, s, c):
+    """Fields i and i + 4 of each word as two bfloat16 s * q + o in one register: `128 + q` from `_biased`
+    widened to fp32, times the row's scale plus c = o - 128 s (fp32), rounded once."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .f32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; fma.rn.f32 lo, lo, $2, $3; "
+        "fma.rn.f32 hi, hi, $2, $3; cvt.rn.bf16x2.f32 $0, hi, lo; }",
+        "=r,r,r,r", [_biased(words, i), s, c], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _fill(i, H, N, GROUP: gl.constexpr, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs,
+          o_ptrs, sc_mask, WEIGHTS: gl.constexpr, X: gl.constexpr):
+    """Copy half block i's words, scales and offsets (WEIGHTS) and x's tile (X) into ring slot i % NX (masked
+    off past the program's H halves)."""
+    slot = i % x_smem.shape[0]
+    ok = i < H
+    if WEIGHTS:
+        g = (gl.minimum(i, H - 1) * 128) // GROUP
+        x_copy(w_smem.index(slot), w_half + i * 16, mask=w_mask & ok)
+        x_copy(s_smem.index(slot), s_ptrs + g * N, mask=sc_mask & ok)
+        x_copy(o_smem.index(slot), o_ptrs + g * N, mask=sc_mask & ok)
+    if X:
+        x_copy(x_smem.index(slot), x_half + i * 128, mask=x_mask & ok)
+
+
+@gluon.jit
+def quant_wgmma_rows_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, T, N, stride_x, stride_out,
+                            words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NX: gl.constexpr, U: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            USE_PDL: gl.constexpr):
+    """out.T tile [BLOCK_N, BLOCK_M] over all num_halves half blocks (a multiple of U), + bias."""
+    pid_m = gl.program_id(0)                        # row tiles of one feature block run side by side (its words
+    pid_n = gl.program_id(1)                        # read once from memory, then from L2)
+    NW: gl.constexpr = BLOCK_N // 16                # warps: one or two warpgroups
+    mma: gl.constexpr = _mma_layout(NW, BLOCK_M)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    w_layout: gl.constexpr = _words_layout(NW)
+    row_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+    x_reg: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                           warps_per_cta=[NW, 1], order=[1, 0])
+    x_smem, w_smem, s_smem, o_smem = _ring(NX, BLOCK_M, BLOCK_N)
+    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
+                                          order=[1, 0])
+    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+
+    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
+    offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
+    x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
+    x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :]      # int32: T * stride_x < 2**31
+    offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
+    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
+    w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :]
+    w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
+    offs_sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sc_cp)
+    s_ptrs = s_ptr + offs_sn
+    o_ptrs = o_ptr + offs_sn
+    sc_mask = offs_sn < N
+    H = num_halves
+    for i in gl.static_range(NX):                   # the weights of the first NX halves before the wait
+        _fill(i, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask,
+              True, False)
+    if USE_PDL:                                     # kernels/pdl.py: x comes from earlier launches
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    for i in gl.static_range(NX):                   # a copy group a half (the first one holds every weight above)
+        _fill(i, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask,
+              False, True)
+        async_copy.commit_group()
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    for it in range(0, H // U):
+        for u in gl.static_range(U):
+            h = it * U + u
+            if u == 0:                              # as quant_wgmma with SYNC 1
+                async_copy.wait_group(NX - 1)
+            else:
+                async_copy.wait_group(NX - 2)
+            cta_barrier()
+            fence_async_shared()
+            slot = h % NX
+            s = s_smem.index(slot).load(row_layout).to(gl.float32)
+            c = o_smem.index(slot).load(row_layout).to(gl.float32) - 128.0 * s
+            words = w_smem.index(slot).load(w_layout)
+            a = _pairs_operand(_scaled(words, 0, s[:, None], c[:, None]), _scaled(words, 1, s[:, None], c[:, None]),
+                               _scaled(words, 2, s[:, None], c[:, None]), _scaled(words, 3, s[:, None], c[:, None]),
+                               a_layout)
+            acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            if u > 0:                                   # half h - 1's dot done: its slot is free
+                acc, a_done = warpgroup_mma_wait(1, deps=(acc, a_prev))
+                cta_barrier()                           # every warp done with the slot
+                nxt = h - 1 + NX
+                _fill(nxt, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs,
+                      o_ptrs, sc_mask, True, True)
+                async_copy.commit_group()
+            a_prev = a
+        acc, a_done = warpgroup_mma_wait(0, deps=(acc, a_prev))
+        cta_barrier()
+        nxt = it * U + U - 1 + NX
+        _fill(nxt, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask,
+              True, True)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & (offs_m < T)[None, :]
+    out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
+    gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quant_wgmma_rows(x: torch.Tensor,              # [T, K] bfloat16, unit stride along K
+                     w: PackedQuantWeight,         # [N, K], 4 bits in groups of 128+ (paired layout), K % (128 u) == 0
+                     bias: torch.Tensor | None,    # [N] bfloat16 or None
+                     out: torch.Tensor,            # [T, N] bfloat16
+                     block_m: int = 128, block_n: int = 128, nx: int = 4, u: int = 2) -> None:
+    """out = x @ W.T + bias with W = q * scale + offset rounded to bfloat16 (sm_90+; see the module docstring)."""
+    T, K = x.shape
+    N = w.out_features
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"x and out must be bfloat16 with unit stride along features, got {x.dtype} "
+                         f"{tuple(x.stride())}, {out.dtype} {tuple(out.stride())}")
+    if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u):
+        raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u}: bits {w.bits}, "
+                         f"group {w.group_size}, K {K}")
+    if block_m not in BLOCK_MS or block_n not in BLOCK_NS or nx < 3:
+        raise ValueError(f"block_m must be one of {BLOCK_MS}, block_n one of {BLOCK_NS} and nx at least 3, got "
+                         f"{block_m}, {block_n}, {nx}")
+    if not runs_on(x.device):
+        raise ValueError("the many-row asynchronous-dot kernel runs on a compiled sm_90+ GPU only")
+    if T == 0 or N == 0:
+        return
+    grid = (triton.cdiv(T, block_m), triton.cdiv(N, block_n))
+    pdl = launch_args(pdl_enabled(x.device))
+    quant_wgmma_rows_kernel[grid](x, w.words, w.scales, w.offsets, bias if bias is not None else out, out, T, N,
+                                  x.stride(0), out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size,
+                                  BLOCK_M=block_m, BLOCK_N=block_n, NX=nx, U=u, HAS_BIAS=bias is not None,
+                                  num_warps=block_n // 16, **pdl)
