@@ -39,6 +39,7 @@ from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_wgmma import BLOCK_NS, quant_wgmma, runs_on
+from kernels.quant_wgmma_rows import quant_wgmma_rows
 
 
 def _quad_words(w: PackedQuantWeight) -> bool:
@@ -128,6 +129,12 @@ def quant_matmul(
         x_sums = half_sums(x, width)
     else:
         check_sums(x_sums, T, K, width, "x_sums")
+    if cfg.ring and cfg.scaled:     # the many-row asynchronous-dot kernel (`kernels.quant_wgmma_rows`)
+        if not (paired and w.bits == 4 and x.dtype == torch.bfloat16 and runs_on(x.device)) or split > 1:
+            raise ValueError(f"bad config {cfg}: the many-row asynchronous-dot kernel runs 4 bits in groups of 128+, "
+                             "bfloat16 x, no split-K, on a compiled sm_90+ GPU")
+        quant_wgmma_rows(x, w, bias, out, cfg.block_m, cfg.block_n, cfg.ring, cfg.ring_step)
+        return
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
         if not (pairs and paired and runs_on(x.device)) or cfg.block_n not in BLOCK_NS:     # the rest: quant_wgmma
             raise ValueError(f"bad config {cfg}: a ring runs 64- or 128-feature tiles of the asynchronous-dot kernel: "
@@ -183,6 +190,8 @@ def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.d
     """The width of the slices of x whose sums a call with this config reads (128: the paired layout's half blocks,
     32: groups of 32), or 0 where it reads none (the pair-codes paths' offsets term, `kernels.quant_mma`)."""
     K = w.in_features
+    if config.scaled:           # the many-row kernel: the scales go onto the weights, no offsets term
+        return 0
     pairs = (config.block_m > 1 and config.pair_codes and config.field_dots and x_dtype != torch.float32
              and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K)))
     return (128 if paired_layout(w.bits, w.group_size) else 32) if pairs else 0

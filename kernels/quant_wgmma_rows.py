@@ -25,12 +25,21 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from kernels.env_switch import env_int
 from kernels.pdl import launch_args, pdl_enabled
 from kernels.quant_pack import PackedQuantWeight, paired_layout
 from kernels.quant_wgmma import BLOCK_NS, _biased, _mma_layout, _pairs_operand, _ring, _words_layout, \
     async_copy, cta_barrier, runs_on, x_copy
 
 BLOCK_MS = (64, 128, 256)   # rows a program: the dot's N
+ENV = "LORAPLEX_ASYNC_ROWS"
+
+
+def async_rows_enabled() -> bool:
+    """LORAPLEX_ASYNC_ROWS=1 (for A/B runs; unset or 0 by default): where the asynchronous-dot kernel runs at all
+    (`kernels.quant_wgmma.async_dots_enabled`), 65-255 rows of a large 4-bit weight take this kernel
+    (pick_config's `async_rows`) instead of the tiles."""
+    return env_int(ENV, lambda v: v in (0, 1), "0 or 1") == 1
 
 
 @gluon.jit

@@ -61,6 +61,9 @@ class QuantLinear:
 
         self.async_dots = async_dots_enabled(self.device)     # 2-32 rows: the asynchronous-dot kernel (sm_90+)
         self.async_one_row = self.async_dots and async_one_row_enabled()    # and one row (A/B runs)
+        from kernels.quant_wgmma_rows import async_rows_enabled
+
+        self.async_rows = self.async_dots and async_rows_enabled()          # 65-255 rows (A/B runs)
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -126,7 +129,7 @@ class QuantLinear:
 
         n, k = self._shape
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype, async_dots=self.async_dots,
-                          async_one_row=self.async_one_row)
+                          async_one_row=self.async_one_row, async_rows=self.async_rows)
         return sums_width(cfg, self.packed, dtype)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
@@ -158,7 +161,7 @@ class QuantLinear:
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
-                          addend is not None or beside_lora, self.async_dots, self.async_one_row)
+                          addend is not None or beside_lora, self.async_dots, self.async_one_row, self.async_rows)
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)

@@ -57,6 +57,9 @@
 #   rows-sweep       the many-row asynchronous-dot kernel (kernels/quant_wgmma_rows.py, not run on a GPU before
 #                    2026-11-29's last session; not picked): its GPU tests, then bench/quant_wgmma_rows.py at rows
 #                    $ROWS (default 64,128,192,255) against pick_config's tiles and the bf16 GEMM (~4 minutes)
+#   async-rows-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 96,128), with
+#                    LORAPLEX_ASYNC_ROWS=0 then 1: 65-255 rows on the tiles or on the many-row kernel (its config in
+#                    pick_config is a guess until rows-sweep has run), an A/B on one lease
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -239,6 +242,7 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
   async-sync-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_SYNC "${SYNCS:-0 1 2}" sync ;;
   async-one-row-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_ONE_ROW "0 1" one_row 1,2 ;;
+  async-rows-decode) int4_decode_ab LORAPLEX_ASYNC_ROWS "0 1" async_rows 96,128 ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \

@@ -1,7 +1,8 @@
-"""The many-row asynchronous-dot 4-bit kernel (`kernels.quant_wgmma_rows`, not picked by pick_config yet): compiled
-for Hopper with no GPU, no spills at 64-128 rows with one or two warpgroups, each half block's 8 tensor-core
-instructions back to back with one group left running; the launcher refuses what it cannot do; on a GPU, the fp32
-dequantize-then-matmul reference (masked rows and features, a bias, groups of 128 and 256, 64-256-row tiles)."""
+"""The many-row asynchronous-dot 4-bit kernel (`kernels.quant_wgmma_rows`, picked only with LORAPLEX_ASYNC_ROWS=1):
+compiled for Hopper with no GPU, no spills at 64-128 rows with one or two warpgroups, each half block's 8
+tensor-core instructions back to back with one group left running; the launcher and quant_matmul refuse what it
+cannot do; pick_config's rule and the switch; on a GPU, the fp32 dequantize-then-matmul reference (masked rows and
+features, a bias, groups of 128 and 256, 64-256-row tiles) and QuantLinear taking it when asked."""
 from __future__ import annotations
 
 import pytest
@@ -43,6 +44,82 @@ def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
         quant_wgmma_rows(x[:, :640], _weight(128, 640, 128)[0], None, out)
     with pytest.raises(ValueError, match="sm_90"):             # on the CPU, or interpreted
         quant_wgmma_rows(x, w, None, out)
+
+
+def test_pick_config_takes_it_at_65_to_255_rows_only_when_asked() -> None:
+    """`async_rows` (LORAPLEX_ASYNC_ROWS, for A/B runs) with `async_dots`: 65-255 rows of a large 4-bit g128+
+    weight with bfloat16 x take the many-row kernel (no sums of x); not at 64 or 256 rows, not without either
+    flag, not for float16 x, small weights or groups of 32."""
+    from kernels.quant_config import pick_config
+    from kernels.quant_matmul import sums_width
+    from kernels.quant_pack import pack_quantized
+
+    for T, N, K in [(65, 6144, 4096), (128, 28672, 4096), (255, 4096, 14336)]:
+        cfg = pick_config(T, N, K, 4, 132, 128, torch.bfloat16, async_dots=True, async_rows=True)
+        assert cfg.scaled and cfg.ring and (cfg.block_m, cfg.block_n, cfg.split_k) == (128, 128, 1), cfg
+        assert not pick_config(T, N, K, 4, 132, 128, torch.bfloat16, async_dots=True).scaled
+        assert not pick_config(T, N, K, 4, 132, 128, torch.bfloat16, async_rows=True).scaled
+    for T, N, K, group, dtype in [(64, 6144, 4096, 128, torch.bfloat16), (256, 6144, 4096, 128, torch.bfloat16),
+                                  (128, 6144, 4096, 128, torch.float16), (128, 960, 576, 128, torch.bfloat16),
+                                  (128, 6144, 4096, 32, torch.bfloat16)]:
+        assert not pick_config(T, N, K, 4, 132, group, dtype, async_dots=True, async_rows=True).scaled, (T, N, K)
+    cfg = pick_config(128, 6144, 4096, 4, 132, 128, torch.bfloat16, async_dots=True, async_rows=True)
+    w = pack_quantized(torch.zeros(256, 1024, dtype=torch.uint8), torch.ones(256, 8).half(),
+                       torch.zeros(256, 8).half(), 4, 128)
+    assert sums_width(cfg, w, torch.bfloat16) == 0
+
+
+def test_the_switch_is_read_from_the_environment(monkeypatch) -> None:
+    from kernels.quant_wgmma_rows import ENV, async_rows_enabled
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert not async_rows_enabled()
+    monkeypatch.setenv(ENV, "1")
+    assert async_rows_enabled()
+    monkeypatch.setenv(ENV, "2")
+    with pytest.raises(ValueError, match=ENV):
+        async_rows_enabled()
+
+
+def test_quant_matmul_refuses_it_where_it_cannot_run() -> None:
+    """On the CPU (or interpreted) a scaled config is an error naming the kernel, not a silent fallback."""
+    from kernels.quant_config import QuantMatmulConfig
+    from kernels.quant_matmul import quant_matmul
+
+    w, _ = _weight(128, 1024, 128)
+    x = torch.randn(128, 1024).to(torch.bfloat16)
+    out = torch.empty(128, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="many-row"):
+        quant_matmul(x, w, None, out, QuantMatmulConfig(128, 128, 1, ring=4, ring_step=2, scaled=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of sm_90 or later")
+def test_gpu_quant_linear_takes_it_when_asked(monkeypatch) -> None:
+    """LORAPLEX_ASYNC_ROWS=1: a QuantLinear at 100 rows runs the kernel (no sums asked of the writer) with a bias
+    and matches the fp32 reference, and the tiles to rounding."""
+    from compute_service.engine.quant_linear import QuantLinear
+    from compute_service.engine.quantized import QuantizedWeight
+    from kernels.quant_wgmma_rows import ENV
+
+    monkeypatch.setenv(ENV, "1")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    N, K, G, T = 4096, 4096, 128, 100
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
+    s = (torch.rand(N, K // G, device=dev, generator=gen) * 0.01 + 1e-3).half()
+    o = (-8 * s.float()).half()
+    bias = torch.randn(N, device=dev, generator=gen) * 0.1
+    lin = QuantLinear(QuantizedWeight(q, s, o, 4, G), bias=bias, device=dev)
+    assert lin.async_rows and lin.sums_width(T, torch.bfloat16) == 0
+    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+    g = torch.arange(K, device=dev) // G
+    want = x.float() @ (q.float() * s.float()[:, g] + o.float()[:, g]).t() + bias.to(torch.bfloat16).float()
+    got = lin(x).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    lin.async_rows = False
+    assert ((lin(x).float() - got).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.mark.gpu
