@@ -1,8 +1,10 @@
 """The many-row asynchronous-dot 4-bit kernel (`kernels.quant_wgmma_rows`, an experiment: not picked yet) against
 pick_config's choice (the tiles below 256 rows) and the bfloat16 GEMM on the 8B layer shapes, groups of 128, bf16
 x: per shape and row count each tile / ring of the kernel with its error against the fp32 reference, and per row
-count a layer (q/k/v + o + gate/up + down) with the best of each. Weights rotate through more than the L2 holds;
-CUDA graphs, median of replays.
+count a layer (q/k/v + o + gate/up + down) with the best of each. Counted first, per case: the 4-bit weight's
+bytes (words, scales, offsets) over the measured copy bandwidth and the multiply-adds over the measured bf16 GEMM
+rate (an 8192^3 matmul); the larger is the case's floor. Weights rotate through more than the L2 holds; CUDA
+graphs, median of replays.
 
     python3 bench/quant_wgmma_rows.py --rows 64,128,192,255 --out bench/results/quant_wgmma_rows.json
 """
@@ -22,11 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
 from kernels.quant_matmul import half_sums, pick_config, quant_matmul  # noqa: E402
 from kernels.quant_wgmma_rows import quant_wgmma_rows  # noqa: E402
+from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
 from quant_async_dots import SHAPES, rotating_weights  # noqa: E402
 from quant_kernel_sweep import graph_us  # noqa: E402
 
 CONFIGS = [(bm, bn, nx) for bm in (64, 128, 256) for bn in (64, 128) for nx in (3, 4)
            if not (bm == 256 and nx == 4)]          # 256 rows, ring of 4: more shared memory than an SM has
+
+
+def gemm_rate(dev: torch.device, n: int = 8192) -> float:
+    """Multiply-adds x 2 a second of a bf16 [n, n] x [n, n] matmul (CUDA graph, median of replays)."""
+    a = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    return 2 * n**3 / (graph_us([lambda: torch.matmul(a, a)]) * 1e-6)
 
 
 def main() -> None:
@@ -43,6 +52,9 @@ def main() -> None:
            "triton": __import__("triton").__version__, "date": datetime.now(timezone.utc).isoformat(), "cases": {},
            "layer_us": {}}
     rows = [int(r) for r in args.rows.split(",")]
+    bw = res["copy_bandwidth_Bps"] = copy_bandwidth(dev, 2**31)
+    flops = res["bf16_gemm_flops"] = gemm_rate(dev)
+    print(f"copy {bw / 1e12:.2f} TB/s (read + written), bf16 GEMM {flops / 1e12:.0f} TFLOP/s", flush=True)
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         ws = rotating_weights(n, k, gen)
@@ -59,7 +71,10 @@ def main() -> None:
             locks = torch.zeros(8192, dtype=torch.int32, device=dev)
             cfg = pick_config(t, n, k, 4, sms, 128, async_dots=True)
             quant_matmul(x, ws[0], None, outs[0], cfg, part, locks, x_sums=xs)
-            r = {"pick": [cfg.block_n, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step],
+            nbytes = ws[0].nbytes
+            floor = max(nbytes / bw * 1e6, 2 * t * n * k / flops * 1e6)
+            r = {"bytes": nbytes, "flop": 2 * t * n * k, "floor_us": floor,
+                 "pick": [cfg.block_n, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step],
                  "pick_err": ((outs[0].float() - want).norm() / want.norm()).item(),
                  "pick_us": graph_us([lambda w=w, o=outs[i % 2]: quant_matmul(x, w, None, o, cfg, part, locks,
                                                                                x_sums=xs) for i, w in enumerate(ws)]),
@@ -85,7 +100,8 @@ def main() -> None:
             best = min(ok, key=lambda c: c["us"]) if ok else None
             r["best"] = best
             bad = [c for c in r["tried"] if "failed" in c or c.get("err", 0) >= 1e-2]
-            print(f"{name:8s} T={t:3d} pick {r['pick']} {r['pick_us']:6.1f} us (err {r['pick_err']:.1e}) | bf16 "
+            print(f"{name:8s} T={t:3d} floor {floor:6.1f} us | pick {r['pick']} {r['pick_us']:6.1f} us "
+                  f"(err {r['pick_err']:.1e}) | bf16 "
                   f"{r['bf16_us']:6.1f} us | rows kernel "
                   + (f"{best['us']:6.1f} us (tile {best['bn']}x{best['bm']} ring {best['nx']}, err {best['err']:.1e})"
                      if best else "none correct")
@@ -95,7 +111,7 @@ def main() -> None:
     for t in rows:
         cases = [res["cases"].get(f"{name}/{t}") for name in SHAPES]
         if all(cases):
-            layer = {key: sum(c[key] for c in cases) for key in ("pick_us", "bf16_us")}
+            layer = {key: sum(c[key] for c in cases) for key in ("floor_us", "pick_us", "bf16_us")}
             if all(c["best"] for c in cases):
                 layer["rows_us"] = sum(c["best"]["us"] for c in cases)
             res["layer_us"][str(t)] = layer
