@@ -81,23 +81,31 @@ def compiled_kernels() -> int | None:
 
 
 def compiled_by_kernel() -> Counter[str] | None:
-    """`compiled_kernels` by kernel name. A kernel one module imports from another (quant_matmul's launchers)
-    is counted once."""
+    """`compiled_kernels` by kernel name."""
+    held: Counter[str] = Counter()
+    seen = False
+    for fn in kernel_functions():
+        seen = True
+        held[fn.fn.__qualname__] += sum(len(entry[0]) for entry in fn.device_caches.values())
+    return held if seen else None
+
+
+def kernel_functions() -> Iterator[Any]:
+    """The kernels package's JIT functions (compiled Triton: none while interpreted), each once, also where one
+    module imports another's by name (quant_matmul's launchers)."""
     import sys
 
     from triton.runtime.jit import JITFunction
 
-    held: Counter[str] = Counter()
     seen: set[int] = set()
     for name, mod in list(sys.modules.items()):
         if not (name == "kernels" or name.startswith("kernels.")) or mod is None:
             continue
-        for obj in vars(mod).values():
-            caches = getattr(obj, "device_caches", None) if isinstance(obj, JITFunction) else None
-            if caches is not None and id(obj) not in seen:
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, JITFunction) and getattr(obj, "device_caches", None) is not None \
+                    and id(obj) not in seen:
                 seen.add(id(obj))
-                held[obj.fn.__qualname__] += sum(len(entry[0]) for entry in caches.values())
-    return held if seen else None
+                yield obj
 
 
 def describe_compiled(count: int | None) -> str:

@@ -22,7 +22,7 @@ same settings skips the dry runs.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,16 +115,27 @@ def lora_class_fn(backend: Any, spec: ModelSpec, max_tokens: int, slot_ids: list
 def quantized_projections(model: Any) -> list[Any]:
     """One of each distinct quantized base projection on the kernels (`QuantLinear`): shape, bits, group size
     and the row count from which it dequantizes and calls the library GEMM."""
+    seen: dict[tuple[int, ...], Any] = {}
+    for _, p in _kernel_projections(model):
+        seen.setdefault(_launch_parts(p), p)
+    return list(seen.values())
+
+
+def _kernel_projections(model: Any) -> Iterator[tuple[str, Any]]:
+    """(name, projection) of every layer's quantized base projection on the kernels (`QuantLinear`)."""
     from compute_service.engine.model import LAYER_PROJECTIONS
     from compute_service.engine.quant_linear import QuantLinear
 
-    seen: dict[tuple[int, ...], Any] = {}
     for layer in model.weights.layers:
         for name in LAYER_PROJECTIONS:
             p = getattr(layer, name)
             if isinstance(p, QuantLinear) and p.use_kernel:
-                seen.setdefault((p.out_features, p.in_features, p.bits, p.group_size, p.dense_min_tokens), p)
-    return list(seen.values())
+                yield name, p
+
+
+def _launch_parts(p: Any) -> tuple[int, ...]:
+    """What a quantized projection's launches depend on: shape, bits, group size, the GEMM switch's row count."""
+    return p.out_features, p.in_features, p.bits, p.group_size, p.dense_min_tokens
 
 
 def describe_quantized(model: Any) -> str:
@@ -167,17 +178,10 @@ def _projection_calls(model: Any) -> list[tuple[Any, bool]]:
     before it (`LlamaModel.writes_sums`), else it launches their sums itself: one of each such pair, so the
     dry runs launch what the forward launches and nothing else (a launch only a dry run makes would be
     compiled at start-up for nothing)."""
-    from compute_service.engine.model import LAYER_PROJECTIONS
-    from compute_service.engine.quant_linear import QuantLinear
-
     writes = getattr(model, "writes_sums", lambda name: False)
-    seen: dict[tuple[int, ...], tuple[Any, bool]] = {}
-    for layer in model.weights.layers:
-        for name in LAYER_PROJECTIONS:
-            p = getattr(layer, name)
-            if isinstance(p, QuantLinear) and p.use_kernel:
-                key = (p.out_features, p.in_features, p.bits, p.group_size, p.dense_min_tokens, writes(name))
-                seen.setdefault(key, (p, writes(name)))
+    seen: dict[tuple[Any, ...], tuple[Any, bool]] = {}
+    for name, p in _kernel_projections(model):
+        seen.setdefault((*_launch_parts(p), writes(name)), (p, writes(name)))
     return list(seen.values())
 
 

@@ -31,9 +31,8 @@ class QuantMatmulConfig:
                                 # (`kernels.quant_mma_tma`; not picked: H200, no rule won, docs/quantization.md)
     scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
     ring: int = 0               # 2-32 rows on the pair-codes path, bfloat16 x, sm_90+: > 0 runs the asynchronous-dot
-                                # kernel (`kernels.quant_wgmma`: block_n 64, block_m 8 / 16 / 32; block_n 128, two
-                                # warpgroups: not picked yet, unmeasured) with a ring of that many half blocks,
-                                # ring_step half blocks a loop step
+                                # kernel (`kernels.quant_wgmma`: block_n 64, or 128 on two warpgroups; block_m 8 /
+                                # 16 / 32) with a ring of that many half blocks, ring_step half blocks a loop step
     ring_step: int = 4
     scaled: bool = False        # with a ring, 64-256 rows: the many-row kernel (`kernels.quant_wgmma_rows`: scales on
                                 # the weights before the dot, no sums of x; only with `async_rows`, for A/B runs)

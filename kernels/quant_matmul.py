@@ -130,9 +130,8 @@ def quant_matmul(
     else:
         check_sums(x_sums, T, K, width, "x_sums")
     if cfg.ring and cfg.scaled:     # the many-row asynchronous-dot kernel (`kernels.quant_wgmma_rows`)
-        if not (paired and w.bits == 4 and x.dtype == torch.bfloat16 and runs_on(x.device)) or split > 1:
-            raise ValueError(f"bad config {cfg}: the many-row asynchronous-dot kernel runs 4 bits in groups of 128+, "
-                             "bfloat16 x, no split-K, on a compiled sm_90+ GPU")
+        if split > 1:               # the rest (4 bits in groups of 128+, bfloat16 x, the GPU): quant_wgmma_rows
+            raise ValueError(f"bad config {cfg}: the many-row asynchronous-dot kernel runs without split-K")
         quant_wgmma_rows(x, w, bias, out, cfg.block_m, cfg.block_n, cfg.ring, cfg.ring_step)
         return
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)

@@ -141,12 +141,16 @@ def _fill_weights(i, H, h0, N, GROUP: gl.constexpr, w_smem, s_smem, o_smem, w_ha
 
 
 @gluon.jit
+def _fill_x_tile(i, H, x_smem, x_half, x_mask):
+    """Copy half block i's x tile into ring slot i % NX (masked off past the program's H halves)."""
+    x_copy(x_smem.index(i % x_smem.shape[0]), x_half + i * 128, mask=x_mask & (i < H))
+
+
+@gluon.jit
 def _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask):
     """Copy half block i's x and x's sums into ring slot i % NX."""
-    slot = i % x_smem.shape[0]
-    ok = i < H
-    x_copy(x_smem.index(slot), x_half + i * 128, mask=x_mask & ok)
-    x_copy(xs_smem.index(slot), xs_ptrs + gl.minimum(i, H - 1), mask=xs_mask & ok)
+    _fill_x_tile(i, H, x_smem, x_half, x_mask)
+    x_copy(xs_smem.index(i % x_smem.shape[0]), xs_ptrs + gl.minimum(i, H - 1), mask=xs_mask & (i < H))
 
 
 @gluon.jit
@@ -346,6 +350,18 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and compiled() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def check_operands(x: torch.Tensor, w: PackedQuantWeight, out: torch.Tensor, k_multiple: int) -> None:
+    """What the asynchronous-dot kernels take: bfloat16 x and out with unit stride along features, 4 bits in
+    groups of 128+ (the paired layout), K a multiple of `k_multiple`."""
+    K = x.shape[1]
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"x and out must be bfloat16 with unit stride along features, got {x.dtype} "
+                         f"{tuple(x.stride())}, {out.dtype} {tuple(out.stride())}")
+    if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % k_multiple:
+        raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {k_multiple}: bits {w.bits}, "
+                         f"group {w.group_size}, K {K}")
+
+
 def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride along K
                 w: PackedQuantWeight,         # [N, K], 4 bits in groups of 128+ (paired layout), K % (128 u split) == 0
                 bias: torch.Tensor | None,    # [N] bfloat16 or None
@@ -361,12 +377,7 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
     before and after the call."""
     T, K = x.shape
     N = w.out_features
-    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"x and out must be bfloat16 with unit stride along features, got {x.dtype} "
-                         f"{tuple(x.stride())}, {out.dtype} {tuple(out.stride())}")
-    if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u * split):
-        raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u * split}: bits {w.bits}, "
-                         f"group {w.group_size}, K {K}")
+    check_operands(x, w, out, 128 * u * split)
     if block_m not in (8, 16, 32, 64) or nx < 3 or block_n not in BLOCK_NS:
         raise ValueError(f"block_m must be 8, 16, 32 or 64, block_n 64 or 128 and nx at least 3, got {block_m}, "
                          f"{block_n}, {nx}")

@@ -27,9 +27,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from kernels.env_switch import env_int
 from kernels.pdl import launch_args, pdl_enabled
-from kernels.quant_pack import PackedQuantWeight, paired_layout
-from kernels.quant_wgmma import BLOCK_NS, _biased, _mma_layout, _pairs_operand, _ring, _words_layout, \
-    async_copy, cta_barrier, runs_on, x_copy
+from kernels.quant_pack import PackedQuantWeight
+from kernels.quant_wgmma import BLOCK_NS, _biased, _fill_weights, _fill_x_tile, _mma_layout, _pairs_operand, _ring, \
+    _words_layout, async_copy, check_operands, cta_barrier, runs_on
 
 BLOCK_MS = (64, 128, 256)   # rows a program: the dot's N
 ENV = "LORAPLEX_ASYNC_ROWS"
@@ -50,22 +50,6 @@ def _scaled(words, i: gl.constexpr, s, c):
         "{ .reg .f32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; fma.rn.f32 lo, lo, $2, $3; "
         "fma.rn.f32 hi, hi, $2, $3; cvt.rn.bf16x2.f32 $0, hi, lo; }",
         "=r,r,r,r", [_biased(words, i), s, c], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _fill(i, H, N, GROUP: gl.constexpr, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs,
-          o_ptrs, sc_mask, WEIGHTS: gl.constexpr, X: gl.constexpr):
-    """Copy half block i's words, scales and offsets (WEIGHTS) and x's tile (X) into ring slot i % NX (masked
-    off past the program's H halves)."""
-    slot = i % x_smem.shape[0]
-    ok = i < H
-    if WEIGHTS:
-        g = (gl.minimum(i, H - 1) * 128) // GROUP
-        x_copy(w_smem.index(slot), w_half + i * 16, mask=w_mask & ok)
-        x_copy(s_smem.index(slot), s_ptrs + g * N, mask=sc_mask & ok)
-        x_copy(o_smem.index(slot), o_ptrs + g * N, mask=sc_mask & ok)
-    if X:
-        x_copy(x_smem.index(slot), x_half + i * 128, mask=x_mask & ok)
 
 
 @gluon.jit
@@ -102,16 +86,14 @@ def quant_wgmma_rows_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, T, N,
     sc_mask = offs_sn < N
     H = num_halves
     for i in gl.static_range(NX):                   # the weights of the first NX halves before the wait
-        _fill(i, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask,
-              True, False)
+        _fill_weights(i, H, 0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
     if USE_PDL:                                     # kernels/pdl.py: x comes from earlier launches
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     for i in gl.static_range(NX):                   # a copy group a half (the first one holds every weight above)
-        _fill(i, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask,
-              False, True)
+        _fill_x_tile(i, H, x_smem, x_half, x_mask)
         async_copy.commit_group()
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for it in range(0, H // U):
@@ -135,15 +117,15 @@ def quant_wgmma_rows_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, T, N,
                 acc, a_done = warpgroup_mma_wait(1, deps=(acc, a_prev))
                 cta_barrier()                           # every warp done with the slot
                 nxt = h - 1 + NX
-                _fill(nxt, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs,
-                      o_ptrs, sc_mask, True, True)
+                _fill_weights(nxt, H, 0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+                _fill_x_tile(nxt, H, x_smem, x_half, x_mask)
                 async_copy.commit_group()
             a_prev = a
         acc, a_done = warpgroup_mma_wait(0, deps=(acc, a_prev))
         cta_barrier()
         nxt = it * U + U - 1 + NX
-        _fill(nxt, H, N, GROUP, x_smem, w_smem, s_smem, o_smem, x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask,
-              True, True)
+        _fill_weights(nxt, H, 0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+        _fill_x_tile(nxt, H, x_smem, x_half, x_mask)
         async_copy.commit_group()
     async_copy.wait_group(0)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
@@ -164,12 +146,7 @@ def quant_wgmma_rows(x: torch.Tensor,              # [T, K] bfloat16, unit strid
     """out = x @ W.T + bias with W = q * scale + offset rounded to bfloat16 (sm_90+; see the module docstring)."""
     T, K = x.shape
     N = w.out_features
-    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"x and out must be bfloat16 with unit stride along features, got {x.dtype} "
-                         f"{tuple(x.stride())}, {out.dtype} {tuple(out.stride())}")
-    if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u):
-        raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u}: bits {w.bits}, "
-                         f"group {w.group_size}, K {K}")
+    check_operands(x, w, out, 128 * u)
     if block_m not in BLOCK_MS or block_n not in BLOCK_NS or nx < 3:
         raise ValueError(f"block_m must be one of {BLOCK_MS}, block_n one of {BLOCK_NS} and nx at least 3, got "
                          f"{block_m}, {block_n}, {nx}")

@@ -113,16 +113,11 @@ def _spec_difference(name: str, spec: str, handed: list[str]) -> str:
 
 def _forget_compiled_programs() -> None:
     """Drops the programs this process holds, so launches go through Triton's JIT hook again."""
-    import sys
+    from compute_service.warmup import kernel_functions
 
-    from triton.runtime.jit import JITFunction
-
-    for name, mod in list(sys.modules.items()):
-        if mod is not None and (name == "kernels" or name.startswith("kernels.")):
-            for obj in vars(mod).values():
-                if isinstance(obj, JITFunction):
-                    for entry in obj.device_caches.values():
-                        entry[0].clear()
+    for fn in kernel_functions():
+        for entry in fn.device_caches.values():
+            entry[0].clear()
 
 
 @pytest.fixture(scope="module")
