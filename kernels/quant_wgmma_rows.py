@@ -5,10 +5,10 @@ a sweep against the tiles at 65-255 rows (docs/quantization.md, "Open: 128-256 s
 `kernels.quant_wgmma` starts each half block's dot from zero and scales it into the running sum after it, which
 takes three accumulators a program and spills at 128 rows. Here the group scale goes onto the weights instead,
 before the dot: a thread turns each of its words' code pairs into bfloat16 `128 + q` (`quant_wgmma._biased`),
-takes 128 off (exact) and forms `s * q + o` in one bfloat16x2 FMA with the scale and offset rounded to bfloat16
-(one rounding of the product's sum; 3 instructions a pair of weights where fp32 FMAs took 6) and the dots
-accumulate into one accumulator, chained asynchronously, one in flight while the next half block is unpacked: no
-sums of x, no scaling after the dot. The ring of half blocks in shared memory (x's [BLOCK_M, 128] tile and the [BLOCK_N, 16] words, scales and
+widens them to fp32, forms `s * (128 + q) + (o - 128 s)` with fp32 scales and offsets (one rounding, to
+bfloat16, as the dequantize-then-GEMM path rounds its weights) and the dots accumulate into one accumulator,
+chained asynchronously, one in flight while the next half block is unpacked: no sums of x, no scaling after the
+dot. The ring of half blocks in shared memory (x's [BLOCK_M, 128] tile and the [BLOCK_N, 16] words, scales and
 offsets, one copy group a half) and its synchronisation are `quant_wgmma`'s with SYNC 1 (wait, barrier, fence;
 a barrier before each refill). One program per output tile, no split-K (at these row counts the tiles fill the
 GPU). As a dependent launch (kernels/pdl.py) the first NX half blocks' words, scales and offsets are copied
@@ -43,19 +43,13 @@ def async_rows_enabled() -> bool:
 
 
 @gluon.jit
-def _scaled(words, i: gl.constexpr, s2, o2):
-    """Fields i and i + 4 of each word as two bfloat16 s * q + o in one register: `128 + q` from `_biased`, less
-    128 (exact), then one bfloat16x2 FMA with the row's scale and offset as bfloat16 pairs (s2, o2), rounded once."""
+def _scaled(words, i: gl.constexpr, s, c):
+    """Fields i and i + 4 of each word as two bfloat16 s * q + o in one register: `128 + q` from `_biased`
+    widened to fp32, times the row's scale plus c = o - 128 s (fp32), rounded once."""
     return gl.inline_asm_elementwise(
-        "{ .reg .b32 m, q; mov.b32 m, 0x43004300; sub.rn.bf16x2 q, $1, m; fma.rn.bf16x2 $0, q, $2, $3; }",
-        "=r,r,r,r", [_biased(words, i), s2, o2], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _bf16_pairs(v):
-    """Each fp16 of v rounded to bfloat16, twice in one int32 (the FMA's scale or offset operand)."""
-    b = v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return b | (b << 16)
+        "{ .reg .f32 lo, hi; shl.b32 lo, $1, 16; and.b32 hi, $1, 0xffff0000; fma.rn.f32 lo, lo, $2, $3; "
+        "fma.rn.f32 hi, hi, $2, $3; cvt.rn.bf16x2.f32 $0, hi, lo; }",
+        "=r,r,r,r", [_biased(words, i), s, c], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -112,11 +106,12 @@ def quant_wgmma_rows_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, T, N,
             cta_barrier()
             fence_async_shared()
             slot = h % NX
-            s2 = _bf16_pairs(s_smem.index(slot).load(row_layout))[:, None]
-            o2 = _bf16_pairs(o_smem.index(slot).load(row_layout))[:, None]
+            s = s_smem.index(slot).load(row_layout).to(gl.float32)
+            c = o_smem.index(slot).load(row_layout).to(gl.float32) - 128.0 * s
             words = w_smem.index(slot).load(w_layout)
-            a = _pairs_operand(_scaled(words, 0, s2, o2), _scaled(words, 1, s2, o2), _scaled(words, 2, s2, o2),
-                               _scaled(words, 3, s2, o2), a_layout)
+            a = _pairs_operand(_scaled(words, 0, s[:, None], c[:, None]), _scaled(words, 1, s[:, None], c[:, None]),
+                               _scaled(words, 2, s[:, None], c[:, None]), _scaled(words, 3, s[:, None], c[:, None]),
+                               a_layout)
             acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
             if u > 0:                                   # half h - 1's dot done: its slot is free
                 acc, a_done = warpgroup_mma_wait(1, deps=(acc, a_prev))
