@@ -1,4 +1,4 @@
-"""The many-row asynchronous-dot 4-bit kernel (`kernels.quant_wgmma_rows`, an experiment: not picked yet) against
+"""The many-row asynchronous-dot 4-bit kernel (`kernels.quant_wgmma_rows`, an experiment: not picked) against
 pick_config's choice (the tiles below 256 rows) and the bfloat16 GEMM on the 8B layer shapes, groups of 128, bf16
 x: per shape and row count each tile / ring of the kernel with its error against the fp32 reference, and per row
 count a layer (q/k/v + o + gate/up + down) with the best of each. Counted first, per case: the 4-bit weight's

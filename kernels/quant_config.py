@@ -79,8 +79,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     with `async_one_row` one row too where no LoRA launch runs beside it (its 8-row tile's rule; for A/B runs,
     `kernels.quant_wgmma.async_one_row_enabled`: not measured in the engine yet). With `async_rows` too
     (`kernels.quant_wgmma_rows.async_rows_enabled`, for A/B runs) 65-255 rows of such a weight take the many-row
-    kernel: 128 rows x 128 features a program, a ring of 4 half blocks taken 2 a step (UNMEASURED: the
-    configuration its machine code favoured, for `gpu_stages.sh rows-sweep` to confirm or replace).
+    kernel: 128 rows x 128 features a program, a ring of 4 half blocks taken 2 a step (the configuration its
+    machine code favoured; `gpu_stages.sh rows-sweep` measured the kernel slower than the bf16 GEMMs at 128-255
+    rows at its best tiles, so it stays off: docs/quantization.md, "Open: 128-256 streams").
     One row of a large 4-bit weight in groups of 32 with K < 8192 (what a Q4_0 GGUF of an 8B runs): each
     thread holds two whole rows of a block (`thread_rows`, 128-feature programs of 2 warps; sm_90 machine code
     4.52 instructions a code against 7.95 for the elementwise kernel's 32-feature programs), split to about 8

@@ -1,6 +1,7 @@
 """The asynchronous-dot 4-bit kernel for many rows (64-256 a program): 4 bits in groups of 128 and more (the paired
-layout), bfloat16 x, sm_90+. NOT RUN ON A GPU yet, and not picked by `kernels.quant_config.pick_config`: built for
-a sweep against the tiles at 65-255 rows (docs/quantization.md, "Open: 128-256 streams").
+layout), bfloat16 x, sm_90+. NOT PICKED by `kernels.quant_config.pick_config` (only with LORAPLEX_ASYNC_ROWS=1):
+measured on an H200 slower than the bf16 GEMMs at 128-255 rows and than the tiles on most 8B shapes
+(docs/quantization.md, "Open: 128-256 streams", with what it would take).
 
 `kernels.quant_wgmma` starts each half block's dot from zero and scales it into the running sum after it, which
 takes three accumulators a program and spills at 128 rows. Here the group scale goes onto the weights instead,
@@ -15,7 +16,7 @@ GPU). As a dependent launch (kernels/pdl.py) the first NX half blocks' words, sc
 before the wait, x after it.
 
 Written in Triton's explicit-layout dialect, which the interpreter does not run: on the CPU only its compiled
-sm_90 code is checked (tests/kernels/test_quant_wgmma_rows.py).
+sm_90 code is checked (tests/kernels/test_quant_wgmma_rows.py); its GPU tests pass on an H200 (6f5083b).
 """
 from __future__ import annotations
 

@@ -54,12 +54,12 @@
 #                    LORAPLEX_ASYNC_DOTS_ONE_ROW=0 then 1: one row on the one-row kernels or on the asynchronous-dot
 #                    kernel's 8-row tile (where no LoRA launch runs beside it), an A/B on one lease (~2 minutes;
 #                    add LORAPLEX_ASYNC_DOTS_SYNC=... to the environment to A/B with another synchronisation)
-#   rows-sweep       the many-row asynchronous-dot kernel (kernels/quant_wgmma_rows.py, not run on a GPU before
-#                    2026-11-29's last session; not picked): its GPU tests, then bench/quant_wgmma_rows.py at rows
-#                    $ROWS (default 64,128,192,255) against pick_config's tiles and the bf16 GEMM (~4 minutes)
+#   rows-sweep       the many-row asynchronous-dot kernel (kernels/quant_wgmma_rows.py, not picked): its GPU
+#                    tests, then bench/quant_wgmma_rows.py at rows $ROWS (default 64,128,192,255) against
+#                    pick_config's tiles and the bf16 GEMM (~1 minute; bench/results/quant_wgmma_rows_sweep.json)
 #   async-rows-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 96,128), with
 #                    LORAPLEX_ASYNC_ROWS=0 then 1: 65-255 rows on the tiles or on the many-row kernel (its config in
-#                    pick_config is a guess until rows-sweep has run), an A/B on one lease
+#                    pick_config the one its machine code favoured; not run: the sweep showed no gain), one lease
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
