@@ -2,7 +2,8 @@
 compiled for Hopper with no GPU, no spills at 64-128 rows with one or two warpgroups, each half block's 8
 tensor-core instructions back to back with one group left running; the launcher and quant_matmul refuse what it
 cannot do; pick_config's rule and the switch; on a GPU, the fp32 dequantize-then-matmul reference (masked rows and
-features, a bias, groups of 128 and 256, 64-256-row tiles) and QuantLinear taking it when asked."""
+features, a bias, groups of 128 and 256, 64-256-row tiles, loop steps of 2 and 4 half blocks) and QuantLinear
+taking it when asked."""
 from __future__ import annotations
 
 import pytest
@@ -11,10 +12,11 @@ from test_quant_wgmma import TOOLS, check_dots_in_flight, sass
 
 
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
-@pytest.mark.parametrize("block_m,block_n,nx", [(128, 128, 4), (128, 64, 3), (64, 64, 4)])
-def test_one_accumulator_and_a_dot_in_flight(block_m: int, block_n: int, nx: int, tmp_path) -> None:
+@pytest.mark.parametrize("block_m,block_n,nx,u", [(128, 128, 4, 2), (128, 64, 3, 2), (64, 64, 4, 2), (128, 128, 4, 4),
+                                               (64, 64, 4, 4)])
+def test_one_accumulator_and_a_dot_in_flight(block_m: int, block_n: int, nx: int, u: int, tmp_path) -> None:
     report, code = sass(tmp_path, "quant_wgmma_rows:quant_wgmma_rows_kernel", BLOCK_M=block_m, BLOCK_N=block_n,
-                        NX=nx)
+                        NX=nx, U=u)
     assert "stack (spills) 0 B" in report, report.splitlines()[0]
     check_dots_in_flight(code)
 
@@ -127,8 +129,10 @@ def test_gpu_quant_linear_takes_it_when_asked(monkeypatch) -> None:
                     reason="needs a CUDA GPU of sm_90 or later")
 @pytest.mark.parametrize("T,N,K,group", [(128, 256, 1024, 128), (100, 4160, 2048, 256), (255, 6144, 4096, 128),
                                          (64, 192, 1024, 128)])
-@pytest.mark.parametrize("block_m,block_n,nx", [(128, 128, 4), (128, 64, 3), (64, 64, 4), (256, 128, 3)])
-def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int, block_n: int, nx: int) -> None:
+@pytest.mark.parametrize("block_m,block_n,nx,u", [(128, 128, 4, 2), (128, 64, 3, 2), (64, 64, 4, 2), (256, 128, 3, 2),
+                                               (128, 128, 4, 4), (64, 64, 3, 4)])
+def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int, block_n: int, nx: int,
+                               u: int) -> None:
     from kernels.quant_wgmma_rows import quant_wgmma_rows
 
     dev = torch.device("cuda")
@@ -138,7 +142,7 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     bias = (torch.randn(N, device=dev, generator=gen) * 0.1).to(torch.bfloat16) if T % 2 == 0 else None
     want = x.float() @ dense.t() + (bias.float() if bias is not None else 0)
     out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
-    quant_wgmma_rows(x, w, bias, out, block_m=block_m, block_n=block_n, nx=nx)
+    quant_wgmma_rows(x, w, bias, out, block_m=block_m, block_n=block_n, nx=nx, u=u)
     err = ((out.float() - want).norm() / want.norm()).item()
     assert err < 1e-2, err
     # the weights rounded to bfloat16 before the dot, as the dequantize-then-GEMM path does: close to that too
