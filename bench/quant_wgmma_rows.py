@@ -29,10 +29,12 @@ from quant_async_dots import SHAPES, rotating_weights  # noqa: E402
 from quant_kernel_sweep import graph_us  # noqa: E402
 
 # rows, features, ring, half blocks a loop step (U: each step ends with its dots complete, so 4 lets 3 of its 4
-# halves' unpacking overlap the dot before them where 2 lets 1 of 2); no 256 rows with a ring of 4 (more shared
-# memory than an SM has) or U = 4 (their 2 programs an SM are slower than the rest already)
-CONFIGS = [(bm, bn, nx, u) for bm in (64, 128, 256) for bn in (64, 128) for nx in (3, 4) for u in (2, 4)
-           if not (bm == 256 and (nx == 4 or u == 4))]
+# halves' unpacking overlap the dot before them where 2 lets 1 of 2), split-K; no 256 rows with a ring of 4 (more
+# shared memory than an SM has), U = 4 or a split (they were the slowest tiles already); a split of 4 only on
+# 64-row tiles (the 128-row ones spill summing 4 partials)
+CONFIGS = [(bm, bn, nx, u, split) for bm in (64, 128, 256) for bn in (64, 128) for nx in (3, 4) for u in (2, 4)
+           for split in (1, 2, 4)
+           if not (bm == 256 and (nx == 4 or u == 4 or split > 1)) and not (split == 4 and bm > 64)]
 
 
 def gemm_rate(dev: torch.device, n: int = 8192) -> float:
@@ -84,16 +86,18 @@ def main() -> None:
                  "bf16_us": graph_us([lambda d=d, o=outs[i % 2]: torch.matmul(x, d.t(), out=o)
                                       for i, d in enumerate(dense)]),
                  "tried": []}
-            for bm, bn, nx, u in CONFIGS:
-                if bm > 2 * t:
-                    continue
-                case = dict(bm=bm, bn=bn, nx=nx, u=u)
+            for bm, bn, nx, u, split in CONFIGS:
+                tiles = -(-t // bm) * -(-n // bn)
+                if bm > 2 * t or k % (128 * u * split) or split > 1 and tiles >= 2 * sms:   # a split where the
+                    continue                                                                 # tiles leave SMs idle
+                case = dict(bm=bm, bn=bn, nx=nx, u=u, split=split)
                 t0 = time.time()
                 try:
-                    quant_wgmma_rows(x, ws[0], None, outs[0], bm, bn, nx, u)
+                    quant_wgmma_rows(x, ws[0], None, outs[0], bm, bn, nx, u, split, part, locks)
                     torch.cuda.synchronize()
                     err = ((outs[0].float() - want).norm() / want.norm()).item()
-                    us = graph_us([lambda w=w, o=outs[i % 2]: quant_wgmma_rows(x, w, None, o, bm, bn, nx, u)
+                    us = graph_us([lambda w=w, o=outs[i % 2]: quant_wgmma_rows(x, w, None, o, bm, bn, nx, u, split,
+                                                                               part, locks)
                                    for i, w in enumerate(ws)])
                 except Exception as e:  # noqa: BLE001  a configuration that does not compile: recorded
                     r["tried"].append(dict(case, failed=repr(e)[:300]))
@@ -106,8 +110,8 @@ def main() -> None:
             print(f"{name:8s} T={t:3d} floor {floor:6.1f} us | pick {r['pick']} {r['pick_us']:6.1f} us "
                   f"(err {r['pick_err']:.1e}) | bf16 "
                   f"{r['bf16_us']:6.1f} us | rows kernel "
-                  + (f"{best['us']:6.1f} us (tile {best['bn']}x{best['bm']} ring {best['nx']} step {best['u']}, "
-                     f"err {best['err']:.1e})"
+                  + (f"{best['us']:6.1f} us (tile {best['bn']}x{best['bm']} ring {best['nx']} step {best['u']} "
+                     f"split {best['split']}, err {best['err']:.1e})"
                      if best else "none correct")
                   + (f" | {len(bad)} failed or wrong, e.g. {bad[0]}" if bad else ""), flush=True)
             res["cases"][f"{name}/{t}"] = r

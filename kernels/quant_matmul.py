@@ -129,10 +129,9 @@ def quant_matmul(
         x_sums = half_sums(x, width)
     else:
         check_sums(x_sums, T, K, width, "x_sums")
-    if cfg.ring and cfg.scaled:     # the many-row asynchronous-dot kernel (`kernels.quant_wgmma_rows`)
-        if split > 1:               # the rest (4 bits in groups of 128+, bfloat16 x, the GPU): quant_wgmma_rows
-            raise ValueError(f"bad config {cfg}: the many-row asynchronous-dot kernel runs without split-K")
-        quant_wgmma_rows(x, w, bias, out, cfg.block_m, cfg.block_n, cfg.ring, cfg.ring_step)
+    if cfg.ring and cfg.scaled:     # the many-row asynchronous-dot kernel (`kernels.quant_wgmma_rows`, which
+        quant_wgmma_rows(x, w, bias, out, cfg.block_m, cfg.block_n, cfg.ring, cfg.ring_step, cfg.split_k,
+                         partials, locks)                 # refuses the rest: 4 bits in groups of 128+, bf16 x, a GPU)
         return
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
         if not (pairs and paired and runs_on(x.device)) or cfg.block_n not in BLOCK_NS:     # the rest: quant_wgmma

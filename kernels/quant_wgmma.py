@@ -294,21 +294,30 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
         bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
     else:
         bias = gl.zeros([BLOCK_N, 1], gl.float32, mma)
+    _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, offs_n, T, N, SPLIT, FENCE, NW)
+
+
+@gluon.jit
+def _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, offs_n, T, N, SPLIT: gl.constexpr,
+                FENCE: gl.constexpr, NW: gl.constexpr):
+    """out.T tile = acc + bias ([BLOCK_N, BLOCK_M] fp32, rounded once); with SPLIT > 1 each program stores acc as
+    its fp32 partial ([SPLIT, T, N] part) and the last of a tile (its int32 counter in lock, zero before and
+    after) sums them in split order (`kernels.quant_split`'s protocol)."""
     if SPLIT == 1:
         gl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part_stride = T * N                         # split-K runs for few rows: int32 offsets
+        part_stride = T * N                         # int32 offsets: split * T * N < 2**31 (the launchers)
         part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
-        gl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)
+        gl.store(part_ptrs + gl.program_id(2) * part_stride, acc, mask=mask)
         if FENCE:                                   # the partial is visible GPU-wide before the count moves
             _gpu_fence(NW)
         cta_barrier()
-        lock = lock_ptr + pid_m * gl.num_programs(1) + pid_n
+        lock = lock_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
         done = gl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:                       # the last program of the tile sums the partials in order
             if FENCE:
                 _gpu_fence(NW)
-            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+            total = gl.zeros_like(acc)
             for k in gl.static_range(SPLIT):
                 total += gl.load(part_ptrs + k * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
             gl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=mask)

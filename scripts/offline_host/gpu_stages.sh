@@ -56,7 +56,8 @@
 #                    add LORAPLEX_ASYNC_DOTS_SYNC=... to the environment to A/B with another synchronisation)
 #   rows-sweep       the many-row asynchronous-dot kernel (kernels/quant_wgmma_rows.py, not picked): its GPU
 #                    tests, then bench/quant_wgmma_rows.py at rows $ROWS (default 64,128,192,255) against
-#                    pick_config's tiles and the bf16 GEMM (~1 minute; bench/results/quant_wgmma_rows_sweep.json)
+#                    pick_config's tiles and the bf16 GEMM, loop steps of 2 and 4, split-K 1 / 2 / 4 (~4 minutes;
+#                    bench/results/quant_wgmma_rows_sweep.json was steps of 2 and no split, ~1 minute)
 #   async-rows-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 96,128), with
 #                    LORAPLEX_ASYNC_ROWS=0 then 1: 65-255 rows on the tiles or on the many-row kernel (its config in
 #                    pick_config the one its machine code favoured; not run: the sweep showed no gain), one lease

@@ -29,13 +29,13 @@ def sass(tmp_path: Path, kernel: str = "quant_wgmma:quant_wgmma_kernel", **const
     from kernel_sass import parse_sass
 
     rows = kernel.startswith("quant_wgmma_rows")
-    defaults = {"GROUP": 128, "BLOCK_M": 128, "NX": 4, "U": 2, "HAS_BIAS": 1, "USE_PDL": 1, "BLOCK_N": 128} if rows \
-        else {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 1, "FENCE": 1, "USE_PDL": 1,
-              "BLOCK_N": 64}
+    defaults = {"GROUP": 128, "BLOCK_M": 128, "NX": 4, "U": 2, "SPLIT": 1, "FENCE": 1, "HAS_BIAS": 1, "USE_PDL": 1,
+                "BLOCK_N": 128} if rows else \
+        {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 1, "FENCE": 1, "USE_PDL": 1,
+         "BLOCK_N": 64}
     consts = {**defaults, **consts}
-    ptrs = ["x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "bias_ptr=bf16", "out_ptr=bf16"]
-    if not rows:
-        ptrs += ["xs_ptr=fp32", "part_ptr=fp32", "lock_ptr=i32"]
+    ptrs = ["x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32",
+            "lock_ptr=i32"] + ([] if rows else ["xs_ptr=fp32"])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / (kernel.split(":")[0] + "_".join(f"{k}{v}" for k, v in consts.items()))
     cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), f"kernels.{kernel}",

@@ -12,11 +12,13 @@ from test_quant_wgmma import TOOLS, check_dots_in_flight, sass
 
 
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
-@pytest.mark.parametrize("block_m,block_n,nx,u", [(128, 128, 4, 2), (128, 64, 3, 2), (64, 64, 4, 2), (128, 128, 4, 4),
-                                               (64, 64, 4, 4)])
-def test_one_accumulator_and_a_dot_in_flight(block_m: int, block_n: int, nx: int, u: int, tmp_path) -> None:
+@pytest.mark.parametrize("block_m,block_n,nx,u,split", [(128, 128, 4, 2, 1), (128, 64, 3, 2, 1), (64, 64, 4, 2, 1),
+                                                     (128, 128, 4, 4, 1), (64, 64, 4, 4, 1), (128, 128, 4, 2, 2),
+                                                     (64, 128, 4, 4, 4)])
+def test_one_accumulator_and_a_dot_in_flight(block_m: int, block_n: int, nx: int, u: int, split: int,
+                                             tmp_path) -> None:
     report, code = sass(tmp_path, "quant_wgmma_rows:quant_wgmma_rows_kernel", BLOCK_M=block_m, BLOCK_N=block_n,
-                        NX=nx, U=u)
+                        NX=nx, U=u, SPLIT=split)
     assert "stack (spills) 0 B" in report, report.splitlines()[0]
     check_dots_in_flight(code)
 
@@ -44,8 +46,18 @@ def test_the_launcher_refuses_what_the_kernel_cannot_do() -> None:
         quant_wgmma_rows(x, w, None, out, block_m=32)
     with pytest.raises(ValueError, match="multiple of"):
         quant_wgmma_rows(x[:, :640], _weight(128, 640, 128)[0], None, out)
+    with pytest.raises(ValueError, match="multiple of"):      # K = 1024: 8 half blocks, not 2 splits of 2 steps of 4
+        quant_wgmma_rows(x, w, None, out, u=4, split=4)
+    with pytest.raises(ValueError, match="partials"):
+        quant_wgmma_rows(x, w, None, out, split=2)
+    with pytest.raises(ValueError, match="partials"):
+        quant_wgmma_rows(x, w, None, out, split=2, partials=torch.empty(2 * 128 * 128),
+                         locks=torch.zeros(0, dtype=torch.int32))
     with pytest.raises(ValueError, match="sm_90"):             # on the CPU, or interpreted
         quant_wgmma_rows(x, w, None, out)
+    with pytest.raises(ValueError, match="sm_90"):
+        quant_wgmma_rows(x, w, None, out, split=2, partials=torch.empty(2 * 128 * 128),
+                         locks=torch.zeros(1, dtype=torch.int32))
 
 
 def test_pick_config_takes_it_at_65_to_255_rows_only_when_asked() -> None:
@@ -148,3 +160,36 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     # the weights rounded to bfloat16 before the dot, as the dequantize-then-GEMM path does: close to that too
     close = x.float() @ dense.to(torch.bfloat16).float().t() + (bias.float() if bias is not None else 0)
     assert ((out.float() - close).norm() / close.norm()).item() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of sm_90 or later")
+@pytest.mark.parametrize("T,N,K,group", [(100, 4160, 2048, 256), (255, 4096, 4096, 128), (128, 192, 4096, 128)])
+@pytest.mark.parametrize("block_m,block_n,nx,u,split", [(128, 128, 4, 2, 2), (64, 64, 4, 4, 4), (64, 128, 4, 4, 4),
+                                                     (128, 64, 3, 2, 2)])
+def test_gpu_split_k_matches_reference_and_repeats(T: int, N: int, K: int, group: int, block_m: int, block_n: int,
+                                                   nx: int, u: int, split: int) -> None:
+    """Split-K (quant_wgmma's protocol): the fp32 reference, the same bits on a second call, the locks left zero,
+    masked rows and features."""
+    import triton
+
+    from kernels.quant_wgmma_rows import quant_wgmma_rows
+
+    dev = torch.device("cuda")
+    w, dense = _weight(N, K, group, "cuda", T)
+    gen = torch.Generator(device=dev).manual_seed(T + 2)
+    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+    bias = (torch.randn(N, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
+    want = x.float() @ dense.t() + bias.float()
+    partials = torch.full((split * T * N,), float("nan"), device=dev)
+    locks = torch.zeros(triton.cdiv(T, block_m) * triton.cdiv(N, block_n), dtype=torch.int32, device=dev)
+    outs = []
+    for _ in range(2):
+        out = torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev)
+        quant_wgmma_rows(x, w, bias, out, block_m, block_n, nx, u, split, partials, locks)
+        outs.append(out)
+    err = ((outs[0].float() - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
+    assert torch.equal(outs[0], outs[1])
+    assert not locks.any()
