@@ -61,6 +61,9 @@
 #   async-rows-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 96,128), with
 #                    LORAPLEX_ASYNC_ROWS=0 then 1: 65-255 rows on the tiles or on the many-row kernel (its config in
 #                    pick_config the one its machine code favoured; not run: the sweep showed no gain), one lease
+#   rows-stalls      bench/quant_gemv_stalls.py --rows-kernel at rows $ROWS (default 128), each configuration of
+#                    $CONFIGS (default "128,128,4,2,1 64,128,4,4,4": BM,BN,NX,U,SPLIT): the profiler's stall reasons
+#                    and hot lines of the many-row kernel on gate/up, down and q/k/v (~3 minutes, needs `ncu`)
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -244,6 +247,12 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
   async-sync-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_SYNC "${SYNCS:-0 1 2}" sync ;;
   async-one-row-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_ONE_ROW "0 1" one_row 1,2 ;;
   async-rows-decode) int4_decode_ab LORAPLEX_ASYNC_ROWS "0 1" async_rows 96,128 ;;
+  rows-stalls)
+    for cfg in ${CONFIGS:-128,128,4,2,1 64,128,4,4,4}; do
+      python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-128}" \
+        --rows-kernel "$cfg" --out "$out/quant_rows_stalls_rows${ROWS:-128}_${cfg//,/_}.json" \
+        --raw "/tmp/quant_rows_stalls_raw_${cfg//,/_}" 2>&1 | tee -a "$out/rows_stalls.log"
+    done ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \
