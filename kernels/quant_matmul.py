@@ -58,7 +58,7 @@ def quant_matmul(
     config: QuantMatmulConfig,
     partials: torch.Tensor | None = None,   # float32, >= split_k * T * N elements (split_k > 1 only)
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
-    addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
+    addend: torch.Tensor | None = None,     # [T, N] float32 contiguous: the one-row kernel or the tiles
     x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
@@ -75,9 +75,10 @@ def quant_matmul(
     `x_sums`: the sums of x over each `sums_width(config, w, x.dtype)`-wide slice, written by the kernel that
     wrote x (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`); without them (or where that width
     is 0, ignored) a launch of `kernels.quant_half_sums` computes what the call needs.
-    With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
-    kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
-    x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
+    With an `addend` (the one-row kernel, or the register-set tiles: no ring, not their TMA-read form) out
+    also adds it before rounding, and it is left all zeros. The kernel is then meant to follow the launch that
+    wrote the addend (the LoRA delta, into zeros): it reads x (and the tiles x's sums, which must then be
+    given) and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
     the caller guarantees that no kernel since x was written wrote anything this one reads but the addend.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -101,10 +102,10 @@ def quant_matmul(
                          "split_k >= 1")
     if cfg.thread_rows and (cfg.block_m != 1 or w.group_size != 32):
         raise ValueError(f"bad config {cfg}: thread_rows is the one-row kernel's path for groups of 32")
-    if addend is not None and (cfg.block_m != 1 or addend.dtype != torch.float32 or addend.numel() != T * N
-                               or not addend.is_contiguous()):
-        raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
-                         f"block_m {cfg.block_m}, {addend.dtype} {tuple(addend.shape)}")
+    if addend is not None and (not takes_addend(cfg, w, x) or addend.dtype != torch.float32
+                               or addend.numel() != T * N or not addend.is_contiguous()):
+        raise ValueError(f"an addend takes the one-row kernel or the register-set tiles (`takes_addend`) and "
+                         f"contiguous float32 [{T}, {N}], got {cfg}, {addend.dtype} {tuple(addend.shape)}")
     num_blocks = w.padded_in_features // block_k(w.bits)
     split = min(cfg.split_k, num_blocks)
     per_split = -(-num_blocks // split)
@@ -125,6 +126,8 @@ def quant_matmul(
     paired = paired_layout(w.bits, w.group_size)    # without the pair-codes path: one dot per block
     if not pairs:
         x_sums = out
+    elif x_sums is None and addend is not None:     # a launch of its own would come between the addend's and this
+        raise ValueError("with an addend the tiles read x's sums before their wait: pass x_sums (`half_sums`)")
     elif x_sums is None:    # sum of x over each 128-wide half block (32-wide group), once per call (`_offsets_term`)
         x_sums = half_sums(x, width)
     else:
@@ -181,7 +184,7 @@ def quant_matmul(
                                FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
                                PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
-                               **pdl)
+                               add_ptr=addend if addend is not None else out, ADD=addend is not None, **pdl)
 
 
 def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.dtype) -> int:
@@ -193,6 +196,16 @@ def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.d
     pairs = (config.block_m > 1 and config.pair_codes and config.field_dots and x_dtype != torch.float32
              and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K)))
     return (128 if paired_layout(w.bits, w.group_size) else 32) if pairs else 0
+
+
+def takes_addend(config: QuantMatmulConfig, w: PackedQuantWeight, x: torch.Tensor) -> bool:
+    """Whether a call with this config may add an `addend`: the one-row kernel, or the register-set tiles (not
+    a ring, the asynchronous-dot kernels; not the tiles' TMA-read form, LORAPLEX_TILE_TMA)."""
+    if config.block_m == 1:
+        return True
+    tma = (sums_width(config, w, x.dtype) > 0 and paired_layout(w.bits, w.group_size) and _tile_stages(config) > 0
+           and _tma_capable(x))
+    return not config.ring and not tma
 
 
 TMA_ENV = "LORAPLEX_H2_TMA"

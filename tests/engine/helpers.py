@@ -104,6 +104,36 @@ def assert_same_logits(first: dict, second: dict, tol: float = 2e-2, moved: floa
         assert compared >= steps, (rid, key, tok_f, tok_s)
 
 
+def w4_engine(folder: Path, adapters: Path, max_num_seqs: int):
+    """An engine on the GPU over `w4_mid_llama`'s 4-bit model (kept quantized: its projections on the kernels)
+    with its adapter "all" loaded."""
+    from compute_service.engine import EngineConfig, LLMEngine
+    from compute_service.engine.quant_linear import QuantLinear
+    from loraplex.formats import read_peft
+
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", block_size=16,
+                                    lora_backend="kernels", max_loras=2, max_num_seqs=max_num_seqs,
+                                    quantization="keep"))
+    assert isinstance(engine.loaded.model.weights.layers[0].gate_up, QuantLinear)
+    engine.add_adapter("all", read_peft(adapters / "all"))
+    return engine
+
+
+def assert_logits_agree(first: dict, second: dict, tol: float = 2e-2, steps: int = 3) -> None:
+    """first, second: {request id: (tokens, logits rows)} of two runs of the same requests. While both runs chose
+    the same tokens, their logits agree within `tol` (relative); at least `steps` steps of every request
+    compared."""
+    for rid, (tok_f, log_f) in first.items():
+        tok_s, log_s = second[rid]
+        compared = 0
+        for i, (a, b) in enumerate(zip(log_f, log_s)):
+            if tok_f[: i + 1] != tok_s[: i + 1]:
+                break
+            assert rel_err(a, b) < tol, (rid, i, rel_err(a, b))
+            compared += 1
+        assert compared >= steps, (rid, tok_f, tok_s)
+
+
 def save_tiny(model, folder: Path) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     return folder

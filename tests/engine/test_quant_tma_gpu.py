@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
-from compute_service.engine.quant_linear import QuantLinear
-from helpers import MID_DIMS, assert_same_logits, w4_mid_llama
-from loraplex.formats import read_peft
+from compute_service.engine import SamplingParams
+from helpers import MID_DIMS, assert_same_logits, w4_engine
 from test_parity import run_collecting
 
 pytestmark = [pytest.mark.gpu]
@@ -19,17 +17,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def w4_llama(tmp_path_factory):
-    return w4_mid_llama(tmp_path_factory)
-
-
 def _run(folder, adapters, monkeypatch, tma: str):
     monkeypatch.setenv("LORAPLEX_H2_TMA", tma)
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", block_size=16,
-                                    lora_backend="kernels", max_loras=2, max_num_seqs=2, quantization="keep"))
-    assert isinstance(engine.loaded.model.weights.layers[0].gate_up, QuantLinear)
-    engine.add_adapter("all", read_peft(adapters / "all"))
+    engine = w4_engine(folder, adapters, 2)
     g = torch.Generator().manual_seed(5)
     out = {}
     for rid in ("a", "b"):
