@@ -58,7 +58,7 @@ def quant_matmul(
     config: QuantMatmulConfig,
     partials: torch.Tensor | None = None,   # float32, >= split_k * T * N elements (split_k > 1 only)
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
-    addend: torch.Tensor | None = None,     # [T, N] float32 contiguous: the one-row kernel or the tiles
+    addend: torch.Tensor | None = None,     # [T, N] float32 contiguous (`takes_addend`)
     x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
@@ -75,11 +75,12 @@ def quant_matmul(
     `x_sums`: the sums of x over each `sums_width(config, w, x.dtype)`-wide slice, written by the kernel that
     wrote x (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`); without them (or where that width
     is 0, ignored) a launch of `kernels.quant_half_sums` computes what the call needs.
-    With an `addend` (the one-row kernel, or the register-set tiles: no ring, not their TMA-read form) out
-    also adds it before rounding, and it is left all zeros. The kernel is then meant to follow the launch that
-    wrote the addend (the LoRA delta, into zeros): it reads x (and the tiles x's sums, which must then be
-    given) and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
-    the caller guarantees that no kernel since x was written wrote anything this one reads but the addend.
+    With an `addend` (`takes_addend`: the one-row kernel, the register-set tiles or the asynchronous-dot
+    kernel) out also adds it before rounding, and it is left all zeros. The kernel is then meant to follow the
+    launch that wrote the addend (the LoRA delta, into zeros): it reads x (and x's sums where it reads them,
+    which must then be given) and the whole weight before waiting for that launch (kernels/pdl.py) and waits
+    only to add it, so the caller guarantees that no kernel since x was written wrote anything this one reads
+    but the addend.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be [T, K] float16/bfloat16/float32 with unit stride along K, got "
@@ -141,7 +142,7 @@ def quant_matmul(
             raise ValueError(f"bad config {cfg}: a ring runs 64- or 128-feature tiles of the asynchronous-dot kernel: "
                              "4 bits in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
         quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks,
-                    cfg.block_n)
+                    cfg.block_n, addend=addend)
         return
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)
@@ -199,13 +200,12 @@ def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.d
 
 
 def takes_addend(config: QuantMatmulConfig, w: PackedQuantWeight, x: torch.Tensor) -> bool:
-    """Whether a call with this config may add an `addend`: the one-row kernel, or the register-set tiles (not
-    a ring, the asynchronous-dot kernels; not the tiles' TMA-read form, LORAPLEX_TILE_TMA)."""
-    if config.block_m == 1:
-        return True
-    tma = (sums_width(config, w, x.dtype) > 0 and paired_layout(w.bits, w.group_size) and _tile_stages(config) > 0
-           and _tma_capable(x))
-    return not config.ring and not tma
+    """Whether a call with this config may add an `addend`: the one-row kernel, the register-set tiles (not
+    their TMA-read form, LORAPLEX_TILE_TMA) or the asynchronous-dot kernel (not its many-row form)."""
+    if config.block_m == 1 or config.ring:
+        return not config.scaled
+    return not (sums_width(config, w, x.dtype) > 0 and paired_layout(w.bits, w.group_size)
+                and _tile_stages(config) > 0 and _tma_capable(x))
 
 
 TMA_ENV = "LORAPLEX_H2_TMA"

@@ -166,7 +166,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                        stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                        NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                        FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64,
-                       SYNC: gl.constexpr = 0):
+                       SYNC: gl.constexpr = 0, add_ptr=None, ADD: gl.constexpr = False):
     """out.T tile [BLOCK_N, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
     multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
     of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
@@ -213,13 +213,12 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     xs_ptrs = xs_ptr + offs_sm * num_halves + h0
     xs_mask = offs_sm < T
     AHEAD: gl.constexpr = NX - 2 if SYNC == 2 else NX      # halves copied before the loop
+    if ADD and FENCE:                               # kernels/pdl.py's exception: x read before the wait
+        _gpu_fence(NW)
     for i in gl.static_range(AHEAD):                # the weights of halves 0 .. AHEAD - 1 before the wait
         _fill_weights(i, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
-    if USE_PDL:                                     # kernels/pdl.py: x and its sums come from earlier launches
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    if USE_PDL and not ADD:                         # kernels/pdl.py: x and its sums come from earlier launches
+        _wait_then_release()
     for i in gl.static_range(AHEAD):                # a copy group a half (the first one holds every weight above)
         _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
@@ -288,23 +287,48 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
             _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
             async_copy.commit_group()
     async_copy.wait_group(0)
+    if USE_PDL and ADD:                             # the addend comes from the launch before
+        _wait_then_release()
     mask = n_mask[:, None] & m_mask[None, :]
     out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
     if HAS_BIAS:
         bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
     else:
         bias = gl.zeros([BLOCK_N, 1], gl.float32, mma)
-    _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, offs_n, T, N, SPLIT, FENCE, NW)
+    _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, offs_n, T, N, SPLIT, FENCE, NW,
+                add_ptr, ADD)
+
+
+@gluon.jit
+def _wait_then_release():
+    """kernels/pdl.py's wait for the previous launch's results, then the next launch let start."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _take_addend(total, add_ptr, offs_m, offs_n, mask, N):
+    """total + the fp32 addend [T, N] (`kernels.addend.take_addend`), which is left zero."""
+    add_ptrs = add_ptr + offs_m[None, :] * N + offs_n[:, None]
+    total += gl.load(add_ptrs, mask=mask, other=0.0)
+    cta_barrier()
+    gl.store(add_ptrs, gl.zeros_like(total), mask=mask)
+    return total
 
 
 @gluon.jit
 def _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, offs_n, T, N, SPLIT: gl.constexpr,
-                FENCE: gl.constexpr, NW: gl.constexpr):
-    """out.T tile = acc + bias ([BLOCK_N, BLOCK_M] fp32, rounded once); with SPLIT > 1 each program stores acc as
-    its fp32 partial ([SPLIT, T, N] part) and the last of a tile (its int32 counter in lock, zero before and
-    after) sums them in split order (`kernels.quant_split`'s protocol)."""
+                FENCE: gl.constexpr, NW: gl.constexpr, add_ptr=None, ADD: gl.constexpr = False):
+    """out.T tile = acc + bias ([BLOCK_N, BLOCK_M] fp32, rounded once; + the fp32 addend [T, N] at add_ptr,
+    left zero: ADD); with SPLIT > 1 each program stores acc as its fp32 partial ([SPLIT, T, N] part) and the last
+    of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
+    protocol)."""
     if SPLIT == 1:
-        gl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
+        total = acc + bias
+        if ADD:
+            total = _take_addend(total, add_ptr, offs_m, offs_n, mask, N)
+        gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         part_stride = T * N                         # int32 offsets: split * T * N < 2**31 (the launchers)
         part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
@@ -320,7 +344,10 @@ def _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, 
             total = gl.zeros_like(acc)
             for k in gl.static_range(SPLIT):
                 total += gl.load(part_ptrs + k * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=mask)
+            total += bias
+            if ADD:
+                total = _take_addend(total, add_ptr, offs_m, offs_n, mask, N)
+            gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             gl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 ENV = "LORAPLEX_ASYNC_DOTS"
@@ -381,9 +408,12 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
                 block_n: int = 64,                     # features a program: 64, or 128 (two warpgroups)
                 sync: int | None = None,               # SYNC (module docstring; None: `ring_sync`)
+                addend: torch.Tensor | None = None,    # [T, N] float32 contiguous, added and left zero
                 ) -> None:
     """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
-    before and after the call."""
+    before and after the call. With an `addend` (the LoRA delta of the launch before, `kernels.addend`) x and
+    its sums are read before the dependent launch's wait (kernels/pdl.py's exception), which comes after the
+    loop; the addend is added before rounding and left zero."""
     T, K = x.shape
     N = w.out_features
     check_operands(x, w, out, 128 * u * split)
@@ -403,4 +433,6 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                              partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
                              out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
                              U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, BLOCK_N=block_n,
-                             SYNC=ring_sync() if sync is None else sync, num_warps=block_n // 16, **pdl)
+                             SYNC=ring_sync() if sync is None else sync,
+                             add_ptr=addend if addend is not None else out, ADD=addend is not None,
+                             num_warps=block_n // 16, **pdl)

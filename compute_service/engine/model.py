@@ -33,8 +33,9 @@ LORA_OVERLAP_TOKENS = 64
 OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
 # Steps of up to this many tokens run their LoRA first where the base projection's kernel adds the delta
 # (`_project`): 1 by default. LORAPLEX_LORA_FIRST_TOKENS=16 (for A/B runs; NOT MEASURED on a GPU yet) takes
-# 2-16-token steps of a 4-bit base that way too, on the register-set tiles (`QuantLinear.takes_addend`),
-# instead of beside the projection on a side stream.
+# 2-16-token steps of a 4-bit base that way too, on the kernel picked as without a LoRA (the asynchronous-dot
+# kernel on sm_90+, else the register-set tiles: `QuantLinear.takes_addend`), instead of beside the projection
+# on a side stream.
 FIRST_TOKENS_ENV = "LORAPLEX_LORA_FIRST_TOKENS"
 # A layer's delta not yet added to the residual stream h: the down projection's output, and its LoRA delta
 # where that is still to be added too (`LlamaModel._project`'s extra), else None.

@@ -114,8 +114,8 @@ class QuantLinear:
     def takes_addend(self, x: torch.Tensor) -> bool:
         """Whether `self(x, addend=...)` is allowed: 16-bit x on the kernel in the model's order (not act-order:
         x is gathered by a launch of its own first, which the kernel's early reads of x must not race), one row
-        (the one-row kernel) or more where the config picked beside a LoRA launch takes an addend (the
-        register-set tiles, `kernels.quant_matmul.takes_addend`; 2-16 rows on the 8B's shapes)."""
+        (the one-row kernel) or more where the config picked for them takes an addend (the register-set tiles or
+        the asynchronous-dot kernel, `kernels.quant_matmul.takes_addend`; not the many-row kernel)."""
         if not (self.use_kernel and self._perm is None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
             return False
         t = x.numel() // x.shape[-1]
@@ -126,7 +126,7 @@ class QuantLinear:
         from kernels.quant_matmul import pick_config, takes_addend
 
         n, k = self._shape
-        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype, True, self.async_dots,
+        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype, False, self.async_dots,
                           self.async_one_row, self.async_rows)
         return takes_addend(cfg, self.packed, x)
 
@@ -174,8 +174,11 @@ class QuantLinear:
             dequantize_packed(self.packed, w)
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+        # beside_lora: a LoRA launch runs beside this one (or, at one row, just before it: the split that leaves
+        # it SMs); 2+ rows with an addend (its LoRA launch ran first) pick as without a LoRA
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
-                          addend is not None or beside_lora, self.async_dots, self.async_one_row, self.async_rows)
+                          beside_lora or (addend is not None and t == 1), self.async_dots, self.async_one_row,
+                          self.async_rows)
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)

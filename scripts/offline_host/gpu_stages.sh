@@ -65,8 +65,9 @@
 #                    $CONFIGS (default "128,128,4,2,1 64,128,4,4,4": BM,BN,NX,U,SPLIT): the profiler's stall reasons
 #                    and hot lines of the many-row kernel on gate/up, down and q/k/v (~3 minutes, needs `ncu`)
 #   lora-first-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16), with
-#                    LORAPLEX_LORA_FIRST_TOKENS=1 then 16: 2-16-token steps' LoRA beside the base projection on a
-#                    side stream, or first with the tiles adding it (not measured before), an A/B on one lease
+#                    LORAPLEX_LORA_FIRST_TOKENS=1, 16, then 16 with LORAPLEX_ASYNC_DOTS=0: 2-16-token steps' LoRA
+#                    beside the base projection on a side stream, or first with the asynchronous-dot kernel or the
+#                    tiles adding it (not measured before), one lease (~2 minutes)
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -250,7 +251,9 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
   async-sync-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_SYNC "${SYNCS:-0 1 2}" sync ;;
   async-one-row-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_ONE_ROW "0 1" one_row 1,2 ;;
   async-rows-decode) int4_decode_ab LORAPLEX_ASYNC_ROWS "0 1" async_rows 96,128 ;;
-  lora-first-decode) int4_decode_ab LORAPLEX_LORA_FIRST_TOKENS "1 16" lora_first_tokens 8,16 ;;
+  lora-first-decode)
+    int4_decode_ab LORAPLEX_LORA_FIRST_TOKENS "1 16" lora_first_tokens 8,16
+    LORAPLEX_ASYNC_DOTS=0 int4_decode_ab LORAPLEX_LORA_FIRST_TOKENS "16" lora_first_tokens_tiles 8,16 ;;
   rows-stalls)
     for cfg in ${CONFIGS:-128,128,4,2,1 64,128,4,4,4}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-128}" \

@@ -128,13 +128,13 @@ def test_quantized_chain_as_dependent_launches_matches_plain(monkeypatch, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["dense", "quant", "quant_tiles"])
+@pytest.mark.parametrize("kind", ["dense", "quant", "quant_tiles", "quant_async"])
 def test_lora_first_chain_as_dependent_launches_matches_plain(monkeypatch, kind):
     """norm -> fused LoRA into float32 zeros -> base kernel that adds it, six rounds, in a graph: the base
     kernel reads x and its weight before waiting for the LoRA launch (LlamaModel._project's order for one-token
-    steps, and with LORAPLEX_LORA_FIRST_TOKENS for steps up to that many tokens: quant_tiles, 8 rows on the
-    register-set tiles, x's sums written by the norm). Dependent launches equal plain ones bit for bit, and the
-    delta is left zero."""
+    steps, and with LORAPLEX_LORA_FIRST_TOKENS for steps up to that many tokens: 8 rows on the register-set
+    tiles, quant_tiles, or on the asynchronous-dot kernel, quant_async; x's sums written by the norm). Dependent
+    launches equal plain ones bit for bit, and the delta is left zero."""
     if not pdl_enabled(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs a Hopper or later GPU")
     from kernels.dense_gemv import dense_gemv
@@ -148,7 +148,7 @@ def test_lora_first_chain_as_dependent_launches_matches_plain(monkeypatch, kind)
     H, N = 2048, 5632
     case = build_case(ranks={0: [16]}, h_in=H, outs=[N], num_layers=1, dtype=dt, device="cuda",
                       gen=torch.Generator().manual_seed(2))
-    rows = 8 if kind == "quant_tiles" else 1
+    rows = 8 if kind in ("quant_tiles", "quant_async") else 1
     meta = prepare_meta(torch.tensor([0, -1, 0, 0, -1, 0, 0, 0][:rows], dtype=torch.int32), case.tables.max_slots,
                         device="cuda")
     ws = fused_workspace(4 * rows, case.tables.max_rank, dev)
@@ -157,8 +157,8 @@ def test_lora_first_chain_as_dependent_launches_matches_plain(monkeypatch, kind)
     w_back = torch.randn(H, N, device=dev, dtype=dt, generator=gen) * N ** -0.5
     norm_w = torch.rand(H, device=dev, dtype=dt, generator=gen) + 0.5
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    cfg = pick_config(rows, N, H, 4, sms, beside_lora=True)      # 8 rows: the register-set tiles
-    assert (cfg.block_m == 1) == (rows == 1) and not cfg.ring
+    cfg = pick_config(rows, N, H, 4, sms, beside_lora=kind != "quant_async", async_dots=kind == "quant_async")
+    assert (cfg.block_m == 1) == (rows == 1) and bool(cfg.ring) == (kind == "quant_async")
     work = (torch.zeros(16 * rows * N, device=dev), torch.zeros(4096, dtype=torch.int32, device=dev))
     delta = torch.zeros(rows, N, device=dev)
     sums = torch.zeros(rows, H // 128, device=dev) if rows > 1 else None

@@ -35,7 +35,7 @@ def sass(tmp_path: Path, kernel: str = "quant_wgmma:quant_wgmma_kernel", **const
          "BLOCK_N": 64}
     consts = {**defaults, **consts}
     ptrs = ["x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32",
-            "lock_ptr=i32"] + ([] if rows else ["xs_ptr=fp32"])
+            "lock_ptr=i32"] + ([] if rows else ["xs_ptr=fp32"]) + (["add_ptr=fp32"] if consts.get("ADD") else [])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / (kernel.split(":")[0] + "_".join(f"{k}{v}" for k, v in consts.items()))
     cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), f"kernels.{kernel}",
@@ -78,6 +78,23 @@ def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Pa
     if block_m <= 16 or block_n == 128:     # two warpgroups: x's copies spread over twice the threads
         assert "stack (spills) 0 B" in report, report.splitlines()[0]
     check_dots_in_flight(code)
+
+
+@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
+@pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (16, 4, 64), (32, 2, 128)])
+def test_with_an_addend_the_wait_comes_after_the_loop(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
+    """ADD (a LoRA delta added in the epilogue): no spills, two dots in flight, and the dependent launch's one
+    wait (`ACQBULK`, griddepcontrol.wait) comes after the main loop, where without ADD it comes before it."""
+    from kernel_sass import loops
+
+    for add in (0, 1):
+        report, code = sass(tmp_path, BLOCK_M=block_m, SPLIT=split, BLOCK_N=block_n, ADD=add, SYNC=1)
+        assert "stack (spills) 0 B" in report, report.splitlines()[0]
+        check_dots_in_flight(code)
+        main = max(loops(code), key=lambda span: span[1] - span[0])         # the half blocks' loop
+        wait_at = [i for i, (_, op, _) in enumerate(code) if op == "ACQBULK"]
+        assert len(wait_at) == 1, wait_at
+        assert (wait_at[0] > main[1]) == bool(add) and (wait_at[0] < main[0]) == (not add), (wait_at, main)
 
 
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
@@ -253,6 +270,30 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     assert err < 1e-2, f"rel err {err}"
     assert torch.equal(outs[0], outs[1])            # split-K sums in a fixed order
     assert not locks.any()                          # the counters are left zero
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of sm_90 or later")
+@pytest.mark.parametrize("block_m,split,block_n", [(8, 1, 64), (16, 4, 64), (16, 2, 128)])
+def test_gpu_addend_is_added_and_left_zero(block_m: int, split: int, block_n: int) -> None:
+    """An fp32 addend (a LoRA delta run first, LORAPLEX_LORA_FIRST_TOKENS): out = x @ W.T + bias + addend,
+    rounded once, split or not; the addend and the locks are left zero."""
+    from kernels.quant_matmul import half_sums
+    from kernels.quant_wgmma import quant_wgmma
+
+    dev, w, x, want = _case(13, 320, 2048, 17)
+    gen = torch.Generator(device=dev).manual_seed(18)
+    bias = (torch.randn(320, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
+    add = torch.randn(13, 320, device=dev, generator=gen)
+    addend = add.clone()
+    out = torch.full((13, 320), float("nan"), dtype=torch.bfloat16, device=dev)
+    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+    quant_wgmma(x, w, bias, out, half_sums(x), block_m=block_m, split=split, partials=torch.empty(split * 13 * 320,
+                device=dev), locks=locks, block_n=block_n, addend=addend)
+    full = want + bias.float() + add
+    assert ((out.float() - full).norm() / full.norm()).item() < 1e-2
+    assert not addend.any() and not locks.any()
 
 
 def _case(T: int, N: int, K: int, seed: int):
