@@ -271,9 +271,9 @@ class LlamaModel:
         `defer`, or by an add of its own): there the LoRA kernels are bound by latency, not bytes, and the base
         matmul hides them.
         A step of one token (up to `first_tokens`) whose projection's kernel takes an addend (`takes_addend`:
-        the one-row kernels; the 4-bit tiles at 2+ tokens) launches the LoRA first, into float32 zeros
-        (`_lora_delta`; backends that say `delta_first`: they always launch a kernel for a float32 output), and
-        the kernel adds it: that kernel reads x (and x's sums, computed before the LoRA launch where nothing
+        the one-row kernels; a 4-bit base's tiles or asynchronous-dot kernel at 2+ tokens) launches the LoRA
+        first, into float32 zeros (`_lora_delta`; backends that say `delta_first`: they always launch a kernel
+        for a float32 output), and the kernel adds it: that kernel reads x (and x's sums, computed before the LoRA launch where nothing
         wrote them with x) and its whole weight before it waits for the LoRA launch (kernels/pdl.py), so the
         LoRA's chain of dependent memory round trips runs beside the weight reads instead of after them. x was
         written before the LoRA launch, which writes only the delta."""

@@ -116,7 +116,8 @@ class QuantLinear:
         x is gathered by a launch of its own first, which the kernel's early reads of x must not race), one row
         (the one-row kernel) or more where the config picked for them takes an addend (the register-set tiles or
         the asynchronous-dot kernel, `kernels.quant_matmul.takes_addend`; not the many-row kernel)."""
-        if not (self.use_kernel and self._perm is None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)):
+        if not (self.use_kernel and self._perm is None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+                and x.stride(-1) == 1):     # else a copy of x would come between the LoRA launch and the kernel
             return False
         t = x.numel() // x.shape[-1]
         if t == 1:
