@@ -105,8 +105,9 @@ def quant_matmul(
         raise ValueError(f"bad config {cfg}: thread_rows is the one-row kernel's path for groups of 32")
     if addend is not None and (not takes_addend(cfg, w, x) or addend.dtype != torch.float32
                                or addend.numel() != T * N or not addend.is_contiguous()):
-        raise ValueError(f"an addend takes the one-row kernel or the register-set tiles (`takes_addend`) and "
-                         f"contiguous float32 [{T}, {N}], got {cfg}, {addend.dtype} {tuple(addend.shape)}")
+        raise ValueError(f"an addend takes the one-row kernel, the register-set tiles or the asynchronous-dot "
+                         f"kernel (`takes_addend`) and contiguous float32 [{T}, {N}], got {cfg}, {addend.dtype} "
+                         f"{tuple(addend.shape)}")
     num_blocks = w.padded_in_features // block_k(w.bits)
     split = min(cfg.split_k, num_blocks)
     per_split = -(-num_blocks // split)
@@ -128,7 +129,7 @@ def quant_matmul(
     if not pairs:
         x_sums = out
     elif x_sums is None and addend is not None:     # a launch of its own would come between the addend's and this
-        raise ValueError("with an addend the tiles read x's sums before their wait: pass x_sums (`half_sums`)")
+        raise ValueError("with an addend the kernel reads x's sums before its wait: pass x_sums (`half_sums`)")
     elif x_sums is None:    # sum of x over each 128-wide half block (32-wide group), once per call (`_offsets_term`)
         x_sums = half_sums(x, width)
     else:

@@ -128,6 +128,31 @@ def _pairs_operand(b0, b1, b2, b3, A_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _half_sources(x_ptr, w_ptr, s_ptr, o_ptr, T, N, stride_x, words_per_row, h0, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NW: gl.constexpr):
+    """Where the program's half block h0 comes from, in the layouts of its copies (`_fill_weights`,
+    `_fill_x_tile`; half h0 + i is i * 128 further on in x, i * 16 in the words): x's [BLOCK_M, 128] tile
+    (x_half, x_mask), the features' [BLOCK_N, 16] words (w_half, w_mask; rows past N read row N - 1) and their
+    group scales and offsets (s_ptrs, o_ptrs, sc_mask; group g is g * N further on)."""
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    x_reg: gl.constexpr = _x_copy_layout(NW, BLOCK_M)
+    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
+                                          order=[1, 0])
+    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
+    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
+    offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
+    x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
+    x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
+    offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
+    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
+    w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
+    w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :] + h0 * 16
+    offs_sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sc_cp)
+    return x_half, x_mask, w_half, w_mask, s_ptr + offs_sn, o_ptr + offs_sn, offs_sn < N
+
+
+@gluon.jit
 def _fill_weights(i, H, h0, N, GROUP: gl.constexpr, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs,
                   sc_mask):
     """Copy half block i's words, group scales and offsets into ring slot i % NX (masked off past the program's
@@ -178,38 +203,22 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     mma: gl.constexpr = _mma_layout(NW, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     w_layout: gl.constexpr = _words_layout(NW)
-    x_reg: gl.constexpr = _x_copy_layout(NW, BLOCK_M)
     # the words of a half block go by asynchronous copies too, into the same ring slot and copy group as its x
     # (16-byte vectors of 4 words; the swizzle puts the 8 rows x 4 words each load instruction reads in 32 banks),
     # and so do its group scales, offsets and x's sums (no register copies of loads across the loop's back edge)
     x_smem, w_smem, s_smem, o_smem = _ring(NX, BLOCK_M, BLOCK_N)
-    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
-                                          order=[1, 0])
-    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
     xs_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     xs_smem = gl.allocate_shared_memory(gl.float32, [NX, BLOCK_M], flat)
-
-    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
-    offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
-    x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
-    offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
-    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
-    w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
+    H = num_halves // SPLIT
+    h0 = pid_k * H
+    x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask = _half_sources(
+        x_ptr, w_ptr, s_ptr, o_ptr, T, N, stride_x, words_per_row, h0, BLOCK_M, BLOCK_N, NW)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     n_mask = offs_n < N
     m_mask = offs_m < T
-    H = num_halves // SPLIT
-    h0 = pid_k * H
-    x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
-    w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :] + h0 * 16
-
-    offs_sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sc_cp)
     offs_sm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=xs_cp)
-    s_ptrs = s_ptr + offs_sn
-    o_ptrs = o_ptr + offs_sn
-    sc_mask = offs_sn < N
     xs_ptrs = xs_ptr + offs_sm * num_halves + h0
     xs_mask = offs_sm < T
     AHEAD: gl.constexpr = NX - 2 if SYNC == 2 else NX      # halves copied before the loop

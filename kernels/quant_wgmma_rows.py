@@ -30,8 +30,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from kernels.env_switch import env_int
 from kernels.pdl import launch_args, pdl_enabled
 from kernels.quant_pack import PackedQuantWeight
-from kernels.quant_wgmma import BLOCK_NS, _biased, _fill_weights, _fill_x_tile, _mma_layout, _pairs_operand, _ring, \
-    _store_tile, _words_layout, async_copy, check_operands, cta_barrier, runs_on
+from kernels.quant_wgmma import BLOCK_NS, _biased, _fill_weights, _fill_x_tile, _half_sources, _mma_layout, \
+    _pairs_operand, _ring, _store_tile, _wait_then_release, _words_layout, async_copy, check_operands, cta_barrier, \
+    runs_on
 
 BLOCK_MS = (64, 128, 256)   # rows a program: the dot's N
 ENV = "LORAPLEX_ASYNC_ROWS"
@@ -69,34 +70,15 @@ def quant_wgmma_rows_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     w_layout: gl.constexpr = _words_layout(NW)
     row_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
-    x_reg: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
-                                           warps_per_cta=[NW, 1], order=[1, 0])
     x_smem, w_smem, s_smem, o_smem = _ring(NX, BLOCK_M, BLOCK_N)
-    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
-                                          order=[1, 0])
-    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
-
-    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
-    offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
-    x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
     H = num_halves // SPLIT
     h0 = pid_k * H
-    x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
-    offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
-    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
-    w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :] + h0 * 16
-    w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
-    offs_sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sc_cp)
-    s_ptrs = s_ptr + offs_sn
-    o_ptrs = o_ptr + offs_sn
-    sc_mask = offs_sn < N
+    x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask = _half_sources(
+        x_ptr, w_ptr, s_ptr, o_ptr, T, N, stride_x, words_per_row, h0, BLOCK_M, BLOCK_N, NW)
     for i in gl.static_range(NX):                   # the weights of the first NX halves before the wait
         _fill_weights(i, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
     if USE_PDL:                                     # kernels/pdl.py: x comes from earlier launches
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        _wait_then_release()
     for i in gl.static_range(NX):                   # a copy group a half (the first one holds every weight above)
         _fill_x_tile(i, H, x_smem, x_half, x_mask)
         async_copy.commit_group()
