@@ -31,16 +31,6 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
 
 
-def rotating_weights(n: int, k: int, gen: torch.Generator) -> list:
-    """Random 4-bit [n, k] weights in groups of 128 (symmetric), copies filling SPAN bytes, on gen's GPU."""
-    ws = []
-    while sum(w.nbytes for w in ws) < SPAN:
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=gen.device, generator=gen)
-        s = (torch.rand(n, k // 128, device=gen.device, generator=gen) * 0.002 + 1e-4).half()
-        ws.append(pack_quantized(q, s, (-8 * s.float()).half(), 4, 128))
-    return ws
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="16,32,64")
@@ -56,7 +46,11 @@ def main() -> None:
            "triton": __import__("triton").__version__, "date": datetime.now(timezone.utc).isoformat(), "cases": {}}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        ws = rotating_weights(n, k, gen)
+        ws = []
+        while sum(w.nbytes for w in ws) < SPAN:
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)
+            s = (torch.rand(n, k // 128, device=dev, generator=gen) * 0.002 + 1e-4).half()
+            ws.append(pack_quantized(q, s, (-8 * s.float()).half(), 4, 128))
         w0 = torch.empty(n, k, device=dev)
         dequantize_packed(ws[0], w0)
         for t in (int(r) for r in args.rows.split(",")):

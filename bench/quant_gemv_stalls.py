@@ -1,13 +1,12 @@
 """Where the 4-bit kernels' warps wait: the GPU profiler's stall reasons for `quant_gemv_kernel` (one token) or
 the tensor-core tiles (`--rows` 2-64; with `--async-dots`, 1-32 rows: the asynchronous-dot kernel,
-`kernels.quant_wgmma`, where pick_config takes it; with `--rows-kernel BM,BN,NX,U,SPLIT`, 64-255 rows: the many-row
-kernel, `kernels.quant_wgmma_rows`, at that configuration) on the 8B's projections, and the machine-code lines the
+`kernels.quant_wgmma`, where pick_config takes it) on the 8B's projections, and the machine-code lines the
 samples land on,
 each hot line with the global or local load it waits for and how many instructions earlier that load was issued
 (across a loop's back edge).
 
     python3 bench/quant_gemv_stalls.py --out bench/results/quant_gemv_stalls.json [--shapes gate_up,down] [--rows 8]
-        [--async-dots | --rows 128 --rows-kernel 128,128,4,2,1]
+        [--async-dots]
     python3 bench/quant_gemv_stalls.py --parse RAW_DIR --out ...     # again from the profiler's saved output
 
 Needs the profiler command line (`ncu`, in the CUDA toolkit's bin) and a GPU; its raw output lands beside the
@@ -37,7 +36,6 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 # pick_config on these shapes: the one-row kernel for one row (gate/up: its TMA-read form), the tiles for 2-64
 KERNELS = {True: "regex:quant_gemv(_tma)?_kernel", False: "regex:quant_mma_kernel"}    # one row: either form
 ASYNC_KERNELS = "regex:quant_(wgmma|gemv(_tma)?)_kernel"   # with async dots: the ring kernel (or one row's kernel)
-ROWS_KERNEL = "regex:quant_wgmma_rows_kernel"
 STALL_METRICS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 OTHER_METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.sum", "sm__cycles_active.avg",
                  "smsp__issue_active.avg.per_cycle_active", "smsp__warps_active.avg.per_cycle_active",
@@ -46,18 +44,9 @@ REG = re.compile(r"\bR(\d+)\b")
 WIDTH = {"128": 4, "64": 2}
 
 
-def rows_config(spec: str):
-    """`--rows-kernel BM,BN,NX,U,SPLIT` as the many-row kernel's QuantMatmulConfig (rows and features a program,
-    ring, half blocks a loop step, split-K)."""
-    from kernels.quant_config import QuantMatmulConfig
-
-    bm, bn, nx, u, split = (int(v) for v in spec.split(","))
-    return QuantMatmulConfig(bn, bm, split, num_warps=bn // 16, ring=nx, ring_step=u, scaled=True)
-
-
-def launch(name: str, rows: int = 1, async_dots: bool = False, rows_kernel: str = "") -> None:
+def launch(name: str, rows: int = 1, async_dots: bool = False) -> None:
     """Six launches of pick_config's choice for `rows` rows on projection `name` (random 4-bit weights, groups of
-    128), given `async_dots`; or of the many-row kernel at `rows_kernel` (`rows_config`)."""
+    128), given `async_dots`."""
     import torch
 
     from kernels.quant_matmul import pick_config, quant_matmul
@@ -69,9 +58,8 @@ def launch(name: str, rows: int = 1, async_dots: bool = False, rows_kernel: str 
     s = (torch.rand(n, k // 128, device=dev, generator=gen) * 0.002 + 1e-4).half()
     w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
     x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
-    cfg = rows_config(rows_kernel) if rows_kernel else \
-        pick_config(rows, n, k, 4, torch.cuda.get_device_properties(dev).multi_processor_count, 128,
-                    async_dots=async_dots)
+    cfg = pick_config(rows, n, k, 4, torch.cuda.get_device_properties(dev).multi_processor_count, 128,
+                      async_dots=async_dots)
     print(cfg, flush=True)
     out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
     part = torch.empty(cfg.split_k * rows * n, device=dev)
@@ -190,30 +178,24 @@ def _ncu(args: list[str]) -> str:
     return res.stdout
 
 
-def _stem(name: str, rows: int, async_dots: bool = False, rows_kernel: str = "") -> str:
-    """Raw files' name stem: the projection, the rows beyond one, and the asynchronous-dot or many-row kernel."""
-    return (name if rows == 1 else f"{name}_t{rows}") + ("_async" if async_dots else "") \
-        + (f"_rows{rows_kernel.replace(',', '_')}" if rows_kernel else "")
+def _stem(name: str, rows: int, async_dots: bool = False) -> str:
+    """Raw files' name stem: the projection, the rows beyond one, and the asynchronous-dot kernel."""
+    return (name if rows == 1 else f"{name}_t{rows}") + ("_async" if async_dots else "")
 
 
-def _flags(async_dots: bool, rows_kernel: str) -> list[str]:
-    return (["--async-dots"] if async_dots else []) + (["--rows-kernel", rows_kernel] if rows_kernel else [])
-
-
-def profile(name: str, raw: Path, rows: int = 1, async_dots: bool = False, rows_kernel: str = "") -> None:
+def profile(name: str, raw: Path, rows: int = 1, async_dots: bool = False) -> None:
     """Runs the profiler twice on `--launch name` (metrics; per-instruction samples) into raw/."""
     if shutil.which("ncu") is None:
         raise SystemExit("the GPU profiler's command line (ncu, in the CUDA toolkit's bin) is not on the PATH")
-    kernel = ROWS_KERNEL if rows_kernel else ASYNC_KERNELS if async_dots else KERNELS[rows == 1]
-    base = ["ncu", "--kernel-name", kernel, "--launch-skip", "4", "--launch-count", "1", "--clock-control", "none"]
+    base = ["ncu", "--kernel-name", ASYNC_KERNELS if async_dots else KERNELS[rows == 1], "--launch-skip", "4",
+            "--launch-count", "1", "--clock-control", "none"]
     me = [sys.executable, str(Path(__file__).resolve()), "--launch", name, "--rows", str(rows)] \
-        + _flags(async_dots, rows_kernel)
+        + (["--async-dots"] if async_dots else [])
     metrics = ",".join((STALL_METRICS,) + OTHER_METRICS)
     source = ["--section", "SourceCounters", "--section", "WarpStateStats", "--page", "source",
               "--print-source", "sass", "--csv"]
-    stem = _stem(name, rows, async_dots, rows_kernel)
-    (raw / f"{stem}_metrics.txt").write_text(_ncu(base + ["--metrics", metrics] + me))
-    (raw / f"{stem}_source.csv").write_text(_ncu(base + source + me))
+    (raw / f"{_stem(name, rows, async_dots)}_metrics.txt").write_text(_ncu(base + ["--metrics", metrics] + me))
+    (raw / f"{_stem(name, rows, async_dots)}_source.csv").write_text(_ncu(base + source + me))
 
 
 def main() -> None:
@@ -225,18 +207,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="token rows (1: the one-row kernel; 2-64: the tiles)")
     ap.add_argument("--async-dots", action="store_true",
                     help="pick_config given async_dots (sm_90+): the asynchronous-dot kernel at 2-32 rows")
-    ap.add_argument("--rows-kernel", default="", metavar="BM,BN,NX,U,SPLIT",
-                    help="the many-row kernel at that configuration (64-255 rows; not pick_config's choice)")
     ap.add_argument("--launch", choices=sorted(SHAPES), help=argparse.SUPPRESS)
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
-    if args.rows_kernel:
-        if args.async_dots or not 64 <= args.rows <= 255 or not re.fullmatch(r"\d+(,\d+){4}", args.rows_kernel):
-            ap.error("--rows-kernel: five integers BM,BN,NX,U,SPLIT, with --rows 64 to 255 and no --async-dots")
-    elif not 1 <= args.rows <= 64:
-        ap.error("--rows: 1 to 64 (more rows dequantize for a library GEMM; 64-255 with --rows-kernel)")
+    if not 1 <= args.rows <= 64:
+        ap.error("--rows: 1 to 64 (more rows dequantize for a library GEMM)")
     if args.launch:
-        launch(args.launch, args.rows, args.async_dots, args.rows_kernel)
+        launch(args.launch, args.rows, args.async_dots)
         return
     if args.out is None:
         ap.error("--out is required")
@@ -250,14 +227,13 @@ def main() -> None:
     device, date = ((raw / f).read_text().strip() if (raw / f).exists() else None for f in ("device.txt", "date.txt"))
     command = f"python3 bench/quant_gemv_stalls.py --shapes {args.shapes}" + (f" --rows {args.rows}" if args.rows > 1
                                                                                else "") \
-        + "".join(" " + f for f in _flags(args.async_dots, args.rows_kernel))
+        + (" --async-dots" if args.async_dots else "")
     res: dict = {"device": device, "date": date, "commit": args.commit, "command": command, "rows": args.rows,
-                 "async_dots": args.async_dots, "rows_kernel": args.rows_kernel or None, "bits": 4, "group_size": 128,
-                 "shapes": {}}
+                 "async_dots": args.async_dots, "bits": 4, "group_size": 128, "shapes": {}}
     for name in args.shapes.split(","):
         if not args.parse:
-            profile(name, raw, args.rows, args.async_dots, args.rows_kernel)
-        stem = _stem(name, args.rows, args.async_dots, args.rows_kernel)
+            profile(name, raw, args.rows, args.async_dots)
+        stem = _stem(name, args.rows, args.async_dots)
         src = (raw / f"{stem}_source.csv").read_text()
         cfg = re.search(r"block_n=(\d+), block_m=(\d+), split_k=(\d+), num_warps=(\d+)", src)
         kernel = re.search(r'"Kernel Name","([^"]+)"', src)

@@ -32,9 +32,8 @@ ENABLE_ENV = "LORAPLEX_WARMUP_PLAN_CACHE"
 SUBFOLDER = "loraplex-warmup-plans"
 SOURCE_PACKAGES = ("kernels", "compute_service")     # the kernels' choices and the backend that launches them
 # Environment switches of the compute process that change which kernels a step launches (docs/deploy.md), beside
-# kernels.pdl.ENV and kernels.quant_h2.ENV (`switch_parts`); these four are read in compute_service/engine/model.py.
-ENGINE_SWITCHES = ("LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_FIRST_TOKENS", "LORAPLEX_LORA_OVERLAP",
-                   "LORAPLEX_LORA_OVERLAP_TOKENS")
+# kernels.pdl.ENV and kernels.quant_h2.ENV (`switch_parts`); these three are read in compute_service/engine/model.py.
+ENGINE_SWITCHES = ("LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP", "LORAPLEX_LORA_OVERLAP_TOKENS")
 
 
 @dataclass(frozen=True)
@@ -82,10 +81,8 @@ def switch_names() -> tuple[str, ...]:
     from kernels.quant_matmul import TILE_TMA_ENV, TMA_ENV
     from kernels.quant_wgmma import ENV as ASYNC_DOTS_ENV
     from kernels.quant_wgmma import ONE_ROW_ENV, SYNC_ENV
-    from kernels.quant_wgmma_rows import ENV as ASYNC_ROWS_ENV
 
-    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV,
-            ASYNC_ROWS_ENV)
+    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV)
 
 
 def switch_parts() -> str:

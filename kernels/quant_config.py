@@ -34,8 +34,6 @@ class QuantMatmulConfig:
                                 # kernel (`kernels.quant_wgmma`: block_n 64, or 128 on two warpgroups; block_m 8 /
                                 # 16 / 32) with a ring of that many half blocks, ring_step half blocks a loop step
     ring_step: int = 4
-    scaled: bool = False        # with a ring, 64-256 rows: the many-row kernel (`kernels.quant_wgmma_rows`: scales on
-                                # the weights before the dot, no sums of x; only with `async_rows`, for A/B runs)
 
 
 def group_pairs_layout(bits: int, group_size: int, K: int) -> bool:
@@ -70,18 +68,14 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
 @functools.lru_cache(maxsize=4096)     # a pure function of its arguments; ~9 us of Python a call uncached
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
                 x_dtype: torch.dtype = torch.bfloat16, beside_lora: bool = False,
-                async_dots: bool = False, async_one_row: bool = False, async_rows: bool = False) -> QuantMatmulConfig:
+                async_dots: bool = False, async_one_row: bool = False) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
     `async_dots` (the caller's GPU runs `kernels.quant_wgmma`: sm_90+, compiled): 2-32 rows of a large 4-bit
     weight in groups of 128+ with bfloat16 x take that kernel (`_async_dots_config`, its rules and figures);
     with `async_one_row` one row too where no LoRA launch runs beside it (its 8-row tile's rule; for A/B runs,
-    `kernels.quant_wgmma.async_one_row_enabled`: not measured in the engine yet). With `async_rows` too
-    (`kernels.quant_wgmma_rows.async_rows_enabled`, for A/B runs) 65-255 rows of such a weight take the many-row
-    kernel: 128 rows x 128 features a program, a ring of 4 half blocks taken 2 a step (the configuration its
-    machine code favoured; `gpu_stages.sh rows-sweep` measured the kernel slower than the bf16 GEMMs at 128-255
-    rows at its best tiles, so it stays off: docs/quantization.md, "Open: 128-256 streams").
+    `kernels.quant_wgmma.async_one_row_enabled`: not measured in the engine yet).
     One row of a large 4-bit weight in groups of 32 with K < 8192 (what a Q4_0 GGUF of an 8B runs): each
     thread holds two whole rows of a block (`thread_rows`, 128-feature programs of 2 warps; sm_90 machine code
     4.52 instructions a code against 7.95 for the elementwise kernel's 32-feature programs), split to about 8
@@ -140,9 +134,6 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         return 1 << (max(1, v).bit_length() - 1)
 
     pairs = pair_codes_layout(bits, group_size, K)
-    if async_dots and async_rows and 64 < T < 256 and pairs and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT \
-            and (K // 128) % 2 == 0:
-        return QuantMatmulConfig(128, 128, 1, ring=4, ring_step=2, scaled=True)
     if async_dots and (T > 1 or async_one_row) and T <= 32 and pairs and x_dtype == torch.bfloat16 \
             and N * K >= SMALL_WEIGHT and (T > 16 or not beside_lora):
         ring = _async_dots_config(T, N, K, num_sms)

@@ -39,7 +39,6 @@ from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_wgmma import BLOCK_NS, quant_wgmma, runs_on
-from kernels.quant_wgmma_rows import quant_wgmma_rows
 
 
 def _quad_words(w: PackedQuantWeight) -> bool:
@@ -58,7 +57,7 @@ def quant_matmul(
     config: QuantMatmulConfig,
     partials: torch.Tensor | None = None,   # float32, >= split_k * T * N elements (split_k > 1 only)
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
-    addend: torch.Tensor | None = None,     # [T, N] float32 contiguous (`takes_addend`)
+    addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
     x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
@@ -75,12 +74,10 @@ def quant_matmul(
     `x_sums`: the sums of x over each `sums_width(config, w, x.dtype)`-wide slice, written by the kernel that
     wrote x (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`); without them (or where that width
     is 0, ignored) a launch of `kernels.quant_half_sums` computes what the call needs.
-    With an `addend` (`takes_addend`: the one-row kernel, the register-set tiles or the asynchronous-dot
-    kernel) out also adds it before rounding, and it is left all zeros. The kernel is then meant to follow the
-    launch that wrote the addend (the LoRA delta, into zeros): it reads x (and x's sums where it reads them,
-    which must then be given) and the whole weight before waiting for that launch (kernels/pdl.py) and waits
-    only to add it, so the caller guarantees that no kernel since x was written wrote anything this one reads
-    but the addend.
+    With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
+    kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
+    x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
+    the caller guarantees that no kernel since x was written wrote anything this one reads but the addend.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be [T, K] float16/bfloat16/float32 with unit stride along K, got "
@@ -103,11 +100,10 @@ def quant_matmul(
                          "split_k >= 1")
     if cfg.thread_rows and (cfg.block_m != 1 or w.group_size != 32):
         raise ValueError(f"bad config {cfg}: thread_rows is the one-row kernel's path for groups of 32")
-    if addend is not None and (not takes_addend(cfg, w, x) or addend.dtype != torch.float32
-                               or addend.numel() != T * N or not addend.is_contiguous()):
-        raise ValueError(f"an addend takes the one-row kernel, the register-set tiles or the asynchronous-dot "
-                         f"kernel (`takes_addend`) and contiguous float32 [{T}, {N}], got {cfg}, {addend.dtype} "
-                         f"{tuple(addend.shape)}")
+    if addend is not None and (cfg.block_m != 1 or addend.dtype != torch.float32 or addend.numel() != T * N
+                               or not addend.is_contiguous()):
+        raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
+                         f"block_m {cfg.block_m}, {addend.dtype} {tuple(addend.shape)}")
     num_blocks = w.padded_in_features // block_k(w.bits)
     split = min(cfg.split_k, num_blocks)
     per_split = -(-num_blocks // split)
@@ -128,22 +124,16 @@ def quant_matmul(
     paired = paired_layout(w.bits, w.group_size)    # without the pair-codes path: one dot per block
     if not pairs:
         x_sums = out
-    elif x_sums is None and addend is not None:     # a launch of its own would come between the addend's and this
-        raise ValueError("with an addend the kernel reads x's sums before its wait: pass x_sums (`half_sums`)")
     elif x_sums is None:    # sum of x over each 128-wide half block (32-wide group), once per call (`_offsets_term`)
         x_sums = half_sums(x, width)
     else:
         check_sums(x_sums, T, K, width, "x_sums")
-    if cfg.ring and cfg.scaled:     # the many-row asynchronous-dot kernel (`kernels.quant_wgmma_rows`, which
-        quant_wgmma_rows(x, w, bias, out, cfg.block_m, cfg.block_n, cfg.ring, cfg.ring_step, cfg.split_k,
-                         partials, locks)                 # refuses the rest: 4 bits in groups of 128+, bf16 x, a GPU)
-        return
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
         if not (pairs and paired and runs_on(x.device)) or cfg.block_n not in BLOCK_NS:     # the rest: quant_wgmma
             raise ValueError(f"bad config {cfg}: a ring runs 64- or 128-feature tiles of the asynchronous-dot kernel: "
                              "4 bits in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
         quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks,
-                    cfg.block_n, addend=addend)
+                    cfg.block_n)
         return
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
                partials if split > 1 else out, locks if split > 1 else out)
@@ -186,27 +176,16 @@ def quant_matmul(
                                FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
                                PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
-                               add_ptr=addend if addend is not None else out, ADD=addend is not None, **pdl)
+                               **pdl)
 
 
 def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.dtype) -> int:
     """The width of the slices of x whose sums a call with this config reads (128: the paired layout's half blocks,
     32: groups of 32), or 0 where it reads none (the pair-codes paths' offsets term, `kernels.quant_mma`)."""
     K = w.in_features
-    if config.scaled:           # the many-row kernel: the scales go onto the weights, no offsets term
-        return 0
     pairs = (config.block_m > 1 and config.pair_codes and config.field_dots and x_dtype != torch.float32
              and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K)))
     return (128 if paired_layout(w.bits, w.group_size) else 32) if pairs else 0
-
-
-def takes_addend(config: QuantMatmulConfig, w: PackedQuantWeight, x: torch.Tensor) -> bool:
-    """Whether a call with this config may add an `addend`: the one-row kernel, the register-set tiles (not
-    their TMA-read form, LORAPLEX_TILE_TMA) or the asynchronous-dot kernel (not its many-row form)."""
-    if config.block_m == 1 or config.ring:
-        return not config.scaled
-    return not (sums_width(config, w, x.dtype) > 0 and paired_layout(w.bits, w.group_size)
-                and _tile_stages(config) > 0 and _tma_capable(x))
 
 
 TMA_ENV = "LORAPLEX_H2_TMA"

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.dots import dot
-from kernels.pdl import read_early, wait_then_release
+from kernels.pdl import wait_then_release
 from kernels.quant_gemv import half_groups
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_pair, dequant_block, dequant_field, pair_bias
@@ -193,12 +193,9 @@ def quant_mma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lo
                          SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
                          FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, FIELD_DOTS: tl.constexpr,
                          PAIRS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, PAIRED: tl.constexpr,
-                         SCALE_WORDS: tl.constexpr, add_ptr=None, ADD: tl.constexpr = False):
+                         SCALE_WORDS: tl.constexpr):
     # As a dependent launch (kernels/pdl.py) the first block's words are read before the wait; x, the sums
-    # of x, the partials and the locks after it. ADD (an fp32 addend [T, N], the LoRA delta written by the
-    # launch before: kernels/addend.py) is added before rounding and left zero; x and its sums, written before
-    # that launch, are then read before the wait (kernels/pdl.py's exception), which comes after the loop.
-    read_early(ADD and FENCE, NUM_THREADS)
+    # of x, the partials and the locks after it.
     BLOCK_K: tl.constexpr = 32 * (32 // BITS)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,8 +210,7 @@ def quant_mma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lo
     words = _load_words(w_ptr, offs_n, n_mask, words_per_row, b_lo, PAIRS and PAIRED)
     if PAIRS and PAIRED:    # block b + 1's group scales requested in block b's step (none waited for in its own)
         scales = _block_scales(s_ptr, b_lo, offs_n, n_mask, N, GROUP, SCALE_WORDS)
-        if not ADD:
-            wait_then_release(USE_PDL)
+        wait_then_release(USE_PDL)
         ahead = _block_scales(s_ptr, tl.minimum(b_lo + 1, b_hi - 1), offs_n, n_mask, N, GROUP, SCALE_WORDS)
         acc = _pairs_step(words, b_lo, acc, x_cols, m_mask, offs_k, scales, offs_n, K, EVEN_K, ASM, SCALE_WORDS)
         scales = ahead
@@ -224,8 +220,7 @@ def quant_mma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lo
             acc = _pairs_step(words, b, acc, x_cols, m_mask, offs_k, scales, offs_n, K, EVEN_K, ASM, SCALE_WORDS)
             scales = ahead
     else:
-        if not ADD:
-            wait_then_release(USE_PDL)
+        wait_then_release(USE_PDL)
         acc = _mm_block(words, b_lo, acc, x_cols, m_mask, offs_k, s_ptr, o_ptr, offs_n, n_mask, N, K, GROUP, BITS,
                         EVEN_K, IEEE, FIELD_DOTS, PAIRS, ASM, PAIRED)
         for b in range(b_lo + 1, b_hi):
@@ -235,26 +230,20 @@ def quant_mma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lo
     if PAIRS:           # the offsets' part
         acc = _offsets_term(s_ptr, o_ptr, xs_ptr, num_halves, b_lo, b_hi, offs_n, n_mask, offs_m, m_mask, N, GROUP,
                             x_ptr.dtype.element_ty == tl.bfloat16, acc, 128 if PAIRED else 32)
-    if ADD:
-        wait_then_release(USE_PDL)
     store_tile(acc, offs_n, offs_m, n_mask, m_mask, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_m, pid_k,
-               split_k, T, N, stride_out, HAS_BIAS, SPLIT, FENCE, NUM_THREADS, add_ptr, ADD)
+               split_k, T, N, stride_out, HAS_BIAS, SPLIT, FENCE, NUM_THREADS)
 
 
 @triton.jit
 def store_tile(acc, offs_n, offs_m, n_mask, m_mask, bias_ptr, out_ptr, part_ptr, lock_ptr, pid_n, pid_m, pid_k,
                split_k, T, N, stride_out, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FENCE: tl.constexpr,
-               NUM_THREADS: tl.constexpr, add_ptr=None, ADD: tl.constexpr = False):
-    """out[offs_m, offs_n] = acc.T (+ bias) (+ the fp32 addend [T, N] at add_ptr, left zero: ADD), or under
-    split-K this program's partial, the tile's last program summing them (`write_out`, the tile's counter in
-    lock_ptr)."""
+               NUM_THREADS: tl.constexpr):
+    """out[offs_m, offs_n] = acc.T (+ bias), or under split-K this program's partial, the tile's last program
+    summing them (`write_out`, the tile's counter in lock_ptr)."""
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]   # [BN, BM]
     part_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]          # [BN, BM] of split 0
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    add_ptrs = None
-    if ADD:
-        add_ptrs = add_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]       # [BN, BM]
     write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, T * N, n_mask[:, None] & m_mask[None, :],
-              lock_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT, FENCE, NUM_THREADS, add_ptrs, ADD)
+              lock_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, split_k, SPLIT, FENCE, NUM_THREADS)

@@ -71,35 +71,6 @@ def _warp_rows(num_warps):
     return [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
 
 
-@gluon.constexpr_function
-def _mma_layout(num_warps, block_m):
-    """The dots' accumulator: [16 * num_warps features, block_m rows], one warpgroup per 64 features."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
-
-
-@gluon.constexpr_function
-def _words_layout(num_warps):
-    """A half block's [16 * num_warps, 16] words: lane l of warp w holds rows 16 w + l / 4 (+ 8) and words l % 4
-    (+ 4, 8, 12), the words whose pairs are its registers of the dot's register operand."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=_warp_rows(num_warps), block_bases=[], shape=[16 * num_warps, 16])
-
-
-@gluon.jit
-def _ring(NX: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The ring's NX slots in shared memory: x's [BLOCK_M, 128] tiles (the dot's operand layout), the [BLOCK_N, 16]
-    words (swizzled: the 8 rows x 4 words each load instruction reads lie in 32 banks), the float16 scales and
-    offsets of BLOCK_N features."""
-    x_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
-    w_sh: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    return (gl.allocate_shared_memory(gl.bfloat16, [NX, BLOCK_M, 128], x_sh),
-            gl.allocate_shared_memory(gl.int32, [NX, BLOCK_N, 16], w_sh),
-            gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat),
-            gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat))
-
-
 @gluon.jit
 def _biased(words, i: gl.constexpr):
     """Fields i and i + 4 of each word as two bfloat16 128 + q in one register (`quant_tile.biased_pair`)."""
@@ -112,44 +83,12 @@ def _biased(words, i: gl.constexpr):
 def _operand(words, A_LAYOUT: gl.constexpr):
     """[BN, 128] bfloat16 128 + q of a half block in k order from its [BN, 16] words (paired layout: k = 32 i +
     2 j + s is field 4 s + i of word j), in the dot's register-operand layout (`quant_mma._half_operand`)."""
-    return _pairs_operand(_biased(words, 0), _biased(words, 1), _biased(words, 2), _biased(words, 3), A_LAYOUT)
-
-
-@gluon.jit
-def _pairs_operand(b0, b1, b2, b3, A_LAYOUT: gl.constexpr):
-    """[BN, 128] bfloat16 in k order, in the dot's register-operand layout, from each word's fields i and i + 4
-    as two bfloat16 in one register (b<i>, [BN, 16]: `_operand`)."""
-    BN: gl.constexpr = b0.shape[0]
-    j = gl.join(gl.join(b0, b1), gl.join(b2, b3))
+    BN: gl.constexpr = words.shape[0]
+    j = gl.join(gl.join(_biased(words, 0), _biased(words, 1)), gl.join(_biased(words, 2), _biased(words, 3)))
     p = gl.reshape(gl.permute(j, (0, 3, 2, 1)), (BN, 64))           # pair p = 16 i + j of each row
     lo = p.to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (p >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
     return gl.convert_layout(gl.reshape(gl.join(lo, hi), (BN, 128)), A_LAYOUT)
-
-
-@gluon.jit
-def _half_sources(x_ptr, w_ptr, s_ptr, o_ptr, T, N, stride_x, words_per_row, h0, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NW: gl.constexpr):
-    """Where the program's half block h0 comes from, in the layouts of its copies (`_fill_weights`,
-    `_fill_x_tile`; half h0 + i is i * 128 further on in x, i * 16 in the words): x's [BLOCK_M, 128] tile
-    (x_half, x_mask), the features' [BLOCK_N, 16] words (w_half, w_mask; rows past N read row N - 1) and their
-    group scales and offsets (s_ptrs, o_ptrs, sc_mask; group g is g * N further on)."""
-    pid_m = gl.program_id(0)
-    pid_n = gl.program_id(1)
-    x_reg: gl.constexpr = _x_copy_layout(NW, BLOCK_M)
-    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
-                                          order=[1, 0])
-    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
-    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
-    offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
-    x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
-    x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
-    offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
-    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
-    w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
-    w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :] + h0 * 16
-    offs_sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sc_cp)
-    return x_half, x_mask, w_half, w_mask, s_ptr + offs_sn, o_ptr + offs_sn, offs_sn < N
 
 
 @gluon.jit
@@ -166,16 +105,12 @@ def _fill_weights(i, H, h0, N, GROUP: gl.constexpr, w_smem, s_smem, o_smem, w_ha
 
 
 @gluon.jit
-def _fill_x_tile(i, H, x_smem, x_half, x_mask):
-    """Copy half block i's x tile into ring slot i % NX (masked off past the program's H halves)."""
-    x_copy(x_smem.index(i % x_smem.shape[0]), x_half + i * 128, mask=x_mask & (i < H))
-
-
-@gluon.jit
 def _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask):
     """Copy half block i's x and x's sums into ring slot i % NX."""
-    _fill_x_tile(i, H, x_smem, x_half, x_mask)
-    x_copy(xs_smem.index(i % x_smem.shape[0]), xs_ptrs + gl.minimum(i, H - 1), mask=xs_mask & (i < H))
+    slot = i % x_smem.shape[0]
+    ok = i < H
+    x_copy(x_smem.index(slot), x_half + i * 128, mask=x_mask & ok)
+    x_copy(xs_smem.index(slot), xs_ptrs + gl.minimum(i, H - 1), mask=xs_mask & ok)
 
 
 @gluon.jit
@@ -191,7 +126,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                        stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                        NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                        FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64,
-                       SYNC: gl.constexpr = 0, add_ptr=None, ADD: gl.constexpr = False):
+                       SYNC: gl.constexpr = 0):
     """out.T tile [BLOCK_N, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
     multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
     of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
@@ -200,34 +135,61 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     pid_n = gl.program_id(1)                        # read once from memory, then from L2)
     pid_k = gl.program_id(2)
     NW: gl.constexpr = BLOCK_N // 16                # warps: one or two warpgroups
-    mma: gl.constexpr = _mma_layout(NW, BLOCK_M)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    w_layout: gl.constexpr = _words_layout(NW)
+    # [BLOCK_N, 16] words of a half block: lane l of warp w holds rows 16 w + l / 4 (+ 8) and words l % 4 (+ 4, 8,
+    # 12), the words whose pairs are its operand registers
+    w_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=_warp_rows(NW), block_bases=[], shape=[BLOCK_N, 16])
+    x_reg: gl.constexpr = _x_copy_layout(NW, BLOCK_M)
+    x_sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NX, BLOCK_M, 128], x_sh)
     # the words of a half block go by asynchronous copies too, into the same ring slot and copy group as its x
-    # (16-byte vectors of 4 words; the swizzle puts the 8 rows x 4 words each load instruction reads in 32 banks),
+    # (16-byte vectors of 4 words; the swizzle puts the 8 rows x 4 words each load instruction reads in 32 banks)
+    w_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[NW, 1],
+                                          order=[1, 0])
+    w_sh: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
+    w_smem = gl.allocate_shared_memory(gl.int32, [NX, BLOCK_N, 16], w_sh)
     # and so do its group scales, offsets and x's sums (no register copies of loads across the loop's back edge)
-    x_smem, w_smem, s_smem, o_smem = _ring(NX, BLOCK_M, BLOCK_N)
+    sc_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
     xs_cp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[NW], order=[0])
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    s_smem = gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat)
+    o_smem = gl.allocate_shared_memory(gl.float16, [NX, BLOCK_N], flat)
     xs_smem = gl.allocate_shared_memory(gl.float32, [NX, BLOCK_M], flat)
-    H = num_halves // SPLIT
-    h0 = pid_k * H
-    x_half, x_mask, w_half, w_mask, s_ptrs, o_ptrs, sc_mask = _half_sources(
-        x_ptr, w_ptr, s_ptr, o_ptr, T, N, stride_x, words_per_row, h0, BLOCK_M, BLOCK_N, NW)
+
+    offs_xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_reg))
+    offs_xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_reg))
+    x_mask = (offs_xm[:, None] < T) & (offs_xk[None, :] < 128)
+    offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
+    offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
+    w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     n_mask = offs_n < N
     m_mask = offs_m < T
+    H = num_halves // SPLIT
+    h0 = pid_k * H
+    x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
+    w_half = w_ptr + gl.minimum(offs_wn, N - 1)[:, None] * words_per_row + offs_wj[None, :] + h0 * 16
+
+    offs_sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=sc_cp)
     offs_sm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=xs_cp)
+    s_ptrs = s_ptr + offs_sn
+    o_ptrs = o_ptr + offs_sn
+    sc_mask = offs_sn < N
     xs_ptrs = xs_ptr + offs_sm * num_halves + h0
     xs_mask = offs_sm < T
     AHEAD: gl.constexpr = NX - 2 if SYNC == 2 else NX      # halves copied before the loop
-    if ADD and FENCE:                               # kernels/pdl.py's exception: x read before the wait
-        _gpu_fence(NW)
     for i in gl.static_range(AHEAD):                # the weights of halves 0 .. AHEAD - 1 before the wait
         _fill_weights(i, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
-    if USE_PDL and not ADD:                         # kernels/pdl.py: x and its sums come from earlier launches
-        _wait_then_release()
+    if USE_PDL:                                     # kernels/pdl.py: x and its sums come from earlier launches
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     for i in gl.static_range(AHEAD):                # a copy group a half (the first one holds every weight above)
         _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
@@ -296,67 +258,30 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
             _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
             async_copy.commit_group()
     async_copy.wait_group(0)
-    if USE_PDL and ADD:                             # the addend comes from the launch before
-        _wait_then_release()
     mask = n_mask[:, None] & m_mask[None, :]
     out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
     if HAS_BIAS:
         bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)[:, None]
     else:
         bias = gl.zeros([BLOCK_N, 1], gl.float32, mma)
-    _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, offs_n, T, N, SPLIT, FENCE, NW,
-                add_ptr, ADD)
-
-
-@gluon.jit
-def _wait_then_release():
-    """kernels/pdl.py's wait for the previous launch's results, then the next launch let start."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _take_addend(total, add_ptr, offs_m, offs_n, mask, N):
-    """total + the fp32 addend [T, N] (`kernels.addend.take_addend`), which is left zero."""
-    add_ptrs = add_ptr + offs_m[None, :] * N + offs_n[:, None]
-    total += gl.load(add_ptrs, mask=mask, other=0.0)
-    cta_barrier()
-    gl.store(add_ptrs, gl.zeros_like(total), mask=mask)
-    return total
-
-
-@gluon.jit
-def _store_tile(acc, bias, out_ptr, out_ptrs, mask, part_ptr, lock_ptr, offs_m, offs_n, T, N, SPLIT: gl.constexpr,
-                FENCE: gl.constexpr, NW: gl.constexpr, add_ptr=None, ADD: gl.constexpr = False):
-    """out.T tile = acc + bias ([BLOCK_N, BLOCK_M] fp32, rounded once; + the fp32 addend [T, N] at add_ptr,
-    left zero: ADD); with SPLIT > 1 each program stores acc as its fp32 partial ([SPLIT, T, N] part) and the last
-    of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
-    protocol)."""
     if SPLIT == 1:
-        total = acc + bias
-        if ADD:
-            total = _take_addend(total, add_ptr, offs_m, offs_n, mask, N)
-        gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        gl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part_stride = T * N                         # int32 offsets: split * T * N < 2**31 (the launchers)
+        part_stride = T * N                         # split-K runs for few rows: int32 offsets
         part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
-        gl.store(part_ptrs + gl.program_id(2) * part_stride, acc, mask=mask)
+        gl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)
         if FENCE:                                   # the partial is visible GPU-wide before the count moves
             _gpu_fence(NW)
         cta_barrier()
-        lock = lock_ptr + gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+        lock = lock_ptr + pid_m * gl.num_programs(1) + pid_n
         done = gl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:                       # the last program of the tile sums the partials in order
             if FENCE:
                 _gpu_fence(NW)
-            total = gl.zeros_like(acc)
+            total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
             for k in gl.static_range(SPLIT):
                 total += gl.load(part_ptrs + k * part_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            total += bias
-            if ADD:
-                total = _take_addend(total, add_ptr, offs_m, offs_n, mask, N)
-            gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            gl.store(out_ptrs, (total + bias).to(out_ptr.dtype.element_ty), mask=mask)
             gl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 ENV = "LORAPLEX_ASYNC_DOTS"
@@ -395,18 +320,6 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and compiled() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def check_operands(x: torch.Tensor, w: PackedQuantWeight, out: torch.Tensor, k_multiple: int) -> None:
-    """What the asynchronous-dot kernels take: bfloat16 x and out with unit stride along features, 4 bits in
-    groups of 128+ (the paired layout), K a multiple of `k_multiple`."""
-    K = x.shape[1]
-    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"x and out must be bfloat16 with unit stride along features, got {x.dtype} "
-                         f"{tuple(x.stride())}, {out.dtype} {tuple(out.stride())}")
-    if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % k_multiple:
-        raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {k_multiple}: bits {w.bits}, "
-                         f"group {w.group_size}, K {K}")
-
-
 def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride along K
                 w: PackedQuantWeight,         # [N, K], 4 bits in groups of 128+ (paired layout), K % (128 u split) == 0
                 bias: torch.Tensor | None,    # [N] bfloat16 or None
@@ -417,15 +330,17 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
                 block_n: int = 64,                     # features a program: 64, or 128 (two warpgroups)
                 sync: int | None = None,               # SYNC (module docstring; None: `ring_sync`)
-                addend: torch.Tensor | None = None,    # [T, N] float32 contiguous, added and left zero
                 ) -> None:
     """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
-    before and after the call. With an `addend` (the LoRA delta of the launch before, `kernels.addend`) x and
-    its sums are read before the dependent launch's wait (kernels/pdl.py's exception), which comes after the
-    loop; the addend is added before rounding and left zero."""
+    before and after the call."""
     T, K = x.shape
     N = w.out_features
-    check_operands(x, w, out, 128 * u * split)
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"x and out must be bfloat16 with unit stride along features, got {x.dtype} "
+                         f"{tuple(x.stride())}, {out.dtype} {tuple(out.stride())}")
+    if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u * split):
+        raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u * split}: bits {w.bits}, "
+                         f"group {w.group_size}, K {K}")
     if block_m not in (8, 16, 32, 64) or nx < 3 or block_n not in BLOCK_NS:
         raise ValueError(f"block_m must be 8, 16, 32 or 64, block_n 64 or 128 and nx at least 3, got {block_m}, "
                          f"{block_n}, {nx}")
@@ -442,6 +357,4 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                              partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
                              out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
                              U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, BLOCK_N=block_n,
-                             SYNC=ring_sync() if sync is None else sync,
-                             add_ptr=addend if addend is not None else out, ADD=addend is not None,
-                             num_warps=block_n // 16, **pdl)
+                             SYNC=ring_sync() if sync is None else sync, num_warps=block_n // 16, **pdl)

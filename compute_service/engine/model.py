@@ -31,12 +31,6 @@ from kernels.env_switch import env_int
 # LORAPLEX_LORA_OVERLAP_TOKENS sets another bound (tuning).
 LORA_OVERLAP_TOKENS = 64
 OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
-# Steps of up to this many tokens run their LoRA first where the base projection's kernel adds the delta
-# (`_project`): 1 by default. LORAPLEX_LORA_FIRST_TOKENS=16 (for A/B runs; NOT MEASURED on a GPU yet) takes
-# 2-16-token steps of a 4-bit base that way too, on the kernel picked as without a LoRA (the asynchronous-dot
-# kernel on sm_90+, else the register-set tiles: `QuantLinear.takes_addend`), instead of beside the projection
-# on a side stream.
-FIRST_TOKENS_ENV = "LORAPLEX_LORA_FIRST_TOKENS"
 # A layer's delta not yet added to the residual stream h: the down projection's output, and its LoRA delta
 # where that is still to be added too (`LlamaModel._project`'s extra), else None.
 Pending = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -47,13 +41,6 @@ def overlap_tokens() -> int:
     LORAPLEX_LORA_OVERLAP_TOKENS (2 or more; 1 turns the overlap off, as LORAPLEX_LORA_OVERLAP=0 does)."""
     value = env_int(OVERLAP_TOKENS_ENV, lambda v: v >= 1, "a whole number of tokens, at least 1")
     return LORA_OVERLAP_TOKENS if value is None else value
-
-
-def first_tokens() -> int:
-    """The most tokens a step runs its LoRA first at, into float32 zeros its base projection's kernel adds:
-    LORAPLEX_LORA_FIRST_TOKENS (1 to 64), else 1."""
-    value = env_int(FIRST_TOKENS_ENV, lambda v: 1 <= v <= 64, "a whole number of tokens, 1 to 64")
-    return 1 if value is None else value
 
 
 @dataclass
@@ -106,13 +93,12 @@ class LlamaModel:
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
         self._overlap_tokens = overlap_tokens()
-        # One-token steps (up to `first_tokens`): the LoRA runs first, into these float32 zeros, and the base
-        # projection's kernel adds it (`_project`); every kernel that adds it leaves it zero again.
+        # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
+        # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
-        self._first_tokens = first_tokens()
         if self.fused and os.environ.get("LORAPLEX_LORA_FIRST", "1") != "0":
             width = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size, spec.hidden_size)
-            self._lora_delta = torch.zeros(self._first_tokens * width, dtype=torch.float32, device=self.device)
+            self._lora_delta = torch.zeros(width, dtype=torch.float32, device=self.device)
 
     def shard_over(self, group: Any) -> None:
         """Tensor parallelism over `group` (a `compute_service.parallel.group.TensorParallelGroup` of 2+
@@ -270,28 +256,19 @@ class LlamaModel:
         into a zeroed buffer concurrently with the base projection and is added after both (by the next kernel,
         `defer`, or by an add of its own): there the LoRA kernels are bound by latency, not bytes, and the base
         matmul hides them.
-        A step of one token (up to `first_tokens`) whose projection's kernel takes an addend (`takes_addend`:
-        the one-row kernels; a 4-bit base's tiles or asynchronous-dot kernel at 2+ tokens) launches the LoRA
-        first, into float32 zeros (`_lora_delta`; backends that say `delta_first`: they always launch a kernel
-        for a float32 output), and the kernel adds it: that kernel reads x (and x's sums, computed before the LoRA launch where nothing
-        wrote them with x) and its whole weight before it waits for the LoRA launch (kernels/pdl.py), so the
-        LoRA's chain of dependent memory round trips runs beside the weight reads instead of after them. x was
-        written before the LoRA launch, which writes only the delta."""
+        A step of one token whose projection runs a one-row kernel (`takes_addend`) launches the LoRA first,
+        into float32 zeros (`_lora_delta`; backends that say `delta_first`: they always launch a kernel for
+        a float32 output), and the kernel adds it: that kernel reads x and its whole
+        weight before it waits for the LoRA launch (kernels/pdl.py), so the LoRA's chain of dependent
+        memory round trips runs beside the weight reads instead of after them. x was written before the
+        LoRA launch, which writes only the delta."""
         if lora is not None and group not in lora.active_groups:
             lora = None                 # no adapter of this step changes this group: the base projection alone
-        t = x.shape[0]
-        if (lora is not None and self._lora_delta is not None and t <= self._first_tokens
+        if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
-            kw = {}
-            if t > 1:
-                width = linear.sums_width(t, x.dtype)
-                if width and x_sums is None:
-                    from kernels.quant_matmul import half_sums
-                    x_sums = half_sums(x, width)
-                kw = {} if x_sums is None else {"x_sums": x_sums}
-            delta = self._lora_delta[: t * sum(widths)].view(t, -1)
+            delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-            return linear(x, addend=delta, **kw), None
+            return linear(x, addend=delta), None
         side = self._lora_stream
         kw = {} if x_sums is None else {"x_sums": x_sums}
         if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():

@@ -61,9 +61,6 @@ class QuantLinear:
 
         self.async_dots = async_dots_enabled(self.device)     # 2-32 rows: the asynchronous-dot kernel (sm_90+)
         self.async_one_row = self.async_dots and async_one_row_enabled()    # and one row (A/B runs)
-        from kernels.quant_wgmma_rows import async_rows_enabled
-
-        self.async_rows = self.async_dots and async_rows_enabled()          # 65-255 rows (A/B runs)
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -112,24 +109,11 @@ class QuantLinear:
         return self.qweight.dequantize(dtype)
 
     def takes_addend(self, x: torch.Tensor) -> bool:
-        """Whether `self(x, addend=...)` is allowed: 16-bit x on the kernel in the model's order (not act-order:
-        x is gathered by a launch of its own first, which the kernel's early reads of x must not race), one row
-        (the one-row kernel) or more where the config picked for them takes an addend (the register-set tiles or
-        the asynchronous-dot kernel, `kernels.quant_matmul.takes_addend`; not the many-row kernel)."""
-        if not (self.use_kernel and self._perm is None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-                and x.stride(-1) == 1):     # else a copy of x would come between the LoRA launch and the kernel
-            return False
-        t = x.numel() // x.shape[-1]
-        if t == 1:
-            return True
-        if t >= self.dense_min_tokens:
-            return False
-        from kernels.quant_matmul import pick_config, takes_addend
-
-        n, k = self._shape
-        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype, False, self.async_dots,
-                          self.async_one_row, self.async_rows)
-        return takes_addend(cfg, self.packed, x)
+        """Whether `self(x, addend=...)` is allowed: one 16-bit row on the kernel (the one-row kernel), with
+        x in the model's order (not act-order: x is gathered by a launch of its own first, which the one-row
+        kernel's early reads of x must not race)."""
+        return (self.use_kernel and self._perm is None and x.is_cuda and x.numel() == x.shape[-1]
+                and x.dtype in (torch.float16, torch.bfloat16))
 
     def sums_width(self, t: int, dtype: torch.dtype) -> int:
         """The width of the slices of x ([t, K] of `dtype`) whose float32 sums a call reads (`x_sums`): 128 or 32
@@ -142,20 +126,18 @@ class QuantLinear:
 
         n, k = self._shape
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype, async_dots=self.async_dots,
-                          async_one_row=self.async_one_row, async_rows=self.async_rows)
+                          async_one_row=self.async_one_row)
         return sums_width(cfg, self.packed, dtype)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
                  x_sums: torch.Tensor | None = None, beside_lora: bool = False) -> torch.Tensor:
-        """[T, N]. `addend` (float32 [T, N], `takes_addend`) is added before rounding and left zero; the call
-        then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition), and x's sums
-        come with it where the kernel reads them (`sums_width`). `x_sums`: x's
+        """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
+        then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
         slice sums as `sums_width` asks for them ([T, K / width] float32), written with x. `beside_lora`: a LoRA
         launch runs beside this call on another stream (`LlamaModel._project`); the kernel's config leaves room
         for it (`pick_config`)."""
         if addend is not None and not self.takes_addend(x):
-            raise ValueError("an addend takes 16-bit x on the quantized kernel's one-row or tile path (see "
-                             "takes_addend)")
+            raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not self.use_kernel:
             assert self._qweight is not None
@@ -175,11 +157,8 @@ class QuantLinear:
             dequantize_packed(self.packed, w)
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-        # beside_lora: a LoRA launch runs beside this one (or, at one row, just before it: the split that leaves
-        # it SMs); 2+ rows with an addend (its LoRA launch ran first) pick as without a LoRA
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
-                          beside_lora or (addend is not None and t == 1), self.async_dots, self.async_one_row,
-                          self.async_rows)
+                          addend is not None or beside_lora, self.async_dots, self.async_one_row)
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)

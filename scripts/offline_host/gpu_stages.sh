@@ -54,20 +54,6 @@
 #                    LORAPLEX_ASYNC_DOTS_ONE_ROW=0 then 1: one row on the one-row kernels or on the asynchronous-dot
 #                    kernel's 8-row tile (where no LoRA launch runs beside it), an A/B on one lease (~2 minutes;
 #                    add LORAPLEX_ASYNC_DOTS_SYNC=... to the environment to A/B with another synchronisation)
-#   rows-sweep       the many-row asynchronous-dot kernel (kernels/quant_wgmma_rows.py, not picked): its GPU
-#                    tests, then bench/quant_wgmma_rows.py at rows $ROWS (default 64,128,192,255) against
-#                    pick_config's tiles and the bf16 GEMM, loop steps of 2 and 4, split-K 1 / 2 / 4 (~4 minutes;
-#                    bench/results/quant_wgmma_rows_sweep.json was steps of 2 and no split, ~1 minute)
-#   async-rows-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 96,128), with
-#                    LORAPLEX_ASYNC_ROWS=0 then 1: 65-255 rows on the tiles or on the many-row kernel (its config in
-#                    pick_config the one its machine code favoured; not run: the sweep showed no gain), one lease
-#   rows-stalls      bench/quant_gemv_stalls.py --rows-kernel at rows $ROWS (default 128), each configuration of
-#                    $CONFIGS (default "128,128,4,2,1 64,128,4,4,4": BM,BN,NX,U,SPLIT): the profiler's stall reasons
-#                    and hot lines of the many-row kernel on gate/up, down and q/k/v (~3 minutes, needs `ncu`)
-#   lora-first-decode  bench/quant_decode.py, the 4-bit engine only at batches $BATCHES (default 8,16), with
-#                    LORAPLEX_LORA_FIRST_TOKENS=1, 16, then 16 with LORAPLEX_ASYNC_DOTS=0: 2-16-token steps' LoRA
-#                    beside the base projection on a side stream, or first with the asynchronous-dot kernel or the
-#                    tiles adding it (not measured before), one lease (~2 minutes)
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
@@ -238,28 +224,12 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     python3 bench/quant_async_dots.py --rows "$rows" --commit "$commit" \
       --out "$out/quant_async_dots_rows${rows//,/_}.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
   async-dots-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS "1 0" async_dots ;;
-  rows-sweep)
-    [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_quant_wgmma_rows.py \
-      2>&1 | tail -15 | tee "$out/$stage.log"
-    rows=${ROWS:-64,128,192,255}
-    python3 bench/quant_wgmma_rows.py --rows "$rows" --commit "$commit" \
-      --out "$out/quant_wgmma_rows_${rows//,/_}.json" 2>&1 | cut -c1-300 | tee -a "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
       | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
   async-sync-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_SYNC "${SYNCS:-0 1 2}" sync ;;
   async-one-row-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_ONE_ROW "0 1" one_row 1,2 ;;
-  async-rows-decode) int4_decode_ab LORAPLEX_ASYNC_ROWS "0 1" async_rows 96,128 ;;
-  lora-first-decode)
-    int4_decode_ab LORAPLEX_LORA_FIRST_TOKENS "1 16" lora_first_tokens 8,16
-    LORAPLEX_ASYNC_DOTS=0 int4_decode_ab LORAPLEX_LORA_FIRST_TOKENS "16" lora_first_tokens_tiles 8,16 ;;
-  rows-stalls)
-    for cfg in ${CONFIGS:-128,128,4,2,1 64,128,4,4,4}; do
-      python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-128}" \
-        --rows-kernel "$cfg" --out "$out/quant_rows_stalls_rows${ROWS:-128}_${cfg//,/_}.json" \
-        --raw "/tmp/quant_rows_stalls_raw_${cfg//,/_}" 2>&1 | tee -a "$out/rows_stalls.log"
-    done ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \

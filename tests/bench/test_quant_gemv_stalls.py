@@ -159,39 +159,3 @@ def test_async_dots_launch_what_pick_config_picks_with_them():
     n, k = stalls.SHAPES["gate_up"]
     assert pick_config(8, n, k, 4, 132, 128, async_dots=True).ring > 0       # the ring kernel at 8 rows
     assert "wgmma" in stalls.ASYNC_KERNELS and "gemv" in stalls.ASYNC_KERNELS   # one row keeps its kernel
-
-
-def test_the_many_row_kernel_is_profiled_at_the_configuration_asked_for(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(stalls.shutil, "which", lambda name: "/usr/bin/ncu")
-    monkeypatch.setattr(stalls, "_ncu", lambda args: calls.append(args) or "")
-    stalls.profile("down", tmp_path, 128, rows_kernel="64,128,4,4,4")
-    assert all(a[a.index("--kernel-name") + 1] == stalls.ROWS_KERNEL and a[-2:] == ["--rows-kernel", "64,128,4,4,4"]
-               for a in calls)
-    stem = "down_t128_rows64_128_4_4_4"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}_metrics.txt", f"{stem}_source.csv"]
-    (tmp_path / f"{stem}_source.csv").write_text(
-        _csv().replace("quant_gemv_kernel", "quant_wgmma_rows_kernel").replace("block_m=1", "block_m=64"))
-    out = tmp_path / "s.json"
-    _main(monkeypatch, "--parse", str(tmp_path), "--shapes", "down", "--rows", "128", "--rows-kernel", "64,128,4,4,4",
-          "--out", str(out))
-    res = json.loads(out.read_text())
-    assert res["rows_kernel"] == "64,128,4,4,4" and res["command"].endswith("--rows 128 --rows-kernel 64,128,4,4,4")
-    assert res["shapes"]["down"]["kernel"] == "quant_wgmma_rows_kernel"
-
-
-def test_the_many_row_configuration_is_what_quant_matmul_sends_to_that_kernel():
-    from kernels.quant_wgmma_rows import quant_wgmma_rows_kernel  # noqa: F401  (the module the config names)
-
-    cfg = stalls.rows_config("64,128,4,4,2")
-    assert (cfg.block_m, cfg.block_n, cfg.ring, cfg.ring_step, cfg.split_k, cfg.num_warps) == (64, 128, 4, 4, 2, 8)
-    assert cfg.scaled
-
-
-@pytest.mark.parametrize("args", [["--rows", "32", "--rows-kernel", "64,64,4,2,1"],
-                                  ["--rows", "128", "--rows-kernel", "64,64,4"],
-                                  ["--rows", "128", "--rows-kernel", "64,64,4,2,1", "--async-dots"]])
-def test_bad_many_row_requests_are_refused(args, tmp_path, monkeypatch, capsys):
-    with pytest.raises(SystemExit):
-        _main(monkeypatch, *args, "--out", str(tmp_path / "s.json"))
-    assert "--rows-kernel: five integers" in capsys.readouterr().err

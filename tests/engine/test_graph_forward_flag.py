@@ -39,17 +39,3 @@ def test_overlap_tokens_default_and_setting(monkeypatch):
         monkeypatch.setenv(OVERLAP_TOKENS_ENV, bad)
         with pytest.raises(ValueError, match=OVERLAP_TOKENS_ENV):
             overlap_tokens()
-
-
-def test_first_tokens_default_and_setting(monkeypatch):
-    """LORAPLEX_LORA_FIRST_TOKENS: one-token steps only by default; 1-64 when set; anything else named."""
-    from compute_service.engine.model import FIRST_TOKENS_ENV, first_tokens
-
-    monkeypatch.delenv(FIRST_TOKENS_ENV, raising=False)
-    assert first_tokens() == 1
-    monkeypatch.setenv(FIRST_TOKENS_ENV, "16")
-    assert first_tokens() == 16
-    for bad in ("0", "65", "many"):
-        monkeypatch.setenv(FIRST_TOKENS_ENV, bad)
-        with pytest.raises(ValueError, match=FIRST_TOKENS_ENV):
-            first_tokens()

@@ -477,56 +477,6 @@ def test_one_row_addend(bits: int, group: int, split: int, k: int) -> None:
         assert rel_err(out.cpu(), want) < TOL[torch.float16], cfg
         assert not addend.any(), "the addend must be left all zeros"
         assert int(locks.abs().sum()) == 0
-    with pytest.raises(ValueError, match="addend"):    # the many-row kernel takes none
-        quant_matmul(x.repeat(2, 1), w, bias, out.repeat(2, 1), QuantMatmulConfig(64, 128, 1, ring=4, scaled=True),
-                     None, None, addend=torch.zeros(2, n, device=DEVICE))
-
-
-@pytest.mark.parametrize("bits,group,t,split,dtype", [(4, 128, 2, 1, torch.float16), (4, 128, 8, 2, torch.bfloat16),
-                                                      (4, 128, 16, 1, torch.bfloat16), (8, 64, 8, 2, torch.float16)])
-def test_tiles_addend(bits: int, group: int, t: int, split: int, dtype: torch.dtype) -> None:
-    """2-16 rows on the register-set tiles with a float32 addend (a LoRA delta run first: LlamaModel._project
-    with LORAPLEX_LORA_FIRST_TOKENS): added before rounding, split or not, and left zero; on the pair-codes path
-    (4 bits, groups of 128) x's sums must be given, as the kernel reads them before its wait."""
-    from kernels.quant_matmul import half_sums, sums_width
-
-    gen = torch.Generator().manual_seed(22)
-    n, k = 48, 1024
-    q, s, o = random_weight(n, k, bits, group, gen)
-    w = pack_quantized(q, s, o, bits, group)
-    x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
-    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    add = torch.randn(t, n, generator=gen).to(DEVICE)
-    part = torch.full((split * t * n,), float("nan"), device=DEVICE)
-    locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    cfg = QuantMatmulConfig(16, 16, split)
-    width = sums_width(cfg, w, dtype)
-    assert (width > 0) == (bits == 4)
-    sums = half_sums(x, width) if width else None
-    want = quant_matmul_ref(x, q, s, o, bias).cpu().float() + add.cpu()
-    addend, out = add.clone(), torch.full((t, n), float("nan"), dtype=dtype, device=DEVICE)
-    quant_matmul(x, w, bias, out, cfg, part, locks, addend=addend, x_sums=sums)
-    assert rel_err(out.cpu(), want) < TOL[dtype]
-    assert not addend.any(), "the addend must be left all zeros"
-    assert int(locks.abs().sum()) == 0
-    if width:
-        with pytest.raises(ValueError, match="x_sums"):
-            quant_matmul(x, w, bias, out, cfg, part, locks, addend=add.clone())
-
-
-def test_which_configs_take_an_addend(monkeypatch):
-    """`takes_addend`, the one rule quant_matmul and QuantLinear share: the one-row kernel, the register-set
-    tiles and the asynchronous-dot kernel do; the many-row kernel and the tiles' TMA-read form do not."""
-    from kernels.quant_matmul import TILE_TMA_ENV, _tma_capable, takes_addend
-
-    gen = torch.Generator().manual_seed(23)
-    q, s, o = random_weight(64, 1024, 4, 128, gen)
-    w = pack_quantized(q, s, o, 4, 128)
-    x = torch.zeros(8, 1024, dtype=torch.bfloat16, device=DEVICE)
-    monkeypatch.delenv(TILE_TMA_ENV, raising=False)
-    assert takes_addend(QuantMatmulConfig(64, 1, 2), w, x)
-    assert takes_addend(QuantMatmulConfig(64, 16, 2), w, x)
-    assert takes_addend(QuantMatmulConfig(64, 16, 4, ring=4), w, x)
-    assert not takes_addend(QuantMatmulConfig(128, 128, 1, ring=4, scaled=True), w, x)
-    monkeypatch.setenv(TILE_TMA_ENV, "2")
-    assert takes_addend(QuantMatmulConfig(64, 16, 2), w, x) == (not _tma_capable(x))
+    with pytest.raises(ValueError, match="addend"):
+        quant_matmul(x.repeat(2, 1), w, bias, out.repeat(2, 1), QuantMatmulConfig(16, 16, 1), None, None,
+                     addend=torch.zeros(2, n, device=DEVICE))

@@ -21,34 +21,31 @@ TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bi
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def sass(tmp_path: Path, kernel: str = "quant_wgmma:quant_wgmma_kernel", **consts: int
-         ) -> tuple[str, list[tuple[int, str, str]]]:
-    """(kernel_sass.py's report, the machine code) of `kernel` (module:function under kernels) compiled for sm_90
-    with `consts`; quant_wgmma's default: a 16-row tile of 64 features, a ring of 4 taken 4 a step, no split, a
-    bias."""
+def sass(tmp_path: Path, **consts: int) -> tuple[str, list[tuple[int, str, str]]]:
+    """(kernel_sass.py's report, the machine code) of the kernel compiled for sm_90 with `consts` over a 16-row
+    tile of 64 features, a ring of 4 taken 4 a step, no split, a bias."""
     from kernel_sass import parse_sass
 
-    rows = kernel.startswith("quant_wgmma_rows")
-    defaults = {"GROUP": 128, "BLOCK_M": 128, "NX": 4, "U": 2, "SPLIT": 1, "FENCE": 1, "HAS_BIAS": 1, "USE_PDL": 1,
-                "BLOCK_N": 128} if rows else \
-        {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 1, "FENCE": 1, "USE_PDL": 1,
-         "BLOCK_N": 64}
-    consts = {**defaults, **consts}
-    ptrs = ["x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "bias_ptr=bf16", "out_ptr=bf16", "part_ptr=fp32",
-            "lock_ptr=i32"] + ([] if rows else ["xs_ptr=fp32"]) + (["add_ptr=fp32"] if consts.get("ADD") else [])
+    consts = {"GROUP": 128, "BLOCK_M": 16, "NX": 4, "U": 4, "SPLIT": 1, "HAS_BIAS": 1, "FENCE": 1, "USE_PDL": 1,
+              "BLOCK_N": 64, **consts}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / (kernel.split(":")[0] + "_".join(f"{k}{v}" for k, v in consts.items()))
-    cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), f"kernels.{kernel}",
+    out = tmp_path / "_".join(f"{k}{v}" for k, v in consts.items())
+    cmd = [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "kernels.quant_wgmma:quant_wgmma_kernel",
            "--warps", str(consts["BLOCK_N"] // 16), "--const", *(f"{k}={v}" for k, v in consts.items()),
-           "--ptr", *ptrs, "--aligned", "N", "stride_x", "stride_out", "words_per_row", "--dump", str(out)]
+           "--ptr", "x_ptr=bf16", "w_ptr=i32", "s_ptr=fp16", "o_ptr=fp16", "xs_ptr=fp32", "bias_ptr=bf16",
+           "out_ptr=bf16", "part_ptr=fp32", "lock_ptr=i32", "--aligned", "N", "stride_x", "stride_out",
+           "words_per_row", "--dump", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout, parse_sass((out / "kernel.sass").read_text())
 
 
-def check_dots_in_flight(code: list[tuple[int, str, str]]) -> None:
-    """Each half block's 8 tensor-core instructions (K = 128) issue back to back, no wait inside a group, and
-    some wait leaves one group running while the next issues."""
+@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
+@pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (32, 2, 64), (8, 1, 128), (32, 2, 128)])
+def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
+    report, code = sass(tmp_path, BLOCK_M=block_m, SPLIT=split, BLOCK_N=block_n)
+    if block_m <= 16 or block_n == 128:     # two warpgroups: x's copies spread over twice the threads
+        assert "stack (spills) 0 B" in report, report.splitlines()[0]
     ops = [op for _, op, _ in code]
     groups, current = [], []
     for op, (_, _, args) in zip(ops, code):
@@ -69,32 +66,6 @@ def check_dots_in_flight(code: list[tuple[int, str, str]]) -> None:
     assert not between, f"the assembler waits inside a dot's group: {between[:4]}"
     waits = [args.strip() for (_, op, args) in code if op.startswith("WARPGROUP.DEPBAR")]
     assert any(w.endswith("0x1") for w in waits), waits           # one group left running while the next issues
-
-
-@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
-@pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (32, 2, 64), (8, 1, 128), (32, 2, 128)])
-def test_two_dots_in_flight(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
-    report, code = sass(tmp_path, BLOCK_M=block_m, SPLIT=split, BLOCK_N=block_n)
-    if block_m <= 16 or block_n == 128:     # two warpgroups: x's copies spread over twice the threads
-        assert "stack (spills) 0 B" in report, report.splitlines()[0]
-    check_dots_in_flight(code)
-
-
-@pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
-@pytest.mark.parametrize("block_m,split,block_n", [(16, 1, 64), (16, 4, 64), (32, 2, 128)])
-def test_with_an_addend_the_wait_comes_after_the_loop(block_m: int, split: int, block_n: int, tmp_path: Path) -> None:
-    """ADD (a LoRA delta added in the epilogue): no spills, two dots in flight, and the dependent launch's one
-    wait (`ACQBULK`, griddepcontrol.wait) comes after the main loop, where without ADD it comes before it."""
-    from kernel_sass import loops
-
-    for add in (0, 1):
-        report, code = sass(tmp_path, BLOCK_M=block_m, SPLIT=split, BLOCK_N=block_n, ADD=add, SYNC=1)
-        assert "stack (spills) 0 B" in report, report.splitlines()[0]
-        check_dots_in_flight(code)
-        main = max(loops(code), key=lambda span: span[1] - span[0])         # the half blocks' loop
-        wait_at = [i for i, (_, op, _) in enumerate(code) if op == "ACQBULK"]
-        assert len(wait_at) == 1, wait_at
-        assert (wait_at[0] > main[1]) == bool(add) and (wait_at[0] < main[0]) == (not add), (wait_at, main)
 
 
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="Triton's CUDA tools are not installed")
@@ -270,30 +241,6 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     assert err < 1e-2, f"rel err {err}"
     assert torch.equal(outs[0], outs[1])            # split-K sums in a fixed order
     assert not locks.any()                          # the counters are left zero
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs a CUDA GPU of sm_90 or later")
-@pytest.mark.parametrize("block_m,split,block_n", [(8, 1, 64), (16, 4, 64), (16, 2, 128)])
-def test_gpu_addend_is_added_and_left_zero(block_m: int, split: int, block_n: int) -> None:
-    """An fp32 addend (a LoRA delta run first, LORAPLEX_LORA_FIRST_TOKENS): out = x @ W.T + bias + addend,
-    rounded once, split or not; the addend and the locks are left zero."""
-    from kernels.quant_matmul import half_sums
-    from kernels.quant_wgmma import quant_wgmma
-
-    dev, w, x, want = _case(13, 320, 2048, 17)
-    gen = torch.Generator(device=dev).manual_seed(18)
-    bias = (torch.randn(320, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
-    add = torch.randn(13, 320, device=dev, generator=gen)
-    addend = add.clone()
-    out = torch.full((13, 320), float("nan"), dtype=torch.bfloat16, device=dev)
-    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
-    quant_wgmma(x, w, bias, out, half_sums(x), block_m=block_m, split=split, partials=torch.empty(split * 13 * 320,
-                device=dev), locks=locks, block_n=block_n, addend=addend)
-    full = want + bias.float() + add
-    assert ((out.float() - full).norm() / full.norm()).item() < 1e-2
-    assert not addend.any() and not locks.any()
 
 
 def _case(T: int, N: int, K: int, seed: int):
