@@ -80,16 +80,14 @@ def lora_fused(
     x: torch.Tensor, pool: torch.Tensor, tables: LoraRowTables, meta: LoraBatchMeta, layer: int,
     module_indices: Sequence[int], y: torch.Tensor, slice_offsets: Sequence[int],
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None, use_triton: bool | None = None,
-    after: bool = False,
 ) -> None:
     """y[t, off[i]:off[i+1]] += (x[t] @ A[a(t), layer, m_i].T) @ B[a(t), layer, m_i].T, in one launch.
 
     Shapes as `lora_shrink` (x [T, H_in]) and `lora_expand` (y [T, >= slice_offsets[-1]]); `workspace` is
     `kernels.fused.fused_workspace(max_tokens, max_cols, device)`, needed on the GPU for small batches.
-    `after`: the launch follows the base projection that writes y (`kernels.fused.lora_fused_triton`).
     """
     if _want_triton(x, use_triton):
         from kernels.fused import lora_fused_triton
-        lora_fused_triton(x, pool, tables, meta, layer, module_indices, y, slice_offsets, workspace, after=after)
+        lora_fused_triton(x, pool, tables, meta, layer, module_indices, y, slice_offsets, workspace)
     else:
         lora_apply_ref(x, pool, tables, meta, layer, module_indices, y, slice_offsets)

@@ -31,7 +31,7 @@ from kernels.expand import _alignment
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import compiled, launch_args, pdl_enabled, read_early, release, wait, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_input,
                             check_launch, check_slices, rank_block)
 from kernels.dots import dot
@@ -68,8 +68,7 @@ def _shrink_part(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r0, rank, k_lo, 
 
 @triton.jit
 def _expand_one_block(pool_ptr, rows, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr, y_stride,
-                      R: tl.constexpr, BLOCK_N: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr,
-                      AFTER: tl.constexpr, USE_PDL: tl.constexpr):
+                      R: tl.constexpr, BLOCK_N: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr):
     """y[toks, col0 + n_start : col0 + n_end] += s @ B^T for an adapter of rank <= R: its sums read once."""
     offs_r = tl.arange(0, R)
     r_mask = offs_r < rank
@@ -79,14 +78,13 @@ def _expand_one_block(pool_ptr, rows, rank, s_row, toks, m_mask, n_start, n_end,
         offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         n_mask = offs_n < n_end
         bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, dot(s, bt, IEEE), BLOCK_N, COL_ALIGN, AFTER,
-                  USE_PDL)
+        _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, dot(s, bt, IEEE), BLOCK_N, COL_ALIGN)
 
 
 @triton.jit
 def _expand_blocks(pool_ptr, b_off_ptr, entry, max_rank, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr,
                    y_stride, BLOCK_M: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, COL_ALIGN: tl.constexpr,
-                   ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr, AFTER: tl.constexpr, USE_PDL: tl.constexpr):
+                   ROW_ALIGN: tl.constexpr, IEEE: tl.constexpr):
     """As _expand_one_block for a rank above R: every column block sums the rank in blocks of R rows."""
     offs_rb = tl.arange(0, R)
     for n0 in range(n_start, n_end, BLOCK_N):
@@ -101,16 +99,13 @@ def _expand_blocks(pool_ptr, b_off_ptr, entry, max_rank, rank, s_row, toks, m_ma
             bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
                          other=0.0)
             acc += dot(s.to(pool_ptr.dtype.element_ty), bt, IEEE)
-        _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N, COL_ALIGN, AFTER, USE_PDL)
+        _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N, COL_ALIGN)
 
 
 @triton.jit
 def _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N: tl.constexpr,
-              COL_ALIGN: tl.constexpr, AFTER: tl.constexpr, USE_PDL: tl.constexpr):
-    """y[toks, col0 + offs_n] += acc (float32 sums, one rounding to y's dtype); AFTER: once the base projection
-    that writes y has completed (the wait; at once after the first)."""
-    if AFTER:
-        wait(USE_PDL)
+              COL_ALIGN: tl.constexpr):
+    """y[toks, col0 + offs_n] += acc (float32 sums, one rounding to y's dtype)."""
     cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
     y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -128,30 +123,19 @@ def _fused_kernel(
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr, AFTER: tl.constexpr = False, FENCE: tl.constexpr = False,
-    NUM_THREADS: tl.constexpr = 128,
+    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     # With programmatic dependent launch (kernels/pdl.py) the step's metadata is read before the wait for
     # the previous kernel; the workspace (which the previous launch leaves zero at its end), x and y after.
-    # AFTER (launched right after the base projection that writes y, kernels/pdl.py's exceptions): the next
-    # kernel is released at once, x and the workspace are read before the wait, and the wait comes before the
-    # first add into y and before the program exits.
     pid_tile = tl.program_id(1)
-    if AFTER:
-        read_early(FENCE, NUM_THREADS)
-        release(USE_PDL)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
-        if AFTER:
-            wait(USE_PDL)
-        else:
-            wait_then_release(USE_PDL)
+        wait_then_release(USE_PDL)
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                    # [BLOCK_M]
-    if not AFTER:
-        wait_then_release(USE_PDL)
+    wait_then_release(USE_PDL)
     cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
     ticket = tl.atomic_add(cnt, 1, sem="relaxed")
     # Rank blocks: an adapter of rank <= SMALL_R in a pool of larger ranks takes tiles of SMALL_R rows, others
@@ -201,13 +185,13 @@ def _fused_kernel(
             s_row = s_ptr + toks[:, None] * s_stride + slice_id * R_PAD
             if small & (rank <= SMALL_R):
                 _expand_one_block(pool_ptr, rows_s, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr, y_stride,
-                                  SMALL_R, BLOCK_N, COL_ALIGN, IEEE, AFTER, USE_PDL)
+                                  SMALL_R, BLOCK_N, COL_ALIGN, IEEE)
             elif ONE_BLOCK | (rank <= BLOCK_R):
                 _expand_one_block(pool_ptr, rows_b, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr, y_stride,
-                                  BLOCK_R, BLOCK_N, COL_ALIGN, IEEE, AFTER, USE_PDL)
+                                  BLOCK_R, BLOCK_N, COL_ALIGN, IEEE)
             else:
                 _expand_blocks(pool_ptr, b_off_ptr, entry, max_rank, rank, s_row, toks, m_mask, n_start, n_end, col0,
-                               y_ptr, y_stride, BLOCK_M, BLOCK_R, BLOCK_N, COL_ALIGN, ROW_ALIGN, IEEE, AFTER, USE_PDL)
+                               y_ptr, y_stride, BLOCK_M, BLOCK_R, BLOCK_N, COL_ALIGN, ROW_ALIGN, IEEE)
         tl.debug_barrier()               # this program's reads of the workspace are done
         if tl.atomic_add(cnt + 5, 1, sem="acq_rel") == num_groups - 1:
             # The tile's last expand: every ticket was taken and every read done; leave zeros behind.
@@ -218,8 +202,6 @@ def _fused_kernel(
                     tl.store(s_ptr + toks[:, None] * s_stride + i * R_PAD + r0 + offs_r[None, :], zero,
                              mask=m_mask[:, None])
             tl.store(cnt + tl.arange(0, 8), tl.zeros((8,), dtype=tl.int32))
-    if AFTER:
-        wait(USE_PDL)                    # every program, whatever its path: the grid completes after the base
 
 
 def max_tiles(T: int, block_m: int, max_slots: int) -> int:
@@ -306,15 +288,8 @@ def lora_fused_triton(
     slice_offsets: Sequence[int],    # num_slices + 1 increasing column boundaries in y
     workspace: tuple[torch.Tensor, torch.Tensor] | None,   # fused_workspace(>= T, >= tables.max_rank, device)
     config: dict[str, int] | None = None,  # overrides of fused_config's choices (for tuning and tests)
-    after: bool = False,             # launched right after the base projection that writes y (see below)
 ) -> None:
     """Shrink and expand of every slice and adapter in one launch, adding into `y` in place.
-
-    `after`: the launch just before this one is the base projection that writes y, and x was written before
-    that one (`LlamaModel._project`). As a dependent launch (kernels/pdl.py) the LoRA then runs beside the
-    projection: it starts once the projection's programs have passed their wait, reads x and computes its
-    delta at once, and waits for the projection only to add the delta into y; it lets the next kernel start
-    at its own start. Without PDL it is the plain launch after the projection.
 
     Semantics:
         for t with slot a = a(t) >= 0, for i, m in enumerate(module_indices):
@@ -339,8 +314,6 @@ def lora_fused_triton(
         # (kernels/dense_gemv.py) and so must follow a launch that did not write that input.
         return
     widths = [b - a for a, b in zip(offs, offs[1:])]
-    if after and y.dtype == torch.float32:
-        raise ValueError("a launch after the base projection adds into that projection's 16-bit output")
     cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device, delta=y.dtype == torch.float32)
     if config:
         cfg.update(config)
@@ -374,7 +347,6 @@ def lora_fused_triton(
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         IEEE=pool.dtype == torch.float32, SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), ONE_BLOCK=r_pad <= cfg["BLOCK_R"],
-        AFTER=after, FENCE=compiled(), NUM_THREADS=32 * cfg["num_warps"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_args(pdl),
     )

@@ -20,19 +20,11 @@ One exception to the first rule, for the one-row base kernels that add a LoRA de
 that x was written by a kernel before the launch just before them (the LoRA launch, which writes only the
 delta they add after the wait). That is safe: a kernel starts only once every program of its predecessor
 has passed that predecessor's wait, so every kernel before the predecessor has completed and its writes
-are in L2. The LoRA launch after its base projection (AFTER mode) reads its x early by the same argument:
-x was written before the base projection, which writes only the output the LoRA adds to after its wait.
-L1 is not coherent, so such a kernel first runs `read_early` (a GPU-scope fence by every
+are in L2. L1 is not coherent, so such a kernel first runs `read_early` (a GPU-scope fence by every
 thread: a memory barrier and an invalidation of the SM's L1), after which its loads read what L2 holds
 and may then be served by L1. On the CPU, in the interpreter, before Hopper, or with
 LORAPLEX_PDL=0, or with a driver older than CUDA 12.3, nothing changes: the kernels are compiled
 without the wait and launched plainly.
-
-One exception to the third rule, for that same LoRA launch after its base projection: it releases its
-dependents at its start (`release`), before its wait. The kernels after it read nothing early but weights
-and metadata (the norms, RoPE, the SwiGLU), and it waits (`wait`) for the base projection before it adds to
-that projection's output and before it exits, so it completes after the base projection and the chain's
-order holds.
 """
 from __future__ import annotations
 
@@ -86,21 +78,6 @@ def wait_then_release(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def release(USE_PDL: tl.constexpr):
-    """Lets the next kernel start now, before this one's wait (a kernel that follows its predecessor's results
-    only at its end: `kernels.fused`'s AFTER mode; no-op without PDL)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def wait(USE_PDL: tl.constexpr):
-    """Waits for the previous kernel's results (no-op without PDL; a second wait returns at once)."""
-    if USE_PDL:
-        gdc_wait()
 
 
 def compiled() -> bool:

@@ -47,9 +47,6 @@ class PagedLoraBackend:
     # adds (LlamaModel._project): `apply` then always launches (the fused kernel, for any float32 output),
     # so that kernel follows a launch that did not write its input.
     delta_first = True
-    # Steps of up to `after_base_tokens` tokens may run the LoRA right after the base projection, as a dependent
-    # launch beside it (`apply(..., after_base=True)`; LlamaModel._project): the fused kernel's AFTER mode.
-    after_base_tokens = 0
 
     def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
         self.slots = slots
@@ -85,7 +82,6 @@ class PagedLoraBackend:
             # Rank-r sums and counters of the fused kernel; the kernel leaves them zero after each launch.
             self._fused_max_tokens = min(FUSED_MAX_TOKENS, self.max_num_batched_tokens)
             self._workspace = fused_workspace(self._fused_max_tokens, tables.max_rank, self.slots.device)
-            self.after_base_tokens = self._fused_max_tokens
         self.meta = meta
         return meta
 
@@ -97,32 +93,26 @@ class PagedLoraBackend:
     def groups_of(self, token_slot_ids: list[int]) -> frozenset[str]:
         return self.slots.groups_of(token_slot_ids)
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor],
-              after_base: bool = False) -> None:
-        """`after_base` (at most `after_base_tokens` tokens, outs one contiguous output): the launch follows the
-        base projection that wrote outs, which ran on x (`kernels.fused.lora_fused_triton`'s `after`)."""
+    def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
         if group not in self.active_groups:
             return
         mods = self._group_modules[group]
         y, offsets = as_one_output(outs)
-        if after_base and (y is None or x.shape[0] > self.after_base_tokens or not x.is_contiguous()):
-            raise ValueError(f"a LoRA launch after the base projection takes up to {self.after_base_tokens} tokens "
-                             "of contiguous x into one output")
         if y is not None:
-            self._shrink_expand(layer, group, 0, mods, x, y, offsets, after_base)
+            self._shrink_expand(layer, group, 0, mods, x, y, offsets)
             return
         for i, out in enumerate(outs):   # slices not side by side in memory: one pass each
             self._shrink_expand(layer, group, i, [mods[i]], x, out, [0, out.shape[1]])
 
     def _shrink_expand(self, layer: int, group: str, first: int, mods: list[int], x: torch.Tensor,
-                       y: torch.Tensor, offsets: list[int], after_base: bool = False) -> None:
+                       y: torch.Tensor, offsets: list[int]) -> None:
         """y[:, offsets[i]:offsets[i+1]] += LoRA of slice first + i of the group (x [T, in]): every kernel
         launch of the backend."""
         tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
         assert tables is not None and pool is not None and meta is not None
         T = x.shape[0]
         if T <= self._fused_max_tokens:
-            lora_fused(x.contiguous(), pool, tables, meta, layer, mods, y, offsets, self._workspace, after=after_base)
+            lora_fused(x.contiguous(), pool, tables, meta, layer, mods, y, offsets, self._workspace)
             return
         R = tables.max_rank
         if T <= self._layer_buf_tokens:

@@ -54,8 +54,6 @@ class LoraBackend(Protocol):
     active_groups: frozenset[str]
     # Optional `delta_first = True`: `apply` takes float32 outputs and always launches a GPU kernel for them,
     # so the model may run a one-token step's LoRA before the base projection (LlamaModel._project).
-    # Optional `after_base_tokens = N`: `apply(..., after_base=True)` for steps of up to N tokens launches the
-    # LoRA as a dependent launch right after the base projection that wrote outs (LlamaModel._project).
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor, groups: frozenset[str] = ALL_GROUPS) -> None:
         """[T] int32 slot per token of the step (NO_ADAPTER = -1); called outside CUDA graphs."""

@@ -36,22 +36,6 @@ OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
 Pending = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
-# Steps of 1 to this many tokens run their LoRA right after the base projection, as a dependent launch that runs
-# beside it and adds its delta once the projection is done (`_project`; the backend's `after_base_tokens` bound
-# it too). 0: off (A/B runs; LORAPLEX_LORA_AFTER_TOKENS). LORAPLEX_LORA_AFTER_ROOM=0 gives the base projection
-# its plain kernel choice instead of the one that leaves room for a LoRA launch beside it.
-LORA_AFTER_TOKENS = 0
-AFTER_TOKENS_ENV = "LORAPLEX_LORA_AFTER_TOKENS"
-AFTER_ROOM_ENV = "LORAPLEX_LORA_AFTER_ROOM"
-
-
-def after_tokens() -> int:
-    """The most tokens a step runs its LoRA after the base projection at (`LORA_AFTER_TOKENS`, or
-    LORAPLEX_LORA_AFTER_TOKENS; 0 turns it off)."""
-    value = env_int(AFTER_TOKENS_ENV, lambda v: v >= 0, "a whole number of tokens, 0 or more")
-    return LORA_AFTER_TOKENS if value is None else value
-
-
 def overlap_tokens() -> int:
     """The most tokens a captured step runs its LoRA beside the base projection at: LORA_OVERLAP_TOKENS, or
     LORAPLEX_LORA_OVERLAP_TOKENS (2 or more; 1 turns the overlap off, as LORAPLEX_LORA_OVERLAP=0 does)."""
@@ -109,12 +93,6 @@ class LlamaModel:
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
         self._overlap_tokens = overlap_tokens()
-        self._after_tokens = 0
-        if self.fused:
-            from kernels.pdl import pdl_enabled
-
-            self._after_tokens = after_tokens() if pdl_enabled(self.device) else 0
-        self._after_room = os.environ.get(AFTER_ROOM_ENV, "1") != "0"
         # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
         # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
@@ -283,25 +261,16 @@ class LlamaModel:
         a float32 output), and the kernel adds it: that kernel reads x and its whole
         weight before it waits for the LoRA launch (kernels/pdl.py), so the LoRA's chain of dependent
         memory round trips runs beside the weight reads instead of after them. x was written before the
-        LoRA launch, which writes only the delta.
-        Steps of up to `after_tokens()` tokens (off by default) instead launch the LoRA right after the base
-        projection, as a dependent launch that computes its delta beside the projection and adds it into y
-        once the projection is done (`kernels.fused.lora_fused_triton`'s `after`): no side stream, no join,
-        and the projection starts as early as without adapters."""
+        LoRA launch, which writes only the delta."""
         if lora is not None and group not in lora.active_groups:
             lora = None                 # no adapter of this step changes this group: the base projection alone
-        kw = {} if x_sums is None else {"x_sums": x_sums}
-        if (lora is not None and x.shape[0] <= min(self._after_tokens, getattr(lora, "after_base_tokens", 0))
-                and x.is_contiguous()):
-            y = linear(x, beside_lora=self._after_room, **kw)
-            lora.apply(i, group, x, list(y.split(widths, dim=-1)), after_base=True)
-            return y, None
         if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
             return linear(x, addend=delta), None
         side = self._lora_stream
+        kw = {} if x_sums is None else {"x_sums": x_sums}
         if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():
             y = linear(x, **kw)
             if lora is not None:

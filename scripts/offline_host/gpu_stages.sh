@@ -64,8 +64,6 @@
 #                    rank 16, 64 and 256 (~1.5 minutes); with another commit's kernels unpacked under ab_kernels/
 #                    (`git archive C kernels | tar -x -C ab_kernels`: ignored, name it in the call's carry) the same
 #                    with those, both in one JSON (an A/B on one lease)
-#   lora-after-decode bench/quant_decode.py --labels int4 at batch 1 / 8 / 16 with LORAPLEX_LORA_AFTER_TOKENS 0, 16,
-#                    16 with LORAPLEX_LORA_AFTER_ROOM=0, and 0 again (the LoRA after its base projection, A/B)
 #   lora-step-sweep  bench/lora_step_sweep.py --focused at 32 and 64 tokens, each launch kind of a LoRA decode step
 #                    alone at its configuration and the combinations around it, for rank:pool pairs $SWEEP_CASES
 #                    (default 16:256,64:256: ~1 minute a pair; the one-knob sweep of every pair overran 600 s)
@@ -226,10 +224,6 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     python3 bench/quant_async_dots.py --rows "$rows" --commit "$commit" \
       --out "$out/quant_async_dots_rows${rows//,/_}.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
   async-dots-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS "1 0" async_dots ;;
-  lora-after-decode)
-    int4_decode_ab LORAPLEX_LORA_AFTER_TOKENS "0 16" lora_after 1,8,16
-    LORAPLEX_LORA_AFTER_ROOM=0 int4_decode_ab LORAPLEX_LORA_AFTER_TOKENS "16" lora_after_plain 1,8,16
-    int4_decode_ab LORAPLEX_LORA_AFTER_TOKENS "0" lora_after_again 1,8,16 ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \

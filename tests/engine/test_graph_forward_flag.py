@@ -39,17 +39,3 @@ def test_overlap_tokens_default_and_setting(monkeypatch):
         monkeypatch.setenv(OVERLAP_TOKENS_ENV, bad)
         with pytest.raises(ValueError, match=OVERLAP_TOKENS_ENV):
             overlap_tokens()
-
-
-def test_after_tokens_default_and_setting(monkeypatch):
-    from compute_service.engine.model import AFTER_TOKENS_ENV, LORA_AFTER_TOKENS, after_tokens
-
-    monkeypatch.delenv(AFTER_TOKENS_ENV, raising=False)
-    assert after_tokens() == LORA_AFTER_TOKENS
-    for value in (0, 1, 16):
-        monkeypatch.setenv(AFTER_TOKENS_ENV, str(value))
-        assert after_tokens() == value
-    for bad in ("-1", "some"):
-        monkeypatch.setenv(AFTER_TOKENS_ENV, bad)
-        with pytest.raises(ValueError, match=AFTER_TOKENS_ENV):
-            after_tokens()

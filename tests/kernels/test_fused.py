@@ -12,7 +12,7 @@ SPLIT = {"SPLIT_K": 3, "BLOCK_K": 32, "BLOCK_N": 32, "GROUP_N": 64}
 
 
 def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.float16, extra_cols=3, config=None,
-              device_meta=False, y_dtype=None, after=False):
+              device_meta=False, y_dtype=None):
     slots = slots if slots is not None else sorted({s for s, _, _ in case.dense})
     ids = random_slot_ids(T, slots, frac_none, gen)
     meta = prepare_meta(ids, case.tables.max_slots) if not device_meta else None
@@ -28,9 +28,9 @@ def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.floa
     y = y0.clone()
     ws = fused_workspace(T + 2, case.tables.max_rank, DEVICE)
     if config:
-        lora_fused_triton(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, config=config, after=after)
+        lora_fused_triton(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, config=config)
     else:
-        lora_fused(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, use_triton=True, after=after)
+        lora_fused(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, use_triton=True)
     want_s, _ = dense_shrink(case, x, ids, layer, mods)
     want = dense_expand(case, want_s, y0, ids, layer, mods, offs)
     err = rel_err(y, want)
@@ -105,29 +105,6 @@ def test_fused_config_caps_column_groups_of_a_one_token_delta():
     assert groups(fused_config(1, 4096, [4096] * 3, 16, 8, dev, num_sms=132, delta=True), [4096] * 3) <= DELTA_MAX_GROUPS
     assert fused_config(2, 4096, gate_up, 16, 8, dev, num_sms=132, delta=True) == fused_config(2, 4096, gate_up, 16,
                                                                                               8, dev, num_sms=132)
-
-
-@pytest.mark.parametrize("T,config", [(1, None), (1, SPLIT), (5, SPLIT), (16, None)])
-def test_fused_after_the_base_projection(T, config):
-    """`after` (the launch follows the base projection that wrote y; kernels/pdl.py's exceptions): the same sums
-    added into y, every program's path through the waits (no-ops here), a pool of larger ranks walked in
-    blocks, and the workspace left zero for the next launch."""
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    case = build_case(ranks={0: [16, 4, 1], 3: [2, 16, 9], 5: [0, 5, 16], 6: [80, 3, 16]}, h_in=72,
-                      outs=[97, 24, 17], dtype=torch.float16, gen=gen)
-    for slots in ([0], [5], [6], [0, 3, 5, 6]):
-        run_fused(case, T, 0.2 if T > 1 else 0.0, [0, 1, 2], layer=1, gen=gen, slots=slots, config=config,
-                  after=True)
-
-
-def test_fused_after_takes_a_16_bit_output():
-    gen = torch.Generator().manual_seed(0)
-    case = build_case(ranks={0: [4]}, h_in=64, outs=[16], num_layers=1, gen=gen)
-    meta = prepare_meta(torch.zeros(1, dtype=torch.int32), case.tables.max_slots)
-    x = torch.randn(1, 64).half().to(DEVICE)
-    with pytest.raises(ValueError, match="16-bit output"):
-        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], torch.zeros(1, 16, device=DEVICE), [0, 16],
-                          fused_workspace(1, 4, DEVICE), after=True)
 
 
 def test_fused_checks_inputs():
