@@ -31,7 +31,7 @@ from kernels.expand import _alignment
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_input,
                             check_launch, check_slices, rank_block)
 from kernels.dots import dot
@@ -55,46 +55,6 @@ def _rows(off_ptr, entry, max_rank, r0, R: tl.constexpr, ROW_ALIGN: tl.constexpr
 
 
 @triton.jit
-def _arrivals(arrived, ASM: tl.constexpr):
-    """The count at `arrived`, read with acquire semantics (every later read of this thread sees what the
-    splits it counts wrote): a plain acquire load when compiled, an atomic add of 0 in the interpreter."""
-    if ASM:
-        n = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [arrived], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    else:
-        n = tl.atomic_add(arrived, 0, sem="acquire")
-    return n
-
-
-@triton.jit
-def _wait_arrivals(arrived, SPLIT_K: tl.constexpr, ASM: tl.constexpr):
-    """Spins until SPLIT_K shrink splits have arrived. Compiled, each poll is a load, not an atomic, and polls are
-    ~100 ns apart: the counter shares its line with the tile's tickets and arrivals, which the polls of many
-    waiting programs would otherwise hold up at L2."""
-    while _arrivals(arrived, ASM) < SPLIT_K:
-        if ASM:
-            tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _slice_rows(off_ptr, entries, live, max_rank, R: tl.constexpr):
-    """[4, R] pool offsets of the A or B^T rows 0 .. R of each slice's table entry (`entries`, 0 where not `live`
-    or past the table's rank): read before the program knows which slice it takes."""
-    offs_r = tl.arange(0, R)
-    return tl.load(off_ptr + entries[:, None] * max_rank + offs_r[None, :],
-                   mask=live[:, None] & (offs_r < max_rank)[None, :], other=0)
-
-
-@triton.jit
-def _pick_rows(rows4, slice_id, ROW_ALIGN: tl.constexpr):
-    """Slice `slice_id`'s row of `_slice_rows`' [4, R] offsets."""
-    offs_sl = tl.arange(0, 4)
-    rows = tl.sum(tl.where((offs_sl == slice_id)[:, None], rows4, 0), axis=0)
-    return tl.multiple_of(rows, ROW_ALIGN)
-
-
-@triton.jit
 def _shrink_part(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r0, rank, k_lo, k_hi, K, s_row,
                  BLOCK_M: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  IEEE: tl.constexpr):
@@ -107,26 +67,14 @@ def _shrink_part(x_ptr, x_stride, toks, m_mask, pool_ptr, rows, r0, rank, k_lo, 
 
 
 @triton.jit
-def _expand_one_block(pool_ptr, rows, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr, y_stride, arrived,
-                      SPLIT_K: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, COL_ALIGN: tl.constexpr,
-                      IEEE: tl.constexpr, ASM: tl.constexpr):
-    """y[toks, col0 + n_start : col0 + n_end] += s @ B^T for an adapter of rank <= R, once SPLIT_K shrink splits
-    have arrived (`arrived`): its sums read once. The first column block's B^T and y are read before the wait for
-    the splits, so that only the sums' read stands between their arrival and the first store."""
+def _expand_one_block(pool_ptr, rows, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr, y_stride,
+                      R: tl.constexpr, BLOCK_N: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr):
+    """y[toks, col0 + n_start : col0 + n_end] += s @ B^T for an adapter of rank <= R: its sums read once."""
     offs_r = tl.arange(0, R)
     r_mask = offs_r < rank
-    offs_n = tl.max_contiguous(tl.multiple_of(n_start + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
-    n_mask = offs_n < n_end
-    bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    cols = tl.max_contiguous(tl.multiple_of(col0 + offs_n, COL_ALIGN), BLOCK_N)
-    y_ptrs = y_ptr + toks[:, None] * y_stride + cols[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    _wait_arrivals(arrived, SPLIT_K, ASM)
     s = tl.load(s_row + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0, cache_modifier=".cg")
     s = s.to(pool_ptr.dtype.element_ty)
-    tl.store(y_ptrs, (cur.to(tl.float32) + dot(s, bt, IEEE)).to(cur.dtype), mask=y_mask)
-    for n0 in range(n_start + BLOCK_N, n_end, BLOCK_N):
+    for n0 in range(n_start, n_end, BLOCK_N):
         offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
         n_mask = offs_n < n_end
         bt = tl.load(pool_ptr + rows[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
@@ -175,7 +123,7 @@ def _fused_kernel(
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr, ASM: tl.constexpr = False,
+    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     # With programmatic dependent launch (kernels/pdl.py) the step's metadata is read before the wait for
     # the previous kernel; the workspace (which the previous launch leaves zero at its end), x and y after.
@@ -187,21 +135,6 @@ def _fused_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                    # [BLOCK_M]
-    # Every slice's rank and first rows (A^T and B^T), before the ticket says which slice this program takes: the
-    # table lookups (two dependent round trips) run before the wait, not after the ticket.
-    offs_sl = tl.arange(0, 4)
-    live = offs_sl < NUM_SLICES
-    entries = table_entry(seg_slots_ptr, seg, pick4(offs_sl, mod0, mod1, mod2, mod3), layer, num_layers,
-                          num_modules)                                                      # [4]
-    ranks4 = tl.load(ranks_ptr + entries, mask=live, other=0)
-    a_rows4 = _slice_rows(a_off_ptr, entries, live, max_rank, BLOCK_R)
-    b_rows4 = _slice_rows(b_off_ptr, entries, live, max_rank, BLOCK_R)
-    if SMALL_R < BLOCK_R:
-        a_small4 = _slice_rows(a_off_ptr, entries, live, max_rank, SMALL_R)
-        b_small4 = _slice_rows(b_off_ptr, entries, live, max_rank, SMALL_R)
-    else:
-        a_small4 = a_rows4
-        b_small4 = b_rows4
     wait_then_release(USE_PDL)
     cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
     ticket = tl.atomic_add(cnt, 1, sem="relaxed")
@@ -212,10 +145,11 @@ def _fused_kernel(
     if ticket < NUM_SLICES * SPLIT_K:
         # Shrink: one K split of one slice, partial sums into the workspace.
         slice_id = ticket // SPLIT_K
-        entry = tl.sum(tl.where(offs_sl == slice_id, entries, 0), axis=0)
-        rows_b = _pick_rows(a_rows4, slice_id, ROW_ALIGN)
-        rows_s = _pick_rows(a_small4, slice_id, ROW_ALIGN)
-        rank = tl.sum(tl.where(offs_sl == slice_id, ranks4, 0), axis=0)
+        entry = table_entry(seg_slots_ptr, seg, pick4(slice_id, mod0, mod1, mod2, mod3), layer, num_layers,
+                            num_modules)
+        rows_b = _rows(a_off_ptr, entry, max_rank, 0, BLOCK_R, ROW_ALIGN)
+        rows_s = _rows(a_off_ptr, entry, max_rank, 0, SMALL_R, ROW_ALIGN)
+        rank = tl.load(ranks_ptr + entry)
         if rank > 0:
             k_lo = (ticket % SPLIT_K) * K_PER_SPLIT
             k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
@@ -240,21 +174,22 @@ def _fused_kernel(
         col0 = pick4(slice_id, off0, off1, off2, off3)
         n_start = (grp - pick4(slice_id, 0, grp1, grp2, grp3)) * GROUP_N
         n_end = tl.minimum(n_start + GROUP_N, pick4(slice_id, off1, off2, off3, off4) - col0)
-        entry = tl.sum(tl.where(offs_sl == slice_id, entries, 0), axis=0)
-        rows_b = _pick_rows(b_rows4, slice_id, ROW_ALIGN)
-        rows_s = _pick_rows(b_small4, slice_id, ROW_ALIGN)
-        rank = tl.sum(tl.where(offs_sl == slice_id, ranks4, 0), axis=0)
+        entry = table_entry(seg_slots_ptr, seg, pick4(slice_id, mod0, mod1, mod2, mod3), layer, num_layers,
+                            num_modules)
+        rows_b = _rows(b_off_ptr, entry, max_rank, 0, BLOCK_R, ROW_ALIGN)
+        rows_s = _rows(b_off_ptr, entry, max_rank, 0, SMALL_R, ROW_ALIGN)
+        rank = tl.load(ranks_ptr + entry)
         if rank > 0:
-            arrived = cnt + 1 + slice_id
+            while tl.atomic_add(cnt + 1 + slice_id, 0, sem="acquire") < SPLIT_K:
+                pass
             s_row = s_ptr + toks[:, None] * s_stride + slice_id * R_PAD
             if small & (rank <= SMALL_R):
                 _expand_one_block(pool_ptr, rows_s, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr, y_stride,
-                                  arrived, SPLIT_K, SMALL_R, BLOCK_N, COL_ALIGN, IEEE, ASM)
+                                  SMALL_R, BLOCK_N, COL_ALIGN, IEEE)
             elif ONE_BLOCK | (rank <= BLOCK_R):
                 _expand_one_block(pool_ptr, rows_b, rank, s_row, toks, m_mask, n_start, n_end, col0, y_ptr, y_stride,
-                                  arrived, SPLIT_K, BLOCK_R, BLOCK_N, COL_ALIGN, IEEE, ASM)
+                                  BLOCK_R, BLOCK_N, COL_ALIGN, IEEE)
             else:
-                _wait_arrivals(arrived, SPLIT_K, ASM)
                 _expand_blocks(pool_ptr, b_off_ptr, entry, max_rank, rank, s_row, toks, m_mask, n_start, n_end, col0,
                                y_ptr, y_stride, BLOCK_M, BLOCK_R, BLOCK_N, COL_ALIGN, ROW_ALIGN, IEEE)
         tl.debug_barrier()               # this program's reads of the workspace are done
@@ -412,7 +347,6 @@ def lora_fused_triton(
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         IEEE=pool.dtype == torch.float32, SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), ONE_BLOCK=r_pad <= cfg["BLOCK_R"],
-        ASM=compiled(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_args(pdl),
     )
