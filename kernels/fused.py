@@ -21,7 +21,6 @@ so the workspace is all zeros between launches.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -205,25 +204,6 @@ def _fused_kernel(
             tl.store(cnt + tl.arange(0, 8), tl.zeros((8,), dtype=tl.int32))
 
 
-SPREAD_ENV = "LORAPLEX_FUSED_PER_SM"
-SPREAD_MAX_GROUP_N = 512
-
-
-def programs_per_sm() -> float | None:
-    """LORAPLEX_FUSED_PER_SM (A/B runs; unset: None): the most programs an SM a 2-16-token fused launch may have
-    (`fused_config`), which at those sizes runs beside the base projection on a side stream."""
-    raw = os.environ.get(SPREAD_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise ValueError(f"{SPREAD_ENV} must be a positive number of programs an SM, got {raw!r}")
-    return value
-
-
 def max_tiles(T: int, block_m: int, max_slots: int) -> int:
     """Upper bound of token tiles: segments of n_i tokens take sum(cdiv(n_i, block_m)) tiles."""
     return cdiv(T, block_m) + min(max_slots, T) - 1
@@ -278,22 +258,6 @@ def fused_config(T: int, K: int, widths: Sequence[int], max_rank: int, max_slots
     while group_n < max(widths) and (tiles * _groups(widths, group_n) > 4 * sms
                                      or (cap is not None and _groups(widths, group_n) > cap)):
         group_n *= 2
-    per_sm = programs_per_sm() if 1 < T <= FUSED_MAX_TOKENS else None
-    if per_sm:
-        # Fewer programs beside the base projection (A/B runs): half the K splits while the shrink programs
-        # outnumber the expand ones (down to 2), else wider column groups (up to SPREAD_MAX_GROUP_N columns), else
-        # half the splits down to 4, until the launch's programs are at most `per_sm` an SM or nothing changes.
-        n = len(widths)
-        while tiles * (n * split + _groups(widths, group_n)) > per_sm * sms:
-            if n * split >= _groups(widths, group_n) and split > 2:
-                split //= 2
-            elif group_n < min(max(widths), SPREAD_MAX_GROUP_N):
-                group_n *= 2
-            elif split > 4:
-                split //= 2
-            else:
-                break
-        k_per_split = cdiv(cdiv(K, split), block_k) * block_k
     return dict(BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
                 SPLIT_K=cdiv(K, k_per_split), K_PER_SPLIT=k_per_split, GROUP_N=group_n,
                 num_warps=num_warps, num_stages=3)
