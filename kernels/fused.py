@@ -31,7 +31,7 @@ from kernels.expand import _alignment
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, release, wait_then_flag, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_input,
                             check_launch, check_slices, rank_block)
 from kernels.dots import dot
@@ -116,26 +116,36 @@ def _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N:
 @triton.jit
 def _fused_kernel(
     x_ptr, x_stride, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, y_ptr, y_stride,
-    s_ptr, s_stride, cnt_ptr,
+    s_ptr, s_stride, cnt_ptr, ready_ptr,
     tok_ptr, seg_starts_ptr, seg_slots_ptr, max_slots,
     layer, num_layers, num_modules, max_rank, R_PAD, K, K_PER_SPLIT, GROUP_N,
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4, grp1, grp2, grp3, num_groups,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr, READY: tl.constexpr = False,
 ):
     # With programmatic dependent launch (kernels/pdl.py) the step's metadata is read before the wait for
     # the previous kernel; the workspace (which the previous launch leaves zero at its end), x and y after.
+    # READY (`x_ready` there): the next kernel (the base projection that adds the delta) is released at once, and
+    # every program sets the flag at ready_ptr after its wait.
     pid_tile = tl.program_id(1)
+    if READY:
+        release(USE_PDL)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
-        wait_then_release(USE_PDL)
+        if READY:
+            wait_then_flag(ready_ptr, USE_PDL)
+        else:
+            wait_then_release(USE_PDL)
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                    # [BLOCK_M]
-    wait_then_release(USE_PDL)
+    if READY:
+        wait_then_flag(ready_ptr, USE_PDL)
+    else:
+        wait_then_release(USE_PDL)
     cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
     ticket = tl.atomic_add(cnt, 1, sem="relaxed")
     # Rank blocks: an adapter of rank <= SMALL_R in a pool of larger ranks takes tiles of SMALL_R rows, others
@@ -288,8 +298,14 @@ def lora_fused_triton(
     slice_offsets: Sequence[int],    # num_slices + 1 increasing column boundaries in y
     workspace: tuple[torch.Tensor, torch.Tensor] | None,   # fused_workspace(>= T, >= tables.max_rank, device)
     config: dict[str, int] | None = None,  # overrides of fused_config's choices (for tuning and tests)
+    ready: torch.Tensor | None = None,   # int32 flag, zero: set once x is written (a float32 y only; see below)
 ) -> None:
     """Shrink and expand of every slice and adapter in one launch, adding into `y` in place.
+
+    `ready` (one element of an int32 tensor holding zero; with a float32 y, the delta a one-row base kernel launched
+    next adds): this launch releases that kernel at its start and sets the flag to 1 once it has passed its wait,
+    so that kernel starts early and reads x only after the flag (kernels/pdl.py, `x_ready`). Without PDL the flag is
+    set all the same.
 
     Semantics:
         for t with slot a = a(t) >= 0, for i, m in enumerate(module_indices):
@@ -314,6 +330,9 @@ def lora_fused_triton(
         # (kernels/dense_gemv.py) and so must follow a launch that did not write that input.
         return
     widths = [b - a for a, b in zip(offs, offs[1:])]
+    if ready is not None and (y.dtype != torch.float32 or ready.dtype != torch.int32 or ready.numel() != 1
+                              or ready.device != x.device):
+        raise ValueError("a ready flag is one int32 element on x's device, for a launch into a float32 delta")
     cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device, delta=y.dtype == torch.float32)
     if config:
         cfg.update(config)
@@ -339,7 +358,7 @@ def lora_fused_triton(
     pdl = bool(cfg.get("PDL", pdl_enabled(x.device)))
     _fused_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.b_offsets, tables.ranks, y, y.stride(0),
-        sums, sums.stride(0), counters,
+        sums, sums.stride(0), counters, ready if ready is not None else counters,
         meta.token_indices, meta.seg_starts, meta.seg_slots, meta.max_slots,
         layer, tables.num_layers, tables.num_modules, tables.max_rank, r_pad, K, cfg["K_PER_SPLIT"], cfg["GROUP_N"],
         *mods, *offs, *firsts, num_groups,
@@ -347,6 +366,7 @@ def lora_fused_triton(
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         IEEE=pool.dtype == torch.float32, SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), ONE_BLOCK=r_pad <= cfg["BLOCK_R"],
+        READY=ready is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **launch_args(pdl),
     )
