@@ -124,6 +124,23 @@ def w4_engine(folder: Path, adapters: Path, max_num_seqs: int):
     return engine
 
 
+def decode_alone(engine, key: str = "all", seed: int = 5, max_tokens: int = 10) -> dict:
+    """Prompts "a" and "b" (6 random tokens each) decoded one request at a time (one-token steps), each with
+    adapter `key` and without one: {(request id, key or None): (tokens, logits rows)}, for `assert_same_logits`."""
+    from compute_service.engine import SamplingParams
+    from test_parity import run_collecting
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for rid in ("a", "b"):
+        prompt = torch.randint(0, MID_DIMS["vocab_size"], (6,), generator=g).tolist()
+        for k in (key, None):
+            tokens, logits = run_collecting(engine, {rid: (prompt, k)},
+                                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            out[rid, k] = (tokens[rid], logits[rid])
+    return out
+
+
 def assert_logits_agree(first: dict, second: dict, tol: float = 2e-2) -> None:
     """first, second: {request id: (tokens, logits rows)} of two runs of the same requests. At every step whose
     prefix both runs share (the step where they first choose differently included) the logits agree within `tol`

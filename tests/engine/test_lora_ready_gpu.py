@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
+from compute_service.engine import EngineConfig, LLMEngine
 import helpers
-from helpers import ALL_MODULES, MID_DIMS
+from helpers import ALL_MODULES
 from loraplex.formats import read_peft
-from test_parity import run_collecting
 
 pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
@@ -44,15 +43,7 @@ def _run(folder, adapters, quantized: bool, monkeypatch, ready: str) -> tuple[LL
         engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", block_size=16,
                                         lora_backend="kernels", max_loras=2, max_num_seqs=2))
         engine.add_adapter("all", read_peft(adapters / "all"))
-    g = torch.Generator().manual_seed(5)
-    out = {}
-    for rid in ("a", "b"):
-        prompt = torch.randint(0, MID_DIMS["vocab_size"], (6,), generator=g).tolist()
-        for key in ("all", None):
-            tokens, logits = run_collecting(engine, {rid: (prompt, key)},
-                                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-            out[rid, key] = (tokens[rid], logits[rid])
-    return engine, out
+    return engine, helpers.decode_alone(engine)
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute_service.engine import SamplingParams
-from helpers import MID_DIMS, assert_same_logits, w4_engine
-from test_parity import run_collecting
+from helpers import assert_same_logits, decode_alone, w4_engine
 
 pytestmark = [pytest.mark.gpu]
 if not torch.cuda.is_available():
@@ -19,16 +17,7 @@ if not torch.cuda.is_available():
 
 def _run(folder, adapters, monkeypatch, tma: str):
     monkeypatch.setenv("LORAPLEX_H2_TMA", tma)
-    engine = w4_engine(folder, adapters, 2)
-    g = torch.Generator().manual_seed(5)
-    out = {}
-    for rid in ("a", "b"):
-        prompt = torch.randint(0, MID_DIMS["vocab_size"], (6,), generator=g).tolist()
-        for key in ("all", None):
-            tokens, logits = run_collecting(engine, {rid: (prompt, key)},
-                                            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-            out[rid, key] = (tokens[rid], logits[rid])
-    return out
+    return decode_alone(w4_engine(folder, adapters, 2))
 
 
 def test_tma_kernel_in_the_engine_matches_the_register_set_kernel(w4_llama, monkeypatch):
