@@ -30,8 +30,8 @@ without the wait and launched plainly.
 kernel at its start (`release`), so the base kernel becomes resident and reads its first block of weights while x
 is still being written, as it does without adapters, instead of starting only once the LoRA launch has passed its
 wait. The base kernel then reads x only after the LoRA launch has passed its wait: every LoRA program sets a flag
-after its wait (`wait_then_flag`, a release store), and the base kernel spins on it (`wait_ready`, acquire
-loads) and fences before its first read of x. The base kernel's own wait (for the LoRA's delta) stays where it is.
+after its wait (`wait_then_flag`, a release store), and the base kernel spins on it (`wait_ready`: one thread
+a program polls with acquire loads, the others meet it at a barrier) and fences before its first read of x. The base kernel's own wait (for the LoRA's delta) stays where it is.
 Flags are per projection of a step and zeroed at the step's start (`LlamaModel`). No deadlock: the base kernel is
 launched only once every LoRA program has run its release, so every program that sets the flag is resident.
 """
@@ -83,10 +83,12 @@ def read_early(ON: tl.constexpr, NUM_THREADS: tl.constexpr):
 
 @triton.jit
 def _flag(ptr, ASM: tl.constexpr):
-    """The int32 at ptr, read with acquire semantics (a load compiled, an atomic add of 0 interpreted)."""
+    """The int32 at ptr as the program's first thread reads it, with acquire semantics; the other threads get 1
+    (compiled: one poller a program, not one a warp). Interpreted: an atomic add of 0 (one thread a program)."""
     if ASM:
-        v = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+        v = tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
+                                      "mov.b32 $0, 1;\n @p ld.acquire.gpu.global.b32 $0, [$1]; }", "=r,l", [ptr],
+                                      dtype=tl.int32, is_pure=False, pack=1)
     else:
         v = tl.atomic_add(ptr, 0, sem="acquire")
     return v
@@ -94,13 +96,15 @@ def _flag(ptr, ASM: tl.constexpr):
 
 @triton.jit
 def wait_ready(ready_ptr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr):
-    """A base kernel's wait for its x under `x_ready` (below): spins until the launch before it has passed its own
-    wait (the flag at ready_ptr is nonzero; polls ~100 ns apart), then `read_early`'s fence, after which x is read
-    through L1 like any input. FENCE: compiled (the interpreter runs launches one after another: the flag is set)."""
+    """A base kernel's wait for its x under `x_ready` (below): the program's first thread spins until the launch
+    before it has passed its own wait (the flag at ready_ptr is nonzero; polls ~100 ns apart), the program's threads
+    meet it at a barrier, and each runs `read_early`'s fence, after which x is read through L1 like any input.
+    FENCE: compiled (the interpreter runs launches one after another: the flag is set)."""
     while _flag(ready_ptr, FENCE) == 0:
         if FENCE:
             tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
                                       is_pure=False, pack=1)
+    tl.debug_barrier()
     read_early(FENCE, NUM_THREADS)
 
 
