@@ -65,7 +65,8 @@
 #                    (`git archive C kernels | tar -x -C ab_kernels`: ignored, name it in the call's carry) the same
 #                    with those, both in one JSON (an A/B on one lease)
 #   lora-ready       LORAPLEX_LORA_READY's GPU tests, then bench/quant_decode.py at batch 1 with it 0 / 1 / 0 / 1 (4-bit)
-#                    and 0 / 1 (bf16): the one-token LoRA launch releasing its base kernel at its start (A/B)
+#                    and 0 / 1 (bf16): the one-token LoRA launch releasing its base kernel at its start (A/B);
+#                    then the batch-1 trace with it on (against bench/results/step_profile_w4_b1.json)
 #   lora-step-sweep  bench/lora_step_sweep.py --focused at 32 and 64 tokens, each launch kind of a LoRA decode step
 #                    alone at its configuration and the combinations around it, for rank:pool pairs $SWEEP_CASES
 #                    (default 16:256,64:256: ~1 minute a pair; the one-knob sweep of every pair overran 600 s)
@@ -235,7 +236,10 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     for flag in 0 1; do
       LORAPLEX_LORA_READY=$flag python3 bench/quant_decode.py --labels bf16 --batches 1 --commit "$commit" \
         --out "$out/quant_decode_lora_ready_bf16_$flag.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
-    done ;;
+    done
+    [ -n "${SKIP_TRACE:-}" ] || LORAPLEX_LORA_READY=1 timeout 240 python3 bench/step_profile.py --bits 4 \
+      --cases distinct_r16_all:1 --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4_b1_ready.json" \
+      2>&1 | tail -3 | tee -a "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
