@@ -77,13 +77,15 @@ def local_parts(device: torch.device) -> dict[str, Any]:
 
 def switch_names() -> tuple[str, ...]:
     """The environment switches that change which kernels a step launches."""
+    from kernels.fused import MAXNREG_ENV
     from kernels.pdl import ENV as PDL_ENV
     from kernels.quant_h2 import ENV as FP16_PAIRS_ENV
     from kernels.quant_matmul import TILE_TMA_ENV, TMA_ENV
     from kernels.quant_wgmma import ENV as ASYNC_DOTS_ENV
     from kernels.quant_wgmma import ONE_ROW_ENV, SYNC_ENV
 
-    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV)
+    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV,
+            MAXNREG_ENV)
 
 
 def switch_parts() -> str:

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.expand import _alignment
+from kernels.env_switch import env_int
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
@@ -44,6 +45,8 @@ FUSED_MAX_TOKENS = 16
 COUNTERS = 1 << 16         # counters in a default workspace (8 per token tile)
 # Column groups of a one-token launch that writes a float32 delta (the one-row base kernel runs beside it).
 DELTA_MAX_GROUPS = 48
+# LORAPLEX_FUSED_MAXNREG (A/B runs, `fused_maxnreg`): a bound on the launch's registers a thread.
+MAXNREG_ENV = "LORAPLEX_FUSED_MAXNREG"
 
 
 @triton.jit
@@ -214,6 +217,15 @@ def _fused_kernel(
             tl.store(cnt + tl.arange(0, 8), tl.zeros((8,), dtype=tl.int32))
 
 
+def fused_maxnreg() -> int | None:
+    """LORAPLEX_FUSED_MAXNREG (A/B runs; unset or 0: no bound): the most registers a thread of a fused launch may
+    hold. In a pool of rank 64 or more the kernel's sm_90 code takes 168 (three programs an SM, 4 warps); bounded
+    to 128 it fits four, with ~300 B of spills (`scripts/kernel_sass.py --maxnreg`). At 8-16 tokens a launch is
+    700-960 programs beside the base projection, so programs an SM may count (docs/kernels.md, "Fused kernel")."""
+    value = env_int(MAXNREG_ENV, lambda v: v == 0 or 64 <= v <= 255, "0 (no bound) or a register count 64-255")
+    return value or None
+
+
 def max_tiles(T: int, block_m: int, max_slots: int) -> int:
     """Upper bound of token tiles: segments of n_i tokens take sum(cdiv(n_i, block_m)) tiles."""
     return cdiv(T, block_m) + min(max_slots, T) - 1
@@ -356,6 +368,8 @@ def lora_fused_triton(
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
     grid = (num_slices * cfg["SPLIT_K"] + num_groups, tiles)
     pdl = bool(cfg.get("PDL", pdl_enabled(x.device)))
+    maxnreg = fused_maxnreg()
+    bound = {"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}
     _fused_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.b_offsets, tables.ranks, y, y.stride(0),
         sums, sums.stride(0), counters, ready if ready is not None else counters,
@@ -368,5 +382,5 @@ def lora_fused_triton(
         IEEE=pool.dtype == torch.float32, SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), ONE_BLOCK=r_pad <= cfg["BLOCK_R"],
         READY=ready is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_args(pdl),
+        **launch_args(pdl), **bound,
     )

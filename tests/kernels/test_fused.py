@@ -107,6 +107,19 @@ def test_fused_config_caps_column_groups_of_a_one_token_delta():
                                                                                               8, dev, num_sms=132)
 
 
+def test_fused_maxnreg_switch(monkeypatch):
+    """LORAPLEX_FUSED_MAXNREG (A/B runs): unset or 0 no bound, a register count 64-255, anything else refused."""
+    from kernels.fused import MAXNREG_ENV, fused_maxnreg
+
+    for raw, want in (("", None), ("0", None), ("128", 128)):
+        monkeypatch.setenv(MAXNREG_ENV, raw)
+        assert fused_maxnreg() == want
+    for bad in ("32", "300", "many"):
+        monkeypatch.setenv(MAXNREG_ENV, bad)
+        with pytest.raises(ValueError, match=MAXNREG_ENV):
+            fused_maxnreg()
+
+
 def test_fused_checks_inputs():
     gen = torch.Generator().manual_seed(0)
     case = build_case(ranks={0: [4]}, h_in=512, outs=[16], num_layers=1, gen=gen)
