@@ -31,9 +31,10 @@ kernel at its start (`release`), so the base kernel becomes resident and reads i
 is still being written, as it does without adapters, instead of starting only once the LoRA launch has passed its
 wait. The base kernel then reads x only after the LoRA launch has passed its wait: every LoRA program sets a flag
 after its wait (`wait_then_flag`, a release store), and the base kernel spins on it (`wait_ready`: one thread
-a program polls with acquire loads, the others meet it at a barrier) and fences before its first read of x. The base kernel's own wait (for the LoRA's delta) stays where it is.
-Flags are per projection of a step and zeroed at the step's start (`LlamaModel`). No deadlock: the base kernel is
-launched only once every LoRA program has run its release, so every program that sets the flag is resident.
+a program polls with acquire loads, the others meet it at a barrier) and fences before its first read of x. The
+base kernel's own wait (for the LoRA's delta) stays where it is. Flags are per projection of a step and zeroed
+at the step's start (`LlamaModel`). No deadlock: the base kernel is launched only once every LoRA program has run
+its release, so every program that sets the flag is resident.
 """
 from __future__ import annotations
 
@@ -96,10 +97,10 @@ def _flag(ptr, ASM: tl.constexpr):
 
 @triton.jit
 def wait_ready(ready_ptr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr):
-    """A base kernel's wait for its x under `x_ready` (below): the program's first thread spins until the launch
-    before it has passed its own wait (the flag at ready_ptr is nonzero; polls ~100 ns apart), the program's threads
-    meet it at a barrier, and each runs `read_early`'s fence, after which x is read through L1 like any input.
-    FENCE: compiled (the interpreter runs launches one after another: the flag is set)."""
+    """A base kernel's wait for its x under `x_ready` (the module's docstring): the program's first thread spins
+    until the launch before it has passed its own wait (the flag at ready_ptr is nonzero; polls ~100 ns apart),
+    the program's threads meet it at a barrier, and each runs `read_early`'s fence, after which x is read through
+    L1 like any input. FENCE: compiled (the interpreter runs launches one after another: the flag is set)."""
     while _flag(ready_ptr, FENCE) == 0:
         if FENCE:
             tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
