@@ -10,7 +10,10 @@ For each case it decodes a few warm-up steps, then profiles `--steps` engine ste
 - the device time kernels spent running beside each other (`overlap_us`: summed kernel time minus busy
   time), which is what the dependent launches of kernels/pdl.py buy;
 - with `--trace N`, the first N kernels of the last profiled step with start and end (us from the
-  step's first kernel), to read which launches ran beside which.
+  step's first kernel), to read which launches ran beside which, and per projection of a layer (q/k/v, o,
+  gate/up, down) the time from the end of the kernel that writes its x (the norm, attention, the SwiGLU) to the
+  projection's end, and from its own start to its end, averaged over the layers the trace holds
+  (`projection_spans`): what a projection costs on the step's path.
 `--bits 4` runs the 4-bit base of bench/quant_decode.py (every projection quantized on the GPU, group 128).
 Under the profiler the host runs slower, so gaps are larger than in an unprofiled run: compare cases
 and modes with each other, not with bench/multi_lora.py's figures.
@@ -79,6 +82,40 @@ def last_step(events: list, steps: int, first: int) -> list[dict]:
     return [dict(kernel=n, start_us=round(s - t0, 2), end_us=round(e - t0, 2)) for n, s, e in step[:first]]
 
 
+# Kernels that run a layer's base projections (the one-row and tensor-core kernels; the library GEMMs' names vary),
+# and those that write their x, in a layer's order.
+PROJECTION_KERNELS = ("quant_gemv", "_dense_gemv", "quant_mma", "quant_wgmma", "gemm", "nvjet", "sm90_xmma")
+X_WRITERS = ("_add_rms_norm", "_paged_decode", "_add_rms_norm", "_silu_mul")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def projection_spans(trace: list[dict]) -> dict[str, dict[str, float]]:
+    """From `last_step`'s trace: per projection of a layer, the mean over the trace's whole layers of the us from
+    the end of the kernel that wrote its x (the latest such kernel that started before it) to its end
+    (`from_x_us`), and from its start to its end (`own_us`). The trace's projections are taken four a layer in
+    order from its first q/k/v; LoRA launches and other kernels are not projections."""
+    sums: dict[str, list[float]] = {p: [0.0, 0.0, 0] for p in PROJECTIONS}
+    writer_end: dict[str, float] = {}
+    i = 0
+    for k in trace:
+        name = k["kernel"]
+        for w in set(X_WRITERS):
+            if name.startswith(w):
+                writer_end[w] = k["end_us"]
+        if not any(p in name for p in PROJECTION_KERNELS) or "fused" in name:
+            continue
+        proj, writer = PROJECTIONS[i % 4], X_WRITERS[i % 4]
+        i += 1
+        if writer not in writer_end:
+            continue                           # the first q/k/v of a step follows the embedding, not a norm
+        acc = sums[proj]
+        acc[0] += k["end_us"] - writer_end[writer]
+        acc[1] += k["end_us"] - k["start_us"]
+        acc[2] += 1
+    return {p: dict(from_x_us=round(a / n, 2), own_us=round(b / n, 2), layers=n)
+            for p, (a, b, n) in sums.items() if n}
+
+
 def profile_case(engine, name: str, batch: int, rows, distinct: bool, loaded: set, steps: int, dev: torch.device,
                  top: int, trace: int = 0) -> dict:
     from compute_service.engine import SamplingParams
@@ -107,6 +144,7 @@ def profile_case(engine, name: str, batch: int, rows, distinct: bool, loaded: se
         res["timeline"] = timeline(events, steps, top)
     if trace:
         res["trace"] = last_step(events, steps, trace)
+        res["projections"] = projection_spans(res["trace"])
     return res
 
 
@@ -124,6 +162,8 @@ def report(r: dict) -> None:
               f"{g['before']}")
     for k in r.get("trace", []):
         print(f"   {k['start_us']:9.2f} {k['end_us']:9.2f}  {k['kernel']}")
+    for p, v in r.get("projections", {}).items():
+        print(f"   {p:8s} from its x {v['from_x_us']:6.2f} us, its own {v['own_us']:6.2f} us ({v['layers']} layers)")
 
 
 def main() -> None:

@@ -115,6 +115,29 @@ def test_step_profile_smoke_and_timeline(tmp_path):
     assert last_step(trace[:4], steps=2, first=1) == [dict(kernel="c", start_us=0.0, end_us=10.0)]
 
 
+def test_step_profile_projection_spans():
+    """Per projection of a layer: from the end of the kernel that wrote its x (the latest one that started before
+    it, which a dependent launch overlaps) to the projection's end, and its own start to end, over whole layers;
+    LoRA launches and the first q/k/v of a step (after the embedding, no norm) are left out."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from step_profile import projection_spans
+
+    def k(name, start, end):
+        return dict(kernel=name, start_us=start, end_us=end)
+
+    layer = [k("_add_rms_norm_kernel", 0, 2), k("_fused_kernel", 1, 9), k("quant_gemv_kernel", 1.5, 10),
+             k("_rope_cache_kernel", 9, 11), k("_paged_decode_kernel", 10, 14), k("quant_gemv_kernel", 12, 20),
+             k("_add_rms_norm_kernel", 19, 21), k("quant_gemv_tma_kernel", 20, 45), k("_silu_mul_kernel", 44, 46),
+             k("quant_gemv_kernel", 45, 60)]
+    first = [k("index_elementwise", -5, -1), k("quant_gemv_kernel", -1, 0)]      # a step's first q/k/v
+    trace = first + layer[3:] + [dict(e, start_us=e["start_us"] + 60, end_us=e["end_us"] + 60) for e in layer]
+    spans = projection_spans(trace)
+    assert spans["qkv"] == dict(from_x_us=8.0, own_us=8.5, layers=1)         # 70 - 62
+    assert spans["o"] == dict(from_x_us=6.0, own_us=8.0, layers=2)           # 20 - 14 in both layers
+    assert spans["gate_up"] == dict(from_x_us=24.0, own_us=25.0, layers=2)
+    assert spans["down"] == dict(from_x_us=14.0, own_us=15.0, layers=2)
+
+
 def _results(script: str, args: list[str], out: Path) -> dict:
     """Runs a benchmark script with `--out out` and returns what it wrote (its stderr when it failed)."""
     proc = _run([script, *args, "--out", str(out)])
