@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.addend import take_addend
-from kernels.pdl import (before_x, compiled, launch_args, pdl_enabled, read_early, read_input,
+from kernels.pdl import (before_x, check_ready, compiled, launch_args, pdl_enabled, read_early, read_input,
                          wait_then_release)
 
 
@@ -105,8 +105,7 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
         raise ValueError(f"bias must be {n} contiguous elements, got {tuple(bias.shape)}")
     if addend is not None and (addend.numel() != n or not addend.is_contiguous() or addend.dtype != torch.float32):
         raise ValueError(f"addend must be {n} contiguous float32 elements, got {addend.dtype} {tuple(addend.shape)}")
-    if ready is not None and (addend is None or ready.dtype != torch.int32 or ready.numel() != 1):
-        raise ValueError("a ready flag is one int32 element, with an addend")
+    check_ready(ready, x.device, addend is not None, "with an addend")
     if n == 0:
         return
     cfg = config or pick_gemv_config(n, k)

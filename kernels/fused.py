@@ -32,7 +32,7 @@ from kernels.env_switch import env_int
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import launch_args, pdl_enabled, release, wait_then_flag, wait_then_release
+from kernels.pdl import check_ready, launch_args, pdl_enabled, release, wait_then_flag, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_input,
                             check_launch, check_slices, rank_block)
 from kernels.dots import dot
@@ -117,6 +117,15 @@ def _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N:
 
 
 @triton.jit
+def _wait(ready_ptr, READY: tl.constexpr, USE_PDL: tl.constexpr):
+    """The program's wait: under READY the flag set after it (the next kernel was released at the start)."""
+    if READY:
+        wait_then_flag(ready_ptr, USE_PDL)
+    else:
+        wait_then_release(USE_PDL)
+
+
+@triton.jit
 def _fused_kernel(
     x_ptr, x_stride, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, y_ptr, y_stride,
     s_ptr, s_stride, cnt_ptr, ready_ptr,
@@ -137,18 +146,12 @@ def _fused_kernel(
         release(USE_PDL)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
-        if READY:
-            wait_then_flag(ready_ptr, USE_PDL)
-        else:
-            wait_then_release(USE_PDL)
+        _wait(ready_ptr, READY, USE_PDL)
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                    # [BLOCK_M]
-    if READY:
-        wait_then_flag(ready_ptr, USE_PDL)
-    else:
-        wait_then_release(USE_PDL)
+    _wait(ready_ptr, READY, USE_PDL)
     cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
     ticket = tl.atomic_add(cnt, 1, sem="relaxed")
     # Rank blocks: an adapter of rank <= SMALL_R in a pool of larger ranks takes tiles of SMALL_R rows, others
@@ -342,9 +345,7 @@ def lora_fused_triton(
         # (kernels/dense_gemv.py) and so must follow a launch that did not write that input.
         return
     widths = [b - a for a, b in zip(offs, offs[1:])]
-    if ready is not None and (y.dtype != torch.float32 or ready.dtype != torch.int32 or ready.numel() != 1
-                              or ready.device != x.device):
-        raise ValueError("a ready flag is one int32 element on x's device, for a launch into a float32 delta")
+    check_ready(ready, x.device, y.dtype == torch.float32, "for a launch into a float32 delta")
     cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device, delta=y.dtype == torch.float32)
     if config:
         cfg.update(config)

@@ -144,6 +144,13 @@ def wait_then_release(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+def check_ready(ready: torch.Tensor | None, device: torch.device, allowed: bool, what: str) -> None:
+    """A `x_ready` flag (if any) is one int32 element on `device`, passed only where `allowed` (`what` says when)."""
+    if ready is not None and (not allowed or ready.dtype != torch.int32 or ready.numel() != 1
+                              or ready.device != device):
+        raise ValueError(f"a ready flag is one int32 element on {device}, {what}")
+
+
 def compiled() -> bool:
     """Whether Triton compiles the kernels (not its interpreter, TRITON_INTERPRET=1, which runs no inline
     assembly: fences, timers, traps): what launches pass as their COMPILED / FENCE / ASM flags."""

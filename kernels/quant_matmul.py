@@ -28,7 +28,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.env_switch import env_int
-from kernels.pdl import compiled, launch_args, pdl_enabled
+from kernels.pdl import check_ready, compiled, launch_args, pdl_enabled
 from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs_layout,  # noqa: F401
                                   pair_codes_layout, pick_config)
 from kernels.quant_gemv import quant_gemv_kernel
@@ -107,8 +107,7 @@ def quant_matmul(
                                or not addend.is_contiguous()):
         raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
                          f"block_m {cfg.block_m}, {addend.dtype} {tuple(addend.shape)}")
-    if ready is not None and (addend is None or ready.dtype != torch.int32 or ready.numel() != 1):
-        raise ValueError("a ready flag is one int32 element, with an addend")
+    check_ready(ready, x.device, addend is not None, "with an addend")
     num_blocks = w.padded_in_features // block_k(w.bits)
     split = min(cfg.split_k, num_blocks)
     per_split = -(-num_blocks // split)

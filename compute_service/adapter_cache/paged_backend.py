@@ -46,10 +46,9 @@ class PagedLoraBackend:
     # A one-token step may run the LoRA first, into float32 zeros that the base projection's one-row kernel
     # adds (LlamaModel._project): `apply` then always launches (the fused kernel, for any float32 output),
     # so that kernel follows a launch that did not write its input.
+    # With `ready` (an int32 flag, zero) it sets the flag once x is written, releasing the base kernel that adds
+    # the delta at its start (kernels/pdl.py, `x_ready`).
     delta_first = True
-    # ... and with `ready` (an int32 flag, zero) it sets the flag once x is written, releasing the base kernel that
-    # adds the delta at its start (kernels/pdl.py, `x_ready`; LlamaModel._project).
-    takes_ready = True
 
     def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
         self.slots = slots

@@ -286,13 +286,12 @@ class LlamaModel:
         if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
-            if self._ready_flags is not None and getattr(lora, "takes_ready", False):
+            ready = None
+            if self._ready_flags is not None:
                 slot = len(GROUP_SLOTS) * i + GROUP_SLOTS[group]
                 ready = self._ready_flags[slot: slot + 1]
-                lora.apply(i, group, x, list(delta.split(widths, dim=-1)), ready=ready)
-                return linear(x, addend=delta, ready=ready), None
-            lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-            return linear(x, addend=delta), None
+            lora.apply(i, group, x, list(delta.split(widths, dim=-1)), ready=ready)
+            return linear(x, addend=delta, ready=ready), None
         side = self._lora_stream
         kw = {} if x_sums is None else {"x_sums": x_sums}
         if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():

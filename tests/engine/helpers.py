@@ -124,6 +124,20 @@ def w4_engine(folder: Path, adapters: Path, max_num_seqs: int):
     return engine
 
 
+def record_calls(monkeypatch, module, name: str, what) -> list:
+    """Replaces module.name with a wrapper that calls it and records `what(*args, **kwargs)` of each call into the
+    returned list (e.g. whether a launch took a LoRA delta)."""
+    seen: list = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(what(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
 def decode_alone(engine, key: str = "all", seed: int = 5, max_tokens: int = 10) -> dict:
     """Prompts "a" and "b" (6 random tokens each) decoded one request at a time (one-token steps), each with
     adapter `key` and without one: {(request id, key or None): (tokens, logits rows)}, for `assert_same_logits`."""

@@ -61,14 +61,7 @@ def test_lora_first_matches_the_earlier_order(mid_llama, monkeypatch):
     import kernels.dense_gemv as dg
 
     _, folder, adapters = mid_llama
-    added = []
-    real = dg.dense_gemv
-
-    def spy(*a, **k):
-        added.append(k.get("addend") is not None)
-        return real(*a, **k)
-
-    monkeypatch.setattr(dg, "dense_gemv", spy)
+    added = helpers.record_calls(monkeypatch, dg, "dense_gemv", lambda *a, **k: k.get("addend") is not None)
     engine, first = _run(folder, adapters, monkeypatch, "1")
     assert engine.runner.model._lora_delta is not None
     assert any(added), "no one-token projection added the LoRA delta in its GEMV"

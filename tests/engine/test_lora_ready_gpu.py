@@ -51,14 +51,7 @@ def test_lora_ready_matches_the_default_order(bf16_llama, w4_llama, quantized, m
     import kernels.fused as fused
 
     folder, adapters = w4_llama if quantized else bf16_llama
-    flagged = []
-    real = fused.lora_fused_triton
-
-    def spy(*a, **k):
-        flagged.append(k.get("ready") is not None)
-        return real(*a, **k)
-
-    monkeypatch.setattr(fused, "lora_fused_triton", spy)
+    flagged = helpers.record_calls(monkeypatch, fused, "lora_fused_triton", lambda *a, **k: k.get("ready") is not None)
     engine, ready = _run(folder, adapters, quantized, monkeypatch, "1")
     assert engine.runner.model._ready_flags is not None and any(flagged), "no LoRA launch took a ready flag"
     flagged.clear()
