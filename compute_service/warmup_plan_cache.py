@@ -32,9 +32,8 @@ ENABLE_ENV = "LORAPLEX_WARMUP_PLAN_CACHE"
 SUBFOLDER = "loraplex-warmup-plans"
 SOURCE_PACKAGES = ("kernels", "compute_service")     # the kernels' choices and the backend that launches them
 # Environment switches of the compute process that change which kernels a step launches (docs/deploy.md), beside
-# kernels.pdl.ENV and kernels.quant_h2.ENV (`switch_parts`); these are read in compute_service/engine/model.py.
-ENGINE_SWITCHES = ("LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP", "LORAPLEX_LORA_OVERLAP_TOKENS",
-                   "LORAPLEX_LORA_READY")
+# kernels.pdl.ENV and kernels.quant_h2.ENV (`switch_parts`); these three are read in compute_service/engine/model.py.
+ENGINE_SWITCHES = ("LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP", "LORAPLEX_LORA_OVERLAP_TOKENS")
 
 
 @dataclass(frozen=True)
@@ -77,15 +76,13 @@ def local_parts(device: torch.device) -> dict[str, Any]:
 
 def switch_names() -> tuple[str, ...]:
     """The environment switches that change which kernels a step launches."""
-    from kernels.fused import MAXNREG_ENV
     from kernels.pdl import ENV as PDL_ENV
     from kernels.quant_h2 import ENV as FP16_PAIRS_ENV
     from kernels.quant_matmul import TILE_TMA_ENV, TMA_ENV
     from kernels.quant_wgmma import ENV as ASYNC_DOTS_ENV
     from kernels.quant_wgmma import ONE_ROW_ENV, SYNC_ENV
 
-    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV,
-            MAXNREG_ENV)
+    return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV)
 
 
 def switch_parts() -> str:

@@ -80,18 +80,14 @@ def lora_fused(
     x: torch.Tensor, pool: torch.Tensor, tables: LoraRowTables, meta: LoraBatchMeta, layer: int,
     module_indices: Sequence[int], y: torch.Tensor, slice_offsets: Sequence[int],
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None, use_triton: bool | None = None,
-    ready: torch.Tensor | None = None,
 ) -> None:
     """y[t, off[i]:off[i+1]] += (x[t] @ A[a(t), layer, m_i].T) @ B[a(t), layer, m_i].T, in one launch.
 
     Shapes as `lora_shrink` (x [T, H_in]) and `lora_expand` (y [T, >= slice_offsets[-1]]); `workspace` is
     `kernels.fused.fused_workspace(max_tokens, max_cols, device)`, needed on the GPU for small batches.
-    `ready`: a flag the launch sets once x is written (`kernels.fused.lora_fused_triton`; set at once on the CPU).
     """
     if _want_triton(x, use_triton):
         from kernels.fused import lora_fused_triton
-        lora_fused_triton(x, pool, tables, meta, layer, module_indices, y, slice_offsets, workspace, ready=ready)
+        lora_fused_triton(x, pool, tables, meta, layer, module_indices, y, slice_offsets, workspace)
     else:
         lora_apply_ref(x, pool, tables, meta, layer, module_indices, y, slice_offsets)
-        if ready is not None:
-            ready.fill_(1)

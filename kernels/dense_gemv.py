@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.addend import take_addend
-from kernels.pdl import (before_x, check_ready, compiled, launch_args, pdl_enabled, read_early, read_input,
-                         wait_then_release)
+from kernels.pdl import compiled, launch_args, pdl_enabled, read_early, read_input, wait_then_release
 
 
 @dataclass(frozen=True)
@@ -33,24 +32,24 @@ class DenseGemvConfig:
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, ready_ptr, out_ptr, N, K, stride_w,
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        EVEN_K: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr, FENCE: tl.constexpr,
-                       NUM_THREADS: tl.constexpr, READY: tl.constexpr = False):
+                       NUM_THREADS: tl.constexpr):
     """ADD: out += add (fp32, left zero), and x is read before the wait, after `read_early`'s fence (see
-    `dense_gemv`; FENCE: compiled, not interpreted); READY: after the LoRA launch's flag (kernels/pdl.py,
-    `x_ready`)."""
+    `dense_gemv`; FENCE: compiled, not interpreted)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]          # [BN, BK]
-    read_early(ADD and FENCE and not READY, NUM_THREADS)
+    read_early(ADD and FENCE, NUM_THREADS)
     # The first weight tile does not depend on the previous kernel: it is read before the wait.
     if EVEN_K:
         w = tl.load(rows, mask=n_mask[:, None], other=0.0)
     else:
         w = tl.load(rows, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    before_x(ADD, READY, ready_ptr, USE_PDL, FENCE, NUM_THREADS)
+    if not ADD:
+        wait_then_release(USE_PDL)
     xv = read_input(x_ptr + offs_k, offs_k < K, EVEN_K)
     acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -82,17 +81,14 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
                bias: torch.Tensor | None,       # [N] or None
                out: torch.Tensor,               # [N] or [1, N], contiguous, x's dtype
                config: DenseGemvConfig | None = None,
-               addend: torch.Tensor | None = None,    # [N] or [1, N] float32, contiguous
-               ready: torch.Tensor | None = None) -> None:    # int32 flag of the LoRA launch that wrote the addend
+               addend: torch.Tensor | None = None) -> None:   # [N] or [1, N] float32, contiguous
     """Semantics (fp32 accumulation): out[:] = (w.float() @ x.float().reshape(-1) + bias + addend).to(out.dtype);
     the addend is left all zeros.
 
     With an addend the kernel is meant to follow the launch that wrote it (the LoRA delta, written into
     zeros): it reads x and the whole weight before waiting for that launch and waits only to add it.
     So x must not be written by the launch just before this one (kernels/pdl.py): the caller guarantees
-    that every kernel since x was written wrote nothing this one reads but the addend. `ready` (with an addend):
-    the LoRA launch released this one at its start and sets the flag once x is written (kernels/pdl.py, `x_ready`);
-    x is read after it."""
+    that every kernel since x was written wrote nothing this one reads but the addend."""
     k = x.shape[-1]
     n = w.shape[0]
     if x.numel() != k or x.stride(-1) != 1:
@@ -105,16 +101,14 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
         raise ValueError(f"bias must be {n} contiguous elements, got {tuple(bias.shape)}")
     if addend is not None and (addend.numel() != n or not addend.is_contiguous() or addend.dtype != torch.float32):
         raise ValueError(f"addend must be {n} contiguous float32 elements, got {addend.dtype} {tuple(addend.shape)}")
-    check_ready(ready, x.device, addend is not None, "with an addend")
     if n == 0:
         return
     cfg = config or pick_gemv_config(n, k)
     grid = (triton.cdiv(n, cfg.block_n),)
     pdl = pdl_enabled(x.device)
-    _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, addend if addend is not None else out,
-                             ready if ready is not None else out, out,
+    _dense_gemv_kernel[grid](x, w, bias if bias is not None else out, addend if addend is not None else out, out,
                              n, k, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-                             EVEN_K=k % cfg.block_k == 0, ADD=addend is not None, READY=ready is not None,
+                             EVEN_K=k % cfg.block_k == 0, ADD=addend is not None,
                              FENCE=compiled(), NUM_THREADS=32 * cfg.num_warps,
                              num_warps=cfg.num_warps, **launch_args(pdl))
 

@@ -28,11 +28,10 @@ import triton
 import triton.language as tl
 
 from kernels.expand import _alignment
-from kernels.env_switch import env_int
 from kernels.host_ints import cdiv, next_pow2
 from kernels.meta import LoraBatchMeta
 from kernels.paged import LoraRowTables
-from kernels.pdl import check_ready, launch_args, pdl_enabled, release, wait_then_flag, wait_then_release
+from kernels.pdl import launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import (DECODE_MAX_TOKENS, MAX_SLICES, SMALL_RANK, _capturing, _num_sms, check_input,
                             check_launch, check_slices, rank_block)
 from kernels.dots import dot
@@ -45,8 +44,6 @@ FUSED_MAX_TOKENS = 16
 COUNTERS = 1 << 16         # counters in a default workspace (8 per token tile)
 # Column groups of a one-token launch that writes a float32 delta (the one-row base kernel runs beside it).
 DELTA_MAX_GROUPS = 48
-# LORAPLEX_FUSED_MAXNREG (A/B runs, `fused_maxnreg`): a bound on the launch's registers a thread.
-MAXNREG_ENV = "LORAPLEX_FUSED_MAXNREG"
 
 
 @triton.jit
@@ -117,41 +114,28 @@ def _add_cols(y_ptr, y_stride, toks, m_mask, col0, offs_n, n_mask, acc, BLOCK_N:
 
 
 @triton.jit
-def _wait(ready_ptr, READY: tl.constexpr, USE_PDL: tl.constexpr):
-    """The program's wait: under READY the flag set after it (the next kernel was released at the start)."""
-    if READY:
-        wait_then_flag(ready_ptr, USE_PDL)
-    else:
-        wait_then_release(USE_PDL)
-
-
-@triton.jit
 def _fused_kernel(
     x_ptr, x_stride, pool_ptr, a_off_ptr, b_off_ptr, ranks_ptr, y_ptr, y_stride,
-    s_ptr, s_stride, cnt_ptr, ready_ptr,
+    s_ptr, s_stride, cnt_ptr,
     tok_ptr, seg_starts_ptr, seg_slots_ptr, max_slots,
     layer, num_layers, num_modules, max_rank, R_PAD, K, K_PER_SPLIT, GROUP_N,
     mod0, mod1, mod2, mod3, off0, off1, off2, off3, off4, grp1, grp2, grp3, num_groups,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MAX_SEGS: tl.constexpr, EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr, COL_ALIGN: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr, READY: tl.constexpr = False,
+    SMALL_R: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     # With programmatic dependent launch (kernels/pdl.py) the step's metadata is read before the wait for
     # the previous kernel; the workspace (which the previous launch leaves zero at its end), x and y after.
-    # READY (`x_ready` there): the next kernel (the base projection that adds the delta) is released at once, and
-    # every program sets the flag at ready_ptr after its wait.
     pid_tile = tl.program_id(1)
-    if READY:
-        release(USE_PDL)
     num_tiles, seg, m_start, seg_end = segment_tile(pid_tile, seg_starts_ptr, max_slots, BLOCK_M, MAX_SEGS)
     if pid_tile >= num_tiles:
-        _wait(ready_ptr, READY, USE_PDL)
+        wait_then_release(USE_PDL)
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     toks = tl.load(tok_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)                    # [BLOCK_M]
-    _wait(ready_ptr, READY, USE_PDL)
+    wait_then_release(USE_PDL)
     cnt = cnt_ptr + pid_tile * 8         # [0] tickets, [1 + slice] shrink splits arrived, [5] expands done
     ticket = tl.atomic_add(cnt, 1, sem="relaxed")
     # Rank blocks: an adapter of rank <= SMALL_R in a pool of larger ranks takes tiles of SMALL_R rows, others
@@ -218,15 +202,6 @@ def _fused_kernel(
                     tl.store(s_ptr + toks[:, None] * s_stride + i * R_PAD + r0 + offs_r[None, :], zero,
                              mask=m_mask[:, None])
             tl.store(cnt + tl.arange(0, 8), tl.zeros((8,), dtype=tl.int32))
-
-
-def fused_maxnreg() -> int | None:
-    """LORAPLEX_FUSED_MAXNREG (A/B runs; unset or 0: no bound): the most registers a thread of a fused launch may
-    hold. In a pool of rank 64 or more the kernel's sm_90 code takes 168 (three programs an SM, 4 warps); bounded
-    to 128 it fits four, with ~300 B of spills (`scripts/kernel_sass.py --maxnreg`). At 8-16 tokens a launch is
-    700-960 programs beside the base projection, so programs an SM may count (docs/kernels.md, "Fused kernel")."""
-    value = env_int(MAXNREG_ENV, lambda v: v == 0 or 64 <= v <= 255, "0 (no bound) or a register count 64-255")
-    return value or None
 
 
 def max_tiles(T: int, block_m: int, max_slots: int) -> int:
@@ -313,14 +288,8 @@ def lora_fused_triton(
     slice_offsets: Sequence[int],    # num_slices + 1 increasing column boundaries in y
     workspace: tuple[torch.Tensor, torch.Tensor] | None,   # fused_workspace(>= T, >= tables.max_rank, device)
     config: dict[str, int] | None = None,  # overrides of fused_config's choices (for tuning and tests)
-    ready: torch.Tensor | None = None,   # int32 flag, zero: set once x is written (a float32 y only; see below)
 ) -> None:
     """Shrink and expand of every slice and adapter in one launch, adding into `y` in place.
-
-    `ready` (one element of an int32 tensor holding zero; with a float32 y, the delta a one-row base kernel launched
-    next adds): this launch releases that kernel at its start and sets the flag to 1 once it has passed its wait,
-    so that kernel starts early and reads x only after the flag (kernels/pdl.py, `x_ready`). Without PDL the flag is
-    set all the same.
 
     Semantics:
         for t with slot a = a(t) >= 0, for i, m in enumerate(module_indices):
@@ -345,7 +314,6 @@ def lora_fused_triton(
         # (kernels/dense_gemv.py) and so must follow a launch that did not write that input.
         return
     widths = [b - a for a, b in zip(offs, offs[1:])]
-    check_ready(ready, x.device, y.dtype == torch.float32, "for a launch into a float32 delta")
     cfg = fused_config(T, K, widths, tables.max_rank, meta.max_slots, x.device, delta=y.dtype == torch.float32)
     if config:
         cfg.update(config)
@@ -369,11 +337,9 @@ def lora_fused_triton(
     offs = offs + [offs[-1]] * (MAX_SLICES + 1 - len(offs))
     grid = (num_slices * cfg["SPLIT_K"] + num_groups, tiles)
     pdl = bool(cfg.get("PDL", pdl_enabled(x.device)))
-    maxnreg = fused_maxnreg()
-    bound = {"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}
     _fused_kernel[grid](
         x, x.stride(0), pool, tables.a_offsets, tables.b_offsets, tables.ranks, y, y.stride(0),
-        sums, sums.stride(0), counters, ready if ready is not None else counters,
+        sums, sums.stride(0), counters,
         meta.token_indices, meta.seg_starts, meta.seg_slots, meta.max_slots,
         layer, tables.num_layers, tables.num_modules, tables.max_rank, r_pad, K, cfg["K_PER_SPLIT"], cfg["GROUP_N"],
         *mods, *offs, *firsts, num_groups,
@@ -381,7 +347,6 @@ def lora_fused_triton(
         BLOCK_N=cfg["BLOCK_N"], SPLIT_K=cfg["SPLIT_K"], MAX_SEGS=next_pow2(meta.max_slots),
         EVEN_K=(K % cfg["BLOCK_K"] == 0), ROW_ALIGN=tables.row_alignment(), COL_ALIGN=_alignment(offs),
         IEEE=pool.dtype == torch.float32, SMALL_R=min(SMALL_RANK, cfg["BLOCK_R"]), ONE_BLOCK=r_pad <= cfg["BLOCK_R"],
-        READY=ready is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_args(pdl), **bound,
+        **launch_args(pdl),
     )

@@ -25,16 +25,6 @@ thread: a memory barrier and an invalidation of the SM's L1), after which its lo
 and may then be served by L1. On the CPU, in the interpreter, before Hopper, or with
 LORAPLEX_PDL=0, or with a driver older than CUDA 12.3, nothing changes: the kernels are compiled
 without the wait and launched plainly.
-
-`x_ready` (LORAPLEX_LORA_READY=1; an exception to the third rule for that pair): the LoRA launch releases the base
-kernel at its start (`release`), so the base kernel becomes resident and reads its first block of weights while x
-is still being written, as it does without adapters, instead of starting only once the LoRA launch has passed its
-wait. The base kernel then reads x only after the LoRA launch has passed its wait: every LoRA program sets a flag
-after its wait (`wait_then_flag`, a release store), and the base kernel spins on it (`wait_ready`: one thread
-a program polls with acquire loads, the others meet it at a barrier) and fences before its first read of x. The
-base kernel's own wait (for the LoRA's delta) stays where it is. Flags are per projection of a step and zeroed
-at the step's start (`LlamaModel`). No deadlock: the base kernel is launched only once every LoRA program has run
-its release, so every program that sets the flag is resident.
 """
 from __future__ import annotations
 
@@ -83,72 +73,11 @@ def read_early(ON: tl.constexpr, NUM_THREADS: tl.constexpr):
 
 
 @triton.jit
-def _flag(ptr, ASM: tl.constexpr):
-    """The int32 at ptr as the program's first thread reads it, with acquire semantics; the other threads get 1
-    (compiled: one poller a program, not one a warp). Interpreted: an atomic add of 0 (one thread a program)."""
-    if ASM:
-        v = tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;\n"
-                                      "mov.b32 $0, 1;\n @p ld.acquire.gpu.global.b32 $0, [$1]; }", "=r,l", [ptr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        v = tl.atomic_add(ptr, 0, sem="acquire")
-    return v
-
-
-@triton.jit
-def wait_ready(ready_ptr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr):
-    """A base kernel's wait for its x under `x_ready` (the module's docstring): the program's first thread spins
-    until the launch before it has passed its own wait (the flag at ready_ptr is nonzero; polls ~100 ns apart),
-    the program's threads meet it at a barrier, and each runs `read_early`'s fence, after which x is read through
-    L1 like any input. FENCE: compiled (the interpreter runs launches one after another: the flag is set)."""
-    while _flag(ready_ptr, FENCE) == 0:
-        if FENCE:
-            tl.inline_asm_elementwise("nanosleep.u32 100;\n mov.b32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    tl.debug_barrier()
-    read_early(FENCE, NUM_THREADS)
-
-
-@triton.jit
-def before_x(ADD: tl.constexpr, READY: tl.constexpr, ready_ptr, USE_PDL: tl.constexpr, FENCE: tl.constexpr,
-             NUM_THREADS: tl.constexpr):
-    """A one-row base kernel's step before its first read of x: its wait without an addend; with one, nothing
-    (`read_early` ran at its start), or under `x_ready` (READY) the spin on the LoRA launch's flag."""
-    if not ADD:
-        wait_then_release(USE_PDL)
-    elif READY:
-        wait_ready(ready_ptr, FENCE, NUM_THREADS)
-
-
-@triton.jit
-def wait_then_flag(ready_ptr, USE_PDL: tl.constexpr):
-    """The LoRA launch's side of `x_ready`: its wait, after which it sets the flag at ready_ptr (its next kernel was
-    released at its start, `release`)."""
-    if USE_PDL:
-        gdc_wait()
-    tl.atomic_xchg(ready_ptr, 1, sem="release")
-
-
-@triton.jit
-def release(USE_PDL: tl.constexpr):
-    """Lets the next kernel start now, before this one's wait (`x_ready`; no-op without PDL)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def wait_then_release(USE_PDL: tl.constexpr):
     """Waits for the previous kernel's results, then lets the next kernel start (no-op without PDL)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-def check_ready(ready: torch.Tensor | None, device: torch.device, allowed: bool, what: str) -> None:
-    """A `x_ready` flag (if any) is one int32 element on `device`, passed only where `allowed` (`what` says when)."""
-    if ready is not None and (not allowed or ready.dtype != torch.int32 or ready.numel() != 1
-                              or ready.device != device):
-        raise ValueError(f"a ready flag is one int32 element on {device}, {what}")
 
 
 def compiled() -> bool:

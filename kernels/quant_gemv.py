@@ -33,7 +33,7 @@ Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded 
 import triton
 import triton.language as tl
 
-from kernels.pdl import before_x, read_early, read_input, wait_then_release
+from kernels.pdl import read_early, read_input, wait_then_release
 from kernels.quant_h2 import h2_acc4, h2_nsum, h2_quad_sum, h2_x
 from kernels.quant_split import write_out
 from kernels.quant_tile import biased_field, field_bias
@@ -307,13 +307,13 @@ def _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs
 
 
 @triton.jit
-def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, add_ptr, ready_ptr,
+def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, add_ptr,
                       T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
                       PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False,
-                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False, READY: tl.constexpr = False):
+                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
@@ -323,8 +323,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
     H2 (PAIRED, bfloat16 x in 4-byte aligned rows, 16-byte aligned words): `_halves_step_h2`, two blocks a loop
     step in two register sets, each block's words and x requested before the previous block's arithmetic. EVEN_N
-    (N a multiple of BLOCK_N): the H2 path reads its words unmasked. READY (with ADD): x is read only after the flag
-    at ready_ptr says the LoRA launch before has passed its wait (kernels/pdl.py, `x_ready`)."""
+    (N a multiple of BLOCK_N): the H2 path reads its words unmasked."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -335,13 +334,14 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (PAIRED)
-    read_early(ADD and FENCE and not READY, NUM_THREADS)     # ADD: x is read before the wait
+    read_early(ADD and FENCE, NUM_THREADS)                   # ADD: x is read before the wait
     if ROWS:
         offs_n = tl.max_contiguous(offs_n, 1)   # per-row values stay in the rows' layout (no vector reads or writes)
         w_rows4 = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + tl.arange(0, 4)[None, :]      # [BN, 4]
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         row_words = _row_words(w_rows4, b_lo, n_mask)
-        before_x(ADD, READY, ready_ptr, USE_PDL, FENCE, NUM_THREADS)
+        if not ADD:
+            wait_then_release(USE_PDL)
         total = _rows_step(row_words, b_lo, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM,
                            X32)
         for b in range(b_lo + 1, b_hi):
@@ -356,7 +356,8 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         # split's last block. The first block's x comes after the wait (the launch before writes it). Each block's
         # scales and offsets are read in its step, in the words' layout (`tile_value`).
         words, g_a, g_b = _paired_block(w_rows, b_lo, n_mask, GROUP, EVEN_N)
-        before_x(ADD, READY, ready_ptr, USE_PDL, FENCE, NUM_THREADS)
+        if not ADD:
+            wait_then_release(USE_PDL)
         xv = x_words(x_base, b_lo, offs_j, K, EVEN_K)
         for it in range(0, (b_hi - b_lo) // 2):
             b = b_lo + 2 * it
@@ -374,7 +375,8 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         total = tl.sum(acc, axis=1)
     else:
         words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
-        before_x(ADD, READY, ready_ptr, USE_PDL, FENCE, NUM_THREADS)
+        if not ADD:
+            wait_then_release(USE_PDL)
         acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                                  GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
         for b in range(b_lo + 1, b_hi):

@@ -19,7 +19,7 @@ pipeline's start costing what it hides (bench/results/quant_tma_ab.json).
 import triton
 import triton.language as tl
 
-from kernels.pdl import before_x, read_early, wait_then_release
+from kernels.pdl import read_early, wait_then_release
 from kernels.quant_gemv import h2_block, half_groups, one_row_out, scale_tiles, x_words
 
 
@@ -35,12 +35,11 @@ def _prefetch_rows(w_ptr, offs_n, words_per_row, b, ON: tl.constexpr):
 
 @triton.jit
 def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, add_ptr,
-                          ready_ptr,
                           T, N, K, stride_x, stride_out, words_per_row, blocks_per_split, num_blocks, split_k,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           EVEN_K: tl.constexpr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, ASM: tl.constexpr,
                           USE_PDL: tl.constexpr, ADD: tl.constexpr, STAGES: tl.constexpr,
-                          SCALES_AHEAD: tl.constexpr, READY: tl.constexpr = False):
+                          SCALES_AHEAD: tl.constexpr):
     """`quant_gemv_kernel`'s H2 path (one token row per program, grid axis 1; BLOCK_N features, axis 0; a range
     of K blocks, axis 2), its words read through w_desc (a [BLOCK_N, 32] box of the [N, words_per_row] int32
     words, which w_ptr also points to, for the L2 requests before the wait)."""
@@ -51,11 +50,12 @@ def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
-    read_early(ADD and FENCE and not READY, NUM_THREADS)     # ADD: x is read before the wait (READY: after the flag)
+    read_early(ADD and FENCE, NUM_THREADS)                   # ADD: x is read before the wait
     rows = tl.minimum(offs_n, N - 1)
     for i in tl.static_range(STAGES - 1):
         _prefetch_rows(w_ptr, rows, words_per_row, tl.minimum(b_lo + i, b_hi - 1), USE_PDL and ASM)
-    before_x(ADD, READY, ready_ptr, USE_PDL, FENCE, NUM_THREADS)
+    if not ADD:
+        wait_then_release(USE_PDL)
     if SCALES_AHEAD:
         g_a, g_b = half_groups(b_lo, GROUP)
         s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)

@@ -46,8 +46,6 @@ class PagedLoraBackend:
     # A one-token step may run the LoRA first, into float32 zeros that the base projection's one-row kernel
     # adds (LlamaModel._project): `apply` then always launches (the fused kernel, for any float32 output),
     # so that kernel follows a launch that did not write its input.
-    # With `ready` (an int32 flag, zero) it sets the flag once x is written, releasing the base kernel that adds
-    # the delta at its start (kernels/pdl.py, `x_ready`).
     delta_first = True
 
     def __init__(self, slots: PagedAdapterSlots, max_num_batched_tokens: int) -> None:
@@ -95,31 +93,26 @@ class PagedLoraBackend:
     def groups_of(self, token_slot_ids: list[int]) -> frozenset[str]:
         return self.slots.groups_of(token_slot_ids)
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor],
-              ready: torch.Tensor | None = None) -> None:
-        """`ready`: a one-token launch into a float32 delta (one output) sets this flag once x is written
-        (`kernels.fused.lora_fused_triton`)."""
+    def apply(self, layer: int, group: str, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
         if group not in self.active_groups:
             return
         mods = self._group_modules[group]
         y, offsets = as_one_output(outs)
-        if ready is not None and (y is None or x.shape[0] > self._fused_max_tokens):
-            raise ValueError("a ready flag goes with one fused launch into one output")
         if y is not None:
-            self._shrink_expand(layer, group, 0, mods, x, y, offsets, ready)
+            self._shrink_expand(layer, group, 0, mods, x, y, offsets)
             return
         for i, out in enumerate(outs):   # slices not side by side in memory: one pass each
             self._shrink_expand(layer, group, i, [mods[i]], x, out, [0, out.shape[1]])
 
     def _shrink_expand(self, layer: int, group: str, first: int, mods: list[int], x: torch.Tensor,
-                       y: torch.Tensor, offsets: list[int], ready: torch.Tensor | None = None) -> None:
+                       y: torch.Tensor, offsets: list[int]) -> None:
         """y[:, offsets[i]:offsets[i+1]] += LoRA of slice first + i of the group (x [T, in]): every kernel
         launch of the backend."""
         tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
         assert tables is not None and pool is not None and meta is not None
         T = x.shape[0]
         if T <= self._fused_max_tokens:
-            lora_fused(x.contiguous(), pool, tables, meta, layer, mods, y, offsets, self._workspace, ready=ready)
+            lora_fused(x.contiguous(), pool, tables, meta, layer, mods, y, offsets, self._workspace)
             return
         R = tables.max_rank
         if T <= self._layer_buf_tokens:

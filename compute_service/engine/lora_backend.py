@@ -53,9 +53,7 @@ class LoraBackend(Protocol):
 
     active_groups: frozenset[str]
     # Optional `delta_first = True`: `apply` takes float32 outputs and always launches a GPU kernel for them,
-    # so the model may run a one-token step's LoRA before the base projection (LlamaModel._project); its
-    # `apply(..., ready=flag)` then sets the int32 flag (if not None) once x is written, for the base kernel
-    # launched next (kernels/pdl.py, `x_ready`).
+    # so the model may run a one-token step's LoRA before the base projection (LlamaModel._project).
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor, groups: frozenset[str] = ALL_GROUPS) -> None:
         """[T] int32 slot per token of the step (NO_ADAPTER = -1); called outside CUDA graphs."""

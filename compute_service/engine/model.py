@@ -36,13 +36,6 @@ OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
 Pending = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
-# A one-token step's LoRA launch releases the base kernel that adds its delta at its start, and the base kernel
-# reads x once the LoRA launch sets a flag after its wait (kernels/pdl.py, `x_ready`): the base kernel starts as
-# early as without adapters. LORAPLEX_LORA_READY=1 turns it on (off by default until measured on a GPU).
-READY_ENV = "LORAPLEX_LORA_READY"
-GROUP_SLOTS = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}       # a layer's flags, one per projection
-
-
 def overlap_tokens() -> int:
     """The most tokens a captured step runs its LoRA beside the base projection at: LORA_OVERLAP_TOKENS, or
     LORAPLEX_LORA_OVERLAP_TOKENS (2 or more; 1 turns the overlap off, as LORAPLEX_LORA_OVERLAP=0 does)."""
@@ -106,14 +99,6 @@ class LlamaModel:
         if self.fused and os.environ.get("LORAPLEX_LORA_FIRST", "1") != "0":
             width = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size, spec.hidden_size)
             self._lora_delta = torch.zeros(width, dtype=torch.float32, device=self.device)
-        # `x_ready` flags, one per projection of a step, zeroed at the step's first layer (`attention_in`).
-        self._ready_flags: torch.Tensor | None = None
-        if self._lora_delta is not None and os.environ.get(READY_ENV, "0") == "1":
-            from kernels.pdl import pdl_enabled
-
-            if pdl_enabled(self.device):
-                self._ready_flags = torch.zeros(len(GROUP_SLOTS) * len(weights.layers), dtype=torch.int32,
-                                                device=self.device)
 
     def shard_over(self, group: Any) -> None:
         """Tensor parallelism over `group` (a `compute_service.parallel.group.TensorParallelGroup` of 2+
@@ -193,8 +178,6 @@ class LlamaModel:
         from kernels.rope_cache import rope_and_cache
 
         spec, lw = self.spec, self.weights.layers[i]
-        if i == 0 and self._ready_flags is not None:
-            self._ready_flags.zero_()            # every projection's flag, once a forward, before any LoRA launch
         sums = self._norm_sums(lw.qkv, x)
         if pending is None:
             add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x, sums=sums)
@@ -278,20 +261,14 @@ class LlamaModel:
         a float32 output), and the kernel adds it: that kernel reads x and its whole
         weight before it waits for the LoRA launch (kernels/pdl.py), so the LoRA's chain of dependent
         memory round trips runs beside the weight reads instead of after them. x was written before the
-        LoRA launch, which writes only the delta. With LORAPLEX_LORA_READY=1 (`_ready_flags`) the LoRA launch
-        releases that kernel at its start, which then reads x once the LoRA launch has set the projection's flag
-        after its wait (kernels/pdl.py, `x_ready`), so it starts as early as without adapters."""
+        LoRA launch, which writes only the delta."""
         if lora is not None and group not in lora.active_groups:
             lora = None                 # no adapter of this step changes this group: the base projection alone
         if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
-            ready = None
-            if self._ready_flags is not None:
-                slot = len(GROUP_SLOTS) * i + GROUP_SLOTS[group]
-                ready = self._ready_flags[slot: slot + 1]
-            lora.apply(i, group, x, list(delta.split(widths, dim=-1)), ready=ready)
-            return linear(x, addend=delta, ready=ready), None
+            lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
+            return linear(x, addend=delta), None
         side = self._lora_stream
         kw = {} if x_sums is None else {"x_sums": x_sums}
         if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():

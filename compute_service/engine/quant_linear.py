@@ -130,13 +130,12 @@ class QuantLinear:
         return sums_width(cfg, self.packed, dtype)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
-                 x_sums: torch.Tensor | None = None, beside_lora: bool = False,
-                 ready: torch.Tensor | None = None) -> torch.Tensor:
+                 x_sums: torch.Tensor | None = None, beside_lora: bool = False) -> torch.Tensor:
         """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
         then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
         slice sums as `sums_width` asks for them ([T, K / width] float32), written with x. `beside_lora`: a LoRA
         launch runs beside this call on another stream (`LlamaModel._project`); the kernel's config leaves room
-        for it (`pick_config`). `ready` (with an addend): the LoRA launch's flag (kernels/pdl.py, `x_ready`)."""
+        for it (`pick_config`)."""
         if addend is not None and not self.takes_addend(x):
             raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -163,7 +162,7 @@ class QuantLinear:
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)
-        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, ready)
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums)
         return out.view(*lead, n)
 
 

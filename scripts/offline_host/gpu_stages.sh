@@ -64,11 +64,6 @@
 #                    rank 16, 64 and 256 (~1.5 minutes); with another commit's kernels unpacked under ab_kernels/
 #                    (`git archive C kernels | tar -x -C ab_kernels`: ignored, name it in the call's carry) the same
 #                    with those, both in one JSON (an A/B on one lease)
-#   lora-ready       LORAPLEX_LORA_READY's GPU tests, then bench/quant_decode.py at batch 1 with it 0 / 1 / 0 / 1 (4-bit)
-#                    and 0 / 1 (bf16): the one-token LoRA launch releasing its base kernel at its start (A/B);
-#                    then the batch-1 trace with it on (against bench/results/step_profile_w4_b1.json)
-#   fused-maxnreg    the fused LoRA kernel's GPU tests with LORAPLEX_FUSED_MAXNREG=128, then bench/quant_decode.py at
-#                    batch 1 / 8 / 16 with it 0 / 128 / 0 / 128 (4-bit; A/B)
 #   lora-step-sweep  bench/lora_step_sweep.py --focused at 32 and 64 tokens, each launch kind of a LoRA decode step
 #                    alone at its configuration and the combinations around it, for rank:pool pairs $SWEEP_CASES
 #                    (default 16:256,64:256: ~1 minute a pair; the one-knob sweep of every pair overran 600 s)
@@ -229,23 +224,6 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     python3 bench/quant_async_dots.py --rows "$rows" --commit "$commit" \
       --out "$out/quant_async_dots_rows${rows//,/_}.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
   async-dots-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS "1 0" async_dots ;;
-  fused-maxnreg)
-    [ -n "${SKIP_TESTS:-}" ] || LORAPLEX_FUSED_MAXNREG=128 python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/kernels/test_fused.py 2>&1 | tail -3 | tee "$out/$stage.log"
-    int4_decode_ab LORAPLEX_FUSED_MAXNREG "0 128 0 128" fused_maxnreg 1,8,16 ;;
-  lora-ready)
-    [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_lora_ready_gpu.py \
-      tests/engine/test_lora_first_gpu.py tests/kernels/test_pdl.py tests/kernels/test_fused.py \
-      tests/kernels/test_dense_gemv.py 2>&1 | tail -5 \
-      | tee "$out/$stage.log"
-    int4_decode_ab LORAPLEX_LORA_READY "0 1 0 1" lora_ready 1
-    for flag in 0 1; do
-      LORAPLEX_LORA_READY=$flag python3 bench/quant_decode.py --labels bf16 --batches 1 --commit "$commit" \
-        --out "$out/quant_decode_lora_ready_bf16_$flag.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
-    done
-    [ -n "${SKIP_TRACE:-}" ] || LORAPLEX_LORA_READY=1 timeout 240 python3 bench/step_profile.py --bits 4 \
-      --cases distinct_r16_all:1 --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4_b1_ready.json" \
-      2>&1 | tail -3 | tee -a "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \

@@ -111,10 +111,9 @@ def test_gpu_under_graph_capture() -> None:
     assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("has_bias,ready", [(False, False), (True, False), (True, True)])
-def test_addend_is_added_before_rounding_and_left_zero(has_bias: bool, ready: bool) -> None:
-    """out = round(w @ x + bias + addend); the float32 addend (a LoRA delta) is zero afterwards; the same with a
-    ready flag (set, as the LoRA launch before leaves it; kernels/pdl.py, `x_ready`)."""
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_addend_is_added_before_rounding_and_left_zero(has_bias: bool) -> None:
+    """out = round(w @ x + bias + addend); the float32 addend (a LoRA delta) is zero afterwards."""
     gen = torch.Generator().manual_seed(11)
     dtype = torch.float16
     for n, k, cfg in ((40, 200, DenseGemvConfig(16, 64, 2)), (33, 384, DenseGemvConfig(32, 128, 4))):
@@ -125,12 +124,9 @@ def test_addend_is_added_before_rounding_and_left_zero(has_bias: bool, ready: bo
         want = x.float() @ w.float().t() + (bias.float() if has_bias else 0.0) + add
         addend = add.clone()
         out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
-        flag = torch.ones(1, dtype=torch.int32, device=DEVICE) if ready else None
-        dense_gemv(x, w, bias, out, cfg, addend=addend, ready=flag)
+        dense_gemv(x, w, bias, out, cfg, addend=addend)
         err = ((out.float() - want).norm() / want.norm()).item()
         assert err < TOL[dtype], err
         assert not addend.any(), "the addend must be left all zeros"
     with pytest.raises(ValueError, match="addend"):
         dense_gemv(x, w, bias, out, cfg, addend=add.half())
-    with pytest.raises(ValueError, match="ready flag"):
-        dense_gemv(x, w, bias, out, cfg, ready=torch.ones(1, dtype=torch.int32, device=DEVICE))

@@ -12,7 +12,7 @@ SPLIT = {"SPLIT_K": 3, "BLOCK_K": 32, "BLOCK_N": 32, "GROUP_N": 64}
 
 
 def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.float16, extra_cols=3, config=None,
-              device_meta=False, y_dtype=None, ready=None):
+              device_meta=False, y_dtype=None):
     slots = slots if slots is not None else sorted({s for s, _, _ in case.dense})
     ids = random_slot_ids(T, slots, frac_none, gen)
     meta = prepare_meta(ids, case.tables.max_slots) if not device_meta else None
@@ -28,9 +28,9 @@ def run_fused(case, T, frac_none, mods, layer, gen, slots=None, dtype=torch.floa
     y = y0.clone()
     ws = fused_workspace(T + 2, case.tables.max_rank, DEVICE)
     if config:
-        lora_fused_triton(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, config=config, ready=ready)
+        lora_fused_triton(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, config=config)
     else:
-        lora_fused(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, use_triton=True, ready=ready)
+        lora_fused(x, case.pool, case.tables, meta, layer, mods, y, offs, ws, use_triton=True)
     want_s, _ = dense_shrink(case, x, ids, layer, mods)
     want = dense_expand(case, want_s, y0, ids, layer, mods, offs)
     err = rel_err(y, want)
@@ -107,19 +107,6 @@ def test_fused_config_caps_column_groups_of_a_one_token_delta():
                                                                                               8, dev, num_sms=132)
 
 
-def test_fused_maxnreg_switch(monkeypatch):
-    """LORAPLEX_FUSED_MAXNREG (A/B runs): unset or 0 no bound, a register count 64-255, anything else refused."""
-    from kernels.fused import MAXNREG_ENV, fused_maxnreg
-
-    for raw, want in (("", None), ("0", None), ("128", 128)):
-        monkeypatch.setenv(MAXNREG_ENV, raw)
-        assert fused_maxnreg() == want
-    for bad in ("32", "300", "many"):
-        monkeypatch.setenv(MAXNREG_ENV, bad)
-        with pytest.raises(ValueError, match=MAXNREG_ENV):
-            fused_maxnreg()
-
-
 def test_fused_checks_inputs():
     gen = torch.Generator().manual_seed(0)
     case = build_case(ranks={0: [4]}, h_in=512, outs=[16], num_layers=1, gen=gen)
@@ -135,9 +122,6 @@ def test_fused_checks_inputs():
         lora_fused_triton(x.float(), case.pool, case.tables, meta, 0, [0], y, [0, 16], ws)
     with pytest.raises(ValueError, match="needs a workspace"):
         lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 16], None)
-    with pytest.raises(ValueError, match="ready flag"):     # a flag goes with a float32 delta only
-        lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 16], ws,
-                          ready=torch.zeros(1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="workspace sums"):
         lora_fused_triton(x, case.pool, case.tables, meta, 0, [0], y, [0, 16], fused_workspace(2, 4, DEVICE))
 
@@ -166,11 +150,6 @@ def test_float32_delta_output(config):
     for slots in ([0], [5], [3]):
         run_fused(case, 1, 0.0, [0, 1, 2], layer=1, gen=gen, slots=slots, dtype=torch.float16, config=config,
                   y_dtype=torch.float32)
-        # With a ready flag (kernels/pdl.py, `x_ready`): the same delta, and the flag set for the base kernel.
-        flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        run_fused(case, 1, 0.0, [0, 1, 2], layer=1, gen=gen, slots=slots, dtype=torch.float16, config=config,
-                  y_dtype=torch.float32, ready=flag)
-        assert int(flag) == 1
 
 
 def test_float32_delta_output_in_a_pool_of_larger_ranks():

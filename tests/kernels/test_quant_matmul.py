@@ -120,13 +120,12 @@ def test_one_row_bf16_float16_pairs(group: int, k: int, split: int) -> None:
     check(1, 41, k, 4, group, torch.bfloat16, False, QuantMatmulConfig(64, 1, split))
 
 
-@pytest.mark.parametrize("tma_stages,ready", [(0, False), (3, False), (0, True), (3, True)])
-def test_one_row_bf16_addend_and_large_x(tma_stages: int, ready: bool) -> None:
+@pytest.mark.parametrize("tma_stages", [0, 3])
+def test_one_row_bf16_addend_and_large_x(tma_stages: int) -> None:
     """The float16-pairs path (its chains of 4 words: 96 words a row) adds a LoRA addend (and zeroes it); single
     elements of x beyond float16's range (1e5 and -7e4 in bf16) are exact there: x / 16 is what goes to float16
     (`kernels.quant_h2`'s bound, 2**15, is for every element of a chain that large). Both forms of the path: the
-    register-set kernel and the TMA-read one (`kernels.quant_gemv_tma`, tma_stages); with a ready flag (set, as the
-    LoRA launch before leaves it; kernels/pdl.py, `x_ready`) or without."""
+    register-set kernel and the TMA-read one (`kernels.quant_gemv_tma`, tma_stages)."""
     gen = torch.Generator().manual_seed(8)
     n, k = 40, 768
     q, s, o = random_weight(n, k, 4, 128, gen)
@@ -138,11 +137,9 @@ def test_one_row_bf16_addend_and_large_x(tma_stages: int, ready: bool) -> None:
     locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     addend = add.clone()
-    flag = torch.ones(1, dtype=torch.int32, device=DEVICE) if ready else None
-    quant_matmul(x, w, None, out, cfg, part, locks, addend=addend, ready=flag)
+    quant_matmul(x, w, None, out, cfg, part, locks, addend=addend)
     assert rel_err(out.cpu(), quant_matmul_ref(x, q, s, o).cpu() + add.cpu()) < TOL[torch.bfloat16]
     assert not addend.any() and int(locks.abs().sum()) == 0
-    assert flag is None or int(flag) == 1
     x[0, 5] = 1e5
     x[0, 300] = -7e4
     quant_matmul(x, w, None, out, cfg, part, locks)
@@ -475,14 +472,11 @@ def test_one_row_addend(bits: int, group: int, split: int, k: int) -> None:
     configs = [QuantMatmulConfig(16, 1, split)] + ([QuantMatmulConfig(32, 1, split, num_warps=1, thread_rows=True)]
                                                    if group == 32 else [])
     for cfg in configs:
-        for flag in (None, torch.ones(1, dtype=torch.int32, device=DEVICE)):      # the ready flag: kernels/pdl.py
-            addend, out = add.clone(), torch.full((1, n), float("nan"), dtype=torch.float16, device=DEVICE)
-            quant_matmul(x, w, bias, out, cfg, part, locks, addend=addend, ready=flag)
-            assert rel_err(out.cpu(), want) < TOL[torch.float16], cfg
-            assert not addend.any(), "the addend must be left all zeros"
-            assert int(locks.abs().sum()) == 0
-    with pytest.raises(ValueError, match="ready flag"):
-        quant_matmul(x, w, bias, out, configs[0], part, locks, ready=torch.ones(1, dtype=torch.int32, device=DEVICE))
+        addend, out = add.clone(), torch.full((1, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        quant_matmul(x, w, bias, out, cfg, part, locks, addend=addend)
+        assert rel_err(out.cpu(), want) < TOL[torch.float16], cfg
+        assert not addend.any(), "the addend must be left all zeros"
+        assert int(locks.abs().sum()) == 0
     with pytest.raises(ValueError, match="addend"):
         quant_matmul(x.repeat(2, 1), w, bias, out.repeat(2, 1), QuantMatmulConfig(16, 16, 1), None, None,
                      addend=torch.zeros(2, n, device=DEVICE))
