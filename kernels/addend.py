@@ -5,9 +5,7 @@
   added to the output before rounding and left zero for the next projection;
 - the 16-bit `extra` of the kernels that read a projection's output (`rope_cache`, `silu_mul`, `rms_norm`'s
   residual add): a 2-64-token step's LoRA delta, computed on a side stream beside the projection, added to
-  what they load as torch adds two 16-bit tensors, instead of a launch of its own between the two, and left
-  zero, so that the buffer it came in is ready for the next projection's LoRA with no zeroing launch before
-  that (`LlamaModel._side_delta`).
+  what they load as torch adds two 16-bit tensors, instead of a launch of its own between the two.
 """
 from __future__ import annotations
 
@@ -30,14 +28,9 @@ def take_addend(total, add_ptrs, mask):
 
 @triton.jit
 def with_extra(x, ptrs, mask, EXTRA: tl.constexpr):
-    """x + the extra at ptrs (same dtype), rounded to x's dtype as torch's 16-bit add rounds, and the extra
-    left zero (every thread holding a copy of an element reads it before one of them zeroes it); x without
-    EXTRA."""
+    """x + the extra at ptrs (same dtype), rounded to x's dtype as torch's 16-bit add rounds; x without EXTRA."""
     if EXTRA:
-        e = tl.load(ptrs, mask=mask, other=0.0)
-        tl.debug_barrier()
-        tl.store(ptrs, tl.zeros_like(e), mask=mask)
-        x = (x.to(tl.float32) + e.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) + tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
     return x
 
 

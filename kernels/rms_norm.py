@@ -53,10 +53,10 @@ def add_rms_norm(
     out: torch.Tensor,                # [T, H] normalised output
     residual_out: torch.Tensor | None = None,   # [T, H] receives x + residual (may alias residual)
     sums: torch.Tensor | None = None,           # [T, H / width] float32: out's sums over each width-wide slice
-    extra: torch.Tensor | None = None,          # [T, H] contiguous like x: added to x first, left zero
+    extra: torch.Tensor | None = None,          # [T, H] contiguous like x: added to x first
 ) -> None:
     """Semantics:
-        x = x + extra if extra is not None                         (model dtype, as torch adds them); extra[:] = 0
+        x = x + extra if extra is not None                         (model dtype, as torch adds them)
         s = (x + residual) if residual is not None else x          (model dtype); residual_out[:] = s
         out = weight * (s.float() * rsqrt(mean(s.float() ** 2, -1) + eps)).to(dtype)
         sums = out.float().reshape(T, H // width, width).sum(-1)   (width = H // sums.shape[1]; fp32, some order)

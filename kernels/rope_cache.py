@@ -88,10 +88,10 @@ def rope_and_cache(
     q_out: torch.Tensor,          # [T, H, D] contiguous
     k_cache: torch.Tensor,        # [num_blocks, block_size, KVH, D] contiguous
     v_cache: torch.Tensor,        # [num_blocks, block_size, KVH, D] contiguous
-    extra: torch.Tensor | None = None,   # like qkv (rows contiguous): added to it first, left zero
+    extra: torch.Tensor | None = None,   # like qkv (rows contiguous): added to it first
 ) -> None:
     """Semantics (rot(x) = x * cos[p] + cat(-x[D/2:], x[:D/2]) * sin[p], in the model dtype):
-        qkv = qkv + extra if extra is not None        (model dtype, as torch adds them; not stored; extra[:] = 0 after)
+        qkv = qkv + extra if extra is not None        (model dtype, as torch adds them; not stored)
         q, k, v = qkv.split([H*D, KVH*D, KVH*D], -1)
         q_out[t] = rot(q[t].view(H, D));  k_cache.view(-1, KVH, D)[slot[t]] = rot(k[t].view(KVH, D))
         v_cache.view(-1, KVH, D)[slot[t]] = v[t].view(KVH, D)

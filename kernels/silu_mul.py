@@ -34,10 +34,9 @@ def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_
 def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, then up
              out: torch.Tensor,       # [T, I]
              sums: torch.Tensor | None = None,   # [T, I / width] float32: out's sums over each width-wide slice
-             extra: torch.Tensor | None = None,  # [T, 2I] contiguous like gate_up: added to it first, left zero
+             extra: torch.Tensor | None = None,  # [T, 2I] contiguous like gate_up: added to it first
              ) -> None:
-    """Semantics: gate_up = gate_up + extra if extra is not None   (model dtype, as torch adds them; not stored;
-    extra[:] = 0 after)
+    """Semantics: gate_up = gate_up + extra if extra is not None   (model dtype, as torch adds them; not stored)
     out = F.silu(gate_up[:, :I]) * gate_up[:, I:]   (each op rounded to the model dtype);
     sums = out.float().reshape(T, I // width, width).sum(-1)   (width = I // sums.shape[1]; fp32, some order)."""
     if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:

@@ -93,14 +93,6 @@ class LlamaModel:
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
         self._overlap_tokens = overlap_tokens()
-        # Its LoRA writes into these zeros (up to `_overlap_tokens` rows of the widest projection), and the kernel
-        # that adds the delta (`defer`: `kernels.addend.with_extra`) leaves them zero again: no zeroing launch
-        # before each LoRA launch. One buffer serves every projection: a delta is added before the next LoRA.
-        self._side_delta: torch.Tensor | None = None
-        if self._lora_stream is not None:
-            rows = max(2, self._overlap_tokens)
-            width = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size, spec.hidden_size)
-            self._side_delta = torch.zeros(rows * width, dtype=self.dtype, device=self.device)
         # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
         # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
@@ -262,8 +254,7 @@ class LlamaModel:
         While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens, `overlap_tokens`) is captured (and
         in the forwards that stand for one: `graph_capture.in_graph_forward`), the LoRA runs on a side stream
         into a zeroed buffer concurrently with the base projection and is added after both (by the next kernel,
-        `defer`, which leaves the buffer zero again: `_side_delta`; or by an add of its own, after a zeroing
-        launch on the side stream): there the LoRA kernels are bound by latency, not bytes, and the base
+        `defer`, or by an add of its own): there the LoRA kernels are bound by latency, not bytes, and the base
         matmul hides them.
         A step of one token whose projection runs a one-row kernel (`takes_addend`) launches the LoRA first,
         into float32 zeros (`_lora_delta`; backends that say `delta_first`: they always launch a kernel for
@@ -286,21 +277,12 @@ class LlamaModel:
                 lora.apply(i, group, x, list(y.split(widths, dim=-1)))
             return y, None
         main = torch.cuda.current_stream()
-        side.wait_stream(main)          # after the kernel that added (and zeroed) the last delta, among the rest
-        if defer and self._side_delta is not None and x.dtype == self._side_delta.dtype:
-            delta = self._side_delta[: x.shape[0] * sum(widths)].view(x.shape[0], -1)    # zeros (the reader's)
-            # The base projection first (its kernel choice leaves room for the LoRA launch beside it): with no
-            # zeroing launch ahead of the LoRA launch, a LoRA enqueued first took SMs the projection then waited
-            # for (docs/performance.md, "LoRA beside the base projection in graphs").
-            y = linear(x, beside_lora=True, **kw)
-            with torch.cuda.stream(side):
-                lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-        else:
-            delta = torch.empty(x.shape[0], sum(widths), dtype=x.dtype, device=x.device)   # main stream's memory
-            with torch.cuda.stream(side):
-                delta.zero_()
-                lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-            y = linear(x, beside_lora=True, **kw)
+        delta = torch.empty(x.shape[0], sum(widths), dtype=x.dtype, device=x.device)   # main stream's memory
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            delta.zero_()
+            lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
+        y = linear(x, beside_lora=True, **kw)     # its kernel choice leaves room for the LoRA launch beside it
         main.wait_stream(side)
         if defer:
             return y, delta
