@@ -149,3 +149,42 @@ def test_a_step_launches_only_the_groups_its_adapters_change(kind):
         got = y.clone()
         backend.apply(0, group, torch.randn(T, IN[group], generator=gen), list(got.split(outs, dim=1)))
         assert (not torch.equal(got, y)) == changed, group
+
+
+def test_one_token_tail_through_the_dense_gemv():
+    """LORAPLEX_LORA_TAIL's backend half (`PagedLoraBackend.shrink_for_tail`: the shrink into the layer's sums,
+    zeroed at layer 0) and its kernel half (the one-row GEMV adding s @ B^T, in the interpreter on the CPU): every
+    layer and group of one-token steps equals x @ W^T plus the adapter's own rows; a token without an adapter, or
+    a group no adapter of the step changes, gets no tail."""
+    from kernels.dense_gemv import DenseGemvConfig, dense_gemv
+
+    gen = torch.Generator().manual_seed(17)
+    slots = PagedAdapterSlots(SPEC, 64, torch.device("cpu"), torch.float32)
+    slots.allocate(4 << 20, optimal_adapter_size=4)
+    backend = lora_backend_for(slots, 8, "kernels")
+    backend.allocate()
+    adapters = [random_adapter(SPEC, 8, seed=1, scale=1.0), random_adapter(SPEC, 17, seed=2, modules=(1, 3, 6),
+                                                                           scale=1.0)]
+    for i, a in enumerate(adapters):
+        slots.load(f"a{i}", a)
+    for key in (0, 1, None):
+        step_slots = torch.tensor([-1 if key is None else slots.slot_of(f"a{key}")], dtype=torch.int32)
+        groups = backend.groups_of(step_slots.tolist())
+        backend.prepare(step_slots, groups)
+        for layer in range(SPEC.num_layers):
+            for group, (outs, mids) in GROUPS.items():
+                x = torch.randn(1, IN[group], generator=gen)
+                w = torch.randn(sum(outs), IN[group], generator=gen) / IN[group] ** 0.5
+                tail = backend.shrink_for_tail(layer, group, x, outs)
+                if group not in groups:
+                    assert tail is None
+                    continue
+                out = torch.empty(1, sum(outs))
+                dense_gemv(x, w, None, out, DenseGemvConfig(16, 32, 4), tail=tail)
+                want = x.double() @ w.double().T
+                if key is not None:
+                    want += expected_delta(adapters[key], layer, mids, outs, x)
+                assert (out.double() - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item()), \
+                    (key, layer, group)
+    with pytest.raises(ValueError, match="one token"):
+        backend.shrink_for_tail(0, "o", torch.randn(2, 96), [96])
