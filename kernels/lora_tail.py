@@ -30,8 +30,11 @@ from kernels.pdl import wait_then_release
 
 MAX_TAIL_SLICES = 3
 # Rank rows a base program adds at a time: its loads of those rows' offsets, then of their B^T values, are
-# issued together. 16 keeps the one-row 4-bit kernel at its 167-168 registers on sm_90 (three programs an SM);
-# the whole [16, 128] tile of B^T read before the wait as one block took it to 254 (two an SM).
+# issued together (sm_90 code: the offsets' loads first, then the values' and the sums' streamed). 16 keeps the
+# one-row 4-bit kernel at its 167-168 registers on sm_90 (three programs an SM); so would 64 (one chunk for any
+# rank up to 64), but a rank-16 adapter then issues ~1150 instructions a warp, most of them masked off, against
+# ~300; rank 64 pays four chunks of two round trips with 16. The whole [16, 128] tile of B^T read before the
+# wait as one block took the kernel to 254 registers (two programs an SM).
 TAIL_ROWS = 16
 
 

@@ -7,7 +7,6 @@ import random
 
 import torch
 
-from compute_service.engine.attention import DecodeMetadata
 from compute_service.engine.cuda_graphs import DecodeGraphs
 
 
