@@ -159,7 +159,8 @@ def test_one_token_tail_through_the_dense_gemv():
     from kernels.dense_gemv import DenseGemvConfig, dense_gemv
 
     gen = torch.Generator().manual_seed(17)
-    slots = PagedAdapterSlots(SPEC, 64, torch.device("cpu"), torch.float32)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")     # the kernel: interpreter or GPU
+    slots = PagedAdapterSlots(SPEC, 64, dev, torch.float32)
     slots.allocate(4 << 20, optimal_adapter_size=4)
     backend = lora_backend_for(slots, 8, "kernels")
     backend.allocate()
@@ -175,16 +176,16 @@ def test_one_token_tail_through_the_dense_gemv():
             for group, (outs, mids) in GROUPS.items():
                 x = torch.randn(1, IN[group], generator=gen)
                 w = torch.randn(sum(outs), IN[group], generator=gen) / IN[group] ** 0.5
-                tail = backend.shrink_for_tail(layer, group, x, outs)
+                tail = backend.shrink_for_tail(layer, group, x.to(dev), outs)
                 if group not in groups:
                     assert tail is None
                     continue
-                out = torch.empty(1, sum(outs))
-                dense_gemv(x, w, None, out, DenseGemvConfig(16, 32, 4), tail=tail)
+                out = torch.empty(1, sum(outs), device=dev)
+                dense_gemv(x.to(dev), w.to(dev), None, out, DenseGemvConfig(16, 32, 4), tail=tail)
                 want = x.double() @ w.double().T
                 if key is not None:
                     want += expected_delta(adapters[key], layer, mids, outs, x)
-                assert (out.double() - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item()), \
-                    (key, layer, group)
+                err = (out.cpu().double() - want).abs().max().item()
+                assert err <= 2e-3 * max(1.0, want.abs().max().item()), (key, layer, group, err)
     with pytest.raises(ValueError, match="one token"):
-        backend.shrink_for_tail(0, "o", torch.randn(2, 96), [96])
+        backend.shrink_for_tail(0, "o", torch.randn(2, 96, device=dev), [96])
