@@ -123,15 +123,24 @@ class PagedLoraBackend:
         assert tables is not None and pool is not None and meta is not None
         mods = self._group_modules[group]
         R = tables.max_rank
-        bufs = self._layer_bufs[group][: tables.num_layers * MAX_GROUP_SLICES * R]
-        bufs = bufs.view(tables.num_layers, MAX_GROUP_SLICES, 1, R)
-        if layer == 0:
-            bufs.zero_()                 # every layer's sums of this group, once per forward
-        s = bufs[layer, : len(mods)]
+        s = self._layer_sums(layer, group, 0, len(mods), 1)
         lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s, out_zeroed=True, always=True)
         starts = [sum(widths[:i]) for i in range(len(widths))]
         return TailArgs(s.view(len(mods), R), pool, tables.b_offsets, tables.ranks, meta.seg_slots, layer,
                         tables.num_layers, tables.num_modules, R, tuple(mods), tuple(starts))
+
+    def _layer_sums(self, layer: int, group: str, first: int, count: int, T: int) -> torch.Tensor:
+        """Slices first .. first + count of this layer's shrink sums [count, T, max rank] for a decode-sized step,
+        in the group's buffer of every layer's, which the group's first call of a forward (layer 0, first slice)
+        zeroes in one launch (the model applies the layers in order in every forward)."""
+        tables = self.slots.tables
+        assert tables is not None
+        R = tables.max_rank
+        bufs = self._layer_bufs[group][: tables.num_layers * MAX_GROUP_SLICES * T * R]
+        bufs = bufs.view(tables.num_layers, MAX_GROUP_SLICES, T, R)
+        if layer == 0 and first == 0:
+            bufs.zero_()
+        return bufs[layer, first: first + count]
 
     def _shrink_expand(self, layer: int, group: str, first: int, mods: list[int], x: torch.Tensor,
                        y: torch.Tensor, offsets: list[int]) -> None:
@@ -145,11 +154,7 @@ class PagedLoraBackend:
             return
         R = tables.max_rank
         if T <= self._layer_buf_tokens:
-            bufs = self._layer_bufs[group][: tables.num_layers * MAX_GROUP_SLICES * T * R]
-            bufs = bufs.view(tables.num_layers, MAX_GROUP_SLICES, T, R)
-            if layer == 0 and first == 0:
-                bufs.zero_()             # every layer's buffer of this group, once per forward
-            s = bufs[layer, first: first + len(mods)]
+            s = self._layer_sums(layer, group, first, len(mods), T)
             lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s, out_zeroed=True)
         else:
             s = self._shrink_buf[: len(mods) * T * R].view(len(mods), T, R)
