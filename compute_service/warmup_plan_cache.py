@@ -32,8 +32,8 @@ ENABLE_ENV = "LORAPLEX_WARMUP_PLAN_CACHE"
 SUBFOLDER = "loraplex-warmup-plans"
 SOURCE_PACKAGES = ("kernels", "compute_service")     # the kernels' choices and the backend that launches them
 # Environment switches of the compute process that change which kernels a step launches (docs/deploy.md), beside
-# kernels.pdl.ENV and kernels.quant_h2.ENV (`switch_parts`); these four are read in compute_service/engine/model.py.
-ENGINE_SWITCHES = ("LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP", "LORAPLEX_LORA_OVERLAP_TOKENS", "LORAPLEX_LORA_TAIL")
+# kernels.pdl.ENV and kernels.quant_h2.ENV (`switch_parts`); these three are read in compute_service/engine/model.py.
+ENGINE_SWITCHES = ("LORAPLEX_LORA_FIRST", "LORAPLEX_LORA_OVERLAP", "LORAPLEX_LORA_OVERLAP_TOKENS")
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,11 @@ def lora_shrink(
     out: torch.Tensor,               # [num_slices, T, >= tables.max_rank] float32
     use_triton: bool | None = None,
     out_zeroed: bool = False,        # the caller zeroed `out` (the kernel then launches no zeroing of its own)
-    always: bool = False,            # launch even for a host-known batch without adapters (`lora_shrink_triton`)
 ) -> None:
     """out[i, t, :r] = x[t] @ A[a(t), layer, module_indices[i]].T; other entries unspecified."""
     if _want_triton(x, use_triton):
         from kernels.shrink import lora_shrink_triton  # imported late: the interpreter flag must be set first
-        lora_shrink_triton(x, pool, tables, meta, layer, module_indices, out, out_zeroed=out_zeroed, always=always)
+        lora_shrink_triton(x, pool, tables, meta, layer, module_indices, out, out_zeroed=out_zeroed)
     else:
         lora_shrink_ref(x, pool, tables, meta, layer, module_indices, out)
 

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from kernels.addend import take_addend
-from kernels.lora_tail import TailArgs, late_wait, tail_kwargs
 from kernels.pdl import compiled, launch_args, pdl_enabled, read_early, read_input, wait_then_release
 
 
@@ -36,24 +35,20 @@ class DenseGemvConfig:
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                        EVEN_K: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr, FENCE: tl.constexpr,
-                       NUM_THREADS: tl.constexpr, tail_sums_ptr=None, tail_stride=0, tail_pool_ptr=None,
-                       tail_boff_ptr=None, tail_ranks_ptr=None, tail_slots_ptr=None, tail_layer=0, tail_layers=1,
-                       tail_modules=1, tail_max_rank=1, tail_mod0=0, tail_mod1=0, tail_mod2=0, tail_off1=0, tail_off2=0,
-                       TAIL: tl.constexpr = False, TAIL_R: tl.constexpr = 16):
+                       NUM_THREADS: tl.constexpr):
     """ADD: out += add (fp32, left zero), and x is read before the wait, after `read_early`'s fence (see
-    `dense_gemv`; FENCE: compiled, not interpreted). TAIL: out += the one-token LoRA's s @ B^T
-    (kernels/lora_tail.py), x read before the wait likewise."""
+    `dense_gemv`; FENCE: compiled, not interpreted)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]          # [BN, BK]
-    read_early((ADD or TAIL) and FENCE, NUM_THREADS)
+    read_early(ADD and FENCE, NUM_THREADS)
     # The first weight tile does not depend on the previous kernel: it is read before the wait.
     if EVEN_K:
         w = tl.load(rows, mask=n_mask[:, None], other=0.0)
     else:
         w = tl.load(rows, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    if not (ADD or TAIL):
+    if not ADD:
         wait_then_release(USE_PDL)
     xv = read_input(x_ptr + offs_k, offs_k < K, EVEN_K)
     acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
@@ -67,10 +62,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, N, K, stride_w,
     total = tl.sum(acc, axis=1)
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    total = late_wait(total, offs_n, n_mask, USE_PDL, ADD, tail_sums_ptr, tail_stride, tail_pool_ptr,
-                      tail_boff_ptr, tail_ranks_ptr, tail_slots_ptr, tail_layer, tail_layers, tail_modules,
-                      tail_max_rank, tail_mod0, tail_mod1, tail_mod2, tail_off1, tail_off2, TAIL, TAIL_R)
     if ADD:
+        wait_then_release(USE_PDL)
         total = take_addend(total, add_ptr + offs_n, n_mask)
     tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -88,17 +81,14 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
                bias: torch.Tensor | None,       # [N] or None
                out: torch.Tensor,               # [N] or [1, N], contiguous, x's dtype
                config: DenseGemvConfig | None = None,
-               addend: torch.Tensor | None = None,   # [N] or [1, N] float32, contiguous
-               tail: TailArgs | None = None) -> None:
+               addend: torch.Tensor | None = None) -> None:   # [N] or [1, N] float32, contiguous
     """Semantics (fp32 accumulation): out[:] = (w.float() @ x.float().reshape(-1) + bias + addend).to(out.dtype);
     the addend is left all zeros.
 
     With an addend the kernel is meant to follow the launch that wrote it (the LoRA delta, written into
     zeros): it reads x and the whole weight before waiting for that launch and waits only to add it.
     So x must not be written by the launch just before this one (kernels/pdl.py): the caller guarantees
-    that every kernel since x was written wrote nothing this one reads but the addend.
-    With a `tail` (kernels/lora_tail.py; not with an addend) out also adds the one-token LoRA's s @ B^T, the
-    sums written by the launch just before this one, on the same terms."""
+    that every kernel since x was written wrote nothing this one reads but the addend."""
     k = x.shape[-1]
     n = w.shape[0]
     if x.numel() != k or x.stride(-1) != 1:
@@ -111,8 +101,6 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
         raise ValueError(f"bias must be {n} contiguous elements, got {tuple(bias.shape)}")
     if addend is not None and (addend.numel() != n or not addend.is_contiguous() or addend.dtype != torch.float32):
         raise ValueError(f"addend must be {n} contiguous float32 elements, got {addend.dtype} {tuple(addend.shape)}")
-    if addend is not None and tail is not None:
-        raise ValueError("an addend or a LoRA tail, not both")
     if n == 0:
         return
     cfg = config or pick_gemv_config(n, k)
@@ -122,7 +110,7 @@ def dense_gemv(x: torch.Tensor,                 # [K] or [1, K], unit stride
                              n, k, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
                              EVEN_K=k % cfg.block_k == 0, ADD=addend is not None,
                              FENCE=compiled(), NUM_THREADS=32 * cfg.num_warps,
-                             num_warps=cfg.num_warps, **tail_kwargs(tail, n, out), **launch_args(pdl))
+                             num_warps=cfg.num_warps, **launch_args(pdl))
 
 
 __all__ = ["DenseGemvConfig", "dense_gemv", "pick_gemv_config"]

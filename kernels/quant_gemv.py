@@ -33,7 +33,6 @@ Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded 
 import triton
 import triton.language as tl
 
-from kernels.lora_tail import late_wait
 from kernels.pdl import read_early, read_input, wait_then_release
 from kernels.quant_h2 import h2_acc4, h2_nsum, h2_quad_sum, h2_x
 from kernels.quant_split import write_out
@@ -314,10 +313,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
                       PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False,
-                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False, tail_sums_ptr=None, tail_stride=0,
-                      tail_pool_ptr=None, tail_boff_ptr=None, tail_ranks_ptr=None, tail_slots_ptr=None, tail_layer=0,
-                      tail_layers=1, tail_modules=1, tail_max_rank=1, tail_mod0=0, tail_mod1=0, tail_mod2=0,
-                      tail_off1=0, tail_off2=0, TAIL: tl.constexpr = False, TAIL_R: tl.constexpr = 16):
+                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
@@ -327,8 +323,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
     H2 (PAIRED, bfloat16 x in 4-byte aligned rows, 16-byte aligned words): `_halves_step_h2`, two blocks a loop
     step in two register sets, each block's words and x requested before the previous block's arithmetic. EVEN_N
-    (N a multiple of BLOCK_N): the H2 path reads its words unmasked. TAIL: the one-token LoRA's s @ B^T added by
-    the first K split's programs (kernels/lora_tail.py), x read before the wait as with ADD."""
+    (N a multiple of BLOCK_N): the H2 path reads its words unmasked."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -339,13 +334,13 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
     acc_o = tl.zeros((BLOCK_N,), dtype=tl.float32)           # the offsets' term, one per row (PAIRED)
-    read_early((ADD or TAIL) and FENCE, NUM_THREADS)         # ADD, TAIL: x is read before the wait
+    read_early(ADD and FENCE, NUM_THREADS)                   # ADD: x is read before the wait
     if ROWS:
         offs_n = tl.max_contiguous(offs_n, 1)   # per-row values stay in the rows' layout (no vector reads or writes)
         w_rows4 = w_ptr + offs_n.to(tl.int64)[:, None] * words_per_row + tl.arange(0, 4)[None, :]      # [BN, 4]
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         row_words = _row_words(w_rows4, b_lo, n_mask)
-        if not (ADD or TAIL):
+        if not ADD:
             wait_then_release(USE_PDL)
         total = _rows_step(row_words, b_lo, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM,
                            X32)
@@ -353,13 +348,15 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
             row_words = _row_words(w_rows4, b, n_mask)
             total = _rows_step(row_words, b, total, x_base, s_ptr, o_ptr, offs_n, n_mask, N, K, BITS, EVEN_K, ASM,
                                X32)
+        if ADD:
+            wait_then_release(USE_PDL)
     elif H2:
         # Two register sets, no copies: block b + 1 (words and its x) is requested before block b's arithmetic,
         # block b + 2 (into b's registers, free by then) before b + 1's; the last pair's b + 2 re-reads the
         # split's last block. The first block's x comes after the wait (the launch before writes it). Each block's
         # scales and offsets are read in its step, in the words' layout (`tile_value`).
         words, g_a, g_b = _paired_block(w_rows, b_lo, n_mask, GROUP, EVEN_N)
-        if not (ADD or TAIL):
+        if not ADD:
             wait_then_release(USE_PDL)
         xv = x_words(x_base, b_lo, offs_j, K, EVEN_K)
         for it in range(0, (b_hi - b_lo) // 2):
@@ -373,10 +370,12 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
             acc = _halves_step_h2(words1, g_a1, g_b1, xv1, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if (b_hi - b_lo) % 2 == 1:
             acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
+        if ADD:
+            wait_then_release(USE_PDL)
         total = tl.sum(acc, axis=1)
     else:
         words = tl.load(w_rows + b_lo * 32, mask=n_mask[:, None], other=0)                 # [BN, 32] int32
-        if not (ADD or TAIL):
+        if not ADD:
             wait_then_release(USE_PDL)
         acc, acc_o = _block_step(words, b_lo, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                                  GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
@@ -384,12 +383,11 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
             words = tl.load(w_rows + b * 32, mask=n_mask[:, None], other=0)
             acc, acc_o = _block_step(words, b, acc, acc_o, x_base, s_ptr, o_ptr, offs_n, n_mask, offs_j, N, K,
                                      GROUP, BITS, EVEN_K, ASM, PAIRED, X32)
+        if ADD:
+            wait_then_release(USE_PDL)
         total = tl.sum(acc, axis=1)
         if PAIRED:
             total += acc_o
-    total = late_wait(total, offs_n, n_mask & (pid_k == 0), USE_PDL, ADD, tail_sums_ptr, tail_stride,
-                      tail_pool_ptr, tail_boff_ptr, tail_ranks_ptr, tail_slots_ptr, tail_layer, tail_layers,
-                      tail_modules, tail_max_rank, tail_mod0, tail_mod1, tail_mod2, tail_off1, tail_off2, TAIL, TAIL_R)
     one_row_out(total, offs_n, n_mask, m, pid_n, pid_k, split_k, T, N, stride_out, bias_ptr, out_ptr, part_ptr,
                 lock_ptr, add_ptr, HAS_BIAS, SPLIT, FENCE, NUM_THREADS, ADD)
 

@@ -19,7 +19,6 @@ pipeline's start costing what it hides (bench/results/quant_tma_ab.json).
 import triton
 import triton.language as tl
 
-from kernels.lora_tail import late_wait
 from kernels.pdl import read_early, wait_then_release
 from kernels.quant_gemv import h2_block, half_groups, one_row_out, scale_tiles, x_words
 
@@ -40,10 +39,7 @@ def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           EVEN_K: tl.constexpr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, ASM: tl.constexpr,
                           USE_PDL: tl.constexpr, ADD: tl.constexpr, STAGES: tl.constexpr,
-                          SCALES_AHEAD: tl.constexpr, tail_sums_ptr=None, tail_stride=0, tail_pool_ptr=None,
-                          tail_boff_ptr=None, tail_ranks_ptr=None, tail_slots_ptr=None, tail_layer=0, tail_layers=1,
-                          tail_modules=1, tail_max_rank=1, tail_mod0=0, tail_mod1=0, tail_mod2=0, tail_off1=0,
-                          tail_off2=0, TAIL: tl.constexpr = False, TAIL_R: tl.constexpr = 16):
+                          SCALES_AHEAD: tl.constexpr):
     """`quant_gemv_kernel`'s H2 path (one token row per program, grid axis 1; BLOCK_N features, axis 0; a range
     of K blocks, axis 2), its words read through w_desc (a [BLOCK_N, 32] box of the [N, words_per_row] int32
     words, which w_ptr also points to, for the L2 requests before the wait)."""
@@ -54,11 +50,11 @@ def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     b_lo = pid_k * blocks_per_split
     b_hi = tl.minimum(b_lo + blocks_per_split, num_blocks)
-    read_early((ADD or TAIL) and FENCE, NUM_THREADS)         # ADD, TAIL: x is read before the wait
+    read_early(ADD and FENCE, NUM_THREADS)                   # ADD: x is read before the wait
     rows = tl.minimum(offs_n, N - 1)
     for i in tl.static_range(STAGES - 1):
         _prefetch_rows(w_ptr, rows, words_per_row, tl.minimum(b_lo + i, b_hi - 1), USE_PDL and ASM)
-    if not (ADD or TAIL):
+    if not ADD:
         wait_then_release(USE_PDL)
     if SCALES_AHEAD:
         g_a, g_b = half_groups(b_lo, GROUP)
@@ -76,9 +72,7 @@ def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
             g_a, g_b = half_groups(b, GROUP)
             s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)
             acc = h2_block(words, xv, s, o, acc, ASM)
-    total = late_wait(tl.sum(acc, axis=1), offs_n, (offs_n < N) & (pid_k == 0), USE_PDL, ADD, tail_sums_ptr,
-                      tail_stride, tail_pool_ptr, tail_boff_ptr, tail_ranks_ptr, tail_slots_ptr, tail_layer,
-                      tail_layers, tail_modules, tail_max_rank, tail_mod0, tail_mod1, tail_mod2, tail_off1, tail_off2,
-                      TAIL, TAIL_R)
-    one_row_out(total, offs_n, offs_n < N, m, pid_n, pid_k, split_k, T, N, stride_out, bias_ptr,
+    if ADD:
+        wait_then_release(USE_PDL)
+    one_row_out(tl.sum(acc, axis=1), offs_n, offs_n < N, m, pid_n, pid_k, split_k, T, N, stride_out, bias_ptr,
                 out_ptr, part_ptr, lock_ptr, add_ptr, HAS_BIAS, SPLIT, FENCE, NUM_THREADS, ADD)

@@ -28,7 +28,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.env_switch import env_int
-from kernels.lora_tail import TailArgs, tail_kwargs
 from kernels.pdl import compiled, launch_args, pdl_enabled
 from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs_layout,  # noqa: F401
                                   pair_codes_layout, pick_config)
@@ -60,7 +59,6 @@ def quant_matmul(
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
     addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
     x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
-    tail: TailArgs | None = None,           # one-token LoRA tail (kernels/lora_tail.py), one-row kernel only
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
@@ -80,8 +78,6 @@ def quant_matmul(
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
     x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
     the caller guarantees that no kernel since x was written wrote anything this one reads but the addend.
-    With a `tail` (one row, the one-row kernel, not with an addend) out also adds the one-token LoRA's s @ B^T
-    (kernels/lora_tail.py), the sums written by the launch just before this one, on the same terms.
     """
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be [T, K] float16/bfloat16/float32 with unit stride along K, got "
@@ -108,9 +104,6 @@ def quant_matmul(
                                or not addend.is_contiguous()):
         raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
                          f"block_m {cfg.block_m}, {addend.dtype} {tuple(addend.shape)}")
-    if tail is not None and (cfg.block_m != 1 or T != 1 or addend is not None):
-        raise ValueError(f"a LoRA tail takes one row on the one-row kernel (block_m 1) and no addend, got T {T}, "
-                         f"block_m {cfg.block_m}")
     num_blocks = w.padded_in_features // block_k(w.bits)
     split = min(cfg.split_k, num_blocks)
     per_split = -(-num_blocks // split)
@@ -158,14 +151,14 @@ def quant_matmul(
                                         BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                         EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                         ADD=addend is not None, STAGES=stages, SCALES_AHEAD=ahead,
-                                        num_warps=cfg.num_warps, **tail_kwargs(tail, N, out), **pdl)
+                                        num_warps=cfg.num_warps, **pdl)
             return
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
-                                EVEN_N=h2 and N % cfg.block_n == 0, **tail_kwargs(tail, N, out), **pdl)
+                                EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
     else:
         stages = _tile_stages(cfg) if pairs and paired else 0
         if stages > 0 and _tma_capable(x):      # the words by TMA, a half block a step (`kernels.quant_mma_tma`)

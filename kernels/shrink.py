@@ -232,7 +232,6 @@ def lora_shrink_triton(
     out: torch.Tensor,               # [num_slices, T, >= tables.max_rank] float32, contiguous
     config: dict[str, int] | None = None,  # overrides of shrink_config's choices (for tuning)
     out_zeroed: bool = False,        # `out` is all zeros already (no zeroing launch before a K split)
-    always: bool = False,            # launch even for a host-known batch without adapters
 ) -> None:
     """Shrink for every slice and adapter in one launch.
 
@@ -243,9 +242,7 @@ def lora_shrink_triton(
         other entries of `out` are unspecified (zeroed when the K split is used).
     A K split adds its partial sums into `out`, so it needs zeros there: the wrapper launches a zeroing
     first unless the caller says `out_zeroed` (the LoRA backend zeroes every layer's buffer in one launch
-    per step). `always`: the launch is made even where the host knows no token has an adapter, for a kernel
-    launched next that reads its input before waiting for this launch (kernels/lora_tail.py: it must follow a
-    launch that did not write that input).
+    per step).
     """
     check_launch(x, pool, tables, meta, layer, module_indices)
     T, K = x.shape
@@ -257,7 +254,7 @@ def lora_shrink_triton(
         raise ValueError(f"out must be [{num_slices}, {T}, >= {tables.max_rank}], got {tuple(out.shape)}")
     if T != meta.num_tokens:
         raise ValueError(f"meta was prepared for {meta.num_tokens} tokens, x has {T}")
-    if T == 0 or (meta.has_lora is False and not always and not _capturing(x.device)):
+    if T == 0 or (meta.has_lora is False and not _capturing(x.device)):
         return  # host-known empty batch; a graph being captured always gets the launch
     cfg = shrink_config(T, K, tables.max_rank, num_slices, meta.max_slots, x.device)
     if config:

@@ -17,8 +17,6 @@ reference, which is for tests only: CPU serving uses
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
@@ -106,42 +104,6 @@ class PagedLoraBackend:
         for i, out in enumerate(outs):   # slices not side by side in memory: one pass each
             self._shrink_expand(layer, group, i, [mods[i]], x, out, [0, out.shape[1]])
 
-    def shrink_for_tail(self, layer: int, group: str, x: torch.Tensor, widths: list[int]) -> Any:
-        """A one-token step's LoRA as a shrink launch into this layer's sums (zeroed with every layer's at the
-        group's layer 0, as for the decode-sized shrink), and what the base projection's one-row kernel needs to
-        add its expand itself (`kernels.lora_tail.TailArgs`; LlamaModel._project with LORAPLEX_LORA_TAIL=1). None
-        where no adapter of the step changes the group. The shrink always launches (the kernel after it reads x
-        before its wait)."""
-        from kernels.lora_tail import TailArgs
-
-        if x.shape[0] != 1 or len(widths) != len(self._group_modules[group]):
-            raise ValueError(f"a LoRA tail is for one token and every slice of the group, got {tuple(x.shape)}, "
-                             f"{len(widths)} slices")
-        if group not in self.active_groups:
-            return None
-        tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
-        assert tables is not None and pool is not None and meta is not None
-        mods = self._group_modules[group]
-        R = tables.max_rank
-        s = self._layer_sums(layer, group, 0, len(mods), 1)
-        lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s, out_zeroed=True, always=True)
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        return TailArgs(s.view(len(mods), R), pool, tables.b_offsets, tables.ranks, meta.seg_slots, layer,
-                        tables.num_layers, tables.num_modules, R, tuple(mods), tuple(starts))
-
-    def _layer_sums(self, layer: int, group: str, first: int, count: int, T: int) -> torch.Tensor:
-        """Slices first .. first + count of this layer's shrink sums [count, T, max rank] for a decode-sized step,
-        in the group's buffer of every layer's, which the group's first call of a forward (layer 0, first slice)
-        zeroes in one launch (the model applies the layers in order in every forward)."""
-        tables = self.slots.tables
-        assert tables is not None
-        R = tables.max_rank
-        bufs = self._layer_bufs[group][: tables.num_layers * MAX_GROUP_SLICES * T * R]
-        bufs = bufs.view(tables.num_layers, MAX_GROUP_SLICES, T, R)
-        if layer == 0 and first == 0:
-            bufs.zero_()
-        return bufs[layer, first: first + count]
-
     def _shrink_expand(self, layer: int, group: str, first: int, mods: list[int], x: torch.Tensor,
                        y: torch.Tensor, offsets: list[int]) -> None:
         """y[:, offsets[i]:offsets[i+1]] += LoRA of slice first + i of the group (x [T, in]): every kernel
@@ -154,7 +116,11 @@ class PagedLoraBackend:
             return
         R = tables.max_rank
         if T <= self._layer_buf_tokens:
-            s = self._layer_sums(layer, group, first, len(mods), T)
+            bufs = self._layer_bufs[group][: tables.num_layers * MAX_GROUP_SLICES * T * R]
+            bufs = bufs.view(tables.num_layers, MAX_GROUP_SLICES, T, R)
+            if layer == 0 and first == 0:
+                bufs.zero_()             # every layer's buffer of this group, once per forward
+            s = bufs[layer, first: first + len(mods)]
             lora_shrink(x.contiguous(), pool, tables, meta, layer, mods, s, out_zeroed=True)
         else:
             s = self._shrink_buf[: len(mods) * T * R].view(len(mods), T, R)

@@ -10,8 +10,6 @@ weight closer to copy bandwidth than the library GEMM does at one row; everythin
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -34,22 +32,19 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 addend: torch.Tensor | None = None, tail: Any = None) -> torch.Tensor:
+                 addend: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; one row on CUDA in 16 bits against a large weight runs the GEMV kernel.
     `addend` (float32, one row) is added before rounding and left zero; it takes the GEMV kernel whatever
     the weight's size (`takes_gemv(..., any_size=True)`), with `kernels.dense_gemv`'s condition: the call
-    follows the launch that wrote the addend, and that launch is worth hiding behind the weight's reads.
-    `tail` (`kernels.lora_tail.TailArgs`, one row): the one-token LoRA's expand added by the GEMV kernel
-    itself, on the same terms."""
-    early = addend is not None or tail is not None
-    if takes_gemv(x, weight, bias, any_size=early):
+    follows the launch that wrote the addend, and that launch is worth hiding behind the weight's reads."""
+    if takes_gemv(x, weight, bias, any_size=addend is not None):
         from kernels.dense_gemv import dense_gemv
 
         out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-        dense_gemv(x, weight, bias, out, addend=addend, tail=tail)
+        dense_gemv(x, weight, bias, out, addend=addend)
         return out
-    if early:
-        raise ValueError("an addend or a LoRA tail takes the one-row GEMV kernel (see takes_gemv)")
+    if addend is not None:
+        raise ValueError("an addend takes the one-row GEMV kernel (see takes_gemv)")
     return F.linear(x, weight, bias)
 
 
@@ -81,9 +76,8 @@ class Linear:
         """0: a dense projection reads no sums of x (`QuantLinear.sums_width`)."""
         return 0
 
-    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None, beside_lora: bool = False,
-                 tail: Any = None) -> torch.Tensor:
-        """[T, N]; `addend` [T, N] float32 is added before rounding and left zero, `tail` the one-token LoRA's
-        expand (`dense_linear`). `beside_lora` (a LoRA launch runs beside the call, `LlamaModel._project`): no
-        other choice here (the library GEMM); `QuantLinear` picks its kernel by it."""
-        return dense_linear(x, self.weight, self.bias, addend, tail)
+    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None, beside_lora: bool = False) -> torch.Tensor:
+        """[T, N]; `addend` [T, N] float32 is added before rounding and left zero (`dense_linear`). `beside_lora`
+        (a LoRA launch runs beside the call, `LlamaModel._project`): no other choice here (the library GEMM);
+        `QuantLinear` picks its kernel by it."""
+        return dense_linear(x, self.weight, self.bias, addend)

@@ -31,7 +31,6 @@ from kernels.env_switch import env_int
 # LORAPLEX_LORA_OVERLAP_TOKENS sets another bound (tuning).
 LORA_OVERLAP_TOKENS = 64
 OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
-LORA_TAIL_ENV = "LORAPLEX_LORA_TAIL"      # kernels/lora_tail.py (A/B runs; off by default)
 # A layer's delta not yet added to the residual stream h: the down projection's output, and its LoRA delta
 # where that is still to be added too (`LlamaModel._project`'s extra), else None.
 Pending = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -97,10 +96,6 @@ class LlamaModel:
         # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
         # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
-        # LORAPLEX_LORA_TAIL=1 (A/B runs, off by default): a one-token LoRA is a shrink launch and the base
-        # projection's one-row kernel adds the expand itself (kernels/lora_tail.py), instead of the fused launch
-        # writing `_lora_delta`.
-        self._lora_tail = os.environ.get(LORA_TAIL_ENV, "0") == "1"
         if self.fused and os.environ.get("LORAPLEX_LORA_FIRST", "1") != "0":
             width = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size, spec.hidden_size)
             self._lora_delta = torch.zeros(width, dtype=torch.float32, device=self.device)
@@ -271,8 +266,6 @@ class LlamaModel:
             lora = None                 # no adapter of this step changes this group: the base projection alone
         if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
-            if self._lora_tail:         # LORAPLEX_LORA_TAIL=1: a shrink launch, the expand in the base kernel
-                return linear(x, tail=lora.shrink_for_tail(i, group, x, widths)), None
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
             return linear(x, addend=delta), None

@@ -18,8 +18,6 @@ dequantize-then-matmul on every call (the reference path; slow, meant for tests 
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -132,16 +130,14 @@ class QuantLinear:
         return sums_width(cfg, self.packed, dtype)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
-                 x_sums: torch.Tensor | None = None, beside_lora: bool = False, tail: Any = None) -> torch.Tensor:
+                 x_sums: torch.Tensor | None = None, beside_lora: bool = False) -> torch.Tensor:
         """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
         then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
         slice sums as `sums_width` asks for them ([T, K / width] float32), written with x. `beside_lora`: a LoRA
         launch runs beside this call on another stream (`LlamaModel._project`); the kernel's config leaves room
-        for it (`pick_config`). `tail` (`kernels.lora_tail.TailArgs`, `takes_addend`'s terms): the one-token
-        LoRA's expand added by the one-row kernel itself."""
-        early = addend is not None or tail is not None
-        if early and not self.takes_addend(x):
-            raise ValueError("an addend or a LoRA tail takes one 16-bit row on the quantized kernel (see takes_addend)")
+        for it (`pick_config`)."""
+        if addend is not None and not self.takes_addend(x):
+            raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not self.use_kernel:
             assert self._qweight is not None
@@ -162,11 +158,11 @@ class QuantLinear:
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
-                          early or beside_lora, self.async_dots, self.async_one_row)
+                          addend is not None or beside_lora, self.async_dots, self.async_one_row)
         partials = None
         if cfg.split_k > 1:
             partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)
-        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, tail=tail)
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums)
         return out.view(*lead, n)
 
 

@@ -60,10 +60,6 @@
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
 #                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
-#   lora-tail        LORAPLEX_LORA_TAIL (kernels/lora_tail.py): its GPU tests, then bench/quant_decode.py at batch 1
-#                    with the switch 0 / 1 / 0 / 1 on the 4-bit engine and 0 / 1 in bf16, then a batch-1 trace with
-#                    it on (step_profile_w4_b1_tail.json, against step_profile_w4_b1.json; SKIP_TRACE=1 skips it;
-#                    ~6 minutes with the tests, SKIP_TESTS=1 skips them)
 #   lora-rank-pad    bench/lora_rank_pad.py: the LoRA decode step of rank-16 / rank-64 adapters in pools of largest
 #                    rank 16, 64 and 256 (~1.5 minutes); with another commit's kernels unpacked under ab_kernels/
 #                    (`git archive C kernels | tar -x -C ab_kernels`: ignored, name it in the call's carry) the same
@@ -228,18 +224,6 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     python3 bench/quant_async_dots.py --rows "$rows" --commit "$commit" \
       --out "$out/quant_async_dots_rows${rows//,/_}.json" 2>&1 | cut -c1-420 | tee -a "$out/$stage.log" ;;
   async-dots-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS "1 0" async_dots ;;
-  lora-tail)
-    [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/engine/test_lora_tail_gpu.py \
-      tests/kernels/test_lora_tail.py tests/compute_service/test_paged_backend.py tests/engine/test_lora_first_gpu.py \
-      2>&1 | tail -5 | tee "$out/$stage.log"
-    int4_decode_ab LORAPLEX_LORA_TAIL "0 1 0 1" lora_tail 1
-    for flag in 0 1; do
-      LORAPLEX_LORA_TAIL=$flag python3 bench/quant_decode.py --labels bf16 --batches 1 --commit "$commit" \
-        --out "$out/quant_decode_lora_tail_bf16_$flag.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
-    done
-    [ -n "${SKIP_TRACE:-}" ] || LORAPLEX_LORA_TAIL=1 timeout 240 python3 bench/step_profile.py --bits 4 \
-      --cases distinct_r16_all:1 --steps 10 --trace 60 --commit "$commit" --out "$out/step_profile_w4_b1_tail.json" \
-      2>&1 | tail -3 | tee -a "$out/$stage.log" ;;
   gemv-stalls)
     python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "${ROWS:-1}" \
       --out "$out/quant_gemv_stalls${ROWS:+_rows$ROWS}.json" --raw /tmp/quant_gemv_stalls_raw${ROWS:+_$ROWS} 2>&1 \
