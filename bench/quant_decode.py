@@ -259,13 +259,15 @@ def main() -> None:
     ap.add_argument("--labels", default="bf16,int4", help="engines to run: bf16, int4 or both (an A/B of 4-bit "
                     "kernel choices needs int4 only)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, no figures")
+    ap.add_argument("--input-len", type=int, default=43, help="prompt tokens a request (the context the decode "
+                    "steps attend grows from it)")
     ap.add_argument("--group-size", type=int, help="quantization group (default 128, the smoke run 32); 32 is "
                     "what Q4_0 / Q4_1 / Q4_K GGUF files run")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     dims = SMOKE if args.smoke else LLAMA3_8B
-    in_len, out_len = 43, (8 if args.smoke else 100)
+    in_len, out_len = args.input_len, (8 if args.smoke else 100)
     batches = [int(b) for b in args.batches.split(",")]
     res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", commit=args.commit,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -286,7 +288,8 @@ def main() -> None:
     if not args.no_engine:
         hf = build_hf(dims, dev, dtype)
         for label in args.labels.split(","):
-            engine, _ = build_engine(hf, dev, dtype, max(batches), in_len, out_len, [(in_len, max(batches))])
+            engine, _ = build_engine(hf, dev, dtype, max(batches), in_len, out_len,
+                                     [(in_len + out_len, max(batches))])   # room for every output token
             if label == "int4":
                 quantize_layers(engine.runner.model, 4, res["group_size"])
             if dev.type == "cuda":
