@@ -1,6 +1,7 @@
 """Paged-attention decode (`kernels.paged_attention`): the context split over several programs a (sequence,
-KV head) as `decode_splits` picks it, against the unsplit kernel (one program a pair), by batch and context
-length, on the 8B model's heads (32 query heads, 8 KV heads, 128 dims, bf16, pages of 16 tokens).
+KV head) as `decode_splits` picks it, against the unsplit kernel (one program a pair) and other split counts
+(`--splits`), by batch and context length, on the 8B model's heads (32 query heads, 8 KV heads, 128 dims,
+bf16, pages of 16 tokens).
 
 Each time is a CUDA graph of launches over enough KV-cache copies to exceed the L2 cache (median of replays),
 against the floor: the keys' and values' bytes over the measured copy bandwidth (read + write of a 2 GiB
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--contexts", default="128,512,2048,8192,32768")
+    ap.add_argument("--splits", default="", help="more split counts to time at every case (e.g. 2,4,8,16)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -73,7 +75,8 @@ def main() -> None:
             outs = [torch.empty_like(q) for _ in range(2)]
             r: dict = {"batch": batch, "context": ctx, "splits": splits, "kv_bytes": per_copy,
                        "floor_us": per_copy / bw * 1e6}
-            for name, s in (("unsplit", 1), ("split", splits)):
+            extra = [int(x) for x in args.splits.split(",") if x]
+            for s in sorted({1, splits, *extra}):
                 paged_attention_decode(q, *caches[0], tables, lens, outs[0], D ** -0.5, num_splits=s)
                 err = ((outs[0].float() - want).abs().max() / want.abs().max()).item()
                 if err > 2e-2:
@@ -81,15 +84,18 @@ def main() -> None:
                 fns = [lambda kv=kv, i=i: paged_attention_decode(q, *kv, tables, lens, outs[i % 2], D ** -0.5,
                                                                   num_splits=s)
                        for i, kv in enumerate(caches * max(1, -(-8 // len(caches))))]
-                r[f"{name}_us"] = graph_us(fns)
+                r.setdefault("by_splits_us", {})[str(s)] = graph_us(fns)
+            r["unsplit_us"], r["split_us"] = r["by_splits_us"]["1"], r["by_splits_us"][str(splits)]
             r["speedup"] = r["unsplit_us"] / r["split_us"]
             r["split_over_floor"] = r["split_us"] / r["floor_us"]
             res["cases"].append(r)
+            best = min(r["by_splits_us"].items(), key=lambda t: t[1])
             print(f"B={batch:3d} ctx {ctx:6d} splits {splits:2d}  floor {r['floor_us']:8.2f} us  unsplit "
-                  f"{r['unsplit_us']:8.2f}  split {r['split_us']:8.2f}  x{r['speedup']:.2f}", flush=True)
+                  f"{r['unsplit_us']:8.2f}  split {r['split_us']:8.2f}  x{r['speedup']:.2f}  best {best[0]}: "
+                  f"{best[1]:.2f}", flush=True)
+            args.out.write_text(json.dumps(res, indent=1))
             del caches
             torch.cuda.empty_cache()
-    args.out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

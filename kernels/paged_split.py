@@ -30,24 +30,28 @@ MAX_MERGE_ROWS = 64
 # last chunk) costs about what 1-2 blocks of keys a program cost (bench/results/paged_decode.json: at batch 1
 # 128 tokens took 4.7 us unsplit, 7.8 split in two chunks; 512 tokens 17.9 unsplit, 8.4 in eight).
 MIN_SPLIT_CONTEXT = 256
-# Counter slots a device's buffer holds: one per (sequence, KV head) of a split launch, which splits
-# only while those are fewer than half the SMs.
+# Waves of programs a split launch aims at: a program's blocks are a chain of dependent loads, so an SM
+# runs several at once (four or five fit by registers) to keep its loads in flight.
+SPLIT_WAVES = 3
+# Counter slots a device's buffer holds: one per (sequence, KV head) of a split launch (which splits only
+# while those are fewer than SPLIT_WAVES waves of SMs).
 COUNTER_SLOTS = 4096
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def decode_splits(batch: int, kv_heads: int, group: int, max_context: int, block_n: int, num_sms: int) -> int:
-    """Programs per (sequence, KV head): enough for the grid to fill about one wave of `num_sms` SMs, at
-    most one per `block_n` tokens of the longest context the block tables hold, at most MAX_SPLITS and
-    MAX_MERGE_ROWS // group; 1 (the unsplit kernel) once the sequences and heads alone give half a wave or
-    no context the tables hold is longer than MIN_SPLIT_CONTEXT.
-    Depends only on host-known shapes, so a captured graph keeps it."""
+    """Programs per (sequence, KV head): enough for the grid to fill about SPLIT_WAVES waves of `num_sms`
+    SMs, at most one per `block_n` tokens of the longest context the block tables hold, at most MAX_SPLITS
+    and MAX_MERGE_ROWS // group; 1 (the unsplit kernel) where that comes to fewer than 2, or no context the
+    tables hold is longer than MIN_SPLIT_CONTEXT. Depends only on host-known shapes, so a captured graph
+    keeps it."""
     programs = batch * kv_heads
-    if 2 * programs > num_sms or programs > COUNTER_SLOTS or max_context <= MIN_SPLIT_CONTEXT:
+    if programs > COUNTER_SLOTS or max_context <= MIN_SPLIT_CONTEXT:
         return 1
     most = min(MAX_SPLITS, max(1, MAX_MERGE_ROWS // next_pow2(group)), cdiv(max_context, block_n))
-    return max(1, min(most, cdiv(num_sms, programs)))
+    splits = min(most, cdiv(SPLIT_WAVES * num_sms, programs))
+    return splits if splits >= 2 else 1
 
 
 def split_counters(device: torch.device, slots: int) -> torch.Tensor | None:

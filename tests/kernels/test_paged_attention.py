@@ -90,11 +90,13 @@ def test_split_leaves_short_contexts_whole():
 
 
 def test_decode_splits_rule():
-    """About one wave of programs at small batches, none past the tables' width or the merge's rows."""
+    """About SPLIT_WAVES waves of programs, none past the tables' width or the merge's rows."""
+    assert paged_split.SPLIT_WAVES == 3                              # the figures below are for 3 waves
     assert decode_splits(1, 8, 4, 32768, 64, 132) == 16             # 8B at batch 1: MAX_SPLITS
-    assert decode_splits(4, 8, 4, 32768, 64, 132) == 5              # 32 pairs: ceil(132 / 32)
-    assert decode_splits(8, 8, 4, 32768, 64, 132) == 3
-    assert decode_splits(9, 8, 4, 32768, 64, 132) == 1              # 72 pairs: over half a wave, unsplit
+    assert decode_splits(4, 8, 4, 32768, 64, 132) == 13             # 32 pairs: ceil(3 * 132 / 32)
+    assert decode_splits(8, 8, 4, 32768, 64, 132) == 7
+    assert decode_splits(32, 8, 4, 32768, 64, 132) == 2
+    assert decode_splits(50, 8, 4, 32768, 64, 132) == 1             # 400 pairs: three waves alone, unsplit
     assert decode_splits(1, 8, 4, 1000, 64, 132) == 16
     assert decode_splits(1, 8, 4, 300, 64, 132) == 5                # a context of at most five blocks
     assert decode_splits(1, 8, 4, paged_split.MIN_SPLIT_CONTEXT, 64, 132) == 1    # too short to split
