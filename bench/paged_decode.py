@@ -58,8 +58,6 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--contexts", default="128,512,2048,8192,32768")
     ap.add_argument("--splits", default="", help="more split counts to time at every case (e.g. 2,4,8,16)")
-    ap.add_argument("--stages", default="", help="pipeline depths to time unsplit and at the rule's split too "
-                    "(e.g. 3,4; the kernel's default is 2)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -87,18 +85,6 @@ def main() -> None:
                                                                   num_splits=s)
                        for i, kv in enumerate(caches * max(1, -(-8 // len(caches))))]
                 r.setdefault("by_splits_us", {})[str(s)] = graph_us(fns)
-            for st in (int(x) for x in args.stages.split(",") if x):
-                for s in sorted({1, splits}):
-                    paged_attention_decode(q, *caches[0], tables, lens, outs[0], D ** -0.5, num_splits=s,
-                                           num_stages=st)
-                    err = ((outs[0].float() - want).abs().max() / want.abs().max()).item()
-                    if err > 2e-2:
-                        raise AssertionError(f"batch {batch} context {ctx} splits {s} stages {st}: rel err {err}")
-                    fns = [lambda kv=kv, i=i: paged_attention_decode(q, *kv, tables, lens, outs[i % 2], D ** -0.5,
-                                                                      num_splits=s, num_stages=st)
-                           for i, kv in enumerate(caches * max(1, -(-8 // len(caches))))]
-                    r.setdefault("by_stages_us", {}).setdefault(str(st), {})[str(s)] = graph_us(fns)
-                print(f"    stages {st}: {r['by_stages_us'][str(st)]}", flush=True)
             r["unsplit_us"], r["split_us"] = r["by_splits_us"]["1"], r["by_splits_us"][str(splits)]
             r["speedup"] = r["unsplit_us"] / r["split_us"]
             r["split_over_floor"] = r["split_us"] / r["floor_us"]

@@ -83,7 +83,6 @@ def paged_attention_decode(
     block_n: int = 64,            # tokens per loop iteration (power of two, >= 16)
     num_splits: int | None = None,  # programs per (sequence, KV head); None: `decode_splits`'s choice
     min_split_context: int = MIN_SPLIT_CONTEXT,   # longer contexts only are split (when num_splits > 1)
-    num_stages: int = 2,          # blocks of keys and values in flight a program (the loop's pipeline depth)
 ) -> None:
     """Attention of each sequence's newest token over its whole context, written into `out`.
 
@@ -125,5 +124,5 @@ def paged_attention_decode(
         IEEE=q.dtype == torch.float32, SPLIT=num_splits > 1, MIN_CONTEXT=min_split_context,
         BLOCK_S=next_pow2(num_splits),
         BLOCK_GM=next_pow2(group), FENCE=compiled(), NUM_THREADS=32 * 4,
-        num_warps=4, num_stages=num_stages, **launch_args(pdl),
+        num_warps=4, num_stages=2, **launch_args(pdl),
     )
