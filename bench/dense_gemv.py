@@ -11,7 +11,6 @@ the fp32 product.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
+from multi_lora import gpu_run_header  # noqa: E402  (bench helpers)
 from quant_kernel_sweep import graph_us  # noqa: E402
 from compute_service.engine.linear import GEMV_MIN_ELEMENTS, GEMV_MIN_IN_FEATURES  # noqa: E402
 from kernels.dense_gemv import DenseGemvConfig, dense_gemv, pick_gemv_config  # noqa: E402
@@ -43,13 +42,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    bw = copy_bandwidth(dev, 2**31)
-    res: dict = {"device": torch.cuda.get_device_name(dev), "commit": args.commit,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "torch": torch.__version__, "copy_bandwidth_Bps": bw, "gemv_min_elements": GEMV_MIN_ELEMENTS,
-                 "gemv_min_in_features": GEMV_MIN_IN_FEATURES,
-                 "shapes": {}}
-    print(res["device"], f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    res: dict = {**gpu_run_header(dev, args.commit), "gemv_min_elements": GEMV_MIN_ELEMENTS,
+                 "gemv_min_in_features": GEMV_MIN_IN_FEATURES, "shapes": {}}
+    bw = res["copy_bandwidth_Bps"]
     for name, (n, k) in SHAPES.items():
         ws = []
         while sum(w.nbytes for w in ws) < SPAN:

@@ -12,7 +12,6 @@ copy, as bench/multi_lora.py). Every output is checked against the fp32 definiti
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
+from multi_lora import gpu_run_header  # noqa: E402  (bench helpers)
 from quant_kernel_sweep import graph_us  # noqa: E402
 from kernels.paged_attention import paged_attention_decode  # noqa: E402
 from kernels.paged_attention_ref import paged_attention_decode_ref  # noqa: E402
@@ -61,12 +60,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    bw = copy_bandwidth(dev, 2**31)
-    res: dict = {"device": torch.cuda.get_device_name(dev), "commit": args.commit,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "torch": torch.__version__, "copy_bandwidth_Bps": bw, "heads": H, "kv_heads": KVH, "head_dim": D,
+    res: dict = {**gpu_run_header(dev, args.commit), "heads": H, "kv_heads": KVH, "head_dim": D,
                  "block_size": BLOCK, "max_context": MAX_CONTEXT, "num_sms": _num_sms(dev), "cases": []}
-    print(res["device"], f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    bw = res["copy_bandwidth_Bps"]
     for batch in (int(b) for b in args.batches.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
             caches, tables, lens, q, per_copy = case(batch, ctx, dev, gen)
