@@ -18,7 +18,8 @@ import triton.language as tl
 
 from kernels.host_ints import next_pow2
 from kernels.paged_common import attend_keys, check_paged_inputs
-from kernels.paged_split import MIN_SPLIT_CONTEXT, decode_splits, merge_partials, split_counters, split_range
+from kernels import paged_split
+from kernels.paged_split import decode_splits, merge_partials, split_counters, split_range
 from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import _num_sms
 
@@ -82,7 +83,7 @@ def paged_attention_decode(
     scale: float,
     block_n: int = 64,            # tokens per loop iteration (power of two, >= 16)
     num_splits: int | None = None,  # programs per (sequence, KV head); None: `decode_splits`'s choice
-    min_split_context: int = MIN_SPLIT_CONTEXT,   # longer contexts only are split (when num_splits > 1)
+    min_split_context: int | None = None,   # longer contexts only are split; None: MIN_SPLIT_CONTEXT
 ) -> None:
     """Attention of each sequence's newest token over its whole context, written into `out`.
 
@@ -102,6 +103,8 @@ def paged_attention_decode(
     if B == 0:
         return
     group = H // KVH
+    if min_split_context is None:
+        min_split_context = paged_split.MIN_SPLIT_CONTEXT
     if num_splits is None:
         num_splits = decode_splits(B, KVH, group, block_tables.shape[1] * block_size, block_n, _num_sms(q.device))
     locks = split_counters(q.device, B * KVH) if num_splits > 1 else None

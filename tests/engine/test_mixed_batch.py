@@ -14,7 +14,7 @@ import torch
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import TINY_DIMS, add_peft_adapters, rel_err
 from loraplex.formats import read_peft
-from test_parity import ALL_MODULES, TOL, reference_logits, run_collecting
+from test_parity import ALL_MODULES, TOL, assert_peft_parity, run_collecting
 
 ADAPTERS = {
     "A": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
@@ -48,16 +48,7 @@ def test_mixed_batch_matches_each_request_alone(peft_qwen, backend):
     joins = {rid: step for rid, (_, _, step) in REQUESTS.items()}
     tokens, logits = run_collecting(engine, reqs, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
                                     join_at=joins)
-    for rid, (prompt, key) in reqs.items():
-        assert len(logits[rid]) == 6
-        if key is None:
-            with peft_model.disable_adapter():
-                ref = reference_logits(peft_model, prompt, tokens[rid])
-        else:
-            peft_model.set_adapter(key)
-            ref = reference_logits(peft_model, prompt, tokens[rid])
-        for i, row in enumerate(logits[rid]):
-            assert rel_err(row, ref[i]) < TOL, (rid, key, i)
+    assert_peft_parity(peft_model, reqs, tokens, logits, 6)
     # adapters really differ from each other and from the base model
     firsts = [logits[r][0] for r in ("base", "a1", "b", "c")]
     assert all(rel_err(x, y) > 100 * TOL for i, x in enumerate(firsts) for y in firsts[i + 1:])

@@ -41,6 +41,21 @@ def reference_logits(model, prompt: list[int], output: list[int]) -> torch.Tenso
     return full[len(prompt) - 1: len(prompt) - 1 + len(output)]
 
 
+def assert_peft_parity(peft_model, reqs: dict[str, tuple[list[int], str | None]], tokens: dict, logits: dict,
+                       steps: int) -> None:
+    """Every request's `steps` logits rows within TOL of PEFT's (its adapter set, or none) at the same tokens."""
+    for rid, (prompt, key) in reqs.items():
+        assert len(logits[rid]) == steps
+        if key is None:
+            with peft_model.disable_adapter():
+                ref = reference_logits(peft_model, prompt, tokens[rid])
+        else:
+            peft_model.set_adapter(key)
+            ref = reference_logits(peft_model, prompt, tokens[rid])
+        for i, row in enumerate(logits[rid]):
+            assert rel_err(row.cpu(), ref[i]) < TOL, (rid, key, i)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_tied"])
 @pytest.mark.parametrize("chunk", [64, 5])
 def test_base_logits_match_transformers(tiny_models, kind, chunk):

@@ -2,7 +2,7 @@
 
 - CPU (Triton interpreter): decode-only steps through the paged-attention
   decode kernel vs the padded-tile SDPA path, mixed adapters, both within the
-  parity tolerance of PEFT's logits.
+  parity tolerance of PEFT's logits; the same with the contexts split.
 - GPU: decode steps replayed from CUDA graphs (buckets, padding, LoRA metadata
   changing between replays, requests joining and leaving) vs the same engine
   run eagerly.
@@ -18,7 +18,7 @@ from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import TINY_DIMS, add_peft_adapters, rel_err
 from loraplex.formats import read_peft
 from test_mixed_batch import ADAPTERS, REQUESTS
-from test_parity import TOL, reference_logits, run_collecting
+from test_parity import assert_peft_parity, run_collecting
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,33 @@ def _run(engine: LLMEngine, adapters_dir, seed: int, max_tokens: int = 6):
     tokens, logits = run_collecting(engine, reqs, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                  ignore_eos=True), join_at=joins)
     return reqs, tokens, logits
+
+
+def test_decode_kernel_split_context_matches_peft(peft_llama, monkeypatch):
+    """fp32 on CPU (Triton interpreter) or on the GPU without graphs: decode steps whose contexts the kernel
+    splits (the threshold lowered to 0: the tiny model holds 128 tokens) and merges across two chunks of 64,
+    one request with an adapter, one without, both within the parity tolerance of PEFT's logits."""
+    import kernels.paged_attention as pa
+    from kernels import paged_split
+
+    peft_model, folder, adapters_dir = peft_llama
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float32", block_size=16,
+                                    max_num_batched_tokens=128, lora_backend="torch" if device == "cuda" else
+                                    "kernels", max_loras=4, enforce_eager=True))
+    engine.runner.decode_kernel = True
+    for name in ADAPTERS:
+        engine.add_adapter(name, read_peft(adapters_dir / name))
+    monkeypatch.setattr(paged_split, "MIN_SPLIT_CONTEXT", 0)
+    split_calls = []
+    real = pa.split_counters
+    monkeypatch.setattr(pa, "split_counters", lambda *a: split_calls.append(a) or real(*a))
+    g = torch.Generator().manual_seed(7)
+    reqs = {rid: (torch.randint(0, TINY_DIMS["vocab_size"], (n,), generator=g).tolist(), key)
+            for rid, (key, n) in {"long_base": (None, 90), "long_b": ("B", 70)}.items()}
+    tokens, logits = run_collecting(engine, reqs, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert split_calls, "no decode step was split"
+    assert_peft_parity(peft_model, reqs, tokens, logits, 5)
 
 
 @pytest.mark.parametrize("block_size,fused", [(4, False), (16, False), (4, True)])
@@ -67,16 +94,7 @@ def test_decode_kernel_matches_peft(peft_llama, block_size, fused, monkeypatch):
     monkeypatch.setattr(pa, "paged_attention_decode", counting)
     reqs, tokens, logits = _run(engine, adapters_dir, seed=5)
     assert calls, "no decode-only step went through the kernel"
-    for rid, (prompt, key) in reqs.items():
-        if key is None:
-            with peft_model.disable_adapter():
-                ref = reference_logits(peft_model, prompt, tokens[rid])
-        else:
-            peft_model.set_adapter(key)
-            ref = reference_logits(peft_model, prompt, tokens[rid])
-        assert len(logits[rid]) == 6
-        for i, row in enumerate(logits[rid]):
-            assert rel_err(row.cpu(), ref[i]) < TOL, (rid, key, i)
+    assert_peft_parity(peft_model, reqs, tokens, logits, 6)
 
 
 def _engine(folder, dtype: str, **kw) -> LLMEngine:
