@@ -65,7 +65,7 @@ def test_decode_matches_reference_small(dtype, tol, H, KVH, D, block_size):
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
-@pytest.mark.parametrize("H,KVH,D", [(4, 1, 16), (8, 2, 64), (6, 2, 80)])
+@pytest.mark.parametrize("H,KVH,D", [(4, 1, 16), (8, 2, 64), (6, 2, 80), (4, 4, 32)])
 def test_split_context_matches_reference(num_splits, H, KVH, D):
     """Split launches: contexts of one token, under one block, one chunk, a few chunks and past the splits'
     even share (empty trailing chunks); every counter back at zero afterwards."""
