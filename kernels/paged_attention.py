@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels.host_ints import next_pow2
 from kernels.paged_common import attend_keys, check_paged_inputs
 from kernels import paged_split
-from kernels.paged_split import decode_splits, merge_partials, split_counters, split_range
+from kernels.paged_split import decode_splits, max_splits, merge_partials, split_counters, split_range
 from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import _num_sms
 
@@ -107,6 +107,9 @@ def paged_attention_decode(
         min_split_context = paged_split.MIN_SPLIT_CONTEXT
     if num_splits is None:
         num_splits = decode_splits(B, KVH, group, block_tables.shape[1] * block_size, block_n, _num_sms(q.device))
+    if num_splits > max_splits(group):
+        raise ValueError(f"{num_splits} splits asked; the merge takes at most {max_splits(group)} for {group} "
+                         f"query heads a KV head")
     locks = split_counters(q.device, B * KVH) if num_splits > 1 else None
     if locks is None:
         num_splits = 1
@@ -125,7 +128,7 @@ def paged_attention_decode(
         block_size, group, D, scale,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         IEEE=q.dtype == torch.float32, SPLIT=num_splits > 1, MIN_CONTEXT=min_split_context,
-        BLOCK_S=next_pow2(num_splits),
+        BLOCK_S=max_splits(group),
         BLOCK_GM=next_pow2(group), FENCE=compiled(), NUM_THREADS=32 * 4,
         num_warps=4, num_stages=2, **launch_args(pdl),
     )

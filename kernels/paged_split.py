@@ -40,6 +40,13 @@ COUNTER_SLOTS = 4096
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
+def max_splits(group: int) -> int:
+    """The most chunks a (sequence, KV head) of `group` query heads is split into: MAX_SPLITS, fewer where the
+    merge's [chunks, group] rows would pass MAX_MERGE_ROWS. A power of two, and the merge's tile height for
+    every split launch of the model (one compiled variant whatever the batch)."""
+    return min(MAX_SPLITS, max(1, MAX_MERGE_ROWS // next_pow2(group)))
+
+
 def decode_splits(batch: int, kv_heads: int, group: int, max_context: int, block_n: int, num_sms: int) -> int:
     """Programs per (sequence, KV head): enough for the grid to fill about SPLIT_WAVES waves of `num_sms`
     SMs, at most one per `block_n` tokens of the longest context the block tables hold, at most MAX_SPLITS
@@ -49,7 +56,7 @@ def decode_splits(batch: int, kv_heads: int, group: int, max_context: int, block
     programs = batch * kv_heads
     if programs > COUNTER_SLOTS or max_context <= MIN_SPLIT_CONTEXT:
         return 1
-    most = min(MAX_SPLITS, max(1, MAX_MERGE_ROWS // next_pow2(group)), cdiv(max_context, block_n))
+    most = min(max_splits(group), cdiv(max_context, block_n))
     splits = min(most, cdiv(SPLIT_WAVES * num_sms, programs))
     return splits if splits >= 2 else 1
 

@@ -102,6 +102,16 @@ def test_decode_splits_rule():
     assert decode_splits(1, 8, 4, paged_split.MIN_SPLIT_CONTEXT, 64, 132) == 1    # too short to split
     assert decode_splits(1, 1, 32, 32768, 64, 132) == 2             # 32 query heads a KV head: 64 merge rows
     assert decode_splits(1, 3, 3, 32768, 64, 132) == 16             # the default model's 3 KV heads
+    assert [paged_split.max_splits(g) for g in (1, 4, 5, 8, 32)] == [16, 16, 8, 8, 2]
+
+
+def test_rejects_more_splits_than_the_merge_takes():
+    q = torch.randn(1, 32, 16)
+    k = torch.randn(4, 16, 1, 16)
+    tables = torch.zeros(1, 4, dtype=torch.int32)
+    lens = torch.full((1,), 60, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 2"):
+        paged_attention_decode(q, k, k.clone(), tables, lens, torch.empty_like(q), 0.25, num_splits=3)
 
 
 def test_rejects_bad_inputs():
