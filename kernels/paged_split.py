@@ -27,8 +27,8 @@ from kernels.pdl import gpu_fence
 MAX_SPLITS = 16
 MAX_MERGE_ROWS = 64
 # Contexts of at most this many tokens are not split: the merge (partials stored, counted, read back by the
-# last chunk) costs about what 1-2 blocks of keys a program cost (bench/results/paged_decode.json: at batch 1
-# 128 tokens took 4.7 us unsplit, 7.8 split in two chunks; 512 tokens 17.9 unsplit, 8.4 in eight).
+# last chunk) costs about what 1-2 blocks of keys a program cost (bench/results/paged_decode_no_threshold.json:
+# at batch 1 128 tokens took 4.7 us unsplit, 7.8 split in two chunks; 512 tokens 17.9 unsplit, 8.4 in eight).
 MIN_SPLIT_CONTEXT = 256
 # Waves of programs a split launch aims at: a program's blocks are a chain of dependent loads, so an SM
 # runs several at once (four or five fit by registers) to keep its loads in flight.
@@ -49,10 +49,9 @@ def max_splits(group: int) -> int:
 
 def decode_splits(batch: int, kv_heads: int, group: int, max_context: int, block_n: int, num_sms: int) -> int:
     """Programs per (sequence, KV head): enough for the grid to fill about SPLIT_WAVES waves of `num_sms`
-    SMs, at most one per `block_n` tokens of the longest context the block tables hold, at most MAX_SPLITS
-    and MAX_MERGE_ROWS // group; 1 (the unsplit kernel) where that comes to fewer than 2, or no context the
-    tables hold is longer than MIN_SPLIT_CONTEXT. Depends only on host-known shapes, so a captured graph
-    keeps it."""
+    SMs, at most one per `block_n` tokens of the longest context the block tables hold, at most
+    `max_splits(group)`; 1 (the unsplit kernel) where that comes to fewer than 2, or no context the tables
+    hold is longer than MIN_SPLIT_CONTEXT. Depends only on host-known shapes, so a captured graph keeps it."""
     programs = batch * kv_heads
     if programs > COUNTER_SLOTS or max_context <= MIN_SPLIT_CONTEXT:
         return 1
