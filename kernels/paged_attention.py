@@ -24,7 +24,7 @@ from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import _num_sms
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])      # one compiled split variant whatever the count (16 or not)
 def _paged_decode_kernel(
     q_ptr, q_stride_b, q_stride_h, k_ptr, v_ptr, cache_stride_slot, cache_stride_h,
     tables_ptr, tables_stride, ctx_ptr, out_ptr, out_stride_b, out_stride_h,
