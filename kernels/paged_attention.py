@@ -1,9 +1,9 @@
 """Paged-attention decode: one new query token per sequence against its keys/values in the paged KV cache.
 
 Reads the engine's block tables directly (no gather into padded tiles). Grid:
-(sequences, KV heads); each program handles all query heads of its KV group
+(sequences, KV heads, splits); each program handles all query heads of its KV group
 (grouped-query attention) so every key/value row is read from DRAM once, and
-walks the sequence's context `BLOCK_N` tokens at a time with an online softmax
+walks its part of the context `BLOCK_N` tokens at a time with an online softmax
 in fp32. The token at position p lives in page `block_tables[b, p // block_size]`
 at offset `p % block_size`; pages are looked up per token, so any block size
 works. Context lengths live on the device: no host sync, graph-safe. With few
