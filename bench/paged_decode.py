@@ -63,6 +63,7 @@ def main() -> None:
     res: dict = {**gpu_run_header(dev, args.commit), "heads": H, "kv_heads": KVH, "head_dim": D,
                  "block_size": BLOCK, "max_context": MAX_CONTEXT, "num_sms": _num_sms(dev), "cases": []}
     bw = res["copy_bandwidth_Bps"]
+    extra = [int(x) for x in args.splits.split(",") if x]
     for batch in (int(b) for b in args.batches.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
             caches, tables, lens, q, per_copy = case(batch, ctx, dev, gen)
@@ -71,7 +72,6 @@ def main() -> None:
             outs = [torch.empty_like(q) for _ in range(2)]
             r: dict = {"batch": batch, "context": ctx, "splits": splits, "kv_bytes": per_copy,
                        "floor_us": per_copy / bw * 1e6}
-            extra = [int(x) for x in args.splits.split(",") if x]
             for s in sorted({1, splits, *extra}):
                 paged_attention_decode(q, *caches[0], tables, lens, outs[0], D ** -0.5, num_splits=s)
                 err = ((outs[0].float() - want).abs().max() / want.abs().max()).item()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
-from helpers import TINY_DIMS, add_peft_adapters, rel_err
+from helpers import TINY_DIMS, add_peft_adapters, record_calls, rel_err
 from loraplex.formats import read_peft
 from test_mixed_batch import ADAPTERS, REQUESTS
 from test_parity import assert_peft_parity, run_collecting
@@ -58,9 +58,7 @@ def test_decode_kernel_split_context_matches_peft(peft_llama, monkeypatch):
     for name in ADAPTERS:
         engine.add_adapter(name, read_peft(adapters_dir / name))
     monkeypatch.setattr(paged_split, "MIN_SPLIT_CONTEXT", 0)
-    split_calls = []
-    real = pa.split_counters
-    monkeypatch.setattr(pa, "split_counters", lambda *a: split_calls.append(a) or real(*a))
+    split_calls = record_calls(monkeypatch, pa, "split_counters", lambda *a: a)
     g = torch.Generator().manual_seed(7)
     reqs = {rid: (torch.randint(0, TINY_DIMS["vocab_size"], (n,), generator=g).tolist(), key)
             for rid, (key, n) in {"long_base": (None, 90), "long_b": ("B", 70)}.items()}
@@ -83,15 +81,9 @@ def test_decode_kernel_matches_peft(peft_llama, block_size, fused, monkeypatch):
                                     enforce_eager=True))
     engine.runner.decode_kernel = True          # on CPU: the Triton kernel in the interpreter
     engine.runner.model.fused = fused
-    calls = []
     import kernels.paged_attention as pa
-    real = pa.paged_attention_decode
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(pa, "paged_attention_decode", counting)
+    calls = record_calls(monkeypatch, pa, "paged_attention_decode", lambda *a, **k: 1)
     reqs, tokens, logits = _run(engine, adapters_dir, seed=5)
     assert calls, "no decode-only step went through the kernel"
     assert_peft_parity(peft_model, reqs, tokens, logits, 6)
