@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multi_lora import gpu_run_header  # noqa: E402  (bench helpers)
+from run_header import gpu_run_header  # noqa: E402  (bench helpers)
 from quant_kernel_sweep import graph_us  # noqa: E402
 from compute_service.engine.linear import GEMV_MIN_ELEMENTS, GEMV_MIN_IN_FEATURES  # noqa: E402
 from kernels.dense_gemv import DenseGemvConfig, dense_gemv, pick_gemv_config  # noqa: E402

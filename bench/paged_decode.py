@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multi_lora import gpu_run_header  # noqa: E402  (bench helpers)
+from run_header import gpu_run_header  # noqa: E402  (bench helpers)
 from quant_kernel_sweep import graph_us  # noqa: E402
 from kernels.paged_attention import paged_attention_decode  # noqa: E402
 from kernels.paged_attention_ref import paged_attention_decode_ref  # noqa: E402
