@@ -13,9 +13,11 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     python3 bench/quant_kernel_sweep.py --out g32.json --only 8b --group-size 32     # an 8B's Q4_0 / Q4_K GGUF
     python3 bench/quant_kernel_sweep.py --out tma.json --only 8b --rows 1 --tma   # the TMA-read one-row kernel
     python3 bench/quant_kernel_sweep.py --out tt.json --only 8b --rows 32,64,128 --tma   # the TMA-read tiles
+    python3 bench/quant_kernel_sweep.py --out w.json --only 8b --rows 64,128,256,512 --wide   # 128/256-row rings
 
 Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages], then 1 for whole rows a
-thread, or 0, tma_stages, scales_ahead for the TMA-read kernels. Cases on the
+thread, or 0, tma_stages, scales_ahead for the TMA-read kernels, or "ring", ring, ring_step for the
+asynchronous-dot kernel. Cases on the
 pair-codes path (4 bits, groups of 128+, 2+ rows) also record `x_sums_us`: the launch that sums x per
 128-wide half on every call, alone (part of every pair-codes time here).
 """
@@ -102,6 +104,16 @@ def tile_tma_configs(t: int, n: int, k: int, group: int) -> list[QuantMatmulConf
                        for st in (2, 3, 4, 5)]
 
 
+def wide_configs(t: int, n: int, k: int, group: int) -> list[QuantMatmulConfig]:
+    """64+ rows: pick_config's choice, then the asynchronous-dot kernel on 128- and 256-row tiles (weights
+    dequantized into its operand, `kernels.quant_wgmma`'s DEQ), 64 or 128 features, rings of 3-4 (3 at 256 rows:
+    shared memory), splits 1-4 that divide K's half blocks."""
+    halves = k // 128
+    return [pick_config(t, n, k, 4, 132, group)] + [
+        QuantMatmulConfig(bn, bm, s, ring=nx, ring_step=1) for bm in (128, 256) if bm < 2 * t
+        for bn in (64, 128) for nx in ((3, 4) if bm == 128 else (3,)) for s in (1, 2, 4) if halves % s == 0]
+
+
 def warps_configs(model: str, t: int) -> list[QuantMatmulConfig]:
     """Warps per program and narrower tiles (latency-bound small weights)."""
     C = QuantMatmulConfig
@@ -172,6 +184,8 @@ def main() -> None:
     ap.add_argument("--warps", action="store_true", help="sweep warps per program and narrow tiles instead")
     ap.add_argument("--tma", action="store_true", help="pick_config's choice against the TMA-read kernels' configs: "
                     "one row `tma_configs`, 2+ rows `tile_tma_configs`")
+    ap.add_argument("--wide", action="store_true", help="64+ rows: pick_config's choice against the asynchronous-dot "
+                    "kernel's 128- and 256-row tiles (`wide_configs`)")
     ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
                     "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
     args = ap.parse_args()
@@ -220,7 +234,8 @@ def main() -> None:
                     r["old_err"] = ((oouts[0].float() - want).norm() / want.norm()).item()
                     r["old_us_first"] = graph_us(old_calls)
                 found = []
-                cfgs = (tma_configs(n, k, group) if args.tma and t == 1 else tile_tma_configs(t, n, k, group)
+                cfgs = (wide_configs(t, n, k, group) if args.wide
+                        else tma_configs(n, k, group) if args.tma and t == 1 else tile_tma_configs(t, n, k, group)
                         if args.tma else warps_configs(model, t) if args.warps
                         else compare_configs(model, t, n, k, group) if old is not None else configs(model, t))
                 if args.picked_only:
@@ -239,7 +254,8 @@ def main() -> None:
                         continue
                     found.append(dict(cfg=[cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_warps, int(cfg.field_dots),
                                            cfg.num_stages] + ([1] if cfg.thread_rows else [])
-                                      + ([0, cfg.tma_stages, int(cfg.scales_ahead)] if cfg.tma_stages else []),
+                                      + ([0, cfg.tma_stages, int(cfg.scales_ahead)] if cfg.tma_stages else [])
+                                      + (["ring", cfg.ring, cfg.ring_step] if cfg.ring else []),
                                       us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
                 if old_calls:       # again after the tree's configs (a case's first timing sometimes runs slow)

@@ -32,7 +32,8 @@ class QuantMatmulConfig:
     scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
     ring: int = 0               # 2-32 rows on the pair-codes path, bfloat16 x, sm_90+: > 0 runs the asynchronous-dot
                                 # kernel (`kernels.quant_wgmma`: block_n 64, or 128 on two warpgroups; block_m 8 /
-                                # 16 / 32) with a ring of that many half blocks, ring_step half blocks a loop step
+                                # 16 / 32, or 128 / 256 with the weights dequantized into the operand, ring_step 1)
+                                # with a ring of that many half blocks, ring_step half blocks a loop step
     ring_step: int = 4
 
 
@@ -56,13 +57,15 @@ SMALL_WEIGHT = 4 * 2**20
 def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
     """Rows from which dequantizing the weight once and running a library GEMM beats this kernel (QuantLinear's
     switch). H100 sweeps: 65 for most layouts (the fused kernel was 30-40% slower on o and down at 128 rows);
-    H200 sweep of the 8B shapes on the pair-codes path: 256 (a layer at 128 rows 229 us against 354, at 192
-    rows 341 against 379, at 256 rows even, 393 against 392; bench/results/quant_kernel_big_rows.json); 4 bits
+    H200 sweep of the 8B shapes on the pair-codes path: 384 (at 256 rows a layer on the tiles took 296 us
+    against 389 for the GEMM, on the tiles and the 256-row asynchronous-dot tiles for gate/up 270; at 512 rows
+    the GEMM 494 against 501 and 559; bench/results/quant_kernel_wide.json; an earlier sweep had the two even
+    at 256 rows, bench/results/quant_kernel_big_rows.json); 4 bits
     in groups of 32 (pair codes): 129 (a layer at 96 rows 284 us against 359, at 128 rows 295 against 364, at
     192 rows 506 against 388; bench/results/quant_kernel_big_rows_g32.json)."""
     if N * K < SMALL_WEIGHT:
         return 65
-    return 256 if pair_codes_layout(bits, group_size, K) else 129 if group_pairs_layout(bits, group_size, K) else 65
+    return 384 if pair_codes_layout(bits, group_size, K) else 129 if group_pairs_layout(bits, group_size, K) else 65
 
 
 @functools.lru_cache(maxsize=4096)     # a pure function of its arguments; ~9 us of Python a call uncached
@@ -73,7 +76,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
     `async_dots` (the caller's GPU runs `kernels.quant_wgmma`: sm_90+, compiled): 2-32 rows of a large 4-bit
-    weight in groups of 128+ with bfloat16 x take that kernel (`_async_dots_config`, its rules and figures);
+    weight in groups of 128+ with bfloat16 x take that kernel (`_async_dots_config`, its rules and figures), and
+    65+ rows of such a weight whose feature tiles alone fill the SMs twice (gate/up) its 128- and 256-row tiles
+    (`_wide_config`);
     with `async_one_row` one row too where no LoRA launch runs beside it (its 8-row tile's rule; for A/B runs,
     `kernels.quant_wgmma.async_one_row_enabled`: not measured in the engine yet).
     One row of a large 4-bit weight in groups of 32 with K < 8192 (what a Q4_0 GGUF of an 8B runs): each
@@ -134,6 +139,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         return 1 << (max(1, v).bit_length() - 1)
 
     pairs = pair_codes_layout(bits, group_size, K)
+    if async_dots and T > 64 and pairs and x_dtype == torch.bfloat16 and cdiv(N, 64) >= 2 * num_sms:
+        return _wide_config(T)
     if async_dots and (T > 1 or async_one_row) and T <= 32 and pairs and x_dtype == torch.bfloat16 \
             and N * K >= SMALL_WEIGHT and (T > 16 or not beside_lora):
         ring = _async_dots_config(T, N, K, num_sms)
@@ -180,6 +187,19 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
     split = 1 if T > 32 and tiles >= num_sms else 2 if tiles >= 2 * num_sms else 8 if K >= 8192 else 4
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
+
+
+def _wide_config(T: int) -> QuantMatmulConfig:
+    """65+ rows of a 4-bit weight in groups of 128+ whose 64-feature tiles alone fill the SMs twice (gate/up) with
+    bfloat16 x on sm_90+: the asynchronous-dot kernel on 128-row tiles of 64 features (up to 128 rows) or 256-row
+    tiles of 128 (two warpgroups), its weights dequantized into the dot's operand, a ring of 3, no split. H200
+    sweep of the 8B shapes at 128 / 256 / 512 rows (`bench/quant_kernel_sweep.py --wide`,
+    bench/results/quant_kernel_wide.json): gate/up 89.6 -> 83.3 us at 128 rows, 157.7 -> 132.1 at 256, 311.4 ->
+    262.7 at 512 against the tiles; on q/k/v, o and down the tiles were as fast or faster (down at 128 rows 46.5
+    against 43.8 with the sums' launch the tiles need and the engine's norms write anyway)."""
+    if T <= 128:
+        return QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
+    return QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
 
 
 def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfig | None:

@@ -38,7 +38,7 @@ from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
-from kernels.quant_wgmma import BLOCK_NS, quant_wgmma, runs_on
+from kernels.quant_wgmma import BLOCK_NS, DEQ_ROWS, quant_wgmma, runs_on
 
 
 def _quad_words(w: PackedQuantWeight) -> bool:
@@ -129,7 +129,8 @@ def quant_matmul(
     else:
         check_sums(x_sums, T, K, width, "x_sums")
     if cfg.ring:            # the asynchronous-dot kernel (`kernels.quant_wgmma`)
-        if not (pairs and paired and runs_on(x.device)) or cfg.block_n not in BLOCK_NS:     # the rest: quant_wgmma
+        if not ((pairs or wide_ring(cfg)) and pair_codes_layout(w.bits, w.group_size, K) and x.dtype == torch.bfloat16
+                and paired and runs_on(x.device)) or cfg.block_n not in BLOCK_NS:     # the rest: quant_wgmma
             raise ValueError(f"bad config {cfg}: a ring runs 64- or 128-feature tiles of the asynchronous-dot kernel: "
                              "4 bits in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
         quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks,
@@ -179,12 +180,19 @@ def quant_matmul(
                                **pdl)
 
 
+def wide_ring(config: QuantMatmulConfig) -> bool:
+    """Whether a config runs the asynchronous-dot kernel on tiles of 128+ rows (weights dequantized into its
+    operand: no sums of x read)."""
+    return config.ring > 0 and config.block_m >= DEQ_ROWS
+
+
 def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.dtype) -> int:
     """The width of the slices of x whose sums a call with this config reads (128: the paired layout's half blocks,
     32: groups of 32), or 0 where it reads none (the pair-codes paths' offsets term, `kernels.quant_mma`)."""
     K = w.in_features
     pairs = (config.block_m > 1 and config.pair_codes and config.field_dots and x_dtype != torch.float32
-             and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K)))
+             and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K))
+             and not wide_ring(config))
     return (128 if paired_layout(w.bits, w.group_size) else 32) if pairs else 0
 
 

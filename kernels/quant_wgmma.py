@@ -52,6 +52,8 @@ x_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK_NS = (64, 128)    # features a program: one or two warpgroups, each warp a 16-row slice of the dot's M
+BLOCK_MS = (8, 16, 32, 64, 128, 256)    # rows a program: the dot's N
+DEQ_ROWS = 128          # from here the weights are dequantized into the operand (DEQ, one accumulator)
 
 
 @gluon.constexpr_function
@@ -80,11 +82,37 @@ def _biased(words, i: gl.constexpr):
 
 
 @gluon.jit
+def _dequantized(words, i: gl.constexpr, s, c):
+    """Fields i and i + 4 of each word as `_biased` places them, dequantized: (128 + q) * s + c in fp32 (c = offset
+    - 128 scale, so q * scale + offset), each rounded to bfloat16 once (the dense path's rounding)."""
+    p = _biased(words, i)
+    lo = (p << 16).to(gl.float32, bitcast=True) * s + c
+    hi = (p & -65536).to(gl.float32, bitcast=True) * s + c
+    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
 def _operand(words, A_LAYOUT: gl.constexpr):
     """[BN, 128] bfloat16 128 + q of a half block in k order from its [BN, 16] words (paired layout: k = 32 i +
     2 j + s is field 4 s + i of word j), in the dot's register-operand layout (`quant_mma._half_operand`)."""
-    BN: gl.constexpr = words.shape[0]
-    j = gl.join(gl.join(_biased(words, 0), _biased(words, 1)), gl.join(_biased(words, 2), _biased(words, 3)))
+    return _pairs_operand(_biased(words, 0), _biased(words, 1), _biased(words, 2), _biased(words, 3), A_LAYOUT)
+
+
+@gluon.jit
+def _dequantized_operand(words, s, c, A_LAYOUT: gl.constexpr):
+    """The half block's weights q * scale + offset in bfloat16 ([BN, 1] fp32 s and c, `_dequantized`), laid out as
+    `_operand`'s codes."""
+    return _pairs_operand(_dequantized(words, 0, s, c), _dequantized(words, 1, s, c), _dequantized(words, 2, s, c),
+                          _dequantized(words, 3, s, c), A_LAYOUT)
+
+
+@gluon.jit
+def _pairs_operand(p0, p1, p2, p3, A_LAYOUT: gl.constexpr):
+    """The [BN, 128] bfloat16 operand from the four [BN, 16] registers of pairs (fields i and i + 4 of each word:
+    p_i) of a half block."""
+    BN: gl.constexpr = p0.shape[0]
+    j = gl.join(gl.join(p0, p1), gl.join(p2, p3))
     p = gl.reshape(gl.permute(j, (0, 3, 2, 1)), (BN, 64))           # pair p = 16 i + j of each row
     lo = p.to(gl.int16).to(gl.bfloat16, bitcast=True)
     hi = (p >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
@@ -126,11 +154,12 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                        stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                        NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                        FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64,
-                       SYNC: gl.constexpr = 0):
+                       SYNC: gl.constexpr = 0, DEQ: gl.constexpr = False):
     """out.T tile [BLOCK_N, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
     multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
     of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
-    protocol)."""
+    protocol). DEQ (many rows): each half block's weights dequantized into the operand, one accumulator (module
+    docstring); x's sums are not read."""
     pid_m = gl.program_id(0)                        # row tiles of one feature block run side by side (its words
     pid_n = gl.program_id(1)                        # read once from memory, then from L2)
     pid_k = gl.program_id(2)
@@ -166,10 +195,6 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     offs_wn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_cp))
     offs_wj = gl.arange(0, 16, layout=gl.SliceLayout(0, w_cp))
     w_mask = (offs_wn[:, None] >= 0) & (offs_wj[None, :] < 16)
-    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    n_mask = offs_n < N
-    m_mask = offs_m < T
     H = num_halves // SPLIT
     h0 = pid_k * H
     x_half = x_ptr + offs_xm[:, None] * stride_x + offs_xk[None, :] + h0 * 128      # int32: T * stride_x < 2**31
@@ -182,7 +207,9 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     sc_mask = offs_sn < N
     xs_ptrs = xs_ptr + offs_sm * num_halves + h0
     xs_mask = offs_sm < T
-    AHEAD: gl.constexpr = NX - 2 if SYNC == 2 else NX      # halves copied before the loop
+    if DEQ:                                         # no sums read
+        xs_mask = offs_sm < 0
+    AHEAD: gl.constexpr = NX - 1 if DEQ else NX - 2 if SYNC == 2 else NX      # halves copied before the loop
     for i in gl.static_range(AHEAD):                # the weights of halves 0 .. AHEAD - 1 before the wait
         _fill_weights(i, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
     if USE_PDL:                                     # kernels/pdl.py: x and its sums come from earlier launches
@@ -194,6 +221,53 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
         _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
         async_copy.commit_group()
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+    if DEQ:
+        acc = _deq_loop(acc, a_layout, w_layout, H, h0, N, GROUP, NX, w_smem, s_smem, o_smem, x_smem, xs_smem,
+                        w_half, w_mask, s_ptrs, o_ptrs, sc_mask, x_half, x_mask, xs_ptrs, xs_mask)
+    else:
+        acc = _sums_loop(acc, a_layout, w_layout, mma, H, h0, N, GROUP, NX, U, SYNC, w_smem, s_smem, o_smem,
+                         x_smem, xs_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask, x_half, x_mask, xs_ptrs, xs_mask)
+    async_copy.wait_group(0)
+    _store_tile(acc, mma, pid_m, pid_n, pid_k, T, N, bias_ptr, out_ptr, part_ptr, lock_ptr, stride_out,
+                BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS, FENCE, NW)
+
+
+@gluon.jit
+def _deq_loop(acc, a_layout: gl.constexpr, w_layout: gl.constexpr, H, h0, N, GROUP: gl.constexpr,
+              NX: gl.constexpr, w_smem, s_smem, o_smem, x_smem, xs_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask,
+              x_half, x_mask, xs_ptrs, xs_mask):
+    """DEQ's loop: half h's dot runs while half h + 1 is dequantized; halves h .. h + NX - 2 are in the ring (the
+    prologue copied NX - 1), and half h + NX - 1 goes into half h - 1's slot once every warp's dot h - 1 is done."""
+    BN: gl.constexpr = w_smem.shape[1]
+    a_prev = gl.zeros([BN, 128], gl.bfloat16, a_layout)
+    for h in range(0, H):
+        async_copy.wait_group(NX - 2)               # groups up to half h + NX - 2 committed: half h's is done
+        cta_barrier()
+        fence_async_shared()
+        slot = h % NX
+        s = s_smem.index(slot).load(gl.SliceLayout(1, w_layout)).to(gl.float32)
+        c = o_smem.index(slot).load(gl.SliceLayout(1, w_layout)).to(gl.float32) - 128.0 * s
+        a = _dequantized_operand(w_smem.index(slot).load(w_layout), s[:, None], c[:, None], a_layout)
+        tok = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc, a_prev = warpgroup_mma_wait(1, deps=(tok, a_prev))     # dot h - 1 done: its operand and slot free
+        a_prev = a
+        cta_barrier()                               # every warp (both warpgroups) past its dot h - 1
+        nxt = h + NX - 1
+        _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
+        _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
+        async_copy.commit_group()
+    acc, a_prev = warpgroup_mma_wait(0, deps=(acc, a_prev))
+    return acc
+
+
+@gluon.jit
+def _sums_loop(acc, a_layout: gl.constexpr, w_layout: gl.constexpr, mma: gl.constexpr, H, h0, N,
+               GROUP: gl.constexpr, NX: gl.constexpr, U: gl.constexpr, SYNC: gl.constexpr, w_smem, s_smem, o_smem,
+               x_smem, xs_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask, x_half, x_mask, xs_ptrs, xs_mask):
+    """The codes' loop: each half block's dot of 128 + q runs while the next is unpacked and the previous one's
+    sums are scaled (module docstring)."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
     free_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)       # accumulators no running dot holds
     free_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     for it in range(0, H // U):
@@ -257,7 +331,18 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
             _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
             _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
             async_copy.commit_group()
-    async_copy.wait_group(0)
+    return acc
+
+
+@gluon.jit
+def _store_tile(acc, mma: gl.constexpr, pid_m, pid_n, pid_k, T, N, bias_ptr, out_ptr, part_ptr, lock_ptr,
+                stride_out, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT: gl.constexpr,
+                HAS_BIAS: gl.constexpr, FENCE: gl.constexpr, NW: gl.constexpr):
+    """out.T's tile (+ bias), or with SPLIT > 1 this program's partial and, by the last of the tile, their sum."""
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    n_mask = offs_n < N
+    m_mask = offs_m < T
     mask = n_mask[:, None] & m_mask[None, :]
     out_ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_out + offs_n[:, None]
     if HAS_BIAS:
@@ -324,7 +409,7 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 w: PackedQuantWeight,         # [N, K], 4 bits in groups of 128+ (paired layout), K % (128 u split) == 0
                 bias: torch.Tensor | None,    # [N] bfloat16 or None
                 out: torch.Tensor,            # [T, N] bfloat16
-                x_sums: torch.Tensor,         # [T, K / 128] float32: `quant_matmul.half_sums(x)`
+                x_sums: torch.Tensor | None,  # [T, K / 128] float32: `quant_matmul.half_sums(x)`; 128+ rows: unread
                 block_m: int = 32, split: int = 1, nx: int = 4, u: int = 4,
                 partials: torch.Tensor | None = None,  # float32, >= split * T * N elements (split > 1)
                 locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
@@ -341,9 +426,10 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
     if w.bits != 4 or not paired_layout(w.bits, w.group_size) or K % (128 * u * split):
         raise ValueError(f"needs 4 bits in groups of 128+ and K a multiple of {128 * u * split}: bits {w.bits}, "
                          f"group {w.group_size}, K {K}")
-    if block_m not in (8, 16, 32, 64) or nx < 3 or block_n not in BLOCK_NS:
-        raise ValueError(f"block_m must be 8, 16, 32 or 64, block_n 64 or 128 and nx at least 3, got {block_m}, "
+    if block_m not in BLOCK_MS or nx < 3 or block_n not in BLOCK_NS:
+        raise ValueError(f"block_m must be one of {BLOCK_MS}, block_n 64 or 128 and nx at least 3, got {block_m}, "
                          f"{block_n}, {nx}")
+    deq = block_m >= DEQ_ROWS
     grid = (triton.cdiv(T, block_m), triton.cdiv(N, block_n), split)
     if split > 1 and (partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N
                       or locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]):
@@ -351,10 +437,14 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                          f"of >= {grid[0] * grid[1]}")
     if T == 0 or N == 0:
         return
-    check_sums(x_sums, T, K, 128, "x_sums")
+    if deq:                                         # not read
+        x_sums = out
+    else:
+        check_sums(x_sums, T, K, 128, "x_sums")
     pdl = launch_args(pdl_enabled(x.device))
     quant_wgmma_kernel[grid](x, w.words, w.scales, w.offsets, x_sums, bias if bias is not None else out, out,
                              partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
                              out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
                              U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, BLOCK_N=block_n,
-                             SYNC=ring_sync() if sync is None else sync, num_warps=block_n // 16, **pdl)
+                             SYNC=ring_sync() if sync is None else sync, DEQ=deq, num_warps=block_n // 16,
+                             **pdl)

@@ -7,7 +7,7 @@ the activations' dtype) and CUDA graphs do not change.
 CUDA: the codes are packed at construction (`kernels.quant_pack`: int32 words, group-major
 scales) and only the packed form is kept on the GPU; a call runs `kernels.quant_matmul`
 (fused dequantize + matmul, split-K for decode), or for `dense_min_tokens` rows and more
-(`kernels.quant_matmul.dense_min_rows`: 65, or 256 for a large 4-bit weight in groups of
+(`kernels.quant_matmul.dense_min_rows`: 65, or 384 for a large 4-bit weight in groups of
 128+, 129 in groups of 32), dequantizes the weight once into a temporary and runs a library GEMM, which is
 faster there. Nothing in a call syncs with the host, so decode steps capture
 into CUDA graphs. `qweight` and `dequantize()` rebuild the canonical form from the packed one.
@@ -59,7 +59,7 @@ class QuantLinear:
         self.locks = torch.zeros(4 * -(-self._shape[0] // 16), dtype=torch.int32, device=self.device)
         from kernels.quant_wgmma import async_dots_enabled, async_one_row_enabled
 
-        self.async_dots = async_dots_enabled(self.device)     # 2-32 rows: the asynchronous-dot kernel (sm_90+)
+        self.async_dots = async_dots_enabled(self.device)     # 2-32 and 65+ rows: the asynchronous-dot kernel (sm_90+)
         self.async_one_row = self.async_dots and async_one_row_enabled()    # and one row (A/B runs)
 
     @property

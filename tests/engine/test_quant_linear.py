@@ -50,7 +50,7 @@ def test_kernel_path_matches_reference(bits: int, group: int, dtype: torch.dtype
 
 
 def test_kernel_path_switches_to_dense_at_the_kernels_rule() -> None:
-    """Without dense_min_tokens, a call dequantizes + runs a GEMM from `dense_min_rows`: 256 rows for a large
+    """Without dense_min_tokens, a call dequantizes + runs a GEMM from `dense_min_rows`: 384 rows for a large
     4-bit weight in groups of 128 (the pair-codes tiles are faster up to there), 129 in groups of 32, 65
     otherwise."""
     g = fresh(3)
@@ -60,7 +60,7 @@ def test_kernel_path_switches_to_dense_at_the_kernels_rule() -> None:
                         use_kernel=True)
     small = QuantLinear(quantize_rtn(torch.randn(64, 512, generator=g), 4, 32), None, torch.device("cpu"),
                         use_kernel=True)
-    assert (big.dense_min_tokens, big32.dense_min_tokens, small.dense_min_tokens) == (256, 129, 65)
+    assert (big.dense_min_tokens, big32.dense_min_tokens, small.dense_min_tokens) == (384, 129, 65)
 
 
 def test_kernel_path_keeps_the_canonical_form() -> None:

@@ -283,6 +283,7 @@ def test_many_rows_of_a_large_pair_codes_weight() -> None:
     assert pick_config(128, 28672, 4096, 4, 132) == QuantMatmulConfig(64, 64, 1)
     assert pick_config(128, 4096, 4096, 4, 132) == QuantMatmulConfig(64, 64, 2)      # 128 tiles: split 2
     assert pick_config(255, 4096, 14336, 4, 132) == QuantMatmulConfig(64, 64, 1)
+    assert pick_config(383, 6144, 4096, 4, 132) == QuantMatmulConfig(64, 64, 1)
     # 65-128 rows of a large 4-bit weight in groups of 32: pair codes (128 x 128 on 8 warps where 128-feature
     # tiles fill the SMs, else 64 x 64, split 2 below a tile an SM), dense from 129; other layouts the prefill tile
     assert pick_config(128, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(128, 128, 1, num_warps=8)
@@ -302,7 +303,7 @@ def test_many_rows_of_a_large_pair_codes_weight() -> None:
     assert pick_config(32, 28672, 4096, 4, 132, 32) == QuantMatmulConfig(64, 32, 2)
     assert pick_config(64, 4096, 14336, 4, 132, 32) == QuantMatmulConfig(64, 32, 8)     # long K: as before
     check(40, 128, 512, 4, 32, torch.float16, True, QuantMatmulConfig(64, 64, 1, field_dots=False))
-    assert dense_min_rows(28672, 4096, 4, 128) == 256 and dense_min_rows(4096, 4096, 4, 256) == 256
+    assert dense_min_rows(28672, 4096, 4, 128) == 384 and dense_min_rows(4096, 4096, 4, 256) == 384
     assert dense_min_rows(4096, 4096, 4, 64) == 65 and dense_min_rows(4096, 4096, 8, 128) == 65
     assert dense_min_rows(960, 576, 4, 128) == 65                           # a small weight
     check(100, 40, 512, 4, 128, torch.float16, True, QuantMatmulConfig(64, 64, 2))   # 2 token tiles, split

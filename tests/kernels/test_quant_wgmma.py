@@ -146,6 +146,33 @@ def test_pick_config_takes_the_kernel_where_it_was_faster() -> None:
     assert pick_config(8, 4096, 128 * 35, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0   # 35 halves
 
 
+def test_pick_config_takes_the_wide_tiles_for_many_rows_of_gate_up() -> None:
+    """65+ rows of a 4-bit g128 weight whose 64-feature tiles fill the SMs twice (the 8B's gate/up) with
+    bfloat16 x and `async_dots`: 128-row tiles of 64 features up to 128 rows, then 256-row tiles of 128, a ring of
+    3, no split; q/k/v, o and down keep the tiles, as do float16 x, groups of 32 and GPUs without the kernel."""
+    from kernels.quant_config import QuantMatmulConfig, pick_config
+    from kernels.quant_matmul import sums_width, wide_ring
+    from kernels.quant_pack import pack_quantized
+
+    gate_up = (28672, 4096, 4, 132, 128, torch.bfloat16)
+    assert pick_config(65, *gate_up, async_dots=True) == QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
+    assert pick_config(128, *gate_up, async_dots=True) == QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
+    assert pick_config(129, *gate_up, async_dots=True) == QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
+    assert pick_config(383, *gate_up, async_dots=True) == QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
+    assert pick_config(64, *gate_up, async_dots=True).ring == 0
+    assert pick_config(128, *gate_up).ring == 0
+    assert pick_config(128, 28672, 4096, 4, 132, 128, torch.float16, async_dots=True).ring == 0
+    assert pick_config(128, 28672, 4096, 4, 132, 32, torch.bfloat16, async_dots=True).ring == 0
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+        assert pick_config(256, n, k, 4, 132, 128, torch.bfloat16, async_dots=True).ring == 0, (n, k)
+    q = torch.randint(0, 16, (64, 1024), dtype=torch.uint8)
+    s = (torch.rand(64, 8) * 0.01 + 1e-3).half()
+    w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
+    wide = pick_config(200, *gate_up, async_dots=True)
+    assert wide_ring(wide) and sums_width(wide, w, torch.bfloat16) == 0      # the norms write no sums for it
+    assert sums_width(pick_config(200, *gate_up), w, torch.bfloat16) == 128
+
+
 def test_one_row_takes_the_kernel_only_when_asked_and_alone() -> None:
     """`async_one_row` (LORAPLEX_ASYNC_DOTS_ONE_ROW, for A/B runs): one row of a large 4-bit g128 weight takes the
     kernel's 8-row tile, not beside a LoRA launch (the one-row kernel adds that launch's delta) nor without
@@ -241,6 +268,45 @@ def test_gpu_matches_reference(T: int, N: int, K: int, group: int, block_m: int,
     assert err < 1e-2, f"rel err {err}"
     assert torch.equal(outs[0], outs[1])            # split-K sums in a fixed order
     assert not locks.any()                          # the counters are left zero
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of sm_90 or later")
+@pytest.mark.parametrize("T,N,K,group,block_m,split,nx", [
+    (130, 192, 1024, 128, 128, 1, 4), (300, 96, 2048, 256, 256, 2, 3), (128, 4096, 4096, 128, 128, 2, 3),
+    (257, 320, 1024, 128, 128, 4, 4)])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_gpu_wide_tiles_dequantize_into_the_operand(T: int, N: int, K: int, group: int, block_m: int, split: int,
+                                                    nx: int, block_n: int) -> None:
+    """128- and 256-row tiles (DEQ): each weight q * s + o rounded to bfloat16 once, then the dot, so the result
+    is the dense path's (x against W in bfloat16, fp32 sums) to the output's rounding, and the fp32 reference's
+    to 1e-2; masked rows and features, a bias, split-K summed in order with its counters left zero, no sums of
+    x read (None passed)."""
+    from kernels.quant_pack import pack_quantized
+    from kernels.quant_wgmma import quant_wgmma
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(T + split)
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=dev, generator=gen)
+    s = (torch.rand(N, K // group, device=dev, generator=gen) * 0.01 + 1e-3).half()
+    o = (-8 * s.float() + torch.randn(N, K // group, device=dev, generator=gen) * 1e-3).half()
+    x = torch.randn(T, K, device=dev, generator=gen).to(torch.bfloat16)
+    bias = (torch.randn(N, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
+    g = torch.arange(K, device=dev) // group
+    w32 = q.float() * s.float()[:, g] + o.float()[:, g]
+    want = x.float() @ w32.t() + bias.float()
+    dense = x.float() @ w32.to(torch.bfloat16).float().t() + bias.float()
+    outs = [torch.full((T, N), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(2)]
+    partials = torch.empty(split * T * N, device=dev)
+    locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+    for out in outs:
+        quant_wgmma(x, pack_quantized(q, s, o, 4, group), bias, out, None, block_m=block_m, split=split, nx=nx, u=1,
+                    partials=partials, locks=locks, block_n=block_n)
+    assert ((outs[0].float() - dense).norm() / dense.norm()).item() < 4e-3
+    assert ((outs[0].float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(outs[0], outs[1])
+    assert not locks.any()
 
 
 def _case(T: int, N: int, K: int, seed: int):
