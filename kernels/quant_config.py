@@ -139,8 +139,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         return 1 << (max(1, v).bit_length() - 1)
 
     pairs = pair_codes_layout(bits, group_size, K)
-    if async_dots and T > 64 and pairs and x_dtype == torch.bfloat16 and cdiv(N, 64) >= 2 * num_sms:
-        return _wide_config(T)
+    wide = _wide_config(T) if async_dots and T > 64 and pairs and x_dtype == torch.bfloat16 \
+        and cdiv(N, 64) >= 2 * num_sms else None
+    if wide is not None:
+        return wide
     if async_dots and (T > 1 or async_one_row) and T <= 32 and pairs and x_dtype == torch.bfloat16 \
             and N * K >= SMALL_WEIGHT and (T > 16 or not beside_lora):
         ring = _async_dots_config(T, N, K, num_sms)
@@ -189,17 +191,23 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
 
 
-def _wide_config(T: int) -> QuantMatmulConfig:
+def _wide_config(T: int) -> QuantMatmulConfig | None:
     """65+ rows of a 4-bit weight in groups of 128+ whose 64-feature tiles alone fill the SMs twice (gate/up) with
-    bfloat16 x on sm_90+: the asynchronous-dot kernel on 128-row tiles of 64 features (up to 128 rows) or 256-row
-    tiles of 128 (two warpgroups), its weights dequantized into the dot's operand, a ring of 3, no split. H200
-    sweep of the 8B shapes at 128 / 256 / 512 rows (`bench/quant_kernel_sweep.py --wide`,
-    bench/results/quant_kernel_wide.json): gate/up 89.6 -> 83.3 us at 128 rows, 157.7 -> 132.1 at 256, 311.4 ->
-    262.7 at 512 against the tiles; on q/k/v, o and down the tiles were as fast or faster (down at 128 rows 46.5
-    against 43.8 with the sums' launch the tiles need and the engine's norms write anyway)."""
+    bfloat16 x on sm_90+: the asynchronous-dot kernel on 128-row tiles of 64 features, or at 193-256 rows one
+    256-row tile of 128 (two warpgroups), its weights dequantized into the dot's operand, a ring of 3, no split;
+    None at 129-192 rows (the pair-codes tiles: a 256-row tile would be a quarter empty or more). H200 sweep of the
+    8B shapes at 128 / 192 / 256 / 384 / 512 rows (`bench/quant_kernel_sweep.py --wide`,
+    bench/results/quant_kernel_wide.json), gate/up against the tiles: 89.6 -> 83.3 us at 128 rows, 157.7 ->
+    132.1 at 256, 239.4 -> 221.4 at 384, 311.4 -> 262.7 at 512; at 192 the tiles 129.6 against 135.7. On q/k/v,
+    o and down the tiles were as fast or faster (down at 128 rows 46.5 against 43.8 with the sums' launch the
+    tiles need and the engine's norms write anyway)."""
     if T <= 128:
         return QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
-    return QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
+    if T <= 192:
+        return None
+    if T <= 256:
+        return QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
+    return QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
 
 
 def _async_dots_config(T: int, N: int, K: int, num_sms: int) -> QuantMatmulConfig | None:

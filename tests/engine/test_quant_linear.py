@@ -103,15 +103,17 @@ def test_gpu_unpackable_group_size_dequantizes_per_call() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 1024)])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_close_to_fp32_reference(n: int, k: int, bits: int) -> None:
+    """Every path a row count takes (28672 features at 100 / 250 / 300 rows: the asynchronous-dot kernel's wide
+    tiles on sm_90+; 200: the tiles; 512: dequantize + GEMM)."""
     dev = torch.device("cuda")
     g = fresh(3)
     qw = quantize_rtn((torch.randn(n, k, generator=g) * 0.02).to(dev), bits, 128)
     lin = QuantLinear(qw, None, dev)
     w = qw.dequantize(torch.float32)
-    for t in (1, 8, 64, 512):
+    for t in (1, 8, 64, 100, 200, 250, 300, 512):
         x = torch.randn(t, k, generator=g).to(dev, torch.bfloat16)
         assert rel_err(lin(x), F.linear(x.float(), w)) < 1e-2, t
     x = torch.randn(3, k, generator=g).to(dev)

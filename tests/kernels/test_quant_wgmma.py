@@ -148,8 +148,9 @@ def test_pick_config_takes_the_kernel_where_it_was_faster() -> None:
 
 def test_pick_config_takes_the_wide_tiles_for_many_rows_of_gate_up() -> None:
     """65+ rows of a 4-bit g128 weight whose 64-feature tiles fill the SMs twice (the 8B's gate/up) with
-    bfloat16 x and `async_dots`: 128-row tiles of 64 features up to 128 rows, then 256-row tiles of 128, a ring of
-    3, no split; q/k/v, o and down keep the tiles, as do float16 x, groups of 32 and GPUs without the kernel."""
+    bfloat16 x and `async_dots`: 128-row tiles of 64 features, at 193-256 rows one 256-row tile of 128, a ring of
+    3, no split; 129-192 rows keep the tiles, as do q/k/v, o and down, float16 x, groups of 32 and GPUs without
+    the kernel."""
     from kernels.quant_config import QuantMatmulConfig, pick_config
     from kernels.quant_matmul import sums_width, wide_ring
     from kernels.quant_pack import pack_quantized
@@ -157,8 +158,11 @@ def test_pick_config_takes_the_wide_tiles_for_many_rows_of_gate_up() -> None:
     gate_up = (28672, 4096, 4, 132, 128, torch.bfloat16)
     assert pick_config(65, *gate_up, async_dots=True) == QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
     assert pick_config(128, *gate_up, async_dots=True) == QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
-    assert pick_config(129, *gate_up, async_dots=True) == QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
-    assert pick_config(383, *gate_up, async_dots=True) == QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
+    assert pick_config(129, *gate_up, async_dots=True).ring == 0
+    assert pick_config(192, *gate_up, async_dots=True).ring == 0
+    assert pick_config(193, *gate_up, async_dots=True) == QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
+    assert pick_config(256, *gate_up, async_dots=True) == QuantMatmulConfig(128, 256, 1, ring=3, ring_step=1)
+    assert pick_config(383, *gate_up, async_dots=True) == QuantMatmulConfig(64, 128, 1, ring=3, ring_step=1)
     assert pick_config(64, *gate_up, async_dots=True).ring == 0
     assert pick_config(128, *gate_up).ring == 0
     assert pick_config(128, 28672, 4096, 4, 132, 128, torch.float16, async_dots=True).ring == 0
@@ -168,7 +172,7 @@ def test_pick_config_takes_the_wide_tiles_for_many_rows_of_gate_up() -> None:
     q = torch.randint(0, 16, (64, 1024), dtype=torch.uint8)
     s = (torch.rand(64, 8) * 0.01 + 1e-3).half()
     w = pack_quantized(q, s, (-8 * s.float()).half(), 4, 128)
-    wide = pick_config(200, *gate_up, async_dots=True)
+    wide = pick_config(250, *gate_up, async_dots=True)
     assert wide_ring(wide) and sums_width(wide, w, torch.bfloat16) == 0      # the norms write no sums for it
     assert sums_width(pick_config(200, *gate_up), w, torch.bfloat16) == 128
 
