@@ -1,10 +1,10 @@
-"""The asynchronous-dot 4-bit kernel: 2-32 rows of a large weight, 4 bits in groups of 128 and more (the paired
-layout), bfloat16 x, sm_90+. `kernels.quant_matmul` runs it where `kernels.quant_config.pick_config` is given
-`async_dots` (QuantLinear on such a GPU; LORAPLEX_ASYNC_DOTS=0 keeps the register-set tiles of
-`kernels.quant_mma`).
+"""The asynchronous-dot 4-bit kernel: 2-32 rows of a large weight (and 65+ rows of gate/up, DEQ below), 4 bits
+in groups of 128 and more (the paired layout), bfloat16 x, sm_90+. `kernels.quant_matmul` runs it where
+`kernels.quant_config.pick_config` is given `async_dots` (QuantLinear on such a GPU; LORAPLEX_ASYNC_DOTS=0 keeps
+the register-set tiles of `kernels.quant_mma`).
 
 A program owns 64 features (one warpgroup) or 128 (two warpgroups sharing each half block's x: half the copies
-of x a feature) by 8 / 16 / 32 / 64 rows (BLOCK_M) and a range of K's half blocks (128 codes, one
+of x a feature) by 8 / 16 / 32 / 64 (or 128 / 256, DEQ) rows (BLOCK_M) and a range of K's half blocks (128 codes, one
 group). Everything a half block needs goes by asynchronous copies into a ring of NX slots in shared memory, one
 copy group a half block: x's [BLOCK_M, 128] tile, the [BLOCK_N, 16] words (swizzled so that each load instruction
 reads 32 banks), the group scales, offsets and x's sums; the loop has no global loads (a loop-carried register
@@ -28,6 +28,11 @@ ring's slots apart: Triton 3.9; two with 3.6). 1 is the default: every variant p
 over the 8B shapes at 1-64 rows the best configuration with 1 was the fastest of all in 14 of 20 cases and
 beat 0's in 18 (q/k/v at 16 rows and down at 8: 1.5-2% behind); 2 was 5-9% faster on down at 1 and 8 rows
 (docs/quantization.md).
+DEQ (tiles of 128 or 256 rows, `DEQ_ROWS`: pick_config's `_wide_config`, 65-383 rows of gate/up): three
+accumulators of 128+ rows do not fit the registers (688 bytes of spills at 128 rows), so each half block's weights
+go into the operand dequantized, (128 + q) * s + (o - 128 s) in fp32 rounded to bfloat16 once (the dense path's
+rounding), and one accumulator chains every dot; half h's dot runs while half h + 1 is dequantized, the ring
+holds the next NX - 1 halves, and x's sums are not read (docs/quantization.md, "Wide tiles at 65+ rows").
 
 Written in Triton's explicit-layout dialect (`triton.experimental.gluon`), which the interpreter does not run:
 on the CPU only its compiled sm_90 code is checked (tests/kernels/test_quant_wgmma.py). Measured on an H200
