@@ -57,6 +57,10 @@
 #   async-stalls     bench/quant_gemv_stalls.py --async-dots at rows $ROWS (default "8 32"): the profiler's stall
 #                    reasons and hot machine-code lines of the asynchronous-dot kernel on gate/up, down and q/k/v
 #                    (quant_async_stalls_rows<R>.json; ~2 minutes, needs `ncu`)
+#   wide-sweep       bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 128,192,256,384,512) --wide: pick_config's
+#                    choice against the asynchronous-dot kernel's 128- and 256-row tiles (DEQ), the GEMM and bf16
+#                    (quant_kernel_wide.json; ~4 minutes), then bench/quant_decode.py --labels int4 at batches
+#                    128,256 (quant_decode_wide.json; ~1 minute)
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
 #                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
@@ -194,6 +198,11 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
   probe-staged)
     timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
       --out "$out/quant_gemv_probe_staged.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
+  wide-sweep)
+    python3 bench/quant_kernel_sweep.py --only 8b --rows "${ROWS:-128,192,256,384,512}" --wide \
+      --out "$out/quant_kernel_wide.json" 2>&1 | grep "^8b" | tee "$out/$stage.log"
+    python3 bench/quant_decode.py --labels int4 --batches 128,256 --commit "$commit" \
+      --out "$out/quant_decode_wide.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log" ;;
   lora-rank-pad)
     python3 bench/lora_rank_pad.py --commit "$commit" --out "$out/lora_rank_pad.json" 2>&1 | tee "$out/$stage.log"
     if [ -d ab_kernels/kernels ]; then
