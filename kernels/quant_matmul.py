@@ -188,7 +188,8 @@ def wide_ring(config: QuantMatmulConfig) -> bool:
 
 def sums_width(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.dtype) -> int:
     """The width of the slices of x whose sums a call with this config reads (128: the paired layout's half blocks,
-    32: groups of 32), or 0 where it reads none (the pair-codes paths' offsets term, `kernels.quant_mma`)."""
+    32: groups of 32), or 0 where it reads none (the pair-codes paths' offsets term, `kernels.quant_mma`; not the
+    asynchronous-dot kernel's wide tiles, `wide_ring`, whose operand holds the offsets)."""
     K = w.in_features
     pairs = (config.block_m > 1 and config.pair_codes and config.field_dots and x_dtype != torch.float32
              and (pair_codes_layout(w.bits, w.group_size, K) or group_pairs_layout(w.bits, w.group_size, K))
