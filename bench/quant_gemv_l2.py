@@ -8,7 +8,6 @@ projection's weight into L2 while the small kernels run could buy at most.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -19,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels.quant_matmul import pick_config, quant_matmul  # noqa: E402
-from kernels.quant_pack import pack_quantized  # noqa: E402
-from quant_kernel_sweep import SPAN, graph_us  # noqa: E402
+from quant_kernel_sweep import graph_us, packed_copies  # noqa: E402
+from run_header import gpu_run_header  # noqa: E402  (bench helpers)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "gate_up_half": (14336, 4096),
           "down": (4096, 14336)}
@@ -34,15 +33,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    res: dict = {"device": torch.cuda.get_device_name(dev), "commit": args.commit,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "group_size": 128, "cases": {}}
+    res: dict = {**gpu_run_header(dev, args.commit), "group_size": 128, "cases": {}}
     for name, (n, k) in SHAPES.items():
-        ws = []
-        while sum(w.nbytes for w in ws) < SPAN:
-            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)
-            s = (torch.rand(n, k // 128, device=dev, generator=gen) * 0.002 + 1e-4).half()
-            ws.append(pack_quantized(q, s, (-8 * s.float()).half(), 4, 128))
+        ws = packed_copies(n, k, 128, gen)
         for t in (int(r) for r in args.rows.split(",")):
             x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
             cfg = pick_config(t, n, k, 4, torch.cuda.get_device_properties(dev).multi_processor_count, 128)

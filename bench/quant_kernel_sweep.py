@@ -46,6 +46,17 @@ SHAPES = {"8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 409
 SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
 
 
+def packed_copies(n: int, k: int, group: int, gen: torch.Generator, span: int = SPAN) -> list:
+    """Random 4-bit [n, k] weights in groups of `group` (codes 0-15, small fp16 scales, offsets -8 s), packed, as
+    many copies as take `span` bytes: a graph over them reads each from memory, not from the L2."""
+    ws: list = []
+    while sum(w.nbytes for w in ws) < span:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=gen.device, generator=gen)
+        s = (torch.rand(n, k // group, device=gen.device, generator=gen) * 0.002 + 1e-4).half()
+        ws.append(pack_quantized(q, s, (-8 * s.float()).half(), 4, group))
+    return ws
+
+
 def graph_us(fns: list, iters: int = 10) -> float:
     for f in fns:
         f()
@@ -200,11 +211,7 @@ def main() -> None:
         for name, (n, k) in shapes.items():
             if args.shapes and name not in args.shapes.split(","):
                 continue
-            ws = []
-            while sum(w.nbytes for w in ws) < SPAN:
-                q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=gen)
-                s = (torch.rand(n, k // group, device=dev, generator=gen) * 0.002 + 1e-4).half()
-                ws.append(pack_quantized(q, s, (-8 * s.float()).half(), 4, group))
+            ws = packed_copies(n, k, group, gen)
             w0 = torch.empty(n, k, device=dev)
             dequantize_packed(ws[0], w0)
             dense: list = []
