@@ -116,11 +116,11 @@ def tile_tma_configs(t: int, n: int, k: int, group: int) -> list[QuantMatmulConf
 
 
 def wide_configs(t: int, n: int, k: int, group: int) -> list[QuantMatmulConfig]:
-    """64+ rows: pick_config's choice, then the asynchronous-dot kernel on 128- and 256-row tiles (weights
-    dequantized into its operand, `kernels.quant_wgmma`'s DEQ), 64 or 128 features, rings of 3-4 (3 at 256 rows:
-    shared memory), splits 1-4 that divide K's half blocks."""
+    """64+ rows: pick_config's choice (with the asynchronous-dot kernel, as on an H200), then that kernel on 128- and
+    256-row tiles (weights dequantized into its operand, `kernels.quant_wgmma`'s DEQ), 64 or 128 features, rings of
+    3-4 (3 at 256 rows: shared memory), splits 1-4 that divide K's half blocks."""
     halves = k // 128
-    return [pick_config(t, n, k, 4, 132, group)] + [
+    return [pick_config(t, n, k, 4, 132, group, async_dots=True)] + [
         QuantMatmulConfig(bn, bm, s, ring=nx, ring_step=1) for bm in (128, 256) if bm < 2 * t
         for bn in (64, 128) for nx in ((3, 4) if bm == 128 else (3,)) for s in (1, 2, 4) if halves % s == 0]
 

@@ -138,12 +138,13 @@ def _fill_weights(i, H, h0, N, GROUP: gl.constexpr, w_smem, s_smem, o_smem, w_ha
 
 
 @gluon.jit
-def _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask):
-    """Copy half block i's x and x's sums into ring slot i % NX."""
+def _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask, SUMS: gl.constexpr = True):
+    """Copy half block i's x and, with SUMS (not DEQ), x's sums into ring slot i % NX."""
     slot = i % x_smem.shape[0]
     ok = i < H
     x_copy(x_smem.index(slot), x_half + i * 128, mask=x_mask & ok)
-    x_copy(xs_smem.index(slot), xs_ptrs + gl.minimum(i, H - 1), mask=xs_mask & ok)
+    if SUMS:
+        x_copy(xs_smem.index(slot), xs_ptrs + gl.minimum(i, H - 1), mask=xs_mask & ok)
 
 
 @gluon.jit
@@ -212,8 +213,6 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
     sc_mask = offs_sn < N
     xs_ptrs = xs_ptr + offs_sm * num_halves + h0
     xs_mask = offs_sm < T
-    if DEQ:                                         # no sums read
-        xs_mask = offs_sm < 0
     AHEAD: gl.constexpr = NX - 1 if DEQ else NX - 2 if SYNC == 2 else NX      # halves copied before the loop
     for i in gl.static_range(AHEAD):                # the weights of halves 0 .. AHEAD - 1 before the wait
         _fill_weights(i, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
@@ -223,7 +222,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     for i in gl.static_range(AHEAD):                # a copy group a half (the first one holds every weight above)
-        _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
+        _fill_x(i, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask, not DEQ)     # DEQ reads no sums
         async_copy.commit_group()
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
     if DEQ:
@@ -259,7 +258,7 @@ def _deq_loop(acc, a_layout: gl.constexpr, w_layout: gl.constexpr, H, h0, N, GRO
         cta_barrier()                               # every warp (both warpgroups) past its dot h - 1
         nxt = h + NX - 1
         _fill_weights(nxt, H, h0, N, GROUP, w_smem, s_smem, o_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask)
-        _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask)
+        _fill_x(nxt, H, x_smem, xs_smem, x_half, x_mask, xs_ptrs, xs_mask, False)
         async_copy.commit_group()
     acc, a_prev = warpgroup_mma_wait(0, deps=(acc, a_prev))
     return acc
