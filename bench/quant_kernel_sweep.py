@@ -15,6 +15,12 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     python3 bench/quant_kernel_sweep.py --out tt.json --only 8b --rows 32,64,128 --tma   # the TMA-read tiles
     python3 bench/quant_kernel_sweep.py --out w.json --only 8b --rows 64,128,256,512 --wide   # 128/256-row rings
 
+With --after-norm each launch follows an RMSNorm launch that writes its x (and, where the config reads them, x's
+slice sums, as the engine's norms and SwiGLU do), and a config's time is that pair's less the norm's alone: a
+kernel that copies weights before its wait then overlaps a short kernel, as in a decode step, not a launch of
+itself (docs/quantization.md, "Tried at 32-256 rows"); without it the pair-codes tiles' times include their own
+launch for the sums.
+
 Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages], then 1 for whole rows a
 thread, or 0, tma_stages, scales_ahead for the TMA-read kernels, or "ring", ring, ring_step for the
 asynchronous-dot kernel. Cases on the
@@ -36,14 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
 from kernels.quant_matmul import (QuantMatmulConfig, dense_min_rows, half_sums, pair_codes_layout,  # noqa: E402
-                                  pick_config, quant_matmul)
+                                  pick_config, quant_matmul, sums_width)
 from kernels.quant_pack import pack_quantized  # noqa: E402
+from kernels.rms_norm import add_rms_norm  # noqa: E402
 
 SHAPES = {"8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 128,
                  (1, 8, 32, 64, 512)),
           "smol": ({"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}, 32,
                    (1, 8, 64))}
 SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
+EPS = 1e-5                  # --after-norm's RMSNorm
 
 
 def packed_copies(n: int, k: int, group: int, gen: torch.Generator, span: int = SPAN) -> list:
@@ -197,6 +205,8 @@ def main() -> None:
                     "one row `tma_configs`, 2+ rows `tile_tma_configs`")
     ap.add_argument("--wide", action="store_true", help="64+ rows: pick_config's choice against the asynchronous-dot "
                     "kernel's 128- and 256-row tiles (`wide_configs`)")
+    ap.add_argument("--after-norm", action="store_true", help="each launch after an RMSNorm launch that writes its "
+                    "x (and x's sums where the config reads them), timed as the pair less the norm (module docstring)")
     ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
                     "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
     args = ap.parse_args()
@@ -219,6 +229,9 @@ def main() -> None:
                 dense.append(torch.randn(n, k, device=dev, generator=gen).mul_(0.02).to(torch.bfloat16))
             for t in ([int(r) for r in args.rows.split(",")] if args.rows else rows):
                 x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
+                src, norm_w = x.clone(), torch.ones(k, device=dev, dtype=torch.bfloat16)
+                if args.after_norm:     # x as the norm writes it (the same values on every replay)
+                    add_rms_norm(src, None, norm_w, EPS, x)
                 want = x.float() @ w0.t()
                 r: dict = {"bf16_us": graph_us([lambda d=d: F.linear(x, d) for d in dense])}
                 pc = pick_config(t, n, k, 4, 132, group)     # QuantLinear's choice for this shape
@@ -247,15 +260,29 @@ def main() -> None:
                         else compare_configs(model, t, n, k, group) if old is not None else configs(model, t))
                 if args.picked_only:
                     cfgs = cfgs[:1] if old is not None else [pick_config(t, n, k, 4, 132, group)]
+                norm_us: dict = {}      # --after-norm: the norm alone, by the sums' width it writes
                 for cfg in cfgs:
                     outs = [torch.empty(t, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                     part = torch.empty(cfg.split_k * t * n, device=dev)
                     locks = torch.zeros(4096, dtype=torch.int32, device=dev)
+                    width = sums_width(cfg, ws[0], x.dtype) if args.after_norm else 0
+                    sums = torch.empty(t, k // width, device=dev) if width else None
+
+                    def norm(sums=sums) -> None:
+                        add_rms_norm(src, None, norm_w, EPS, x, sums=sums)
+
+                    def call(w, o, cfg=cfg, part=part, locks=locks, sums=sums) -> None:
+                        if args.after_norm:
+                            norm(sums)
+                        quant_matmul(x, w, None, o, cfg, part, locks, x_sums=sums)
                     try:
-                        quant_matmul(x, ws[0], None, outs[0], cfg, part, locks)
+                        call(ws[0], outs[0])
                         err = ((outs[0].float() - want).norm() / want.norm()).item()
-                        us = graph_us([lambda w=w, i=i: quant_matmul(x, w, None, outs[i % 2], cfg, part, locks)
-                                       for i, w in enumerate(ws)])
+                        us = graph_us([lambda w=w, i=i: call(w, outs[i % 2]) for i, w in enumerate(ws)])
+                        if args.after_norm:
+                            if width not in norm_us:
+                                norm_us[width] = graph_us([norm] * len(ws))
+                            us -= norm_us[width]
                     except Exception as e:  # noqa: BLE001  a config the compiler refuses: recorded, skipped
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
                         continue
@@ -265,6 +292,8 @@ def main() -> None:
                                       + (["ring", cfg.ring, cfg.ring_step] if cfg.ring else []),
                                       us=us, err=err))
                 r["picked"] = found[0] if old is not None and found else None
+                if args.after_norm:
+                    r["norm_us"] = {str(wd): v for wd, v in norm_us.items()}
                 if old_calls:       # again after the tree's configs (a case's first timing sometimes runs slow)
                     r["old_us_last"] = graph_us(old_calls)
                     r["old_us"] = min(r["old_us_first"], r["old_us_last"])

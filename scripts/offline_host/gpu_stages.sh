@@ -61,6 +61,10 @@
 #                    choice against the asynchronous-dot kernel's 128- and 256-row tiles (DEQ), the GEMM and bf16
 #                    (quant_kernel_wide.json; ~4 minutes), then bench/quant_decode.py --labels int4 at batches
 #                    128,256 (quant_decode_wide.json; ~1 minute)
+#   sweep-after-norm bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 64,128,192,256) --wide --after-norm:
+#                    every launch after an RMSNorm that writes its x and x's sums, as in a decode step
+#                    (quant_kernel_after_norm.json; not run yet, ~2 minutes): whether pick_config's choice between the
+#                    pair-codes tiles and the wide tiles holds where a short kernel, not a launch of itself, comes before
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
 #                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
@@ -203,6 +207,9 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       --out "$out/quant_kernel_wide.json" 2>&1 | grep "^8b" | tee "$out/$stage.log"
     python3 bench/quant_decode.py --labels int4 --batches 128,256 --commit "$commit" \
       --out "$out/quant_decode_wide.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log" ;;
+  sweep-after-norm)
+    python3 bench/quant_kernel_sweep.py --only 8b --rows "${ROWS:-64,128,192,256}" --after-norm --wide \
+      --out "$out/quant_kernel_after_norm.json" 2>&1 | grep "^8b" | tee "$out/$stage.log" ;;
   lora-rank-pad)
     python3 bench/lora_rank_pad.py --commit "$commit" --out "$out/lora_rank_pad.json" 2>&1 | tee "$out/$stage.log"
     if [ -d ab_kernels/kernels ]; then
