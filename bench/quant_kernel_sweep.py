@@ -14,6 +14,8 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     python3 bench/quant_kernel_sweep.py --out tma.json --only 8b --rows 1 --tma   # the TMA-read one-row kernel
     python3 bench/quant_kernel_sweep.py --out tt.json --only 8b --rows 32,64,128 --tma   # the TMA-read tiles
     python3 bench/quant_kernel_sweep.py --out w.json --only 8b --rows 64,128,256,512 --wide   # 128/256-row rings
+    python3 bench/quant_kernel_sweep.py --out a.json --only 8b --rows 64,128,256 --wide --after-norm   # below
+    TRITON_INTERPRET=1 python3 bench/quant_kernel_sweep.py --out s.json --smoke [--after-norm]   # CPU: the script
 
 With --after-norm each launch follows an RMSNorm launch that writes its x (and, where the config reads them, x's
 slice sums, as the engine's norms and SwiGLU do), and a config's time is that pair's less the norm's alone: a
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +52,8 @@ from kernels.rms_norm import add_rms_norm  # noqa: E402
 SHAPES = {"8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 128,
                  (1, 8, 32, 64, 512)),
           "smol": ({"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}, 32,
-                   (1, 8, 64))}
+                   (1, 8, 64)),
+          "smoke": ({"o": (64, 256)}, 128, (16,))}      # --smoke: the CPU interpreter, to check the script
 SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
 EPS = 1e-5                  # --after-norm's RMSNorm
 
@@ -65,6 +69,14 @@ def packed_copies(n: int, k: int, group: int, gen: torch.Generator, span: int = 
     return ws
 
 
+def wall_us(fns: list) -> float:
+    """--smoke: one plain pass (the interpreter on the CPU; no graphs, no figures)."""
+    t0 = time.perf_counter()
+    for f in fns:
+        f()
+    return (time.perf_counter() - t0) * 1e6 / len(fns)
+
+
 def graph_us(fns: list, iters: int = 10) -> float:
     for f in fns:
         f()
@@ -78,6 +90,8 @@ def graph_us(fns: list, iters: int = 10) -> float:
 
 def configs(model: str, t: int) -> list[QuantMatmulConfig]:
     C = QuantMatmulConfig
+    if model == "smoke":    # pair-codes tiles (split or not), one dot per block, one row a program: sums or none
+        return [C(32, 16, 1), C(32, 16, 2), C(16, 16, 1), C(32, 16, 1, field_dots=False), C(64, 1, 1)]
     small = model == "smol"
     if t == 1:
         splits = (1, 2) if small else (1, 4, 8, 16)
@@ -205,14 +219,20 @@ def main() -> None:
                     "one row `tma_configs`, 2+ rows `tile_tma_configs`")
     ap.add_argument("--wide", action="store_true", help="64+ rows: pick_config's choice against the asynchronous-dot "
                     "kernel's 128- and 256-row tiles (`wide_configs`)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny shape in the CPU interpreter, timed plainly: checks "
+                    "the script (and its configs' outputs), no figures")
     ap.add_argument("--after-norm", action="store_true", help="each launch after an RMSNorm launch that writes its "
                     "x (and x's sums where the config reads them), timed as the pair less the norm (module docstring)")
     ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
                     "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    if args.smoke:      # tiny shape, CPU interpreter, plain timing
+        args.only = "smoke"
+    time_us = wall_us if args.smoke else graph_us
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    span = 1 if args.smoke else SPAN
     gen = torch.Generator(device=dev).manual_seed(0)
-    res: dict = {"device": torch.cuda.get_device_name(dev), "cases": {}}
+    res: dict = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(dev), "cases": {}}
     old = old_kernel(args.compare) if args.compare else None
     for model in args.only.split(","):
         shapes, group, rows = SHAPES[model]
@@ -221,11 +241,11 @@ def main() -> None:
         for name, (n, k) in shapes.items():
             if args.shapes and name not in args.shapes.split(","):
                 continue
-            ws = packed_copies(n, k, group, gen)
+            ws = packed_copies(n, k, group, gen, span)
             w0 = torch.empty(n, k, device=dev)
             dequantize_packed(ws[0], w0)
             dense: list = []
-            while sum(d.nbytes for d in dense) < SPAN:
+            while sum(d.nbytes for d in dense) < span:
                 dense.append(torch.randn(n, k, device=dev, generator=gen).mul_(0.02).to(torch.bfloat16))
             for t in ([int(r) for r in args.rows.split(",")] if args.rows else rows):
                 x = torch.randn(t, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -233,15 +253,15 @@ def main() -> None:
                 if args.after_norm:     # x as the norm writes it (the same values on every replay)
                     add_rms_norm(src, None, norm_w, EPS, x)
                 want = x.float() @ w0.t()
-                r: dict = {"bf16_us": graph_us([lambda d=d: F.linear(x, d) for d in dense])}
+                r: dict = {"bf16_us": time_us([lambda d=d: F.linear(x, d) for d in dense])}
                 pc = pick_config(t, n, k, 4, 132, group)     # QuantLinear's choice for this shape
                 r["pick_config"] = [pc.block_n, pc.block_m, pc.split_k, pc.num_warps, int(pc.field_dots), pc.num_stages]
                 r["dense_min_rows"] = dense_min_rows(n, k, 4, group)        # QuantLinear dequantizes from here
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-                r["dense_path_us"] = graph_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
+                r["dense_path_us"] = time_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
                                                for i, w in enumerate(ws)])
                 if pair_codes_layout(4, group, k):      # the pair-codes path's launch for the sums of x (16+ rows)
-                    r["x_sums_us"] = graph_us([lambda: half_sums(x)] * 16)
+                    r["x_sums_us"] = time_us([lambda: half_sums(x)] * 16)
                 old_calls: list = []
                 if old is not None:
                     ocfg = old.pick_config(t, n, k, 4, 132, group)
@@ -252,7 +272,7 @@ def main() -> None:
                                  for i, w in enumerate(ws)]
                     old_calls[0]()
                     r["old_err"] = ((oouts[0].float() - want).norm() / want.norm()).item()
-                    r["old_us_first"] = graph_us(old_calls)
+                    r["old_us_first"] = time_us(old_calls)
                 found = []
                 cfgs = (wide_configs(t, n, k, group) if args.wide
                         else tma_configs(n, k, group) if args.tma and t == 1 else tile_tma_configs(t, n, k, group)
@@ -278,10 +298,10 @@ def main() -> None:
                     try:
                         call(ws[0], outs[0])
                         err = ((outs[0].float() - want).norm() / want.norm()).item()
-                        us = graph_us([lambda w=w, i=i: call(w, outs[i % 2]) for i, w in enumerate(ws)])
+                        us = time_us([lambda w=w, i=i: call(w, outs[i % 2]) for i, w in enumerate(ws)])
                         if args.after_norm:
                             if width not in norm_us:
-                                norm_us[width] = graph_us([norm] * len(ws))
+                                norm_us[width] = time_us([norm] * len(ws))
                             us -= norm_us[width]
                     except Exception as e:  # noqa: BLE001  a config the compiler refuses: recorded, skipped
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
@@ -295,7 +315,7 @@ def main() -> None:
                 if args.after_norm:
                     r["norm_us"] = {str(wd): v for wd, v in norm_us.items()}
                 if old_calls:       # again after the tree's configs (a case's first timing sometimes runs slow)
-                    r["old_us_last"] = graph_us(old_calls)
+                    r["old_us_last"] = time_us(old_calls)
                     r["old_us"] = min(r["old_us_first"], r["old_us_last"])
                 found.sort(key=lambda c: c["us"])
                 r["configs"] = found
@@ -309,7 +329,8 @@ def main() -> None:
                       flush=True)
                 args.out.write_text(json.dumps(res, indent=1))
             del ws, dense
-            torch.cuda.empty_cache()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -173,6 +173,22 @@ def test_quant_gemv_probe_smoke(tmp_path):
     assert {c["flat"] for c in res["cases"][:2]} == {0, 1} and all("us" in c for c in res["cases"])
 
 
+@pytest.mark.parametrize("after_norm", [False, True])
+def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
+    """The kernel sweep's configs at 16 rows run and match the fp32 reference; with --after-norm x is what an
+    RMSNorm wrote (the reference is taken from it) and the configs reading x's sums get them from that norm, whose
+    own times are recorded by the sums' width (0: none; 128: the pair-codes configs')."""
+    out = tmp_path / "sweep.json"
+    proc = _run(["bench/quant_kernel_sweep.py", "--smoke", "--out", str(out)] + (["--after-norm"] if after_norm else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    case = json.loads(out.read_text())["cases"]["smoke/o/16"]
+    assert len(case["configs"]) == 5 and all(c["err"] < 1e-2 for c in case["configs"])
+    if after_norm:
+        assert set(case["norm_us"]) == {"0", "128"}
+    else:
+        assert "norm_us" not in case
+
+
 def test_lora_rank_pad_smoke(tmp_path):
     """The rank A/B's script times every case (both launch paths) and merges an earlier run's rows."""
     out = tmp_path / "rank.json"
