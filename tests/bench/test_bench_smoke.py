@@ -179,7 +179,8 @@ def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
     RMSNorm wrote (the reference is taken from it) and the configs reading x's sums get them from that norm, whose
     own times are recorded by the sums' width (0: none; 128: the pair-codes configs')."""
     out = tmp_path / "sweep.json"
-    proc = _run(["bench/quant_kernel_sweep.py", "--smoke", "--out", str(out)] + (["--after-norm"] if after_norm else []))
+    proc = _run(["bench/quant_kernel_sweep.py", "--smoke", "--out", str(out)]
+                + (["--after-norm"] if after_norm else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     case = json.loads(out.read_text())["cases"]["smoke/o/16"]
     assert len(case["configs"]) == 5 and all(c["err"] < 1e-2 for c in case["configs"])
