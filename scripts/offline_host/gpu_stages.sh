@@ -61,6 +61,9 @@
 #                    choice against the asynchronous-dot kernel's 128- and 256-row tiles (DEQ), the GEMM and bf16
 #                    (quant_kernel_wide.json; ~4 minutes), then bench/quant_decode.py --labels int4 at batches
 #                    128,256 (quant_decode_wide.json; ~1 minute)
+#   split-cost       bench/quant_split_cost.py: pick_config's one-row launches of the 8B shapes after a norm, with and
+#                    without their split-K reduction (quant_split_cost.json; not run yet, ~1 minute): what summing the
+#                    partials in the next kernel could save at batch 1
 #   sweep-after-norm bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 64,128,192,256) --wide --after-norm:
 #                    every launch after an RMSNorm that writes its x and x's sums, as in a decode step
 #                    (quant_kernel_after_norm.json; not run yet, ~2 minutes): whether pick_config's choice between the
@@ -207,6 +210,9 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       --out "$out/quant_kernel_wide.json" 2>&1 | grep "^8b" | tee "$out/$stage.log"
     python3 bench/quant_decode.py --labels int4 --batches 128,256 --commit "$commit" \
       --out "$out/quant_decode_wide.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log" ;;
+  split-cost)
+    python3 bench/quant_split_cost.py --commit "$commit" --out "$out/quant_split_cost.json" 2>&1 \
+      | tee "$out/$stage.log" ;;
   sweep-after-norm)
     python3 bench/quant_kernel_sweep.py --only 8b --rows "${ROWS:-64,128,192,256}" --after-norm --wide \
       --out "$out/quant_kernel_after_norm.json" 2>&1 | grep "^8b" | tee "$out/$stage.log" ;;

@@ -190,6 +190,18 @@ def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
         assert "norm_us" not in case
 
 
+def test_quant_split_cost_smoke(tmp_path):
+    """The split-K cost probe times a split launch reduced and unreduced (the script itself checks that the
+    unreduced one skipped the reduction: its output is one program's partial, not the sum)."""
+    out = tmp_path / "split.json"
+    proc = _run(["bench/quant_split_cost.py", "--smoke", "--commit", "test", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    case = res["cases"]["smoke"]
+    assert case["config"][1] == 2 and case["reduced_us"] > 0 and case["unreduced_us"] > 0
+    assert set(res["layer"]) == {"reduced_us", "unreduced_us", "saving_ms_a_token"}
+
+
 def test_lora_rank_pad_smoke(tmp_path):
     """The rank A/B's script times every case (both launch paths) and merges an earlier run's rows."""
     out = tmp_path / "rank.json"
