@@ -21,7 +21,7 @@ With --after-norm each launch follows an RMSNorm launch that writes its x (and, 
 slice sums, as the engine's norms and SwiGLU do), and a config's time is that pair's less the norm's alone: a
 kernel that copies weights before its wait then overlaps a short kernel, as in a decode step, not a launch of
 itself (docs/quantization.md, "Tried at 32-256 rows"); without it the pair-codes tiles' times include their own
-launch for the sums.
+launch for the sums. (The bf16, dense-path and --compare figures stay plain launches either way.)
 
 Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages], then 1 for whole rows a
 thread, or 0, tma_stages, scales_ahead for the TMA-read kernels, or "ring", ring, ring_step for the
@@ -259,7 +259,7 @@ def main() -> None:
                 r["dense_min_rows"] = dense_min_rows(n, k, 4, group)        # QuantLinear dequantizes from here
                 wd = [torch.empty(n, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                 r["dense_path_us"] = time_us([lambda w=w, d=wd[i % 2]: (dequantize_packed(w, d), F.linear(x, d))
-                                               for i, w in enumerate(ws)])
+                                              for i, w in enumerate(ws)])
                 if pair_codes_layout(4, group, k):      # the pair-codes path's launch for the sums of x (16+ rows)
                     r["x_sums_us"] = time_us([lambda: half_sums(x)] * 16)
                 old_calls: list = []
