@@ -24,10 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
 from kernels.quant_matmul import half_sums, pick_config, quant_matmul  # noqa: E402
 from kernels.quant_wgmma import quant_wgmma  # noqa: E402
-from quant_kernel_sweep import graph_us, packed_copies  # noqa: E402
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
+from quant_kernel_sweep import SHAPES_8B as SHAPES, graph_us, packed_copies  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +42,7 @@ def main() -> None:
            "triton": __import__("triton").__version__, "date": datetime.now(timezone.utc).isoformat(), "cases": {}}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        ws = packed_copies(n, k, 128, gen, SPAN)
+        ws = packed_copies(n, k, 128, gen)
         w0 = torch.empty(n, k, device=dev)
         dequantize_packed(ws[0], w0)
         for t in (int(r) for r in args.rows.split(",")):

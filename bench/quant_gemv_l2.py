@@ -18,11 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernels.quant_matmul import pick_config, quant_matmul  # noqa: E402
-from quant_kernel_sweep import graph_us, packed_copies  # noqa: E402
+from quant_kernel_sweep import SHAPES_8B, graph_us, packed_copies  # noqa: E402
 from run_header import gpu_run_header  # noqa: E402  (bench helpers)
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "gate_up_half": (14336, 4096),
-          "down": (4096, 14336)}
+SHAPES = {**SHAPES_8B, "gate_up_half": (14336, 4096)}
 
 
 def main() -> None:

@@ -49,8 +49,8 @@ from kernels.quant_matmul import (QuantMatmulConfig, dense_min_rows, half_sums, 
 from kernels.quant_pack import pack_quantized  # noqa: E402
 from kernels.rms_norm import add_rms_norm  # noqa: E402
 
-SHAPES = {"8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 128,
-                 (1, 8, 32, 64, 512)),
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # [N, K]
+SHAPES = {"8b": (SHAPES_8B, 128, (1, 8, 32, 64, 512)),
           "smol": ({"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}, 32,
                    (1, 8, 64)),
           "smoke": ({"o": (64, 256)}, 128, (16,))}      # --smoke: the CPU interpreter, to check the script

@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernels.quant_matmul as qm  # noqa: E402
 from kernels.quant_matmul import QuantMatmulConfig, pick_config, quant_matmul  # noqa: E402
 from kernels.rms_norm import add_rms_norm  # noqa: E402
-from quant_kernel_sweep import EPS, SPAN, graph_us, packed_copies, wall_us  # noqa: E402
+from quant_kernel_sweep import EPS, SHAPES_8B, SPAN, graph_us, packed_copies, wall_us  # noqa: E402
 from run_header import gpu_run_header  # noqa: E402  (bench helpers)
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32         # the 8B's layers: a token's saving is this many times a layer's
 
 
@@ -61,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    shapes = {"smoke": (256, 1024)} if args.smoke else SHAPES
+    shapes = {"smoke": (256, 1024)} if args.smoke else SHAPES_8B
     time_us = wall_us if args.smoke else graph_us
     res: dict = ({"device": "cpu (smoke)", "commit": args.commit} if args.smoke else gpu_run_header(dev, args.commit))
     res.update(rows=1, layers=LAYERS, cases={})
