@@ -15,7 +15,8 @@ groups of 128+, 32 codes of one half block, two neighbours a word):
   sm_90+ the float16-pairs arithmetic with its words read by TMA (`kernels.quant_gemv_tma`).
 
 Split-K (decode: few output tiles for 132 SMs, e.g. the down projection N=4096, K=14336) is
-`kernels.quant_split`: the last program of a tile sums the partials, in the same launch.
+`kernels.quant_split`: the last program of a tile sums the partials, in the same launch, or with `defer_split`
+the kernel that reads the output next does (`kernels.split_sum`).
 For many rows, `kernels.quant_dequant.dequantize_packed` writes the dense weight for a library GEMM.
 Which kernel, tiles and split a shape takes: `kernels.quant_config`.
 """
@@ -38,6 +39,7 @@ from kernels.quant_h2 import fp16_pairs_enabled
 from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
+from kernels.quant_split import DEFER
 from kernels.quant_wgmma import BLOCK_NS, DEQ_ROWS, quant_wgmma, runs_on
 
 
@@ -59,6 +61,7 @@ def quant_matmul(
     locks: torch.Tensor | None = None,      # int32 zeros, >= cdiv(N, block_n) * cdiv(T, block_m) (split_k > 1)
     addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
     x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
+    defer_split: bool = False,              # split > 1: partials only (`kernels.split_sum`), out not written
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
@@ -74,6 +77,9 @@ def quant_matmul(
     `x_sums`: the sums of x over each `sums_width(config, w, x.dtype)`-wide slice, written by the kernel that
     wrote x (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`); without them (or where that width
     is 0, ignored) a launch of `kernels.quant_half_sums` computes what the call needs.
+    `defer_split` (where the launch splits K, `launch_split` > 1): `out` is not written; `partials`, as
+    [split, T, N], hold the fp32 terms whose sum in that order is out before rounding (the first with the bias and
+    the addend), for `kernels.split_sum.SplitSum`; `locks` are not used.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
     x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
@@ -105,14 +111,14 @@ def quant_matmul(
         raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
                          f"block_m {cfg.block_m}, {addend.dtype} {tuple(addend.shape)}")
     num_blocks = w.padded_in_features // block_k(w.bits)
-    split = min(cfg.split_k, num_blocks)
-    per_split = -(-num_blocks // split)
-    split = -(-num_blocks // per_split)                     # no program left without a block
+    per_split = -(-num_blocks // min(cfg.split_k, num_blocks))
+    split = launch_split(cfg, w)
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(T, cfg.block_m), split)
+    mode = 0 if split == 1 else DEFER.value if defer_split else 1       # `write_out`'s SPLIT
     if split > 1:
         if partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N:
             raise ValueError(f"split-K {split} needs float32 partials of >= {split * T * N} elements")
-        if locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]:
+        if not defer_split and (locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]):
             raise ValueError(f"split-K needs int32 zero locks of >= {grid[0] * grid[1]} elements")
     if T == 0 or N == 0:
         return
@@ -134,10 +140,10 @@ def quant_matmul(
             raise ValueError(f"bad config {cfg}: a ring runs 64- or 128-feature tiles of the asynchronous-dot kernel: "
                              "4 bits in groups of 128+, bfloat16 x, a compiled sm_90+ GPU")
         quant_wgmma(x, w, bias, out, x_sums, cfg.block_m, cfg.split_k, cfg.ring, cfg.ring_step, partials, locks,
-                    cfg.block_n)
+                    cfg.block_n, defer=defer_split)
         return
     buffers = (x, w.words, w.scales, w.offsets, bias if bias is not None else out, out,
-               partials if split > 1 else out, locks if split > 1 else out)
+               partials if split > 1 else out, locks if mode == 1 else out)
     sizes = (T, N, K, x.stride(0), out.stride(0), w.words.shape[1], per_split, num_blocks, split)
     even_k = K % block_k(w.bits) == 0
     asm = compiled()                                   # fences and inline assembly: not interpreted
@@ -149,13 +155,13 @@ def quant_matmul(
         if h2 and stages > 0 and _tma_capable(x):
             quant_gemv_tma_kernel[grid](x, _words_desc(w, cfg.block_n), w.words, *buffers[2:],
                                         addend if addend is not None else out, *sizes, GROUP=w.group_size,
-                                        BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
+                                        BLOCK_N=cfg.block_n, SPLIT=mode, HAS_BIAS=bias is not None,
                                         EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                         ADD=addend is not None, STAGES=stages, SCALES_AHEAD=ahead,
                                         num_warps=cfg.num_warps, **pdl)
             return
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
-                                BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
+                                BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=mode, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
@@ -164,20 +170,30 @@ def quant_matmul(
         stages = _tile_stages(cfg) if pairs and paired else 0
         if stages > 0 and _tma_capable(x):      # the words by TMA, a half block a step (`kernels.quant_mma_tma`)
             quant_mma_tma_kernel[grid](x, _words_desc(w, cfg.block_n, 16), *buffers[1:], x_sums, K // 128, *sizes,
-                                       GROUP=w.group_size, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1,
+                                       GROUP=w.group_size, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=mode,
                                        HAS_BIAS=bias is not None, EVEN_K=even_k, FENCE=asm,
                                        NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                        SCALE_WORDS=N % 2 == 0 and w.scales.data_ptr() % 4 == 0, STAGES=stages,
                                        num_warps=cfg.num_warps, **pdl)
             return
         quant_mma_kernel[grid](*buffers, x_sums, K // (128 if paired else 32), *sizes, GROUP=w.group_size, BITS=w.bits,
-                               BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=split > 1, HAS_BIAS=bias is not None,
+                               BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=mode, HAS_BIAS=bias is not None,
                                EVEN_K=even_k, IEEE=x.dtype == torch.float32, FENCE=asm,
                                NUM_THREADS=32 * cfg.num_warps,
                                FIELD_DOTS=cfg.field_dots and not paired, PAIRS=pairs, ASM=asm,
                                PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
                                **pdl)
+
+
+def launch_split(config: QuantMatmulConfig, w: PackedQuantWeight) -> int:
+    """The programs a launch with this config splits K over (the partials' first axis): the config's split_k,
+    fewer where the weight has fewer blocks or the last would get none (not on the asynchronous-dot kernel)."""
+    if config.ring:
+        return config.split_k
+    num_blocks = w.padded_in_features // block_k(w.bits)
+    per_split = -(-num_blocks // min(config.split_k, num_blocks))
+    return -(-num_blocks // per_split)                     # no program left without a block
 
 
 def wide_ring(config: QuantMatmulConfig) -> bool:
@@ -255,5 +271,5 @@ def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:
     return out
 
 
-__all__ = ["QuantMatmulConfig", "dense_min_rows", "half_sums", "pair_codes_layout", "pick_config", "quant_matmul",
-           "sums_width"]
+__all__ = ["QuantMatmulConfig", "dense_min_rows", "half_sums", "launch_split", "pair_codes_layout", "pick_config",
+           "quant_matmul", "sums_width"]

@@ -4,6 +4,10 @@ Each writes its fp32 partial, bumps the tile's counter, and the program that fin
 partials in a fixed order (deterministic), adds the bias, writes the output and resets the counter to
 zero. No extra launch and no host sync, so it runs inside CUDA graphs; the counters (int32, zero) and the
 partials buffer are owned by the caller.
+
+SPLIT is 0 (no split: the output stored), 1 (split, summed in the launch as above) or 2 (`DEFER`: split, each
+program's partial stored, the first split's with the bias and the addend, and no sum: the next kernel sums them,
+`kernels.split_sum`).
 """
 import triton
 import triton.language as tl
@@ -11,18 +15,26 @@ import triton.language as tl
 from kernels.addend import take_addend
 from kernels.pdl import gpu_fence
 
+DEFER = tl.constexpr(2)    # SPLIT's value for partials summed by the next kernel
+
 
 @triton.jit
 def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, pid_k, split_k,
               SPLIT: tl.constexpr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, add_ptrs=None,
               ADD: tl.constexpr = False):
     """out = acc + bias (+ the fp32 addend at add_ptrs, left zero: ADD); under split-K via the partials
-    (part_stride apart) and the tile's counter `lock`."""
+    (part_stride apart) and the tile's counter `lock`, or (SPLIT == DEFER) the partials alone."""
     if not SPLIT:
         total = acc + bias
         if ADD:
             total = take_addend(total, add_ptrs, mask)
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT == DEFER:
+        if pid_k == 0:
+            acc += bias
+            if ADD:
+                acc = take_addend(acc, add_ptrs, mask)
+        tl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)
     else:
         tl.store(part_ptrs + pid_k * part_stride, acc, mask=mask)   # split-K runs only for small T: int32 offsets
         if FENCE:                                  # the partial stores are visible GPU-wide before the count moves

@@ -160,11 +160,12 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                        stride_out, words_per_row, num_halves, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                        NX: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                        FENCE: gl.constexpr, USE_PDL: gl.constexpr, BLOCK_N: gl.constexpr = 64,
-                       SYNC: gl.constexpr = 0, DEQ: gl.constexpr = False):
+                       SYNC: gl.constexpr = 0, DEQ: gl.constexpr = False, DEFER: gl.constexpr = False):
     """out.T tile [BLOCK_N, BLOCK_M] over half blocks pid_k * H .. (pid_k + 1) * H - 1, H = num_halves / SPLIT (a
     multiple of U), + bias. SPLIT > 1: each program stores its fp32 partial ([SPLIT, T, N] part), and the last
     of a tile (its int32 counter in lock, zero before and after) sums them in split order (`kernels.quant_split`'s
-    protocol). DEQ (many rows): each half block's weights dequantized into the operand, one accumulator (module
+    protocol), or with DEFER no program sums them (the first split's with the bias; `kernels.split_sum`). DEQ
+    (many rows): each half block's weights dequantized into the operand, one accumulator (module
     docstring); x's sums are not read."""
     pid_m = gl.program_id(0)                        # row tiles of one feature block run side by side (its words
     pid_n = gl.program_id(1)                        # read once from memory, then from L2)
@@ -233,7 +234,7 @@ def quant_wgmma_kernel(x_ptr, w_ptr, s_ptr, o_ptr, xs_ptr, bias_ptr, out_ptr, pa
                          x_smem, xs_smem, w_half, w_mask, s_ptrs, o_ptrs, sc_mask, x_half, x_mask, xs_ptrs, xs_mask)
     async_copy.wait_group(0)
     _store_tile(acc, mma, pid_m, pid_n, pid_k, T, N, bias_ptr, out_ptr, part_ptr, lock_ptr, stride_out,
-                BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS, FENCE, NW)
+                BLOCK_N, BLOCK_M, SPLIT, HAS_BIAS, FENCE, NW, DEFER)
 
 
 @gluon.jit
@@ -341,8 +342,9 @@ def _sums_loop(acc, a_layout: gl.constexpr, w_layout: gl.constexpr, mma: gl.cons
 @gluon.jit
 def _store_tile(acc, mma: gl.constexpr, pid_m, pid_n, pid_k, T, N, bias_ptr, out_ptr, part_ptr, lock_ptr,
                 stride_out, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, SPLIT: gl.constexpr,
-                HAS_BIAS: gl.constexpr, FENCE: gl.constexpr, NW: gl.constexpr):
-    """out.T's tile (+ bias), or with SPLIT > 1 this program's partial and, by the last of the tile, their sum."""
+                HAS_BIAS: gl.constexpr, FENCE: gl.constexpr, NW: gl.constexpr, DEFER: gl.constexpr):
+    """out.T's tile (+ bias), or with SPLIT > 1 this program's partial and, by the last of the tile, their sum
+    (DEFER: the partial alone, the first split's with the bias)."""
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     n_mask = offs_n < N
@@ -355,6 +357,12 @@ def _store_tile(acc, mma: gl.constexpr, pid_m, pid_n, pid_k, T, N, bias_ptr, out
         bias = gl.zeros([BLOCK_N, 1], gl.float32, mma)
     if SPLIT == 1:
         gl.store(out_ptrs, (acc + bias).to(out_ptr.dtype.element_ty), mask=mask)
+    elif DEFER:
+        part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None] + pid_k * (T * N)
+        if pid_k == 0:
+            gl.store(part_ptrs, acc + bias, mask=mask)
+        else:
+            gl.store(part_ptrs, acc, mask=mask)
     else:
         part_stride = T * N                         # split-K runs for few rows: int32 offsets
         part_ptrs = part_ptr + offs_m[None, :] * N + offs_n[:, None]
@@ -419,6 +427,7 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
                 locks: torch.Tensor | None = None,     # int32 zeros, >= cdiv(T, block_m) * cdiv(N, block_n) (split > 1)
                 block_n: int = 64,                     # features a program: 64, or 128 (two warpgroups)
                 sync: int | None = None,               # SYNC (module docstring; None: `ring_sync`)
+                defer: bool = False,                   # split > 1: partials only, out not written (`split_sum`)
                 ) -> None:
     """out = x @ W.T + bias with W = q * scale + offset (sm_90+; see the module docstring). `locks` hold zeros
     before and after the call."""
@@ -436,7 +445,8 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
     deq = block_m >= DEQ_ROWS
     grid = (triton.cdiv(T, block_m), triton.cdiv(N, block_n), split)
     if split > 1 and (partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N
-                      or locks is None or locks.dtype != torch.int32 or locks.numel() < grid[0] * grid[1]):
+                      or not defer and (locks is None or locks.dtype != torch.int32
+                                        or locks.numel() < grid[0] * grid[1])):
         raise ValueError(f"split {split} needs float32 partials of >= {split * T * N} elements and int32 zero locks "
                          f"of >= {grid[0] * grid[1]}")
     if T == 0 or N == 0:
@@ -447,8 +457,8 @@ def quant_wgmma(x: torch.Tensor,              # [T, K] bfloat16, unit stride alo
         check_sums(x_sums, T, K, 128, "x_sums")
     pdl = launch_args(pdl_enabled(x.device))
     quant_wgmma_kernel[grid](x, w.words, w.scales, w.offsets, x_sums, bias if bias is not None else out, out,
-                             partials if split > 1 else out, locks if split > 1 else out, T, N, x.stride(0),
-                             out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size, BLOCK_M=block_m, NX=nx,
-                             U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True, BLOCK_N=block_n,
-                             SYNC=ring_sync() if sync is None else sync, DEQ=deq, num_warps=block_n // 16,
-                             **pdl)
+                             partials if split > 1 else out, locks if split > 1 and not defer else out, T, N,
+                             x.stride(0), out.stride(0), w.words.shape[1], K // 128, GROUP=w.group_size,
+                             BLOCK_M=block_m, NX=nx, U=u, SPLIT=split, HAS_BIAS=bias is not None, FENCE=True,
+                             BLOCK_N=block_n, SYNC=ring_sync() if sync is None else sync, DEQ=deq,
+                             DEFER=defer and split > 1, num_warps=block_n // 16, **pdl)

@@ -14,6 +14,7 @@ from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, wait_then_release
 from kernels.quant_half_sums import slice_width, store_slice_sums
+from kernels.split_sum import SplitSum, load_input, summed_input
 
 
 @triton.jit
@@ -28,13 +29,15 @@ def rms_norm_row(s, w, H, eps):
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, H, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                         SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False):
+                         SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False, part_stride=0,
+                         NPARTS: tl.constexpr = 0):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)     # weights: read before the wait
     wait_then_release(USE_PDL)
-    x = with_extra(tl.load(x_ptr + t * H + offs, mask=mask, other=0.0), extra_ptr + t * H + offs, mask, EXTRA)
+    x = load_input(x_ptr + t * H + offs, mask, part_stride, NPARTS, out_ptr.dtype.element_ty)   # NPARTS: summed
+    x = with_extra(x, extra_ptr + t * H + offs, mask, EXTRA)
     if HAS_RES:
         r = tl.load(res_ptr + t * H + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -46,7 +49,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, 
 
 
 def add_rms_norm(
-    x: torch.Tensor,                  # [T, H] contiguous
+    x: torch.Tensor | SplitSum,       # [T, H] contiguous (or a split-K projection's partials, kernels.split_sum)
     residual: torch.Tensor | None,    # [T, H] contiguous, or None (no add)
     weight: torch.Tensor,             # [H]
     eps: float,
@@ -75,9 +78,10 @@ def add_rms_norm(
     if T == 0:
         return
     pdl = extra_pdl(x.device, extra)
-    _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out,
+    src, nparts, part_stride = summed_input(x)
+    _add_rms_norm_kernel[(T,)](src, residual if residual is not None else out, weight, out,
                                residual_out if residual_out is not None else out,
                                sums if sums is not None else out, H, eps,
                                HAS_RES=residual is not None, BLOCK=next_pow2(H), num_warps=8, SUMS=width,
-                               extra_ptr=extra if extra is not None else x, EXTRA=extra is not None,
-                               **launch_args(pdl))
+                               extra_ptr=extra if extra is not None else out, EXTRA=extra is not None,
+                               part_stride=part_stride, NPARTS=nparts, **launch_args(pdl))

@@ -16,6 +16,7 @@ import triton.language as tl
 from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, wait_then_release
+from kernels.split_sum import SplitSum, load_input, summed_input
 
 
 @triton.jit
@@ -31,56 +32,69 @@ def _rotate(x1, x2, c1, c2, s1, s2):
 
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
-                       v_cache_ptr, num_heads, num_kv_heads, head_dim, half,
+                       v_cache_ptr, num_heads, num_kv_heads, head_dim, half, kv_per_program,
                        BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, extra_ptr=None, extra_stride=0,
-                       EXTRA: tl.constexpr = False):
+                       EXTRA: tl.constexpr = False, part_stride=0, NPARTS: tl.constexpr = 0):
+    """Token program_id(0); KV heads kv_per_program * program_id(1) onwards and their query heads (grouped-query
+    attention: num_heads / num_kv_heads a KV head). NPARTS > 0: qkv_ptr holds split-K partials
+    (`kernels.split_sum`), summed as they are read."""
     t = tl.program_id(0).to(tl.int64)
+    kv0 = tl.program_id(1) * kv_per_program
+    q_per_program = kv_per_program * (num_heads // num_kv_heads)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
     j = tl.arange(0, BLOCK_HALF)
     jm = j < half
     row = qkv_ptr + t * qkv_stride
     xrow = extra_ptr + t * extra_stride               # the extra's row, columns as qkv's (EXTRA)
-    dt = qkv_ptr.dtype.element_ty
+    dt = q_out_ptr.dtype.element_ty
     c1 = tl.load(cos_ptr + pos * head_dim + j, mask=jm, other=0.0).to(dt).to(tl.float32)
     c2 = tl.load(cos_ptr + pos * head_dim + half + j, mask=jm, other=0.0).to(dt).to(tl.float32)
     s1 = tl.load(sin_ptr + pos * head_dim + j, mask=jm, other=0.0).to(dt).to(tl.float32)
     s2 = tl.load(sin_ptr + pos * head_dim + half + j, mask=jm, other=0.0).to(dt).to(tl.float32)
     wait_then_release(USE_PDL)       # positions, slots and the tables above are the step's inputs
 
-    h = tl.arange(0, BLOCK_H)
-    m = (h < num_heads)[:, None] & jm[None, :]
+    hl = tl.arange(0, BLOCK_H)
+    h = kv0 * (num_heads // num_kv_heads) + hl
+    m = ((hl < q_per_program) & (h < num_heads))[:, None] & jm[None, :]
     base = h[:, None] * head_dim + j[None, :]
-    o1, o2 = _rotate(with_extra(tl.load(row + base, mask=m, other=0.0), xrow + base, m, EXTRA),
-                     with_extra(tl.load(row + base + half, mask=m, other=0.0), xrow + base + half, m, EXTRA),
+    o1, o2 = _rotate(_read(row, xrow, base, m, part_stride, NPARTS, dt, EXTRA),
+                     _read(row, xrow, base + half, m, part_stride, NPARTS, dt, EXTRA),
                      c1[None, :], c2[None, :], s1[None, :], s2[None, :])
     q_row = q_out_ptr + t * num_heads * head_dim
     tl.store(q_row + base, o1, mask=m)
     tl.store(q_row + base + half, o2, mask=m)
 
     kv_width = num_kv_heads * head_dim
-    g = tl.arange(0, BLOCK_KVH)
-    m = (g < num_kv_heads)[:, None] & jm[None, :]
-    base = g[:, None] * head_dim + j[None, :]
-    k_src = row + num_heads * head_dim
-    k_xtr = xrow + num_heads * head_dim
-    o1, o2 = _rotate(with_extra(tl.load(k_src + base, mask=m, other=0.0), k_xtr + base, m, EXTRA),
-                     with_extra(tl.load(k_src + base + half, mask=m, other=0.0), k_xtr + base + half, m, EXTRA),
+    gi = tl.arange(0, BLOCK_KVH)
+    g = kv0 + gi
+    gm = (gi < kv_per_program) & (g < num_kv_heads)
+    m = gm[:, None] & jm[None, :]
+    base = num_heads * head_dim + g[:, None] * head_dim + j[None, :]      # k's columns of qkv
+    o1, o2 = _rotate(_read(row, xrow, base, m, part_stride, NPARTS, dt, EXTRA),
+                     _read(row, xrow, base + half, m, part_stride, NPARTS, dt, EXTRA),
                      c1[None, :], c2[None, :], s1[None, :], s2[None, :])
     k_row = k_cache_ptr + slot * kv_width
-    tl.store(k_row + base, o1, mask=m)
-    tl.store(k_row + base + half, o2, mask=m)
+    kbase = g[:, None] * head_dim + j[None, :]
+    tl.store(k_row + kbase, o1, mask=m)
+    tl.store(k_row + kbase + half, o2, mask=m)
 
     d = tl.arange(0, BLOCK_D)
-    m = (g < num_kv_heads)[:, None] & (d < head_dim)[None, :]
+    m = gm[:, None] & (d < head_dim)[None, :]
     vbase = g[:, None] * head_dim + d[None, :]
-    v = with_extra(tl.load(k_src + kv_width + vbase, mask=m, other=0.0), k_xtr + kv_width + vbase, m, EXTRA)
+    v = _read(row, xrow, num_heads * head_dim + kv_width + vbase, m, part_stride, NPARTS, dt, EXTRA)
     tl.store(v_cache_ptr + slot * kv_width + vbase, v, mask=m)
 
 
+@triton.jit
+def _read(row, xrow, cols, mask, part_stride, NPARTS: tl.constexpr, dt: tl.constexpr, EXTRA: tl.constexpr):
+    """qkv's row at `cols` in the model dtype (NPARTS: the partials summed), plus the extra's (EXTRA)."""
+    return with_extra(load_input(row + cols, mask, part_stride, NPARTS, dt), xrow + cols, mask, EXTRA)
+
+
 def rope_and_cache(
-    qkv: torch.Tensor,            # [T, H*D + 2*KVH*D] fused projection output, rows contiguous
+    qkv: torch.Tensor | SplitSum,  # [T, H*D + 2*KVH*D] fused projection output, rows contiguous (or partials)
     positions: torch.Tensor,      # [T] int64
     slot_mapping: torch.Tensor,   # [T] int64 flat KV slot of each token
     cos: torch.Tensor,            # [P, D] float32
@@ -115,9 +129,15 @@ def rope_and_cache(
     check_extra(extra, qkv, "qkv")
     if T == 0:
         return
+    if H % KVH:
+        raise ValueError(f"{H} query heads do not group over {KVH} KV heads")
     pdl = extra_pdl(qkv.device, extra)
-    _rope_cache_kernel[(T,)](
-        qkv, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
-        BLOCK_H=next_pow2(H), BLOCK_KVH=next_pow2(KVH), BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D),
-        num_warps=4, extra_ptr=extra if extra is not None else qkv,
-        extra_stride=extra.stride(0) if extra is not None else 0, EXTRA=extra is not None, **launch_args(pdl))
+    src, nparts, part_stride = summed_input(qkv)
+    # One program a token, or with partials to sum (several times the bytes) one a KV head and its query heads
+    kv_per_program = 1 if nparts else KVH
+    _rope_cache_kernel[(T, KVH // kv_per_program)](
+        src, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
+        kv_per_program, BLOCK_H=next_pow2(kv_per_program * (H // KVH)), BLOCK_KVH=next_pow2(kv_per_program),
+        BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), num_warps=4,
+        extra_ptr=extra if extra is not None else q_out, extra_stride=extra.stride(0) if extra is not None else 0,
+        EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts, **launch_args(pdl))

@@ -9,17 +9,20 @@ from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import cdiv, next_pow2
 from kernels.pdl import launch_args, wait_then_release
 from kernels.quant_half_sums import slice_width, store_slice_sums
+from kernels.split_sum import SplitSum, load_input, summed_input
 
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                     SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False):
+                     SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False, part_stride=0,
+                     NPARTS: tl.constexpr = 0):
     wait_then_release(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    g = tl.load(gu_ptr + t * 2 * inter + offs, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + t * 2 * inter + inter + offs, mask=mask, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    g = load_input(gu_ptr + t * 2 * inter + offs, mask, part_stride, NPARTS, dt)    # NPARTS: partials summed
+    u = load_input(gu_ptr + t * 2 * inter + inter + offs, mask, part_stride, NPARTS, dt)
     g = with_extra(g, extra_ptr + t * 2 * inter + offs, mask, EXTRA)
     u = with_extra(u, extra_ptr + t * 2 * inter + inter + offs, mask, EXTRA)
     gf = g.to(tl.float32)
@@ -31,7 +34,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_
         store_slice_sums(y, sums_ptr, t * (inter // SUMS) + first, inter // SUMS - first, SUMS)
 
 
-def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, then up
+def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate columns first, then up (or partials)
              out: torch.Tensor,       # [T, I]
              sums: torch.Tensor | None = None,   # [T, I / width] float32: out's sums over each width-wide slice
              extra: torch.Tensor | None = None,  # [T, 2I] contiguous like gate_up: added to it first
@@ -50,7 +53,9 @@ def silu_mul(gate_up: torch.Tensor,   # [T, 2I] contiguous: gate columns first, 
         return
     block = max(min(1024, next_pow2(inter)), width)
     pdl = extra_pdl(gate_up.device, extra)
-    _silu_mul_kernel[(T, cdiv(inter, block))](gate_up, out, sums if sums is not None else out, inter, BLOCK=block,
+    src, nparts, part_stride = summed_input(gate_up)
+    _silu_mul_kernel[(T, cdiv(inter, block))](src, out, sums if sums is not None else out, inter, BLOCK=block,
                                               num_warps=4, SUMS=width,
-                                              extra_ptr=extra if extra is not None else gate_up,
-                                              EXTRA=extra is not None, **launch_args(pdl))
+                                              extra_ptr=extra if extra is not None else out,
+                                              EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts,
+                                              **launch_args(pdl))

@@ -76,8 +76,10 @@ class Linear:
         """0: a dense projection reads no sums of x (`QuantLinear.sums_width`)."""
         return 0
 
-    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None, beside_lora: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None, beside_lora: bool = False,
+                 split_out: bool = False) -> torch.Tensor:
         """[T, N]; `addend` [T, N] float32 is added before rounding and left zero (`dense_linear`). `beside_lora`
         (a LoRA launch runs beside the call, `LlamaModel._project`): no other choice here (the library GEMM);
-        `QuantLinear` picks its kernel by it."""
+        `QuantLinear` picks its kernel by it. `split_out` (partials allowed): always a tensor here, nothing
+        splits K."""
         return dense_linear(x, self.weight, self.bias, addend)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
 from kernels.env_switch import env_int
 
+if TYPE_CHECKING:
+    from kernels.split_sum import SplitSum
+
 # Steps of 2 to this many tokens run their LoRA beside the base projection inside CUDA graphs. A step of
 # one token runs it first instead (`_project`): its base matmul is a one-row kernel that keeps every SM reading
 # weights, and adds the delta. At batch 8, on the library GEMM, 6.27 ms beside against 6.47 after (H200, 8B
@@ -31,9 +34,10 @@ from kernels.env_switch import env_int
 # LORAPLEX_LORA_OVERLAP_TOKENS sets another bound (tuning).
 LORA_OVERLAP_TOKENS = 64
 OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
-# A layer's delta not yet added to the residual stream h: the down projection's output, and its LoRA delta
-# where that is still to be added too (`LlamaModel._project`'s extra), else None.
-Pending = tuple[torch.Tensor, "torch.Tensor | None"]
+# A layer's delta not yet added to the residual stream h: the down projection's output (a tensor, or on a
+# quantized split-K kernel its partials, `kernels.split_sum.SplitSum`), and its LoRA delta where that is still
+# to be added too (`LlamaModel._project`'s extra), else None.
+Pending = tuple["torch.Tensor | SplitSum", "torch.Tensor | None"]
 
 
 def overlap_tokens() -> int:
@@ -245,11 +249,14 @@ class LlamaModel:
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
                  widths: list[int], x_sums: torch.Tensor | None = None,
-                 defer: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 defer: bool = False) -> tuple[torch.Tensor | SplitSum, torch.Tensor | None]:
         """(y, extra): y = linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices'
         columns), or, where `defer` and the delta is still to be added, y without it and the delta as extra
         (y's dtype and shape) for the kernel that reads y next to add (`kernels.addend.with_extra`); else extra
-        is None. `x_sums`: x's slice sums where `linear` reads them (`_x_sums`), written with x.
+        is None. `x_sums`: x's slice sums where `linear` reads them (`_x_sums`), written with x. With `defer`
+        (y goes to a kernel that reads it: the norm, RoPE + cache, the SwiGLU) y may also be a split-K
+        projection's partials (`kernels.split_sum.SplitSum`, which those kernels sum), wherever nothing adds
+        to y in place first.
 
         While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens, `overlap_tokens`) is captured (and
         in the forwards that stand for one: `graph_capture.in_graph_forward`), the LoRA runs on a side stream
@@ -268,11 +275,11 @@ class LlamaModel:
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-            return linear(x, addend=delta), None
+            return linear(x, addend=delta, split_out=defer), None
         side = self._lora_stream
         kw = {} if x_sums is None else {"x_sums": x_sums}
         if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():
-            y = linear(x, **kw)
+            y = linear(x, split_out=defer and lora is None, **kw)
             if lora is not None:
                 lora.apply(i, group, x, list(y.split(widths, dim=-1)))
             return y, None
@@ -282,7 +289,7 @@ class LlamaModel:
         with torch.cuda.stream(side):
             delta.zero_()
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-        y = linear(x, beside_lora=True, **kw)     # its kernel choice leaves room for the LoRA launch beside it
+        y = linear(x, beside_lora=True, split_out=defer, **kw)    # leaves room for the LoRA launch beside it
         main.wait_stream(side)
         if defer:
             return y, delta

@@ -18,10 +18,25 @@ dequantize-then-matmul on every call (the reference path; slow, meant for tests 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from compute_service.engine.quantized import QuantizedWeight
+from kernels.env_switch import env_int
+
+if TYPE_CHECKING:
+    from kernels.split_sum import SplitSum
+
+DEFER_SPLIT_ENV = "LORAPLEX_DEFER_SPLIT"
+
+
+def defer_split_enabled() -> bool:
+    """LORAPLEX_DEFER_SPLIT (for A/B runs; unset or 1 by default): 0 keeps every split-K sum inside the
+    projection's launch, where otherwise `QuantLinear(..., split_out=True)` leaves it to the next kernel."""
+    return env_int(DEFER_SPLIT_ENV, lambda v: v in (0, 1), "0 or 1") != 0
+
 
 class QuantLinear:
     """Quantized weight [N, K] (canonical form, see `quantized.py`), optional bias [N] in the model dtype."""
@@ -59,6 +74,7 @@ class QuantLinear:
         self.locks = torch.zeros(4 * -(-self._shape[0] // 16), dtype=torch.int32, device=self.device)
         from kernels.quant_wgmma import async_dots_enabled, async_one_row_enabled
 
+        self.defer_split = defer_split_enabled()
         self.async_dots = async_dots_enabled(self.device)     # 2-32 and 65+ rows: the asynchronous-dot kernel (sm_90+)
         self.async_one_row = self.async_dots and async_one_row_enabled()    # and one row (A/B runs)
 
@@ -130,12 +146,15 @@ class QuantLinear:
         return sums_width(cfg, self.packed, dtype)
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
-                 x_sums: torch.Tensor | None = None, beside_lora: bool = False) -> torch.Tensor:
+                 x_sums: torch.Tensor | None = None, beside_lora: bool = False,
+                 split_out: bool = False) -> torch.Tensor | SplitSum:
         """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
         then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
         slice sums as `sums_width` asks for them ([T, K / width] float32), written with x. `beside_lora`: a LoRA
         launch runs beside this call on another stream (`LlamaModel._project`); the kernel's config leaves room
-        for it (`pick_config`)."""
+        for it (`pick_config`). `split_out`: where the kernel splits K (and `defer_split_enabled`), the output
+        as its partials (`kernels.split_sum.SplitSum`), for a kernel that reads them (the norm, RoPE, SwiGLU)
+        to sum; otherwise a tensor as always."""
         if addend is not None and not self.takes_addend(x):
             raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -143,7 +162,7 @@ class QuantLinear:
             assert self._qweight is not None
             return F.linear(x, self._qweight.dequantize(x.dtype), bias)                    # [T, N]
         from kernels.quant_dequant import dequantize_packed
-        from kernels.quant_matmul import pick_config, quant_matmul
+        from kernels.quant_matmul import launch_split, pick_config, quant_matmul
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -159,10 +178,15 @@ class QuantLinear:
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
                           addend is not None or beside_lora, self.async_dots, self.async_one_row)
+        split = launch_split(cfg, self.packed)
         partials = None
-        if cfg.split_k > 1:
-            partials = torch.empty(cfg.split_k * t * n, dtype=torch.float32, device=x.device)
-        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums)
+        if split > 1:
+            partials = torch.empty(split, t, n, dtype=torch.float32, device=x.device)
+        defer = split > 1 and split_out and x.dim() == 2 and self.defer_split
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, defer_split=defer)
+        if defer:
+            from kernels.split_sum import SplitSum
+            return SplitSum(partials, x.dtype)
         return out.view(*lead, n)
 
 
