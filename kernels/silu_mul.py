@@ -51,9 +51,10 @@ def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate colu
     check_extra(extra, gate_up, "gate_up", contiguous=True)
     if T == 0:
         return
-    block = max(min(1024, next_pow2(inter)), width)
-    pdl = extra_pdl(gate_up.device, extra)
     src, nparts, part_stride = summed_input(gate_up)
+    # partials (several times the bytes of gate_up) over more programs: 4 times as many at one row
+    block = max(min(256 if nparts else 1024, next_pow2(inter)), width)
+    pdl = extra_pdl(gate_up.device, extra)
     _silu_mul_kernel[(T, cdiv(inter, block))](src, out, sums if sums is not None else out, inter, BLOCK=block,
                                               num_warps=4, SUMS=width,
                                               extra_ptr=extra if extra is not None else out,
