@@ -202,7 +202,7 @@ class LlamaModel:
 
         spec, lw = self.spec, self.weights.layers[i]
         local = self.reduce_add_norm is None         # o's and down's outputs reach a kernel of this rank
-        o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local)
+        o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local, split_out=True)
         sums = self._norm_sums(lw.gate_up, x)
         self._add_norm(o, h, lw.post_norm, x, 0, sums, extra)                # h += o; x = norm(h)
         gate_up, extra = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums,
@@ -210,7 +210,7 @@ class LlamaModel:
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         sums = self._x_sums(lw.down, act)
         silu_mul(gate_up, act, sums, extra)
-        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local)
+        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local, split_out=True)
 
     def writes_sums(self, name: str) -> bool:
         """Whether the kernel that writes projection `name`'s x (LAYER_PROJECTIONS) writes its slice sums too
@@ -255,11 +255,9 @@ class LlamaModel:
         columns), or, where `defer` and the delta is still to be added, y without it and the delta as extra
         (y's dtype and shape) for the kernel that reads y next to add (`kernels.addend.with_extra`); else extra
         is None. `x_sums`: x's slice sums where `linear` reads them (`_x_sums`), written with x. With `defer`
-        and `split_out` (y goes to RoPE + cache or the SwiGLU, which read it over many programs) y may also be a
+        and `split_out` (y goes to a kernel that reads it: the norm, RoPE + cache, the SwiGLU) y may also be a
         split-K projection's partials (`kernels.split_sum.SplitSum`, which those kernels sum), wherever nothing
-        adds to y in place first. Not for o and down: their norm reads a whole row in one program, and summing 8
-        partial rows of 4096 there took ~3.3 us more than the sum saved in the projection (H200, the 4-bit 8B
-        at batch 1, a trace of both: docs/quantization.md, "The split-K sum in the next kernel").
+        adds to y in place first.
 
         While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens, `overlap_tokens`) is captured (and
         in the forwards that stand for one: `graph_capture.in_graph_forward`), the LoRA runs on a side stream
