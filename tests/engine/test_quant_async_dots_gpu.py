@@ -39,9 +39,9 @@ def test_async_dot_kernel_in_the_engine_matches_the_tiles(w4_llama, monkeypatch)
     seen: list[int] = []
     real = qm.quant_wgmma
 
-    def spy(x, w, bias, out, x_sums, block_m, *args):
+    def spy(x, w, bias, out, x_sums, block_m, *args, **kwargs):
         seen.append(block_m)
-        return real(x, w, bias, out, x_sums, block_m, *args)
+        return real(x, w, bias, out, x_sums, block_m, *args, **kwargs)
 
     monkeypatch.setattr(qm, "quant_wgmma", spy)
     on = _run(folder, adapters, monkeypatch, "1")
