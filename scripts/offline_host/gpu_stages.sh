@@ -62,11 +62,11 @@
 #                    (quant_kernel_wide.json; ~4 minutes), then bench/quant_decode.py --labels int4 at batches
 #                    128,256 (quant_decode_wide.json; ~1 minute)
 #   split-cost       bench/quant_split_cost.py: pick_config's one-row launches of the 8B shapes after a norm, with and
-#                    without their split-K reduction (quant_split_cost.json; not run yet, ~1 minute): what summing the
-#                    partials in the next kernel could save at batch 1
+#                    without their split-K reduction (quant_split_cost.json; ~1 minute; 4614e1a: 52.0 -> 43.6 us a
+#                    layer, which the deferred sum of 6714be1 took, kernels/split_sum.py)
 #   sweep-after-norm bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 64,128,192,256) --wide --after-norm:
 #                    every launch after an RMSNorm that writes its x and x's sums, as in a decode step
-#                    (quant_kernel_after_norm.json; not run yet, ~2 minutes): whether pick_config's choice between the
+#                    (quant_kernel_after_norm.json; ~1 minute, run at 4614e1a): whether pick_config's choice between the
 #                    pair-codes tiles and the wide tiles holds where a short kernel, not a launch of itself, comes before
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
