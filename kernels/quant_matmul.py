@@ -114,7 +114,7 @@ def quant_matmul(
     per_split = -(-num_blocks // min(cfg.split_k, num_blocks))
     split = launch_split(cfg, w)
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(T, cfg.block_m), split)
-    mode = 0 if split == 1 else DEFER.value if defer_split else 1       # `write_out`'s SPLIT
+    mode = 0 if split == 1 else DEFER if defer_split else 1       # `write_out`'s SPLIT
     if split > 1:
         if partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N:
             raise ValueError(f"split-K {split} needs float32 partials of >= {split * T * N} elements")

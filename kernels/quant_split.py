@@ -15,7 +15,7 @@ import triton.language as tl
 from kernels.addend import take_addend
 from kernels.pdl import gpu_fence
 
-DEFER = tl.constexpr(2)    # SPLIT's value for partials summed by the next kernel
+DEFER = 2    # SPLIT's value for partials summed by the next kernel (the kernels compare with the literal)
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def write_out(acc, bias, out_ptr, out_ptrs, part_ptrs, part_stride, mask, lock, 
         if ADD:
             total = take_addend(total, add_ptrs, mask)
         tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-    elif SPLIT == DEFER:
+    elif SPLIT == 2:                               # DEFER
         if pid_k == 0:
             acc += bias
             if ADD:
