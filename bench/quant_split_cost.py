@@ -1,9 +1,9 @@
 """What the split-K reduction costs the one-row 4-bit launches (batch 1). pick_config's one-row launch on each 8B
-shape, after an RMSNorm launch that writes its x (as in a decode step; the norm's own time taken off), against the
-same launch with no reduction at all: the same grid, every program storing its partial sum straight into the output
-(a wrong result, timed only). The split programs' counter, GPU-scope fences and the last program's reads of the
-partials are what the difference holds: what summing the partials in the next kernel instead (the norm, RoPE or the
-SwiGLU reading the few partial rows in a fixed order) could save a projection at most.
+shape, after an RMSNorm launch that writes its x (as in a decode step; the norm's own time taken off), summing its
+partials in the launch against the same launch leaving them to the next kernel (`defer_split=True`, what the
+engine runs since 6714be1: every program stores its partial, no counter, fences or read-back; kernels/split_sum.py).
+The difference is what the deferral saves the projection; what the reading kernel pays for the partials is not in it
+(the engine A/B is: bench/results/split_defer_ab.json). The deferred partials are checked against the summed output.
 
     python3 bench/quant_split_cost.py --commit "$(git rev-parse --short HEAD)" --out bench/results/quant_split_cost.json
     TRITON_INTERPRET=1 python3 bench/quant_split_cost.py --smoke --out s.json      # CPU: checks the script
@@ -11,7 +11,6 @@ SwiGLU reading the few partial rows in a fixed order) could save a projection at
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -21,35 +20,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kernels.quant_matmul as qm  # noqa: E402
-from kernels.quant_matmul import QuantMatmulConfig, pick_config, quant_matmul  # noqa: E402
+from kernels.quant_matmul import QuantMatmulConfig, launch_split, pick_config, quant_matmul  # noqa: E402
 from kernels.rms_norm import add_rms_norm  # noqa: E402
+from kernels.split_sum import SplitSum  # noqa: E402
 from quant_kernel_sweep import EPS, SHAPES_8B, SPAN, graph_us, packed_copies, wall_us  # noqa: E402
 from run_header import gpu_run_header  # noqa: E402  (bench helpers)
 
 LAYERS = 32         # the 8B's layers: a token's saving is this many times a layer's
-
-
-class _Unreduced:
-    """A one-row kernel whose launches run with SPLIT off on the same grid (each program stores its own sum)."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-        return lambda *args, **kw: launch(*args, **{**kw, "SPLIT": False})
-
-
-@contextlib.contextmanager
-def unreduced():
-    """quant_matmul's one-row launches without their split-K reduction while inside."""
-    saved = qm.quant_gemv_kernel, qm.quant_gemv_tma_kernel
-    qm.quant_gemv_kernel, qm.quant_gemv_tma_kernel = _Unreduced(saved[0]), _Unreduced(saved[1])
-    try:
-        yield
-    finally:
-        qm.quant_gemv_kernel, qm.quant_gemv_tma_kernel = saved
 
 
 def main() -> None:
@@ -73,27 +50,32 @@ def main() -> None:
         norm_w = torch.ones(k, device=dev, dtype=torch.bfloat16)
         x = torch.empty_like(src)
         outs = [torch.empty(1, n, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-        part = torch.empty(cfg.split_k * n, device=dev)
+        split = launch_split(cfg, ws[0])
+        parts = [torch.empty(split, 1, n, device=dev) for _ in range(2)]
         locks = torch.zeros(4096, dtype=torch.int32, device=dev)
 
         def norm() -> None:
             add_rms_norm(src, None, norm_w, EPS, x)
 
-        def pairs(ws=ws) -> list:
-            return [lambda w=w, o=outs[i % 2]: (norm(), quant_matmul(x, w, None, o, cfg, part, locks))
+        def pairs(defer: bool, ws=ws) -> list:
+            return [lambda w=w, i=i: (norm(), quant_matmul(x, w, None, outs[i % 2], cfg, parts[i % 2], locks,
+                                                           defer_split=defer))
                     for i, w in enumerate(ws)]
         norm_us = time_us([norm] * len(ws))
-        reduced = time_us(pairs()) - norm_us
-        want = outs[(len(ws) - 1) % 2].clone()          # the last call's output, reduced
-        with unreduced():
-            unreduced_us = time_us(pairs()) - norm_us
-        if cfg.split_k > 1 and torch.equal(outs[(len(ws) - 1) % 2], want):
-            raise RuntimeError(f"{name}: the unreduced launch wrote the reduced output (was the reduction skipped?)")
+        reduced = time_us(pairs(False)) - norm_us
+        want = outs[(len(ws) - 1) % 2].clone()          # the last call's output, summed in the launch
+        unreduced_us = time_us(pairs(True)) - norm_us
+        got = SplitSum(parts[(len(ws) - 1) % 2], want.dtype).materialize()
+        # bit for bit on the GPU; the interpreter rounds float32 to bfloat16 its own way (the smoke run: close)
+        same = torch.equal(got, want) if not args.smoke else torch.allclose(got.float(), want.float(), rtol=1e-2)
+        if split > 1 and not same:
+            raise RuntimeError(f"{name}: the deferred partials do not sum to the output")
+        # unreduced_us: the launch with its partials left to the next kernel (the key as in earlier results)
         res["cases"][name] = dict(config=[cfg.block_n, cfg.split_k, cfg.tma_stages], norm_us=norm_us,
                                   reduced_us=reduced, unreduced_us=unreduced_us, saving_us=reduced - unreduced_us)
         layer["reduced_us"] += reduced
         layer["unreduced_us"] += unreduced_us
-        print(f"{name:8s} split {cfg.split_k:2d} reduced {reduced:6.2f} unreduced {unreduced_us:6.2f} us", flush=True)
+        print(f"{name:8s} split {split:2d} summed {reduced:6.2f} deferred {unreduced_us:6.2f} us", flush=True)
         del ws
     layer["saving_ms_a_token"] = (layer["reduced_us"] - layer["unreduced_us"]) * LAYERS / 1e3
     res["layer"] = layer

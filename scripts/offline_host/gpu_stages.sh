@@ -61,8 +61,8 @@
 #                    choice against the asynchronous-dot kernel's 128- and 256-row tiles (DEQ), the GEMM and bf16
 #                    (quant_kernel_wide.json; ~4 minutes), then bench/quant_decode.py --labels int4 at batches
 #                    128,256 (quant_decode_wide.json; ~1 minute)
-#   split-cost       bench/quant_split_cost.py: pick_config's one-row launches of the 8B shapes after a norm, with and
-#                    without their split-K reduction (quant_split_cost.json; ~1 minute; 4614e1a: 52.0 -> 43.6 us a
+#   split-cost       bench/quant_split_cost.py: pick_config's one-row launches of the 8B shapes after a norm, summing
+#                    their split-K partials in the launch or leaving them to the next kernel (quant_split_cost.json; ~1 minute; 4614e1a: 52.0 -> 43.6 us a
 #                    layer, which the deferred sum of 6714be1 took, kernels/split_sum.py)
 #   sweep-after-norm bench/quant_kernel_sweep.py --only 8b --rows $ROWS (default 64,128,192,256) --wide --after-norm:
 #                    every launch after an RMSNorm that writes its x and x's sums, as in a decode step

@@ -191,8 +191,8 @@ def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
 
 
 def test_quant_split_cost_smoke(tmp_path):
-    """The split-K cost probe times a split launch reduced and unreduced (the script itself checks that the
-    unreduced one skipped the reduction: its output is one program's partial, not the sum)."""
+    """The split-K cost probe times a split launch summing its partials and leaving them to the next kernel (the
+    script itself checks that the partials sum to the output)."""
     out = tmp_path / "split.json"
     proc = _run(["bench/quant_split_cost.py", "--smoke", "--commit", "test", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
