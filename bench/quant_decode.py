@@ -45,8 +45,9 @@ from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from compute_service.engine.model import LAYER_PROJECTIONS  # noqa: E402
 from compute_service.engine.quant_linear import QuantLinear  # noqa: E402
 from compute_service.engine.quantized import QuantizedWeight, quantize_rtn  # noqa: E402
+from quant_kernel_sweep import SHAPES_8B  # noqa: E402  (the 8B's layer shapes)
 
-LAYER_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LAYER_SHAPES = SHAPES_8B         # [N, K] of the 8B's four projections
 KERNEL_ROWS = (1, 8, 32, 64, 128, 256, 512)
 CASES = [("base", 0, (), False), ("distinct_r16_all", 16, ALL, True), ("distinct_r64_qkv", 64, QKV, True)]
 GIB = 2**30

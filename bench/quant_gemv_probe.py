@@ -30,9 +30,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
-from quant_kernel_sweep import graph_us  # noqa: E402
+from quant_kernel_sweep import SHAPES_8B, graph_us  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = SHAPES_8B
 SPAN = 200 * 2**20          # bytes of weight copies per timed graph: beyond the 50 MB L2
 
 
