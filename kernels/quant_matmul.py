@@ -111,7 +111,7 @@ def quant_matmul(
         raise ValueError(f"an addend takes the one-row kernel (block_m 1) and contiguous float32 [{T}, {N}], got "
                          f"block_m {cfg.block_m}, {addend.dtype} {tuple(addend.shape)}")
     num_blocks = w.padded_in_features // block_k(w.bits)
-    per_split = -(-num_blocks // min(cfg.split_k, num_blocks))
+    per_split = _blocks_per_split(cfg, w)
     split = launch_split(cfg, w)
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(T, cfg.block_m), split)
     mode = 0 if split == 1 else DEFER if defer_split else 1       # `write_out`'s SPLIT
@@ -192,8 +192,13 @@ def launch_split(config: QuantMatmulConfig, w: PackedQuantWeight) -> int:
     if config.ring:
         return config.split_k
     num_blocks = w.padded_in_features // block_k(w.bits)
-    per_split = -(-num_blocks // min(config.split_k, num_blocks))
-    return -(-num_blocks // per_split)                     # no program left without a block
+    return -(-num_blocks // _blocks_per_split(config, w))     # no program left without a block
+
+
+def _blocks_per_split(config: QuantMatmulConfig, w: PackedQuantWeight) -> int:
+    """K blocks a split program of the one-row kernels and the tiles takes (the last may take fewer)."""
+    num_blocks = w.padded_in_features // block_k(w.bits)
+    return -(-num_blocks // min(config.split_k, num_blocks))
 
 
 def wide_ring(config: QuantMatmulConfig) -> bool:

@@ -67,11 +67,6 @@ def summed_input(x: torch.Tensor | SplitSum) -> tuple[torch.Tensor, int, int]:
     return x, 0, 0
 
 
-def as_tensor(x: torch.Tensor | SplitSum) -> torch.Tensor:
-    """x as a tensor (a SplitSum materialized)."""
-    return x.materialize() if isinstance(x, SplitSum) else x
-
-
 @triton.jit
 def load_input(ptrs, mask, part_stride, NPARTS: tl.constexpr, DTYPE: tl.constexpr):
     """The input at ptrs (0 where masked): with NPARTS 0 a plain load; else the sum of NPARTS float32 partials

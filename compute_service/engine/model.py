@@ -188,7 +188,7 @@ class LlamaModel:
         else:
             self._add_norm(pending[0], h, lw.input_norm, x, 1, sums, pending[1])
         qkv, extra = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums,
-                                   defer=True, split_out=True)
+                                   defer=True)
         k_cache, v_cache = kv_caches[i]
         rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache, extra)
 
@@ -202,15 +202,15 @@ class LlamaModel:
 
         spec, lw = self.spec, self.weights.layers[i]
         local = self.reduce_add_norm is None         # o's and down's outputs reach a kernel of this rank
-        o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local, split_out=True)
+        o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local)
         sums = self._norm_sums(lw.gate_up, x)
         self._add_norm(o, h, lw.post_norm, x, 0, sums, extra)                # h += o; x = norm(h)
         gate_up, extra = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums,
-                                       defer=True, split_out=True)
+                                       defer=True)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         sums = self._x_sums(lw.down, act)
         silu_mul(gate_up, act, sums, extra)
-        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local, split_out=True)
+        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local)
 
     def writes_sums(self, name: str) -> bool:
         """Whether the kernel that writes projection `name`'s x (LAYER_PROJECTIONS) writes its slice sums too
@@ -249,14 +249,13 @@ class LlamaModel:
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
                  widths: list[int], x_sums: torch.Tensor | None = None,
-                 defer: bool = False,
-                 split_out: bool = False) -> tuple[torch.Tensor | SplitSum, torch.Tensor | None]:
+                 defer: bool = False) -> tuple[torch.Tensor | SplitSum, torch.Tensor | None]:
         """(y, extra): y = linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices'
         columns), or, where `defer` and the delta is still to be added, y without it and the delta as extra
         (y's dtype and shape) for the kernel that reads y next to add (`kernels.addend.with_extra`); else extra
         is None. `x_sums`: x's slice sums where `linear` reads them (`_x_sums`), written with x. With `defer`
-        and `split_out` (y goes to a kernel that reads it: the norm, RoPE + cache, the SwiGLU) y may also be a
-        split-K projection's partials (`kernels.split_sum.SplitSum`, which those kernels sum), wherever nothing
+        (y goes to a kernel that reads it: the norm, RoPE + cache, the SwiGLU) y may also be a split-K
+        projection's partials (`kernels.split_sum.SplitSum`, which those kernels sum), wherever nothing
         adds to y in place first.
 
         While a CUDA graph of a small step (2 to LORA_OVERLAP_TOKENS tokens, `overlap_tokens`) is captured (and
@@ -276,11 +275,11 @@ class LlamaModel:
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-            return linear(x, addend=delta, split_out=defer and split_out), None
+            return linear(x, addend=delta, split_out=defer), None
         side = self._lora_stream
         kw = {} if x_sums is None else {"x_sums": x_sums}
         if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():
-            y = linear(x, split_out=defer and split_out and lora is None, **kw)
+            y = linear(x, split_out=defer and lora is None, **kw)
             if lora is not None:
                 lora.apply(i, group, x, list(y.split(widths, dim=-1)))
             return y, None
@@ -290,7 +289,7 @@ class LlamaModel:
         with torch.cuda.stream(side):
             delta.zero_()
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-        y = linear(x, beside_lora=True, split_out=defer and split_out, **kw)     # room for the LoRA beside it
+        y = linear(x, beside_lora=True, split_out=defer, **kw)     # leaves room for the LoRA launch beside it
         main.wait_stream(side)
         if defer:
             return y, delta

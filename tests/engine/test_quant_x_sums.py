@@ -21,16 +21,19 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(
            pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _quantized_engine(folder, device: str) -> LLMEngine:
+def _quantized_engine(folder, device: str, names=("qkv", "o", "gate_up"), bits: int = 4,
+                      group: int = 32) -> LLMEngine:
+    """An eager float16 engine on the fused GPU-step path whose projections `names` run the quantized kernels
+    (the tiny llama's K = 64: down's 80 holds no groups of 32, left dense by default)."""
     engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float16", block_size=4,
                                     max_num_batched_tokens=16, enforce_eager=True))
     engine.runner.decode_kernel = True              # the Triton decode kernel (on the CPU: interpreted)
     model = engine.runner.model
     model.fused = True                              # the norms, RoPE and SwiGLU launches of a GPU step
     for lw in model.weights.layers:
-        for name in ("qkv", "o", "gate_up"):        # K = 64 (down's 80 holds no groups of 32: left dense)
+        for name in names:
             dense = getattr(lw, name)
-            setattr(lw, name, QuantLinear(quantize_rtn(dense.weight.float(), 4, 32), dense.bias,
+            setattr(lw, name, QuantLinear(quantize_rtn(dense.weight.float(), bits, group), dense.bias,
                                           torch.device(device), use_kernel=True))
     return engine
 

@@ -12,11 +12,9 @@ import pytest
 import torch
 
 import kernels.split_sum as split_sum
-from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
-from compute_service.engine.quant_linear import QuantLinear
-from compute_service.engine.quantized import quantize_rtn
+from compute_service.engine import SamplingParams
 from test_parity import run_collecting
-from test_quant_x_sums import DEVICES
+from test_quant_x_sums import DEVICES, _quantized_engine
 
 DIMS = dict(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
@@ -37,18 +35,8 @@ def wide_llama(tmp_path_factory):
     return folder
 
 
-def _engine(folder, device: str) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float16", block_size=4,
-                                    max_num_batched_tokens=16, enforce_eager=True))
-    engine.runner.decode_kernel = True              # the Triton decode kernel (on the CPU: interpreted)
-    model = engine.runner.model
-    model.fused = True                              # the norms, RoPE and SwiGLU launches of a GPU step
-    for lw in model.weights.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
-            dense = getattr(lw, name)
-            setattr(lw, name, QuantLinear(quantize_rtn(dense.weight.float(), 8, 64), dense.bias,
-                                          torch.device(device), use_kernel=True))
-    return engine
+def _engine(folder, device: str):
+    return _quantized_engine(folder, device, ("qkv", "o", "gate_up", "down"), bits=8, group=64)
 
 
 @pytest.mark.parametrize("device", DEVICES)

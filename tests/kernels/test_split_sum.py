@@ -14,7 +14,7 @@ from kernels.quant_pack import pack_quantized
 from kernels.rms_norm import add_rms_norm
 from kernels.rope_cache import rope_and_cache
 from kernels.silu_mul import silu_mul
-from kernels.split_sum import SplitSum, as_tensor, summed_input
+from kernels.split_sum import SplitSum, summed_input
 from test_quant_matmul import DEVICE, random_weight
 
 GPU_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -135,10 +135,10 @@ def test_split_sum_checks_and_helpers() -> None:
     parts = torch.tensor([[[1.0, 2.0]], [[0.5, -4.0]], [[0.25, 1.0]]])
     s = SplitSum(parts, torch.bfloat16)
     assert s.shape == (1, 2) and s.stride() == (2, 1) and s.stride(0) == 2 and s.dim() == 2
-    assert torch.equal(as_tensor(s), torch.tensor([[1.75, -1.0]], dtype=torch.bfloat16))
+    assert torch.equal(s.materialize(), torch.tensor([[1.75, -1.0]], dtype=torch.bfloat16))
     assert summed_input(s) == (parts, 3, 2)
     t = torch.zeros(2, 2)
-    assert summed_input(t) == (t, 0, 0) and as_tensor(t) is t
+    assert summed_input(t) == (t, 0, 0)
 
 
 @GPU_ONLY
