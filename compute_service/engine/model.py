@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from compute_service.engine.attention import StepMetadata, paged_attention
 from compute_service.engine.graph_capture import in_graph_forward
-from compute_service.engine.l2_prefetch import prefetcher_for
 from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
 from compute_service.engine.rope import RotaryEmbedding
@@ -98,9 +97,6 @@ class LlamaModel:
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
         self._overlap_tokens = overlap_tokens()
-        # L2 prefetch of later projections' weights in captured decode forwards (LORAPLEX_L2_PREFETCH; off unset)
-        self._prefetcher = prefetcher_for(weights.layers, self.device) if self.fused else None
-        self._prefetching = None
         # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
         # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
@@ -167,27 +163,14 @@ class LlamaModel:
         t = h.shape[0]
         x = torch.empty_like(h)
         pending: Pending | None = None                                        # delta not yet added to h
-        self._prefetching = self._prefetcher if in_graph_forward() else None
-        try:
-            for i in range(len(self.weights.layers)):
-                q = torch.empty(t, spec.num_heads, spec.head_dim, dtype=h.dtype, device=h.device)
-                self.attention_in(i, pending, h, x, positions, meta.slot_mapping, kv_caches, q, lora)
-                attn = paged_attention(q, None, None, *kv_caches[i], meta, self.scale).reshape(t, spec.q_size)
-                self._prefetch_at(i, "pre_o")
-                pending = self.attention_out_mlp(i, attn, h, x, lora)
-        finally:
-            if self._prefetching is not None:
-                self._prefetching.join()
-            self._prefetching = None
+        for i in range(len(self.weights.layers)):
+            q = torch.empty(t, spec.num_heads, spec.head_dim, dtype=h.dtype, device=h.device)
+            self.attention_in(i, pending, h, x, positions, meta.slot_mapping, kv_caches, q, lora)
+            attn = paged_attention(q, None, None, *kv_caches[i], meta, self.scale).reshape(t, spec.q_size)
+            pending = self.attention_out_mlp(i, attn, h, x, lora)
         out = torch.empty_like(h)
         self.final_norm(pending, h, out)
         return out
-
-    def _prefetch_at(self, i: int, point: str) -> None:
-        """Layer i's L2 prefetch at `point` (compute_service/engine/l2_prefetch.py), in a captured decode forward
-        with a plan."""
-        if self._prefetching is not None:
-            self._prefetching.at(i, point)
 
     def attention_in(self, i: int, pending: Pending | None, h: torch.Tensor, x: torch.Tensor,
                      positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -204,10 +187,8 @@ class LlamaModel:
             add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x, sums=sums)
         else:
             self._add_norm(pending[0], h, lw.input_norm, x, 1, sums, pending[1])
-        self._prefetch_at(i, "pre_qkv")
         qkv, extra = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums,
                                    defer=True)
-        self._prefetch_at(i, "post_qkv")
         k_cache, v_cache = kv_caches[i]
         rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache, extra)
 
@@ -224,14 +205,11 @@ class LlamaModel:
         o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local)
         sums = self._norm_sums(lw.gate_up, x)
         self._add_norm(o, h, lw.post_norm, x, 0, sums, extra)                # h += o; x = norm(h)
-        self._prefetch_at(i, "pre_gate_up")
         gate_up, extra = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums,
                                        defer=True)
-        self._prefetch_at(i, "post_gate_up")
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         sums = self._x_sums(lw.down, act)
         silu_mul(gate_up, act, sums, extra)
-        self._prefetch_at(i, "pre_down")
         return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local)
 
     def writes_sums(self, name: str) -> bool:

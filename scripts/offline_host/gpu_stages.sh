@@ -36,10 +36,6 @@
 #                    programs' signatures (their specialisations) counted: which programs the warm-up compiled
 #                    beside the pool's (the test itself names a program looked up that the pool was not handed;
 #                    programs on disk beyond the pool's mean another cache key: docs/performance.md; ~1 minute)
-#   l2-prefetch      tests/engine/test_l2_prefetch_gpu.py, bench/l2_prefetch_probe.py (what an L2-warm weight saves each
-#                    one-row projection), then bench/quant_decode.py --labels int4 at batches $BATCHES (default 1,8)
-#                    with LORAPLEX_L2_PREFETCH set to each of $PLANS in turn (default: none, plan A, plan B, twice;
-#                    "none" leaves it unset; ~7 minutes)
 #   async-dots       the asynchronous-dot 4-bit kernel (kernels/quant_wgmma.py): its GPU tests and the engine's
 #                    (tests/engine/test_quant_async_dots_gpu.py), then bench/quant_async_dots.py at rows $ROWS
 #                    (default 1,8,16,32,64): pick_config's choice without and with it, its variants, and the best
@@ -125,11 +121,6 @@ int4_decode_ab() {
       --commit "$commit" --out "$out/quant_decode_$3_$flag.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
   done
 }
-# Two L2 prefetch plans (compute_service/engine/l2_prefetch.py) for the l2-prefetch stage's A/B: o and a quarter of
-# gate/up while RoPE + cache and attention run, half of down beside gate/up, the next q/k/v beside down; or the
-# first window alone
-L2_PLAN_A="post_qkv:o:1,post_qkv:gate_up:0.25,pre_gate_up:down:0.5,pre_down:qkv+1:1"
-L2_PLAN_B="post_qkv:o:1,post_qkv:gate_up:0.35"
 case "$stage" in
   suite-kernels-1) pytest_gpu $workers $kernels1 ;;
   suite-kernels-2) pytest_gpu $workers $kernels2 ;;
@@ -268,17 +259,6 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
   attn-early)
     pytest_gpu tests/kernels/test_paged_attention_early.py tests/kernels/test_paged_attention.py
     int4_decode_ab LORAPLEX_ATTN_EARLY "0 1 0 1" attn_early 1,8,64 ;;
-  l2-prefetch)
-    [ -n "${SKIP_TESTS:-}" ] || pytest_gpu tests/engine/test_l2_prefetch_gpu.py
-    [ -n "${SKIP_PROBE:-}" ] || python3 bench/l2_prefetch_probe.py --commit "$commit" \
-      --out "$out/l2_prefetch_probe.json" 2>&1 | tail -20 | tee -a "$out/$stage.log"
-    n=0
-    for plan in ${PLANS:-none $L2_PLAN_A $L2_PLAN_B none $L2_PLAN_A $L2_PLAN_B}; do
-      n=$((n + 1)); [ "$plan" = none ] && plan=""
-      echo "run $n plan '$plan'" | tee -a "$out/$stage.log"
-      LORAPLEX_L2_PREFETCH="$plan" python3 bench/quant_decode.py --labels int4 --batches "${BATCHES:-1,8}" \
-        --commit "$commit" --out "$out/quant_decode_l2_prefetch_$n.json" 2>&1 | grep "^engine" | tee -a "$out/$stage.log"
-    done ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \
