@@ -8,8 +8,7 @@ in fp32. The token at position p lives in page `block_tables[b, p // block_size]
 at offset `p % block_size`; pages are looked up per token, so any block size
 works. Context lengths live on the device: no host sync, graph-safe. With few
 sequences the context is split over several programs a (sequence, KV head)
-whose partials the last of them merges (`kernels/paged_split.py`). With `early` (LORAPLEX_ATTN_EARLY=1, not
-measured yet, so off by default) a program reads its first chunk before its wait (`early_reads`).
+whose partials the last of them merges (`kernels/paged_split.py`).
 """
 from __future__ import annotations
 
@@ -18,11 +17,10 @@ import triton
 import triton.language as tl
 
 from kernels.host_ints import next_pow2
-from kernels.env_switch import env_int
-from kernels.paged_common import attend_keys, attend_loaded, check_paged_inputs, kv_rows_of
+from kernels.paged_common import attend_keys, check_paged_inputs
 from kernels import paged_split
 from kernels.paged_split import decode_splits, max_splits, merge_partials, split_counters, split_range
-from kernels.pdl import compiled, launch_args, pdl_enabled, read_early, wait_then_release
+from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
 from kernels.shrink import _num_sms
 
 
@@ -34,7 +32,7 @@ def _paged_decode_kernel(
     block_size, group, head_dim, scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, MIN_CONTEXT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GM: tl.constexpr,
-    FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False,
+    FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -46,34 +44,18 @@ def _paged_decode_kernel(
     d_mask = offs_d < head_dim
     heads = kvh * group + offs_g
     ctx = tl.load(ctx_ptr + b)                 # the step's input: read before the wait
-    start, end, active = split_range(ctx, split, num_splits, SPLIT, BLOCK_N, MIN_CONTEXT)
-    table = tables_ptr + b * tables_stride
-    if EARLY:                                  # the first chunk's keys and values but the newest token's
-        read_early(FENCE, NUM_THREADS)
-        pos0 = start + offs_n
-        in0 = pos0 < end
-        rows0 = kv_rows_of(table, pos0, in0, block_size, cache_stride_slot, kvh * cache_stride_h)
-        old = (in0 & (pos0 != ctx - 1))[:, None] & d_mask[None, :]
-        k0 = tl.load(k_ptr + rows0[:, None] + offs_d[None, :], mask=old, other=0.0)       # [N, D]
-        v0 = tl.load(v_ptr + rows0[:, None] + offs_d[None, :], mask=old, other=0.0)
     wait_then_release(USE_PDL)
+    start, end, active = split_range(ctx, split, num_splits, SPLIT, BLOCK_N, MIN_CONTEXT)
     if start < end:                            # chunks past the context (split launches) have nothing to do
         q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)                 # [G, D]
         m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-        rest = start
-        if EARLY:                              # the newest token's row, written by the launch just before
-            new = (in0 & (pos0 == ctx - 1))[:, None] & d_mask[None, :]
-            k0 = tl.where(new, tl.load(k_ptr + rows0[:, None] + offs_d[None, :], mask=new, other=0.0), k0)
-            v0 = tl.where(new, tl.load(v_ptr + rows0[:, None] + offs_d[None, :], mask=new, other=0.0), v0)
-            m_i, l_i, acc = attend_loaded(q, m_i, l_i, acc, k0, v0, in0[None, :], scale, IEEE)
-            rest = start + BLOCK_N
-        for first in range(rest, end, BLOCK_N):
+        for first in range(start, end, BLOCK_N):
             pos = first + offs_n
             n_mask = pos < end
-            m_i, l_i, acc = attend_keys(q, m_i, l_i, acc, table, pos, n_mask,
+            m_i, l_i, acc = attend_keys(q, m_i, l_i, acc, tables_ptr + b * tables_stride, pos, n_mask,
                                         n_mask[None, :], k_ptr, v_ptr, block_size, cache_stride_slot,
                                         kvh * cache_stride_h, offs_d, d_mask, scale, IEEE)
         out_ptrs = out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
@@ -102,7 +84,6 @@ def paged_attention_decode(
     block_n: int = 64,            # tokens per loop iteration (power of two, >= 16)
     num_splits: int | None = None,  # programs per (sequence, KV head); None: `decode_splits`'s choice
     min_split_context: int | None = None,   # longer contexts only are split; None: MIN_SPLIT_CONTEXT
-    early: bool | None = None,    # each program's first chunk read before its wait; None: `early_reads`
 ) -> None:
     """Attention of each sequence's newest token over its whole context, written into `out`.
 
@@ -149,19 +130,5 @@ def paged_attention_decode(
         IEEE=q.dtype == torch.float32, SPLIT=num_splits > 1, MIN_CONTEXT=min_split_context,
         BLOCK_S=max_splits(group),
         BLOCK_GM=next_pow2(group), FENCE=compiled(), NUM_THREADS=32 * 4,
-        num_warps=4, num_stages=2, EARLY=early_reads() if early is None else early, **launch_args(pdl),
+        num_warps=4, num_stages=2, **launch_args(pdl),
     )
-
-
-EARLY_ENV = "LORAPLEX_ATTN_EARLY"
-
-
-def early_reads() -> bool:
-    """LORAPLEX_ATTN_EARLY=1 (for A/B runs; off where unset: not measured yet): each program reads its first chunk's
-    block-table entries, keys and values before its wait, all but the newest token's (which the launch before,
-    RoPE + cache, writes: read after the wait). Every other key was written by an earlier step, so by a kernel
-    that completed before this launch's predecessor started (kernels/pdl.py); the first chunk's chain of
-    dependent reads (page ids, then keys and values) then runs beside that predecessor instead of after it. The
-    chunk is held in registers across the wait: sm_90, 177 registers a thread against 96 (no spills;
-    scripts/kernel_sass.py), two programs an SM by registers instead of five, which large batches may feel."""
-    return env_int(EARLY_ENV, lambda v: v in (0, 1), "0 or 1") == 1

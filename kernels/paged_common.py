@@ -37,49 +37,23 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 @triton.jit
-def kv_rows_of(table_ptr, pos, n_mask, block_size, cache_stride_slot, kv_offset):
-    """[N] flat KV-cache element offsets of one sequence's positions `pos` (its page list at table_ptr)."""
-    page = tl.load(table_ptr + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-    return (page * block_size + pos % block_size) * cache_stride_slot + kv_offset
-
-
-@triton.jit
 def attend_keys(q, m_i, l_i, acc, table_ptr, pos, n_mask, visible, k_ptr, v_ptr, block_size,
                 cache_stride_slot, kv_offset, offs_d, d_mask, scale, IEEE: tl.constexpr):
     """Folds keys at positions `pos` [N] (valid where n_mask) of one sequence (its page list at table_ptr)
     into the rows of q [R, D] where `visible` [R or 1, N]; returns the new (row max, row sum, acc [R, D])."""
-    kv_rows = kv_rows_of(table_ptr, pos, n_mask, block_size, cache_stride_slot, kv_offset)   # [N] flat KV rows
+    page = tl.load(table_ptr + pos // block_size, mask=n_mask, other=0).to(tl.int64)
+    kv_rows = (page * block_size + pos % block_size) * cache_stride_slot + kv_offset    # [N] flat KV rows
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-    m_new, l_i, alpha, p = _scores(q, m_i, l_i, k, visible, scale, IEEE)
-    v = tl.load(v_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-    return m_new, l_i, _fold_values(acc, alpha, p, v, IEEE)
-
-
-@triton.jit
-def attend_loaded(q, m_i, l_i, acc, k, v, visible, scale, IEEE: tl.constexpr):
-    """`attend_keys` on keys k and values v [N, D] already read."""
-    m_new, l_i, alpha, p = _scores(q, m_i, l_i, k, visible, scale, IEEE)
-    return m_new, l_i, _fold_values(acc, alpha, p, v, IEEE)
-
-
-@triton.jit
-def _scores(q, m_i, l_i, k, visible, scale, IEEE: tl.constexpr):
-    """The online softmax's step on keys k [N, D]: (new row max, new row sum, the old acc's factor, p [R, N])."""
     s = dot(q, tl.trans(k), IEEE)
     s = tl.where(visible, s * scale, float("-inf"))                                   # [R, N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    return m_new, l_i, alpha, p
-
-
-@triton.jit
-def _fold_values(acc, alpha, p, v, IEEE: tl.constexpr):
-    """acc [R, D] rescaled by alpha plus p @ v."""
+    v = tl.load(v_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
     if IEEE:
         pv = dot(p, v.to(tl.float32), True)
     else:
         pv = dot(p.to(v.dtype), v, False)
-    return acc * alpha[:, None] + pv
+    return m_new, l_i, acc * alpha[:, None] + pv

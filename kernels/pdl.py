@@ -22,9 +22,7 @@ delta they add after the wait). That is safe: a kernel starts only once every pr
 has passed that predecessor's wait, so every kernel before the predecessor has completed and its writes
 are in L2. L1 is not coherent, so such a kernel first runs `read_early` (a GPU-scope fence by every
 thread: a memory barrier and an invalidation of the SM's L1), after which its loads read what L2 holds
-and may then be served by L1. The same holds for decode attention's early reads (`kernels.paged_attention`,
-LORAPLEX_ATTN_EARLY): keys and values of earlier steps before the wait, the newest token's (written by the
-launch just before) after it. On the CPU, in the interpreter, before Hopper, or with
+and may then be served by L1. On the CPU, in the interpreter, before Hopper, or with
 LORAPLEX_PDL=0, or with a driver older than CUDA 12.3, nothing changes: the kernels are compiled
 without the wait and launched plainly.
 """

@@ -68,10 +68,6 @@
 #                    every launch after an RMSNorm that writes its x and x's sums, as in a decode step
 #                    (quant_kernel_after_norm.json; ~1 minute, run at 4614e1a): whether pick_config's choice between the
 #                    pair-codes tiles and the wide tiles holds where a short kernel, not a launch of itself, comes before
-#   attn-early       the decode attention's GPU tests, then bench/quant_decode.py, the 4-bit engine only at batches
-#                    $BATCHES (default 1,8,64), LORAPLEX_ATTN_EARLY=0 / 1 / 0 / 1: the first chunk's keys and values
-#                    read before the wait, an A/B on one lease (not run yet; ~4 minutes; the JSONs of the second
-#                    pair overwrite the first's, the log keeps all four)
 #   w4-profile       bench/step_profile.py on the 4-bit 8B: base and rank 16 on every module (each request its
 #                    own adapter) at batch 1 and 64, with a trace of each step's first kernels; then gemv-stalls
 #                    (where the 4-bit steps' time goes, for the next kernel round; ~3 minutes)
@@ -256,9 +252,6 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       | tee "$out/gemv_stalls${ROWS:+_rows$ROWS}.log" ;;
   async-sync-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_SYNC "${SYNCS:-0 1 2}" sync ;;
   async-one-row-decode) int4_decode_ab LORAPLEX_ASYNC_DOTS_ONE_ROW "0 1" one_row 1,2 ;;
-  attn-early)
-    pytest_gpu tests/kernels/test_paged_attention_early.py tests/kernels/test_paged_attention.py
-    int4_decode_ab LORAPLEX_ATTN_EARLY "0 1 0 1" attn_early 1,8,64 ;;
   async-stalls)
     for rows in ${ROWS:-8 32}; do
       python3 bench/quant_gemv_stalls.py --shapes gate_up,down,qkv --commit "$commit" --rows "$rows" --async-dots \
