@@ -1,0 +1,90 @@
+"""What the engine's sampler (`compute_service.engine.sampler.sample_tokens`) costs a decode step on the GPU: the 8B's
+vocabulary (128256), batches of 1-64 rows, greedy rows and sampled ones (temperature alone, with top-p, with
+top-k), each row with its own generator as the engine gives every request. Each call is timed from its launch to
+its tokens being ready (CUDA events around it, the host's launch work inside: a step pays both), median of
+`--iters`, the logits rotated over 4 copies. The bytes a call must read (the logits once) over copy bandwidth is
+the floor; the benchmarks elsewhere run greedy requests only.
+
+    python3 bench/sampler_cost.py --commit "$(git rev-parse --short HEAD)" --out bench/results/sampler_cost.json
+    python3 bench/sampler_cost.py --device cpu --batches 1,8 --vocab 4096 --iters 3 --out s.json   # checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compute_service.engine.sampler import sample_tokens  # noqa: E402
+from compute_service.engine.sampling_params import SamplingParams  # noqa: E402
+
+CASES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=0.8),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.9),
+    "top_k": SamplingParams(temperature=0.8, top_k=50),
+}
+
+
+def time_call(fn, dev: torch.device, iters: int) -> float:
+    """Median µs of `fn(i)` from launch to completion."""
+    fn(0)
+    times = []
+    for i in range(iters):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn(i)
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        from run_header import gpu_run_header
+        res: dict = gpu_run_header(dev, args.commit)
+        bandwidth = res.get("copy_bandwidth_Bps")
+    else:
+        res, bandwidth = {"device": "cpu", "commit": args.commit}, None
+    res.update(vocab=args.vocab, iters=args.iters, cases={})
+    for b in (int(v) for v in args.batches.split(",")):
+        copies = [torch.randn(b, args.vocab, device=dev) * 3 for _ in range(4)]
+        for name, params in CASES.items():
+            gens = []
+            for r in range(b):
+                g = torch.Generator(device=dev)
+                g.manual_seed(1000 + r)
+                gens.append(g)
+            us = time_call(lambda i: sample_tokens(copies[i % 4], [params] * b, gens), dev, args.iters)
+            floor_us = None if bandwidth is None else b * args.vocab * 4 / bandwidth * 1e6
+            res["cases"][f"{name}:{b}"] = {"us": us, "floor_us": floor_us}
+            print(f"{name:12s} batch {b:3d}: {us:9.1f} us" + ("" if floor_us is None else f" (floor {floor_us:.2f})"),
+                  flush=True)
+    args.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
