@@ -37,6 +37,7 @@ import torch
 from compute_service.build import Runtime, zero_kv_cache
 from compute_service.engine.attention import DecodeMetadata, step_metadata
 from compute_service.engine.graph_capture import graph_forward
+from compute_service.engine.sampler import sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
 from compute_service.compile_pool import CompilePool, PoolReport, default_processes, pool_applies, recording
@@ -214,6 +215,7 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
         layers = [i for i in (0, 1, 2) if i < engine.spec.num_layers]
         first = [(pass_.decode, b, False) for b in plan.decode_buckets[:1]]
         first += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
+        first += [(pass_.sample, 1, False), (pass_.sample, 1, True)]
         first += [(pass_.lora_group, (n, g, layer), True) for n in lora_tokens for g in group_shapes(engine.spec)
                   for layer in layers]
         second = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)][1:]
@@ -410,6 +412,13 @@ class _ForwardPass:
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
         hidden = self.model.forward(ids, positions, meta, self.kv, self._lora(num_tokens, with_lora))
         self.model.compute_logits(hidden[-1:])
+
+    def sample(self, batch: int, sampled: bool) -> None:
+        """The sampler's launches (`kernels.sample` on a GPU) for greedy rows alone, or with sampled ones."""
+        vocab = self.model.weights.lm_head.shape[0]
+        logits = torch.zeros(batch, vocab, dtype=torch.float32, device=self.model.device)
+        params = [SamplingParams(temperature=0.8 if sampled else 0.0)] * batch
+        sample_tokens(logits, params, [0] * batch, [0] * batch)
 
 
 def _engine_pass(rt: Runtime, keys: list[str], long_prompt: bool) -> None:

@@ -73,7 +73,7 @@ class LLMEngine:
                                   prefill_tokens=min(config.prefill_graph_tokens, config.max_num_batched_tokens))
         self.runner = ModelRunner(loaded.model, kv, config.block_size, slots, lora_backend, graphs)
         self._rng = random.Random(config.seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}              # each request's sampling seed (compute_service/engine/sampler.py)
         self._arrivals = 0
         self._aborted: list[Sequence] = []
         # Overlapped steps: a decode step whose sampled tokens are still on the device.
@@ -135,20 +135,18 @@ class LLMEngine:
         if self.scheduler.get(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already running; use a new id")
         seed = sampling_params.seed if sampling_params.seed is not None else self._rng.randrange(2**63)
-        gen = torch.Generator(device=self.runner.model.device)   # where the logits are
-        gen.manual_seed(seed)
         seq = Sequence(request_id, prompt, len(prompt), sampling_params, adapter_key, self._arrivals)
         seq.route = route
         self._arrivals += 1
         self.scheduler.add(seq)
-        self._generators[request_id] = gen
+        self._seeds[request_id] = seed
 
     def abort_request(self, request_id: str) -> bool:
         """Cancels a request; its blocks and adapter pin are released now, its final delta comes next step."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return False
-        self._generators.pop(request_id, None)
+        self._seeds.pop(request_id, None)
         self._aborted.append(seq)
         return True
 
@@ -196,8 +194,9 @@ class LLMEngine:
         if self.on_launched is not None:
             self.on_launched()
         sampling = self.scheduler.advance(sched)
-        tokens = sample_tokens(logits, [s.params for s in sampling],
-                               [self._generators[s.request_id] for s in sampling])
+        # each row draws the token at its sequence's next position (its computed count after `advance`)
+        tokens = sample_tokens(logits, [s.params for s in sampling], [self._seeds[s.request_id] for s in sampling],
+                               [s.num_computed_tokens for s in sampling])
         logits_by_id = {s.request_id: logits[i] for i, s in enumerate(sampling)} if want_logits else {}
         flight = _Flight(sampling, tokens, self._readback.start(tokens))
         if prev is not None:
@@ -223,7 +222,7 @@ class LLMEngine:
             reason = check_stop(seq, self.spec.eos_token_ids, self.max_model_len, detok)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                self._generators.pop(seq.request_id, None)
+                self._seeds.pop(seq.request_id, None)
             elif seq.route is not None and \
                     len(seq.token_ids) - seq.num_prompt_tokens - seq.num_emitted_tokens == 1:
                 seq.num_emitted_tokens += 1

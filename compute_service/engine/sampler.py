@@ -1,8 +1,11 @@
-"""Per-request token sampling: greedy, temperature, top-k, top-p, each row with its own generator.
+"""Per-request token sampling: greedy, temperature, top-k, top-p, each row's draw from its own seed.
 
-A row's random draw comes only from its request's generator, so a seeded
-request gives the same tokens whatever else is in the batch, and after a
-preemption (recompute does not sample again).
+A sampled row's noise comes only from its request's seed and the index of the token it draws (`draw_seed`): a
+seeded request gives the same tokens whatever else is in the batch, in whatever step its tokens come, and
+after a preemption (recompute does not sample again). On a GPU every row is chosen by `kernels.sample` (two
+launches for the whole batch: greedy rows an argmax, sampled ones an exponential race on counter-based noise);
+rows with top-k or top-p are masked first (a sort of those rows). On the CPU the same race draws its noise from
+a `torch.Generator` seeded with the row's draw seed.
 """
 from __future__ import annotations
 
@@ -10,6 +13,18 @@ import torch
 
 from compute_service.engine.host_lists import to_device
 from compute_service.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The 63-bit seed of a request's draw of its token at `index` (the token's position in the sequence): the
+    request's seed and the index mixed (splitmix64's finalizer), so neighbouring seeds or indices give unrelated
+    noise."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -26,20 +41,36 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N] int64 on the logits' device, without waiting for it."""
-    tokens = logits.argmax(dim=-1)                                  # greedy for every row first
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                  indices: list[int]) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N] int64 on the logits' device, without waiting for it. Row i draws
+    with its request's `seeds[i]` the token at `indices[i]` (its position in the sequence)."""
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    filtered = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
+    temps = [0.0 if p.greedy else p.temperature for p in params]
+    work = logits
+    if filtered:                                   # masked on a copy: callers may keep the step's logits
         dev = logits.device
-        idx = to_device(rows, torch.int64, dev)
-        temps = to_device([params[i].temperature for i in rows], torch.float32, dev)
-        top_k = to_device([max(params[i].top_k, 0) for i in rows], torch.int64, dev)
-        top_p = to_device([params[i].top_p for i in rows], torch.float32, dev)
-        scaled = apply_top_k_top_p(logits[idx] / temps[:, None], top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; E comes from the row's own generator.
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in rows])
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        idx = to_device(filtered, torch.int64, dev)
+        scale = to_device([temps[i] for i in filtered], torch.float32, dev)
+        top_k = to_device([max(params[i].top_k, 0) for i in filtered], torch.int64, dev)
+        top_p = to_device([params[i].top_p for i in filtered], torch.float32, dev)
+        work = logits.clone()
+        work[idx] = apply_top_k_top_p(logits[idx] / scale[:, None], top_k, top_p)
+        for i in filtered:
+            temps[i] = 1.0                        # the masked rows are already divided by their temperature
+    row_seeds = [0] * len(params)
+    for i in sampled:
+        row_seeds[i] = draw_seed(seeds[i], indices[i])
+    if logits.is_cuda:
+        from kernels.sample import choose_tokens
+
+        if not sampled:
+            return choose_tokens(work)
+        return choose_tokens(work, to_device(temps, torch.float32, logits.device),
+                             to_device(row_seeds, torch.int64, logits.device))
+    tokens = work.argmax(dim=-1)
+    for i in sampled:
+        u = torch.rand(work.shape[-1], generator=torch.Generator().manual_seed(row_seeds[i]))
+        tokens[i] = (work[i] / temps[i] - torch.log(-torch.log(u))).argmax()
     return tokens

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from compute_service.engine.errors import InvalidRequestError
-from compute_service.engine.sampler import apply_top_k_top_p, sample_tokens
+from compute_service.engine.sampler import apply_top_k_top_p, draw_seed, sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
 
 
-def sample(logits, params, generators) -> list[int]:
+def sample(logits, params, seeds, indices=None) -> list[int]:
     """The sampled token ids, read back (the engine reads them when the step lands)."""
-    return sample_tokens(logits, params, generators).tolist()
+    return sample_tokens(logits, params, seeds, indices if indices is not None else [0] * len(params)).tolist()
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -25,14 +25,11 @@ def test_invalid_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def gens(seeds):
-    return [torch.Generator().manual_seed(s) for s in seeds]
-
-
-def test_greedy_is_argmax_and_ignores_generators():
+def test_greedy_is_argmax_and_ignores_seeds():
     logits = torch.randn(4, 50)
+    logits[1, 7] = logits[1, 30] = logits[1].max() + 1      # a tie: the first index, as argmax
     p = SamplingParams(temperature=0)
-    assert sample(logits, [p] * 4, [None] * 4) == logits.argmax(-1).tolist()
+    assert sample(logits, [p] * 4, [1, 2, 3, 4]) == logits.argmax(-1).tolist()
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
@@ -47,32 +44,37 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.equal(masked[0][torch.isfinite(masked[0])], logits[0][torch.isfinite(masked[0])])
 
 
-def test_top_k_draws_only_from_the_top_k():
+def test_top_k_draws_only_from_the_top_k_and_leaves_the_logits():
     logits = torch.randn(1, 30)
+    before = logits.clone()
     allowed = set(logits[0].topk(4).indices.tolist())
-    g = gens([1])
     p = SamplingParams(temperature=1.5, top_k=4)
-    draws = {sample(logits, [p], g)[0] for _ in range(200)}
+    draws = {sample(logits, [p], [1], [i])[0] for i in range(200)}
     assert draws <= allowed and len(draws) > 1
+    assert torch.equal(logits, before), "callers keep the step's logits: masks go to a copy"
 
 
-def test_seeded_row_is_independent_of_batch_mates():
+def test_a_draw_depends_on_its_seed_and_index_alone():
     torch.manual_seed(0)
     logits = torch.randn(5, 64)
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-    g_alone = gens([7])[0]
-    seq_alone = [sample(logits[2:3], [p], [g_alone])[0] for _ in range(20)]
-    g_batch = gens([1, 2, 7, 4, 5])
+    alone = [sample(logits[2:3], [p], [7], [i])[0] for i in range(20)]
     others = [SamplingParams(temperature=1.0), SamplingParams(temperature=0), p, SamplingParams(top_k=5),
               SamplingParams(temperature=2.0)]
-    seq_batch = [sample(logits, others, g_batch)[2] for _ in range(20)]
-    assert seq_batch == seq_alone
-    assert len(set(seq_alone)) > 1          # it really samples
+    batch = [sample(logits, others, [1, 2, 7, 4, 5], [i + 3, 0, i, 9, i])[2] for i in range(20)]
+    assert batch == alone
+    assert len(set(alone)) > 1          # it really samples
+    assert [sample(logits[2:3], [p], [8], [i])[0] for i in range(20)] != alone      # another seed, other draws
+
+
+def test_draw_seeds_mix_seed_and_index():
+    seeds = {draw_seed(s, i) for s in range(50) for i in range(50)}
+    assert len(seeds) == 2500 and all(0 <= v < 2**63 for v in seeds)
+    assert draw_seed(5, 3) == draw_seed(5, 3)
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    g = gens([3])
     p = SamplingParams(temperature=1.0)
-    counts = torch.bincount(torch.tensor([sample(logits, [p], g)[0] for _ in range(3000)]), minlength=3)
+    counts = torch.bincount(torch.tensor([sample(logits, [p], [3], [i])[0] for i in range(3000)]), minlength=3)
     assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
