@@ -1,6 +1,6 @@
 """What the engine's sampler (`compute_service.engine.sampler.sample_tokens`) costs a decode step on the GPU: the 8B's
 vocabulary (128256), batches of 1-64 rows, greedy rows and sampled ones (temperature alone, with top-p, with
-top-k), each row with its own generator as the engine gives every request. Each call is timed from its launch to
+top-k), each row with its own seed as the engine gives every request. Each call is timed from its launch to
 its tokens being ready (CUDA events around it, the host's launch work inside: a step pays both), median of
 `--iters`, the logits rotated over 4 copies. The bytes a call must read (the logits once) over copy bandwidth is
 the floor; the benchmarks elsewhere run greedy requests only.
@@ -73,12 +73,8 @@ def main() -> None:
     for b in (int(v) for v in args.batches.split(",")):
         copies = [torch.randn(b, args.vocab, device=dev) * 3 for _ in range(4)]
         for name, params in CASES.items():
-            gens = []
-            for r in range(b):
-                g = torch.Generator(device=dev)
-                g.manual_seed(1000 + r)
-                gens.append(g)
-            us = time_call(lambda i: sample_tokens(copies[i % 4], [params] * b, gens), dev, args.iters)
+            seeds = [1000 + r for r in range(b)]
+            us = time_call(lambda i: sample_tokens(copies[i % 4], [params] * b, seeds, [40 + i] * b), dev, args.iters)
             floor_us = None if bandwidth is None else b * args.vocab * 4 / bandwidth * 1e6
             res["cases"][f"{name}:{b}"] = {"us": us, "floor_us": floor_us}
             print(f"{name:12s} batch {b:3d}: {us:9.1f} us" + ("" if floor_us is None else f" (floor {floor_us:.2f})"),

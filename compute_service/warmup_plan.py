@@ -37,11 +37,14 @@ LaunchClass = tuple
 
 class LaunchRecorder:
     """Context manager: Triton launches inside it are recorded (kernel and launch key), never compiled or run.
-    A JIT cache hook already set (`compile_pool.recording`) is called for each launch as well."""
+    A JIT cache hook already set (`compile_pool.recording`) is called for each launch as well, unless `pass_on`
+    is False (launches that stand for the forward's without being exactly its: their programs are left to the
+    forwards' own recordings)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pass_on: bool = True) -> None:
         self.keys: list[str] = []
         self._old: Any = None
+        self._pass_on = pass_on
 
     @staticmethod
     def available() -> bool:
@@ -57,7 +60,7 @@ class LaunchRecorder:
 
     def _hook(self, *args: Any, **kwargs: Any) -> bool:
         self.keys.append(f"{kwargs.get('repr', '')}|{kwargs.get('key', args[:1])}")
-        if self._old is not None:       # a hook outside this one (the compile pool's) sees the launch too
+        if self._old is not None and self._pass_on:     # a hook outside (the compile pool's) sees the launch too
             self._old(*args, **kwargs)
         return True      # skip: no compile, no launch
 
@@ -164,7 +167,10 @@ def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Call
                 continue
             width = p.sums_width(t, dtype) if sums_written else 0      # as the forward calls it (`_x_sums`)
             kw = {"x_sums": torch.zeros(t, p.in_features // width, dtype=torch.float32, device=device)} if width else {}
-            with LaunchRecorder() as rec:
+            # Keys only: the forward calls a projection as here but sums a split launch's partials in the next
+            # kernel or in the launch depending on where its LoRA runs (`LlamaModel._project`), so these launches'
+            # programs are not all ones a forward runs; the forwards' recordings hand the pool those.
+            with LaunchRecorder(pass_on=False) as rec:
                 p(xs[p.in_features][:t], **kw)
                 if t > 1:       # beside a LoRA launch (graphs of 2+ tokens) pick_config may choose other programs
                     p(xs[p.in_features][:t], beside_lora=True, **kw)

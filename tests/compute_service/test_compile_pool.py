@@ -67,7 +67,7 @@ def test_a_pool_without_a_target_refuses_programs():
         CompilePool(1).submit("kernels.silu_mul", "_silu_mul_kernel", "{}")
 
 
-def test_the_plan_recorder_passes_launches_on_to_a_hook_outside_it():
+def test_the_plan_recorder_passes_launches_on_to_a_hook_outside_it_unless_told_not_to():
     pytest.importorskip("triton")
     from triton import knobs
 
@@ -79,6 +79,9 @@ def test_the_plan_recorder_passes_launches_on_to_a_hook_outside_it():
             assert knobs.runtime.jit_cache_hook == rec._hook
             assert rec._hook(key="k1", repr="kernel") is True
         assert rec.keys == ["kernel|k1"] and seen == ["k1"]
+        with LaunchRecorder(pass_on=False) as rec:         # the quantized dry runs: keys only
+            assert rec._hook(key="k2", repr="kernel") is True
+        assert rec.keys == ["kernel|k2"] and seen == ["k1"]
     finally:
         knobs.runtime.jit_cache_hook = old
 
