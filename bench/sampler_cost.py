@@ -2,7 +2,8 @@
 vocabulary (128256), batches of 1-64 rows, greedy rows and sampled ones (temperature alone, with top-p, with
 top-k), each row with its own seed as the engine gives every request. Each call is timed from its launch to
 its tokens being ready (CUDA events around it, the host's launch work inside: a step pays both), median of
-`--iters`, the logits rotated over 4 copies. The bytes a call must read (the logits once) over copy bandwidth is
+`--iters`, the logits rotated over 4 copies; and the GPU's part alone (the call queued behind a spin, as the
+engine queues it behind the step's graph). The bytes a call must read (the logits once) over copy bandwidth is
 the floor; the benchmarks elsewhere run greedy requests only.
 
     python3 bench/sampler_cost.py --commit "$(git rev-parse --short HEAD)" --out bench/results/sampler_cost.json
@@ -33,13 +34,17 @@ CASES = {
 }
 
 
-def time_call(fn, dev: torch.device, iters: int) -> float:
-    """Median µs of `fn(i)` from launch to completion."""
+def time_call(fn, dev: torch.device, iters: int, behind_gpu_work: bool = False) -> float:
+    """Median µs of `fn(i)` from launch to completion. `behind_gpu_work`: queued behind a ~2 ms spin, so its
+    launches are all queued before the GPU reaches them and the events time the GPU's work alone (in the engine
+    the sampler's launches are queued behind the step's graph the same way)."""
     fn(0)
     times = []
     for i in range(iters):
         if dev.type == "cuda":
             torch.cuda.synchronize()
+            if behind_gpu_work:
+                torch.cuda._sleep(4_000_000)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(i)
@@ -74,11 +79,14 @@ def main() -> None:
         copies = [torch.randn(b, args.vocab, device=dev) * 3 for _ in range(4)]
         for name, params in CASES.items():
             seeds = [1000 + r for r in range(b)]
-            us = time_call(lambda i: sample_tokens(copies[i % 4], [params] * b, seeds, [40 + i] * b), dev, args.iters)
+            def call(i: int) -> None:
+                sample_tokens(copies[i % 4], [params] * b, seeds, [40 + i] * b)
+            us = time_call(call, dev, args.iters)
+            gpu_us = time_call(call, dev, args.iters, behind_gpu_work=True) if dev.type == "cuda" else None
             floor_us = None if bandwidth is None else b * args.vocab * 4 / bandwidth * 1e6
-            res["cases"][f"{name}:{b}"] = {"us": us, "floor_us": floor_us}
-            print(f"{name:12s} batch {b:3d}: {us:9.1f} us" + ("" if floor_us is None else f" (floor {floor_us:.2f})"),
-                  flush=True)
+            res["cases"][f"{name}:{b}"] = {"us": us, "gpu_us": gpu_us, "floor_us": floor_us}
+            print(f"{name:12s} batch {b:3d}: {us:9.1f} us" + ("" if gpu_us is None else f", GPU {gpu_us:8.1f} us")
+                  + ("" if floor_us is None else f" (floor {floor_us:.2f})"), flush=True)
     args.out.write_text(json.dumps(res, indent=1))
 
 

@@ -215,7 +215,7 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
         layers = [i for i in (0, 1, 2) if i < engine.spec.num_layers]
         first = [(pass_.decode, b, False) for b in plan.decode_buckets[:1]]
         first += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
-        first += [(pass_.sample, 1, False), (pass_.sample, 1, True)]
+        first += [(pass_.sample, 1, True)]          # a batch with a sampled row (greedy alone is the library's)
         first += [(pass_.lora_group, (n, g, layer), True) for n in lora_tokens for g in group_shapes(engine.spec)
                   for layer in layers]
         second = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)][1:]

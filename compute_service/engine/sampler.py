@@ -2,10 +2,11 @@
 
 A sampled row's noise comes only from its request's seed and the index of the token it draws (`draw_seed`): a
 seeded request gives the same tokens whatever else is in the batch, in whatever step its tokens come, and
-after a preemption (recompute does not sample again). On a GPU every row is chosen by `kernels.sample` (two
-launches for the whole batch: greedy rows an argmax, sampled ones an exponential race on counter-based noise);
-rows with top-k or top-p are masked first (a sort of those rows). On the CPU the same race draws its noise from
-a `torch.Generator` seeded with the row's draw seed.
+after a preemption (recompute does not sample again). A batch of greedy rows alone is the library's argmax. With
+a sampled row, on a GPU, every row is chosen by `kernels.sample` (two launches for the whole batch: greedy rows
+an argmax, sampled ones an exponential race on counter-based noise); rows with top-k or top-p are masked first (a
+sort of those rows). On the CPU the same race draws its noise from a `torch.Generator` seeded with the row's
+draw seed.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     """logits [N, V] float32 -> token ids [N] int64 on the logits' device, without waiting for it. Row i draws
     with its request's `seeds[i]` the token at `indices[i]` (its position in the sequence)."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        # Greedy rows alone: the library's argmax, one launch (~10 µs of host work against ~100 for the two
+        # Triton launches; it takes ~27 µs of GPU time at the 8B's vocabulary, bench/results/sampler_cost.json)
+        return logits.argmax(dim=-1)
     filtered = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
     temps = [0.0 if p.greedy else p.temperature for p in params]
     work = logits
@@ -65,8 +70,6 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     if logits.is_cuda:
         from kernels.sample import choose_tokens
 
-        if not sampled:
-            return choose_tokens(work)
         return choose_tokens(work, to_device(temps, torch.float32, logits.device),
                              to_device(row_seeds, torch.int64, logits.device))
     tokens = work.argmax(dim=-1)
