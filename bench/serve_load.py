@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson requests/s (0: 0.8 x the burst request rate)")
     ap.add_argument("--poisson-factor", type=int, default=2, help="Poisson cases send this many x C requests")
     ap.add_argument("--prompt-len", type=int, default=34)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy), served and engine alike")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
     ap.add_argument("--output-len", type=int, help="output tokens per request (default 100; cpu 32; smoke 8)")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes")
     ap.add_argument("--client-connections", type=int, default=1,
@@ -188,7 +190,7 @@ def run_served(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
         prompts = make_prompts(max(args.concurrency) * max(1, args.poisson_factor), args.prompt_len,
                                info.vocab_size)
         pool = ClientPool(svc.address, args.client_procs, args.client_connections)
-        sampling = dict(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        sampling = dict(max_tokens=args.output_len, temperature=args.temperature, top_p=args.top_p, ignore_eos=True)
         # The very first request after health, before any warm-up: is it as fast as the later C=1 base case?
         res["first_request"] = summarize(pool.run(case_requests("base", prompts, adapters, [0.0]), 1, sampling))
         if adapters and {"shared", "distinct"} & set(args.workloads):
@@ -286,10 +288,15 @@ def run_engine(args: argparse.Namespace, model: str, lora_root: Path, adapters: 
                 save()
     for workload in idle_workloads(args):
         r = measure(engine, case_requests(workload, prompts, adapters, idle_offsets()), 2, f"{workload}-idle",
-                    max_in_flight=1)
+                    max_in_flight=1, sampling=engine_sampling(args))
         res.setdefault("engine_idle_ttft", {})[workload] = r
         print_idle("engine", workload, r)
         save()
+
+
+def engine_sampling(args: argparse.Namespace) -> dict:
+    """The requests' sampling on the engine side, as the served side sends it."""
+    return dict(temperature=args.temperature, top_p=args.top_p)
 
 
 def idle_workloads(args: argparse.Namespace) -> list[str]:
@@ -317,7 +324,7 @@ def engine_case(engine, args: argparse.Namespace, workload: str, conc: int, arri
 
     if arrival == "burst":
         r = measure(engine, case_requests(workload, prompts, adapters, [0.0] * conc), args.output_len,
-                    f"{workload}-{conc}")
+                    f"{workload}-{conc}", sampling=engine_sampling(args))
         res["engine"].setdefault(workload, {})[str(conc)] = r
         served = res["served"].get(workload, {}).get("burst", {}).get(str(conc))
         if served:
@@ -328,7 +335,8 @@ def engine_case(engine, args: argparse.Namespace, workload: str, conc: int, arri
             raise RuntimeError("the engine's Poisson case takes the served case's rate; it has none")
         offsets = poisson_offsets(conc * max(1, args.poisson_factor), rate, seed=conc)
         r = dict(measure(engine, case_requests(workload, prompts, adapters, offsets), args.output_len,
-                         f"{workload}-{conc}p", max_in_flight=conc), rate_per_s=rate, max_in_flight=conc)
+                         f"{workload}-{conc}p", max_in_flight=conc, sampling=engine_sampling(args)),
+                 rate_per_s=rate, max_in_flight=conc)
         res.setdefault("engine_poisson", {}).setdefault(workload, {})[str(conc)] = r
     print_case("engine", workload, arrival, conc, r)
 

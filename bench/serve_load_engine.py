@@ -50,8 +50,8 @@ def load_adapters(engine: Any, root: Path, names: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str, max_in_flight: int = 0
-             ) -> tuple[list[Timeline], list[tuple[float, float, float, int]]]:
+def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str, max_in_flight: int = 0,
+             sampling: dict | None = None) -> tuple[list[Timeline], list[tuple[float, float, float, int]]]:
     """Requests added at their arrival offsets (all at once for a burst), at most `max_in_flight` (0: all)
     in the engine at a time, stepped to the end; the timelines and every step's (start, GPU work queued,
     end, requests added just before it).
@@ -60,7 +60,7 @@ def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str, ma
     back, as the load generator's semaphore does."""
     from compute_service.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **(sampling or {})})
     pending = sorted(requests, key=lambda r: r.arrival_s)
     cap = max_in_flight or len(pending)
     t0 = time.monotonic()
@@ -100,12 +100,14 @@ def run_case(engine: Any, requests: list[Request], max_tokens: int, tag: str, ma
     return sorted(by_id.values(), key=lambda t: t.index), steps
 
 
-def measure(engine: Any, requests: list[Request], max_tokens: int, tag: str, max_in_flight: int = 0) -> dict:
-    """Warm-up (3 tokens, all at once) then the timed run; the case's figures plus step times, and the
+def measure(engine: Any, requests: list[Request], max_tokens: int, tag: str, max_in_flight: int = 0,
+            sampling: dict | None = None) -> dict:
+    """Warm-up (3 tokens, all at once) then the timed run (`sampling`: SamplingParams fields over greedy, e.g.
+    temperature and top_p); the case's figures plus step times, and the
     steps over LONG_STEP_S as (ms, requests added just before: a prefill) to see where long steps come from."""
     run_case(engine, [dataclasses.replace(r, arrival_s=0.0) for r in requests[:max_in_flight or None]], 3,
-             f"{tag}w")
-    timelines, steps = run_case(engine, requests, max_tokens, tag, max_in_flight)
+             f"{tag}w", sampling=sampling)
+    timelines, steps = run_case(engine, requests, max_tokens, tag, max_in_flight, sampling)
     res = summarize(timelines)
     trace = dict(start=[s[0] for s in steps], launched=[s[1] for s in steps], end=[s[2] for s in steps])
     res.update(step_figures(trace, steps[0][0], steps[-1][0]))

@@ -9,7 +9,7 @@ index that holds it. Launch 2, a program per row: the first chunk holding the ro
 
 Keys compare as floats do, NaN above everything (as `torch.argmax` ranks it) and -0 equal to +0 (both taken
 as integers whose signed order is the floats' order), and ties go to the lowest index: a greedy row's token is
-`torch.argmax`'s. Rows the caller masked to -inf (top-k, top-p) are never drawn.
+`torch.argmax`'s. Tokens the caller masked to -inf (top-k, top-p) are never drawn.
 Against the library's per-row reductions (one block a row) and per-request generators (one launch a row):
 `bench/sampler_cost.py`.
 """

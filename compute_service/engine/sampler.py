@@ -48,8 +48,9 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     with its request's `seeds[i]` the token at `indices[i]` (its position in the sequence)."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
-        # Greedy rows alone: the library's argmax, one launch (~10 µs of host work against ~100 for the two
-        # Triton launches; it takes ~27 µs of GPU time at the 8B's vocabulary, bench/results/sampler_cost.json)
+        # Greedy rows alone: the library's argmax, one launch: 42-52 µs from launch to tokens at the 8B's vocabulary
+        # (GPU 29-41) against 77-113 for the two Triton launches, bound by their host work (H200, batch 1-64,
+        # bench/results/sampler_cost.json)
         return logits.argmax(dim=-1)
     filtered = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
     temps = [0.0 if p.greedy else p.temperature for p in params]

@@ -90,7 +90,8 @@
 #                    offline host, its parts, as for suite-rest). QUANT_GROUP=32 in the environment:
 #                    the 4-bit side in groups of 32 (serve_load_8b_w4g32.json; the bf16 side's name as before)
 #                    MAX_LORA_RANK=256: both sides with the pool of a server's default largest rank instead of the
-#                    adapters' (64); the JSONs' names end in _r256
+#                    adapters' (64); the JSONs' names end in _r256. TEMPERATURE=0.8 (and TOP_P=0.9): every request
+#                    sampled so, both sides (names end in _t0.8, _p0.9); unset, greedy as in every committed run
 set -u
 stage=${1:?stage}; commit=${2:?commit}; out=${3:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -147,11 +148,13 @@ case "$stage" in
   serve-8b-w4)
     common="--make-random-model /tmp/llama8b --shape 8b --lora-root /tmp/lora8b --num-adapters 32 --arrivals burst
             --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 --commit $commit
-            ${MAX_LORA_RANK:+--max-lora-rank $MAX_LORA_RANK}"
-    w4=serve_load_8b_w4${QUANT_GROUP:+g$QUANT_GROUP}${MAX_LORA_RANK:+_r$MAX_LORA_RANK}
+            ${MAX_LORA_RANK:+--max-lora-rank $MAX_LORA_RANK} ${TEMPERATURE:+--temperature $TEMPERATURE}
+            ${TOP_P:+--top-p $TOP_P}"
+    sampled=${TEMPERATURE:+_t$TEMPERATURE}${TOP_P:+_p$TOP_P}
+    w4=serve_load_8b_w4${QUANT_GROUP:+g$QUANT_GROUP}${MAX_LORA_RANK:+_r$MAX_LORA_RANK}$sampled
     python3 bench/serve_load.py $common --quantize-bits 4 ${QUANT_GROUP:+--quantize-group-size $QUANT_GROUP} \
       --out "$out/$w4.json" --plot "$out/$w4.png" > "$out/serve_8b_w4.log" 2>&1
-    bf=serve_load_8b_w4_bf16${MAX_LORA_RANK:+_r$MAX_LORA_RANK}
+    bf=serve_load_8b_w4_bf16${MAX_LORA_RANK:+_r$MAX_LORA_RANK}$sampled
     python3 bench/serve_load.py $common --out "$out/$bf.json" --plot "$out/$bf.png" > "$out/serve_8b_bf16.log" 2>&1
     tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
   gemv-sweep)
