@@ -215,7 +215,7 @@ def _compile_pass(rt: Runtime, keys: list[str], report: WarmupReport, num_thread
         layers = [i for i in (0, 1, 2) if i < engine.spec.num_layers]
         first = [(pass_.decode, b, False) for b in plan.decode_buckets[:1]]
         first += [(pass_.prefill, n, False) for n in plan.base_prefill_tokens]
-        first += [(pass_.sample, 1, True)]          # a batch with a sampled row (greedy alone is the library's)
+        first += [(pass_.sample, 1, False)]         # a batch with a sampled row (greedy alone is the library's)
         first += [(pass_.lora_group, (n, g, layer), True) for n in lora_tokens for g in group_shapes(engine.spec)
                   for layer in layers]
         second = [(pass_.decode, b, lora) for b in plan.decode_buckets for lora in (False, True)][1:]
@@ -413,12 +413,12 @@ class _ForwardPass:
         hidden = self.model.forward(ids, positions, meta, self.kv, self._lora(num_tokens, with_lora))
         self.model.compute_logits(hidden[-1:])
 
-    def sample(self, batch: int, sampled: bool) -> None:
-        """The sampler's launches (`kernels.sample` on a GPU) for greedy rows alone, or with sampled ones."""
+    def sample(self, batch: int, with_lora: bool) -> None:
+        """The sampler's launches (`kernels.sample` on a GPU) for `batch` sampled rows (a batch of greedy rows alone
+        launches the library's argmax only). `with_lora`: unused, the compile tasks' shape."""
         vocab = self.model.weights.lm_head.shape[0]
         logits = torch.zeros(batch, vocab, dtype=torch.float32, device=self.model.device)
-        params = [SamplingParams(temperature=0.8 if sampled else 0.0)] * batch
-        sample_tokens(logits, params, [0] * batch, [0] * batch)
+        sample_tokens(logits, [SamplingParams(temperature=0.8)] * batch, [0] * batch, [0] * batch)
 
 
 def _engine_pass(rt: Runtime, keys: list[str], long_prompt: bool) -> None:

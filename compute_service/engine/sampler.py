@@ -54,9 +54,8 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         return logits.argmax(dim=-1)
     filtered = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
     temps = [0.0 if p.greedy else p.temperature for p in params]
-    work = logits
+    work, dev = logits, logits.device
     if filtered:                                   # masked on a copy: callers may keep the step's logits
-        dev = logits.device
         idx = to_device(filtered, torch.int64, dev)
         scale = to_device([temps[i] for i in filtered], torch.float32, dev)
         top_k = to_device([max(params[i].top_k, 0) for i in filtered], torch.int64, dev)
@@ -71,8 +70,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     if logits.is_cuda:
         from kernels.sample import choose_tokens
 
-        return choose_tokens(work, to_device(temps, torch.float32, logits.device),
-                             to_device(row_seeds, torch.int64, logits.device))
+        return choose_tokens(work, to_device(temps, torch.float32, dev), to_device(row_seeds, torch.int64, dev))
     tokens = work.argmax(dim=-1)
     for i in sampled:
         u = torch.rand(work.shape[-1], generator=torch.Generator().manual_seed(row_seeds[i]))
