@@ -4,7 +4,9 @@ top-k), each row with its own seed as the engine gives every request. Each call 
 its tokens being ready (CUDA events around it, the host's launch work inside: a step pays both), median of
 `--iters`, the logits rotated over 4 copies; and the GPU's part alone (the call queued behind a spin, as the
 engine queues it behind the step's graph). The bytes a call must read (the logits once) over copy bandwidth is
-the floor; the benchmarks elsewhere run greedy requests only.
+the floor; the benchmarks elsewhere run greedy requests only. Rows are randn * 4 (a top-p 0.9 nucleus of ~90
+tokens at temperature 0.8; the runs up to 5ab306d drew randn * 3, ~1100 kept), and for `top_p_flat`
+randn * 0.5 (~95,000 kept: the threshold's exact path).
 
     python3 bench/sampler_cost.py --commit "$(git rev-parse --short HEAD)" --out bench/results/sampler_cost.json
     python3 bench/sampler_cost.py --device cpu --batches 1,8 --vocab 4096 --iters 3 --out s.json   # checks the script
@@ -31,7 +33,21 @@ CASES = {
     "temperature": SamplingParams(temperature=0.8),
     "top_p": SamplingParams(temperature=0.8, top_p=0.9),
     "top_k": SamplingParams(temperature=0.8, top_k=50),
+    "top_p_flat": SamplingParams(temperature=0.8, top_p=0.9),    # on flat rows: a nucleus of thousands of tokens
 }
+FLAT = 0.5      # the flat rows' logits are randn * FLAT (the others randn * 4)
+
+
+def nucleus_tokens(logits: torch.Tensor, params: SamplingParams) -> int:
+    """Median count of tokens a row keeps under top-k / top-p (a float64 sort), 0 when neither is set: with top-p
+    above 1024 (`kernels.sample_threshold`'s candidates) the GPU finds the threshold by its slower exact path."""
+    if params.top_k <= 0 and params.top_p >= 1.0:
+        return 0
+    vals = (logits.double() / params.temperature).sort(dim=-1, descending=True).values
+    if params.top_k > 0:
+        vals = vals[:, :params.top_k]
+    probs = vals.softmax(-1)
+    return int(((probs.cumsum(-1) - probs) < params.top_p).sum(-1).median())
 
 
 def time_call(fn, dev: torch.device, iters: int, behind_gpu_work: bool = False) -> float:
@@ -76,17 +92,20 @@ def main() -> None:
         res, bandwidth = {"device": "cpu", "commit": args.commit}, None
     res.update(vocab=args.vocab, iters=args.iters, cases={})
     for b in (int(v) for v in args.batches.split(",")):
-        copies = [torch.randn(b, args.vocab, device=dev) * 3 for _ in range(4)]
         for name, params in CASES.items():
+            scale = FLAT if name.endswith("_flat") else 4.0
+            copies = [torch.randn(b, args.vocab, device=dev) * scale for _ in range(4)]
             seeds = [1000 + r for r in range(b)]
             def call(i: int) -> None:
                 sample_tokens(copies[i % 4], [params] * b, seeds, [40 + i] * b)
             us = time_call(call, dev, args.iters)
             gpu_us = time_call(call, dev, args.iters, behind_gpu_work=True) if dev.type == "cuda" else None
             floor_us = None if bandwidth is None else b * args.vocab * 4 / bandwidth * 1e6
-            res["cases"][f"{name}:{b}"] = {"us": us, "gpu_us": gpu_us, "floor_us": floor_us}
+            kept = nucleus_tokens(copies[0], params)
+            res["cases"][f"{name}:{b}"] = {"us": us, "gpu_us": gpu_us, "floor_us": floor_us, "kept_tokens": kept}
             print(f"{name:12s} batch {b:3d}: {us:9.1f} us" + ("" if gpu_us is None else f", GPU {gpu_us:8.1f} us")
-                  + ("" if floor_us is None else f" (floor {floor_us:.2f})"), flush=True)
+                  + ("" if floor_us is None else f" (floor {floor_us:.2f})") + (f", {kept} kept" if kept else ""),
+                  flush=True)
     args.out.write_text(json.dumps(res, indent=1))
 
 

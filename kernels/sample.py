@@ -9,7 +9,8 @@ index that holds it. Launch 2, a program per row: the first chunk holding the ro
 
 Keys compare as floats do, NaN above everything (as `torch.argmax` ranks it) and -0 equal to +0 (both taken
 as integers whose signed order is the floats' order), and ties go to the lowest index: a greedy row's token is
-`torch.argmax`'s. Tokens the caller masked to -inf (top-k, top-p) are never drawn.
+`torch.argmax`'s. Tokens the caller masked to -inf, or under the row's threshold key (top-k, top-p:
+`kernels.sample_threshold`), are never drawn.
 Against the library's per-row reductions (one block a row) and per-request generators (one launch a row):
 `bench/sampler_cost.py`.
 """
@@ -32,13 +33,15 @@ def _order_key(v):
 
 
 @triton.jit
-def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, keys_ptr, idx_ptr, CHUNKS,
-                  SAMPLED: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, thr_ptr, keys_ptr, idx_ptr, CHUNKS,
+                  SAMPLED: tl.constexpr, FILTERED: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     mask = offs < V
     v = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if FILTERED:                    # top-k / top-p: tokens under the row's threshold key are never drawn
+        v = tl.where(_order_key(v) >= tl.load(thr_ptr + row), v, float("-inf"))
     if SAMPLED:
         t = tl.load(temps_ptr + row)
         if t > 0.0:
@@ -62,10 +65,12 @@ def _row_kernel(keys_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr):
     tl.store(out_ptr + row, tl.min(tl.where(key == best, idx, 2147483647), 0).to(tl.int64))
 
 
-def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None,
-                  seeds: torch.Tensor | None = None) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
+                  thresholds: torch.Tensor | None = None) -> torch.Tensor:
     """logits [N, V] (rows contiguous) -> token ids [N] int64 on their device, not waited for. Without `temps`
-    every row is greedy; else temps [N] float32 (0 = greedy) and seeds [N] int64, each sampled row's draw seed."""
+    every row is greedy; else temps [N] float32 (0 = greedy) and seeds [N] int64, each sampled row's draw seed.
+    `thresholds` [N] int32: each row draws only among tokens whose order key is at least its threshold
+    (`kernels.sample_threshold.row_thresholds`, top-k / top-p)."""
     n, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -78,8 +83,9 @@ def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None,
     sampled = temps is not None
     if sampled:
         assert seeds is not None and temps.shape == (n,) and seeds.shape == (n,)
+    filtered = thresholds is not None
     _chunk_kernel[(n, chunks)](logits, logits.stride(0), vocab, temps if sampled else keys,
-                               seeds if sampled else keys, keys, idx, chunks, SAMPLED=sampled, CHUNK=CHUNK,
-                               num_warps=4)
+                               seeds if sampled else keys, thresholds if filtered else keys, keys, idx, chunks,
+                               SAMPLED=sampled, FILTERED=filtered, CHUNK=CHUNK, num_warps=4)
     _row_kernel[(n,)](keys, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), num_warps=1)
     return out

@@ -4,9 +4,11 @@ A sampled row's noise comes only from its request's seed and the index of the to
 seeded request gives the same tokens whatever else is in the batch, in whatever step its tokens come, and
 after a preemption (recompute does not sample again). A batch of greedy rows alone is the library's argmax. With
 a sampled row, on a GPU, every row is chosen by `kernels.sample` (two launches for the whole batch: greedy rows
-an argmax, sampled ones an exponential race on counter-based noise); rows with top-k or top-p are masked first (a
-sort of those rows). On the CPU the same race draws its noise from a `torch.Generator` seeded with the row's
-draw seed.
+an argmax, sampled ones an exponential race on counter-based noise); rows with top-k or top-p draw only above a
+threshold per row (`kernels.sample_threshold`: a top-k of candidates and one pass over the row, no sort of the
+vocabulary). On the CPU the same race draws its noise from a `torch.Generator` seeded with the row's draw seed,
+rows with top-k or top-p masked first by a sort (`apply_top_k_top_p`, the reference; at a tie on the threshold
+the GPU keeps every tied token).
 """
 from __future__ import annotations
 
@@ -54,23 +56,35 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         return logits.argmax(dim=-1)
     filtered = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
     temps = [0.0 if p.greedy else p.temperature for p in params]
-    work, dev = logits, logits.device
+    row_seeds = [0] * len(params)
+    for i in sampled:
+        row_seeds[i] = draw_seed(seeds[i], indices[i])
+    dev = logits.device
+    if logits.is_cuda:
+        from kernels.sample import choose_tokens
+        from kernels.sample_threshold import candidates_for, row_thresholds
+
+        thresholds = None
+        if filtered:                               # each filtered row's threshold key: no sort of the vocabulary
+            top_ks = [max(params[i].top_k, 0) for i in filtered]
+            top_ps = [params[i].top_p for i in filtered]
+            cands = candidates_for(top_ks, min(top_ps) < 1.0, logits.shape[-1])
+            thresholds = row_thresholds(logits, to_device(filtered, torch.int64, dev),
+                                        to_device([temps[i] for i in filtered], torch.float32, dev),
+                                        to_device(top_ks, torch.int32, dev), to_device(top_ps, torch.float32, dev),
+                                        cands)
+        return choose_tokens(logits, to_device(temps, torch.float32, dev), to_device(row_seeds, torch.int64, dev),
+                             thresholds)
+    work = logits
     if filtered:                                   # masked on a copy: callers may keep the step's logits
-        idx = to_device(filtered, torch.int64, dev)
-        scale = to_device([temps[i] for i in filtered], torch.float32, dev)
-        top_k = to_device([max(params[i].top_k, 0) for i in filtered], torch.int64, dev)
-        top_p = to_device([params[i].top_p for i in filtered], torch.float32, dev)
+        idx = torch.tensor(filtered, dtype=torch.int64)
+        scale = torch.tensor([temps[i] for i in filtered], dtype=torch.float32)
+        top_k = torch.tensor([max(params[i].top_k, 0) for i in filtered], dtype=torch.int64)
+        top_p = torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32)
         work = logits.clone()
         work[idx] = apply_top_k_top_p(logits[idx] / scale[:, None], top_k, top_p)
         for i in filtered:
             temps[i] = 1.0                        # the masked rows are already divided by their temperature
-    row_seeds = [0] * len(params)
-    for i in sampled:
-        row_seeds[i] = draw_seed(seeds[i], indices[i])
-    if logits.is_cuda:
-        from kernels.sample import choose_tokens
-
-        return choose_tokens(work, to_device(temps, torch.float32, dev), to_device(row_seeds, torch.int64, dev))
     tokens = work.argmax(dim=-1)
     for i in sampled:
         u = torch.rand(work.shape[-1], generator=torch.Generator().manual_seed(row_seeds[i]))
