@@ -52,7 +52,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     if not sampled:
         # Greedy rows alone: the library's argmax, one launch: 42-52 µs from launch to tokens at the 8B's vocabulary
         # (GPU 29-41) against 77-113 for the two Triton launches, bound by their host work (H200, batch 1-64,
-        # bench/results/sampler_cost.json)
+        # bench/results/sampler_cost_4ba8ef3.json)
         return logits.argmax(dim=-1)
     filtered = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
     temps = [0.0 if p.greedy else p.temperature for p in params]
