@@ -101,7 +101,8 @@ def _threshold_kernel(logits_ptr, stride, V, rows_ptr, cand_ptr, K, temps_ptr, t
             tau = tl.min(tl.where(kept, ckey, _MAX), 0)
         else:
             tau = _bisect(row_ptr, V, last, floor, p * mass, a, b, False, BLOCK)
-        thr = tl.maximum(thr, tau)
+        # the row's largest token always stays (its mass is NaN where a logit is +inf: nothing else is "kept")
+        thr = tl.maximum(thr, tl.minimum(tau, tl.max(ckey, 0)))
     tl.store(thr_ptr + row, thr)
 
 

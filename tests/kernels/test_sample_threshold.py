@@ -119,6 +119,20 @@ def test_draws_stay_above_the_threshold_with_renormalized_probabilities(device):
     assert torch.allclose(counts, want, atol=0.06 if device == "cpu" else 0.012), counts
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")       # the interpreter's inf - inf
+@pytest.mark.parametrize("device", [_gpu(d) for d in DEVICES])
+def test_an_infinite_logit_is_the_token_drawn(device):
+    logits = torch.randn(2, 500)
+    logits[0, 37] = float("inf")                                 # its softmax is NaN: the top token stays
+    logits[1] = float("-inf")                                    # nothing finite: token 0, as argmax
+    logits = logits.to(device)
+    dev = logits.device
+    thr = row_thresholds(logits, torch.arange(2, device=dev), torch.ones(2, device=dev),
+                         torch.zeros(2, dtype=torch.int32, device=dev), torch.full((2,), 0.9, device=dev), 64)
+    tokens = choose_tokens(logits, torch.ones(2, device=dev), torch.tensor([3, 4], device=dev), thr)
+    assert tokens.tolist() == [37, 0]
+
+
 def test_candidate_counts():
     assert candidates_for([50], False, 128256) == 64
     assert candidates_for([0, 200], False, 128256) == 1024
