@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096
+PASS = 32768        # tokens a one-program pass over a row reads at a time (16 warps: 128 KB in flight an SM)
+RACE = 8192         # the same for a pass that races (its noise's registers: 32768 spilled 1.8 KB a thread)
 
 
 @triton.jit
@@ -33,8 +35,9 @@ def _order_key(v):
 
 
 @triton.jit
-def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, thr_ptr, keys_ptr, idx_ptr, CHUNKS,
-                  SAMPLED: tl.constexpr, FILTERED: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, thr_ptr, top_p_ptr, stats_ptr, keys_ptr, idx_ptr,
+                  CHUNKS, SAMPLED: tl.constexpr, FILTERED: tl.constexpr, NUCLEUS: tl.constexpr,
+                  CHUNK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -42,6 +45,13 @@ def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, thr_ptr, keys_ptr
     v = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
     if FILTERED:                    # top-k / top-p: tokens under the row's threshold key are never drawn
         v = tl.where(_order_key(v) >= tl.load(thr_ptr + row), v, float("-inf"))
+    if NUCLEUS:                     # a top-p row checked after the race: the chunk's max and mass under it
+        if tl.load(top_p_ptr + row) < 1.0:
+            top = tl.max(v, 0)
+            a = 1.4426950408889634 / tl.load(temps_ptr + row)
+            tl.store(stats_ptr + (row * CHUNKS + c) * 2, top)
+            mass = tl.where(v > float("-inf"), tl.exp2((v - top) * a), 0.0)     # a chunk of -inf alone: 0
+            tl.store(stats_ptr + (row * CHUNKS + c) * 2 + 1, tl.sum(mass, 0))
     if SAMPLED:
         t = tl.load(temps_ptr + row)
         if t > 0.0:
@@ -66,11 +76,13 @@ def _row_kernel(keys_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr):
 
 
 def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds: torch.Tensor | None = None,
-                  thresholds: torch.Tensor | None = None) -> torch.Tensor:
+                  thresholds: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits [N, V] (rows contiguous) -> token ids [N] int64 on their device, not waited for. Without `temps`
     every row is greedy; else temps [N] float32 (0 = greedy) and seeds [N] int64, each sampled row's draw seed.
     `thresholds` [N] int32: each row draws only among tokens whose order key is at least its threshold
-    (`kernels.sample_threshold.row_thresholds`, top-k / top-p)."""
+    (`kernels.sample_threshold.row_thresholds`, top-k / top-p). `top_p` [N] float32 (1 = off; sampled rows
+    without a threshold): the race's winner is kept only inside the row's nucleus (`kernels.sample_nucleus`),
+    the same token a threshold from `row_thresholds` gives."""
     n, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -83,9 +95,19 @@ def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds
     sampled = temps is not None
     if sampled:
         assert seeds is not None and temps.shape == (n,) and seeds.shape == (n,)
-    filtered = thresholds is not None
+    filtered, nucleus = thresholds is not None, top_p is not None
+    assert not nucleus or sampled
+    stats = torch.empty(n, chunks, 2, dtype=torch.float32, device=logits.device) if nucleus else keys
     _chunk_kernel[(n, chunks)](logits, logits.stride(0), vocab, temps if sampled else keys,
-                               seeds if sampled else keys, thresholds if filtered else keys, keys, idx, chunks,
-                               SAMPLED=sampled, FILTERED=filtered, CHUNK=CHUNK, num_warps=4)
-    _row_kernel[(n,)](keys, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+                               seeds if sampled else keys, thresholds if filtered else keys,
+                               top_p if nucleus else keys, stats, keys, idx, chunks, SAMPLED=sampled,
+                               FILTERED=filtered, NUCLEUS=nucleus, CHUNK=CHUNK, num_warps=4)
+    block = max(16, triton.next_power_of_2(chunks))
+    if nucleus:
+        from kernels.sample_nucleus import nucleus_row_kernel
+
+        nucleus_row_kernel[(n,)](keys, idx, out, chunks, logits, logits.stride(0), vocab, temps, seeds, top_p, stats,
+                                 BLOCK=block, PASS=PASS, RACE=RACE, num_warps=16)
+    else:
+        _row_kernel[(n,)](keys, idx, out, chunks, BLOCK=block, num_warps=1)
     return out

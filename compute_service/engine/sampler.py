@@ -12,6 +12,8 @@ the GPU keeps every tied token).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from compute_service.engine.host_lists import to_device
@@ -44,6 +46,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def top_p_race_enabled() -> bool:
+    """LORAPLEX_TOP_P_RACE=1: on a GPU, rows with top-p and no top-k keep the race's winner when it is inside the
+    nucleus and race again above it when not (`kernels.sample_nucleus`: no `torch.topk`, one pass over the row
+    where the winner is inside), instead of drawing under a threshold from candidates
+    (`kernels.sample_threshold`). The same tokens either way (tests/kernels/test_sample_nucleus.py). Off until
+    timed on a GPU (`bench/sampler_cost.py` with it set and unset)."""
+    return os.environ.get("LORAPLEX_TOP_P_RACE", "0") == "1"
+
+
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                   indices: list[int]) -> torch.Tensor:
     """logits [N, V] float32 -> token ids [N] int64 on the logits' device, without waiting for it. Row i draws
@@ -64,7 +75,14 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         from kernels.sample import choose_tokens
         from kernels.sample_threshold import candidates_for, row_thresholds
 
-        thresholds = None
+        thresholds = nucleus = None
+        if filtered and top_p_race_enabled():     # top-p alone: the race's winner checked against the nucleus
+            nucleus = [1.0] * len(params)
+            for i in filtered:
+                if params[i].top_k <= 0:
+                    nucleus[i] = params[i].top_p
+            filtered = [i for i in filtered if params[i].top_k > 0]
+            nucleus = nucleus if min(nucleus) < 1.0 else None
         if filtered:                               # each filtered row's threshold key: no sort of the vocabulary
             top_ks = [max(params[i].top_k, 0) for i in filtered]
             top_ps = [params[i].top_p for i in filtered]
@@ -74,7 +92,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
                                         to_device(top_ks, torch.int32, dev), to_device(top_ps, torch.float32, dev),
                                         cands)
         return choose_tokens(logits, to_device(temps, torch.float32, dev), to_device(row_seeds, torch.int64, dev),
-                             thresholds)
+                             thresholds, None if nucleus is None else to_device(nucleus, torch.float32, dev))
     work = logits
     if filtered:                                   # masked on a copy: callers may keep the step's logits
         idx = torch.tensor(filtered, dtype=torch.int64)

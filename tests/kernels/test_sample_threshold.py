@@ -102,17 +102,22 @@ def test_top_k_at_or_above_the_vocabulary_keeps_everything(device):
     assert thr.tolist() == [NONE, NONE]
 
 
+@pytest.mark.parametrize("path", ["threshold", "race"])          # race: kernels/sample_nucleus.py
 @pytest.mark.parametrize("device", [_gpu(d) for d in DEVICES])
-def test_draws_stay_above_the_threshold_with_renormalized_probabilities(device):
+def test_draws_stay_above_the_threshold_with_renormalized_probabilities(device, path):
     rows = 600 if device == "cpu" else 20000
     probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
     logits = torch.log(probs).repeat(rows, 1).to(device)
     dev = logits.device
     # top-p 0.85: the first three (mass before the third 0.7 < 0.85, before the fourth 0.9)
-    thr = row_thresholds(logits, torch.arange(rows, device=dev), torch.ones(rows, device=dev),
-                         torch.zeros(rows, dtype=torch.int32, device=dev), torch.full((rows,), 0.85, device=dev), 4)
+    top_p = torch.full((rows,), 0.85, device=dev)
     seeds = torch.arange(rows, dtype=torch.int64, device=dev) * 7919 + 5
-    tokens = choose_tokens(logits, torch.ones(rows, device=dev), seeds, thr).cpu()
+    if path == "race":
+        tokens = choose_tokens(logits, torch.ones(rows, device=dev), seeds, top_p=top_p).cpu()
+    else:
+        thr = row_thresholds(logits, torch.arange(rows, device=dev), torch.ones(rows, device=dev),
+                             torch.zeros(rows, dtype=torch.int32, device=dev), top_p, 4)
+        tokens = choose_tokens(logits, torch.ones(rows, device=dev), seeds, thr).cpu()
     counts = torch.bincount(tokens, minlength=5).float() / rows
     assert counts[3] == 0 and counts[4] == 0
     want = torch.tensor([0.4, 0.3, 0.2, 0, 0]) / 0.9
