@@ -21,8 +21,6 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096
-PASS = 32768        # tokens a one-program pass over a row reads at a time (16 warps: 128 KB in flight an SM)
-RACE = 8192         # the same for a pass that races (its noise's registers: 32768 spilled 1.8 KB a thread)
 
 
 @triton.jit
@@ -104,7 +102,7 @@ def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds
                                FILTERED=filtered, NUCLEUS=nucleus, CHUNK=CHUNK, num_warps=4)
     block = max(16, triton.next_power_of_2(chunks))
     if nucleus:
-        from kernels.sample_nucleus import nucleus_row_kernel
+        from kernels.sample_nucleus import PASS, RACE, nucleus_row_kernel
 
         nucleus_row_kernel[(n,)](keys, idx, out, chunks, logits, logits.stride(0), vocab, temps, seeds, top_p, stats,
                                  BLOCK=block, PASS=PASS, RACE=RACE, num_warps=16)

@@ -20,6 +20,9 @@ import triton.language as tl
 
 from kernels.sample import _order_key
 
+PASS = 32768        # tokens a pass over a row reads at a time (16 warps: 128 KB in flight an SM)
+RACE = 8192         # the same for a pass that races (its noise's registers: 32768 spilled 1.8 KB a thread)
+
 
 @triton.jit
 def _mass_over(row_ptr, V, floor, top, a, PASS: tl.constexpr):
