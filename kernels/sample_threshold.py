@@ -28,7 +28,6 @@ NONE = -2147483648          # the threshold of a row that keeps every token (no 
 BLOCK = 32768               # tokens a pass over a row reads at a time (16 warps: 128 KB in flight an SM)
 _MIN = tl.constexpr(NONE)   # int32 literals (a bare -2147483648 would be a 64-bit one)
 _MAX = tl.constexpr(2147483647)
-_NEG_INF_KEY = tl.constexpr(-2139095041)   # the order key of -inf
 
 
 @triton.jit
@@ -56,7 +55,7 @@ def _mass_from(row_ptr, V, lowest, a, b, COUNT: tl.constexpr, BLOCK: tl.constexp
 def _bisect(row_ptr, V, hi, floor, target, a, b, COUNT: tl.constexpr, BLOCK: tl.constexpr):
     """The smallest key k <= hi (the caller knows hi qualifies) such that the tokens >= floor whose key is above
     k weigh less than target: the key of the row's smallest kept token. Each step a pass over the row."""
-    lo = hi.to(tl.int64) * 0 + _NEG_INF_KEY
+    lo = hi.to(tl.int64) * 0 - 2139095041                              # the order key of -inf
     hi = hi.to(tl.int64)
     while lo < hi:
         mid = lo + (hi - lo) // 2

@@ -6,9 +6,9 @@ after a preemption (recompute does not sample again). A batch of greedy rows alo
 a sampled row, on a GPU, every row is chosen by `kernels.sample` (two launches for the whole batch: greedy rows
 an argmax, sampled ones an exponential race on counter-based noise); rows with top-k or top-p draw only above a
 threshold per row (`kernels.sample_threshold`: a top-k of candidates and one pass over the row, no sort of the
-vocabulary). On the CPU the same race draws its noise from a `torch.Generator` seeded with the row's draw seed,
-rows with top-k or top-p masked first by a sort (`apply_top_k_top_p`, the reference; at a tie on the threshold
-the GPU keeps every tied token).
+vocabulary; every token tied with the threshold is kept). On the CPU a row keeps the same tokens (ties at the
+boundary: some of them) and draws one by inverse CDF with a `torch.Generator` seeded with the row's draw seed
+(`sampler_cpu`): seeded CPU and GPU runs give different tokens, each repeatable.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import os
 import torch
 
 from compute_service.engine.host_lists import to_device
+from compute_service.engine.sampler_cpu import draw
 from compute_service.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -30,20 +31,6 @@ def draw_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] float32, top_k [N] int64 (0 = off), top_p [N] float32 -> masked logits (-inf)."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k, vocab)
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    outside = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def top_p_race_enabled() -> bool:
@@ -93,18 +80,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
                                         cands)
         return choose_tokens(logits, to_device(temps, torch.float32, dev), to_device(row_seeds, torch.int64, dev),
                              thresholds, None if nucleus is None else to_device(nucleus, torch.float32, dev))
-    work = logits
-    if filtered:                                   # masked on a copy: callers may keep the step's logits
-        idx = torch.tensor(filtered, dtype=torch.int64)
-        scale = torch.tensor([temps[i] for i in filtered], dtype=torch.float32)
-        top_k = torch.tensor([max(params[i].top_k, 0) for i in filtered], dtype=torch.int64)
-        top_p = torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32)
-        work = logits.clone()
-        work[idx] = apply_top_k_top_p(logits[idx] / scale[:, None], top_k, top_p)
-        for i in filtered:
-            temps[i] = 1.0                        # the masked rows are already divided by their temperature
-    tokens = work.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1)
     for i in sampled:
-        u = torch.rand(work.shape[-1], generator=torch.Generator().manual_seed(row_seeds[i]))
-        tokens[i] = (work[i] / temps[i] - torch.log(-torch.log(u))).argmax()
+        tokens[i] = draw(logits[i], temps[i], params[i].top_k, params[i].top_p, row_seeds[i])
     return tokens

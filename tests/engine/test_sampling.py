@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from compute_service.engine.errors import InvalidRequestError
-from compute_service.engine.sampler import apply_top_k_top_p, draw_seed, sample_tokens
+from compute_service.engine.sampler import draw_seed, sample_tokens
+from compute_service.engine.sampler_cpu import CANDIDATES, kept_tokens
 from compute_service.engine.sampling_params import SamplingParams
 
 
@@ -32,16 +33,49 @@ def test_greedy_is_argmax_and_ignores_seeds():
     assert sample(logits, [p] * 4, [1, 2, 3, 4]) == logits.argmax(-1).tolist()
 
 
-def test_top_k_and_top_p_keep_the_right_tokens():
-    logits = torch.randn(3, 40)
-    masked = apply_top_k_top_p(logits, torch.tensor([3, 0, 0]), torch.tensor([1.0, 1.0, 0.5]))
-    assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == set(logits[0].topk(3).indices.tolist())
-    assert torch.isfinite(masked[1]).all()
-    probs = logits[2].softmax(-1)
-    order = probs.argsort(descending=True)
-    keep = int((probs[order].cumsum(0) < 0.5).sum()) + 1       # smallest prefix reaching 0.5
-    assert set(torch.isfinite(masked[2]).nonzero().flatten().tolist()) == set(order[:keep].tolist())
-    assert torch.equal(masked[0][torch.isfinite(masked[0])], logits[0][torch.isfinite(masked[0])])
+def _nucleus(scaled: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The float64 sort's kept set: top-k, then the smallest prefix whose renormalized mass reaches top_p."""
+    vals, order = scaled.double().sort(descending=True)
+    n = top_k if top_k > 0 else len(vals)
+    probs = vals[:n].softmax(0)
+    return set(order[:int(((probs.cumsum(0) - probs) < top_p).sum())].tolist())
+
+
+@pytest.mark.parametrize("scale, top_k, top_p", [
+    (3.0, 3, 1.0), (3.0, 0, 0.5), (3.0, 10, 0.6), (0.2, 0, 0.9),      # 0.2: a nucleus wider than the candidates
+    (0.2, 2000, 0.7), (3.0, 0, 1e-6),                                 # top-k above the candidates; the top alone
+])
+def test_kept_tokens_are_the_sorts(scale, top_k, top_p):
+    torch.manual_seed(int(scale * 10) + top_k)
+    scaled = torch.randn(5000) * scale
+    vals, ids = kept_tokens(scaled, top_k, top_p)
+    assert set(ids.tolist()) == _nucleus(scaled, top_k, top_p)
+    assert torch.equal(vals, scaled[ids]) and bool((vals[:-1] >= vals[1:]).all())
+    if scale < 1 and top_k == 0:
+        assert len(ids) > CANDIDATES
+
+
+def test_no_top_k_or_top_p_keeps_every_token():
+    scaled = torch.randn(100)
+    vals, ids = kept_tokens(scaled, 0, 1.0)
+    assert ids is None and vals is scaled
+    assert kept_tokens(scaled, 100, 1.0)[1] is None and kept_tokens(scaled, -1, 1.0)[1] is None
+
+
+def test_top_p_draws_follow_the_renormalized_law():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.06, 0.04]]))
+    p = SamplingParams(temperature=1.0, top_p=0.85)                  # the first three (0.9 of the mass)
+    counts = torch.bincount(torch.tensor([sample(logits, [p], [5], [i])[0] for i in range(3000)]), minlength=5)
+    assert counts[3] == 0 and counts[4] == 0
+    assert torch.allclose(counts / 3000, torch.tensor([0.4, 0.3, 0.2, 0, 0]) / 0.9, atol=0.03)
+
+
+def test_infinite_and_nan_rows_give_their_argmax():
+    logits = torch.randn(2, 20)
+    logits[0, 4] = float("inf")
+    logits[1] = float("-inf")
+    p = SamplingParams(temperature=0.7, top_p=0.9)
+    assert sample(logits, [p, p], [1, 2]) == [4, 0]
 
 
 def test_top_k_draws_only_from_the_top_k_and_leaves_the_logits():
