@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -89,7 +90,8 @@ def main() -> None:
         res: dict = gpu_run_header(dev, args.commit)
         bandwidth = res.get("copy_bandwidth_Bps")
     else:
-        res, bandwidth = {"device": "cpu", "commit": args.commit}, None
+        res, bandwidth = {"device": "cpu", "commit": args.commit, "torch_threads": torch.get_num_threads(),
+                          "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}, None
     res.update(vocab=args.vocab, iters=args.iters, cases={})
     for b in (int(v) for v in args.batches.split(",")):
         for name, params in CASES.items():
