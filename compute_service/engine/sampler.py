@@ -81,6 +81,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         return choose_tokens(logits, to_device(temps, torch.float32, dev), to_device(row_seeds, torch.int64, dev),
                              thresholds, None if nucleus is None else to_device(nucleus, torch.float32, dev))
     tokens = logits.argmax(dim=-1)
-    for i in sampled:
-        tokens[i] = draw(logits[i], temps[i], params[i].top_k, params[i].top_p, row_seeds[i])
+    drawn = draw(logits[sampled], [temps[i] for i in sampled], [params[i].top_k for i in sampled],
+                 [params[i].top_p for i in sampled], [row_seeds[i] for i in sampled])
+    tokens[sampled] = torch.tensor(drawn, dtype=tokens.dtype)
     return tokens

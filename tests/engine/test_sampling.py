@@ -47,19 +47,22 @@ def _nucleus(scaled: torch.Tensor, top_k: int, top_p: float) -> set[int]:
 ])
 def test_kept_tokens_are_the_sorts(scale, top_k, top_p):
     torch.manual_seed(int(scale * 10) + top_k)
-    scaled = torch.randn(5000) * scale
-    vals, ids = kept_tokens(scaled, top_k, top_p)
-    assert set(ids.tolist()) == _nucleus(scaled, top_k, top_p)
-    assert torch.equal(vals, scaled[ids]) and bool((vals[:-1] >= vals[1:]).all())
+    scaled = torch.randn(3, 5000) * scale
+    scaled[1] *= 8                                                    # a peaked row beside it
+    kept = kept_tokens(scaled, [top_k, top_k, 0], [top_p, top_p, 1.0])
+    for r in range(2):
+        vals, ids = kept[r]
+        assert set(ids.tolist()) == _nucleus(scaled[r], top_k, top_p), r
+        assert torch.equal(vals, scaled[r][ids]) and bool((vals[:-1] >= vals[1:]).all())
+    assert kept[2][1] is None
     if scale < 1 and top_k == 0:
-        assert len(ids) > CANDIDATES
+        assert len(kept[0][1]) > CANDIDATES
 
 
 def test_no_top_k_or_top_p_keeps_every_token():
-    scaled = torch.randn(100)
-    vals, ids = kept_tokens(scaled, 0, 1.0)
-    assert ids is None and vals is scaled
-    assert kept_tokens(scaled, 100, 1.0)[1] is None and kept_tokens(scaled, -1, 1.0)[1] is None
+    scaled = torch.randn(3, 100)
+    kept = kept_tokens(scaled, [0, 100, -1], [1.0, 1.0, 1.0])
+    assert all(ids is None and torch.equal(vals, scaled[r]) for r, (vals, ids) in enumerate(kept))
 
 
 def test_top_p_draws_follow_the_renormalized_law():
