@@ -3,10 +3,10 @@ vocabulary (128256), batches of 1-64 rows, greedy rows and sampled ones (tempera
 top-k), each row with its own seed as the engine gives every request. Each call is timed from its launch to
 its tokens being ready (CUDA events around it, the host's launch work inside: a step pays both), median of
 `--iters`, the logits rotated over 4 copies; and the GPU's part alone (the call queued behind a spin, as the
-engine queues it behind the step's graph). The bytes a call must read (the logits once) over copy bandwidth is
-the floor; the benchmarks elsewhere run greedy requests only. Rows are randn * 4 (a top-p 0.9 nucleus of ~90
-tokens at temperature 0.8; the runs up to 5ab306d drew randn * 3, ~1100 kept), and for `top_p_flat`
-randn * 0.5 (~95,000 kept: the threshold's exact path).
+engine queues it behind the step's graph), with the host's part alone (the time the call takes to return). The
+bytes a call must read (the logits once) over copy bandwidth is the floor; the benchmarks elsewhere run greedy
+requests only. Rows are randn * 4 (a top-p 0.9 nucleus of ~90 tokens at temperature 0.8; the runs up to 5ab306d
+drew randn * 3, ~1100 kept), and for `top_p_flat` randn * 0.5 (~95,000 kept: the threshold's exact path).
 
     python3 bench/sampler_cost.py --commit "$(git rev-parse --short HEAD)" --out bench/results/sampler_cost.json
     python3 bench/sampler_cost.py --device cpu --batches 1,8 --vocab 4096 --iters 3 --out s.json   # checks the script
@@ -51,12 +51,14 @@ def nucleus_tokens(logits: torch.Tensor, params: SamplingParams) -> int:
     return int(((probs.cumsum(-1) - probs) < params.top_p).sum(-1).median())
 
 
-def time_call(fn, dev: torch.device, iters: int, behind_gpu_work: bool = False) -> float:
+def time_call(fn, dev: torch.device, iters: int, behind_gpu_work: bool = False,
+              host: list[float] | None = None) -> float:
     """Median µs of `fn(i)` from launch to completion. `behind_gpu_work`: queued behind a ~2 ms spin, so its
     launches are all queued before the GPU reaches them and the events time the GPU's work alone (in the engine
-    the sampler's launches are queued behind the step's graph the same way)."""
+    the sampler's launches are queued behind the step's graph the same way); `host` then gets the median µs the
+    call took to return (its host work: what an engine step pays on the host)."""
     fn(0)
-    times = []
+    times, returned = [], []
     for i in range(iters):
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -64,7 +66,9 @@ def time_call(fn, dev: torch.device, iters: int, behind_gpu_work: bool = False) 
                 torch.cuda._sleep(4_000_000)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn(i)
+            returned.append((time.perf_counter() - t0) * 1e6)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
@@ -72,6 +76,8 @@ def time_call(fn, dev: torch.device, iters: int, behind_gpu_work: bool = False) 
             t0 = time.perf_counter()
             fn(i)
             times.append((time.perf_counter() - t0) * 1e6)
+    if host is not None and returned:
+        host.append(statistics.median(returned))
     return statistics.median(times)
 
 
@@ -101,11 +107,15 @@ def main() -> None:
             def call(i: int) -> None:
                 sample_tokens(copies[i % 4], [params] * b, seeds, [40 + i] * b)
             us = time_call(call, dev, args.iters)
-            gpu_us = time_call(call, dev, args.iters, behind_gpu_work=True) if dev.type == "cuda" else None
+            host: list[float] = []
+            gpu_us = time_call(call, dev, args.iters, True, host) if dev.type == "cuda" else None
             floor_us = None if bandwidth is None else b * args.vocab * 4 / bandwidth * 1e6
             kept = nucleus_tokens(copies[0], params)
-            res["cases"][f"{name}:{b}"] = {"us": us, "gpu_us": gpu_us, "floor_us": floor_us, "kept_tokens": kept}
-            print(f"{name:12s} batch {b:3d}: {us:9.1f} us" + ("" if gpu_us is None else f", GPU {gpu_us:8.1f} us")
+            host_us = host[0] if host else None
+            res["cases"][f"{name}:{b}"] = {"us": us, "gpu_us": gpu_us, "host_us": host_us, "floor_us": floor_us,
+                                           "kept_tokens": kept}
+            print(f"{name:12s} batch {b:3d}: {us:9.1f} us" + ("" if gpu_us is None else
+                                                              f", GPU {gpu_us:8.1f} us, host {host_us:8.1f} us")
                   + ("" if floor_us is None else f" (floor {floor_us:.2f})") + (f", {kept} kept" if kept else ""),
                   flush=True)
     args.out.write_text(json.dumps(res, indent=1))
