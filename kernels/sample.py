@@ -94,7 +94,8 @@ def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds
     if sampled:
         assert seeds is not None and temps.shape == (n,) and seeds.shape == (n,)
     filtered, nucleus = thresholds is not None, top_p is not None
-    assert not nucleus or sampled
+    assert not nucleus or (sampled and top_p.shape == (n,) and top_p.dtype == torch.float32)
+    assert not filtered or (thresholds.shape == (n,) and thresholds.dtype == torch.int32)
     stats = torch.empty(n, chunks, 2, dtype=torch.float32, device=logits.device) if nucleus else keys
     _chunk_kernel[(n, chunks)](logits, logits.stride(0), vocab, temps if sampled else keys,
                                seeds if sampled else keys, thresholds if filtered else keys,

@@ -118,18 +118,31 @@ def row_thresholds(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor
                    top_p: torch.Tensor, cands: int) -> torch.Tensor:
     """logits [N, V] (rows contiguous); for the F rows `rows` [F] int64 (ascending), their temps [F] float32 (> 0),
     top_k [F] int32 (0 = off) and top_p [F] float32 (1 = off) -> thresholds [N] int32 on the logits' device (NONE
-    for rows not listed), not waited for. `cands`: candidates a row (`candidates_for`)."""
+    for rows not listed), not waited for. `cands`: candidates a row (`candidates_for`).
+
+    Semantics, row i = rows[f] (ties at the threshold all kept):
+        s = logits[i] / temps[f]; keep = s >= s.topk(top_k[f]).values[-1] if 0 < top_k[f] < V else all tokens
+        p = softmax(s[keep]) by value, largest first; kept = the smallest such prefix with mass >= top_p[f]
+        thresholds[i] = order_key(min(logits[i][kept]))        # NONE where every token stays
+    """
     n, vocab = logits.shape
+    f = rows.numel()
+    if rows.dtype != torch.int64 or temps.dtype != torch.float32 or top_k.dtype != torch.int32 \
+            or top_p.dtype != torch.float32:
+        raise TypeError("rows int64, temps float32, top_k int32, top_p float32")
+    if temps.shape != (f,) or top_k.shape != (f,) or top_p.shape != (f,) or f > n:
+        raise ValueError(f"rows, temps, top_k and top_p are [F] with F <= {n}: {rows.shape}, {temps.shape}, "
+                         f"{top_k.shape}, {top_p.shape}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    every = rows.numel() == n
+    every = f == n
     thr = (torch.empty(n, dtype=torch.int32, device=logits.device) if every
            else torch.full((n,), NONE, dtype=torch.int32, device=logits.device))
-    if rows.numel() == 0:
+    if f == 0:
         return thr
     cands = min(cands, vocab)
     picked = logits if every else logits.index_select(0, rows)
     top = picked.topk(cands, dim=-1).values.contiguous()
-    _threshold_kernel[(rows.numel(),)](logits, logits.stride(0), vocab, rows, top, cands, temps, top_k, top_p, thr,
-                                       CAND=triton.next_power_of_2(cands), BLOCK=BLOCK, num_warps=16)
+    _threshold_kernel[(f,)](logits, logits.stride(0), vocab, rows, top, cands, temps, top_k, top_p, thr,
+                            CAND=triton.next_power_of_2(cands), BLOCK=BLOCK, num_warps=16)
     return thr

@@ -138,6 +138,16 @@ def test_an_infinite_logit_is_the_token_drawn(device):
     assert tokens.tolist() == [37, 0]
 
 
+def test_wrong_dtypes_and_shapes_are_refused():
+    logits = torch.randn(2, 100)
+    ok = dict(rows=torch.tensor([0, 1]), temps=torch.ones(2), top_k=torch.zeros(2, dtype=torch.int32),
+              top_p=torch.full((2,), 0.9), cands=64)
+    with pytest.raises(TypeError):
+        row_thresholds(logits, **{**ok, "top_k": torch.zeros(2, dtype=torch.int64)})
+    with pytest.raises(ValueError):
+        row_thresholds(logits, **{**ok, "top_p": torch.full((3,), 0.9)})
+
+
 def test_candidate_counts():
     assert candidates_for([50], False, 128256) == 64
     assert candidates_for([0, 200], False, 128256) == 1024
