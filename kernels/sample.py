@@ -33,6 +33,24 @@ def _order_key(v):
 
 
 @triton.jit
+def _race_value(v, t, seed, offs):
+    """A sampled token's value in the exponential race: logit / t - log(E), E = -log(u), u uniform from the row's
+    draw seed at the token's index (`offs`). Every race over a row (`kernels.sample_nucleus` too) draws this noise."""
+    return v / t - tl.log(-tl.log(tl.rand(seed, offs)))
+
+
+@triton.jit
+def _chunks_winner(keys_ptr, idx_ptr, row, CHUNKS, BLOCK: tl.constexpr):
+    """The row's token from its chunks' largest keys and their first indices: the first chunk holding the row's
+    largest key gives it (int32)."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < CHUNKS
+    key = tl.load(keys_ptr + row * CHUNKS + offs, mask=mask, other=-2147483648)
+    idx = tl.load(idx_ptr + row * CHUNKS + offs, mask=mask, other=2147483647)
+    return tl.min(tl.where(key == tl.max(key, 0), idx, 2147483647), 0)
+
+
+@triton.jit
 def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, thr_ptr, top_p_ptr, stats_ptr, keys_ptr, idx_ptr,
                   CHUNKS, SAMPLED: tl.constexpr, FILTERED: tl.constexpr, NUCLEUS: tl.constexpr,
                   CHUNK: tl.constexpr):
@@ -53,8 +71,7 @@ def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, thr_ptr, top_p_pt
     if SAMPLED:
         t = tl.load(temps_ptr + row)
         if t > 0.0:
-            u = tl.rand(tl.load(seeds_ptr + row), offs)
-            v = v / t - tl.log(-tl.log(u))
+            v = _race_value(v, t, tl.load(seeds_ptr + row), offs)
     key = tl.where(mask, _order_key(v), -2147483648)
     best = tl.max(key, 0)
     first = tl.min(tl.where(key == best, offs, 2147483647), 0)
@@ -65,12 +82,7 @@ def _chunk_kernel(logits_ptr, stride, V, temps_ptr, seeds_ptr, thr_ptr, top_p_pt
 @triton.jit
 def _row_kernel(keys_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < CHUNKS
-    key = tl.load(keys_ptr + row * CHUNKS + offs, mask=mask, other=-2147483648)
-    idx = tl.load(idx_ptr + row * CHUNKS + offs, mask=mask, other=2147483647)
-    best = tl.max(key, 0)
-    tl.store(out_ptr + row, tl.min(tl.where(key == best, idx, 2147483647), 0).to(tl.int64))
+    tl.store(out_ptr + row, _chunks_winner(keys_ptr, idx_ptr, row, CHUNKS, BLOCK).to(tl.int64))
 
 
 def choose_tokens(logits: torch.Tensor, temps: torch.Tensor | None = None, seeds: torch.Tensor | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.sample import _order_key
+from kernels.sample import _chunks_winner, _order_key, _race_value
 
 PASS = 32768        # tokens a pass over a row reads at a time (16 warps: 128 KB in flight an SM)
 RACE = 8192         # the same for a pass that races (its noise's registers: 32768 spilled 1.8 KB a thread)
@@ -47,8 +47,7 @@ def _race_over(row_ptr, V, floor, t, seed, RACE: tl.constexpr):
         mask = offs < V
         v = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
         inside = mask & (_order_key(v) > above)
-        u = tl.rand(seed, offs)
-        key = tl.where(inside, _order_key(v / t - tl.log(-tl.log(u))), -2147483647 - 1)
+        key = tl.where(inside, _order_key(_race_value(v, t, seed, offs)), -2147483647 - 1)
         top = tl.max(key, 0)
         at = tl.min(tl.where(key == top, offs, 2147483647), 0)
         if top > best:
@@ -63,15 +62,13 @@ def nucleus_row_kernel(keys_ptr, idx_ptr, out_ptr, CHUNKS, logits_ptr, stride, V
     """A program per row: the race's winner from the chunks' (as `kernels.sample._row_kernel`), then, for a row
     with top_p < 1, checked against its nucleus and raced again above it while outside."""
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < CHUNKS
-    key = tl.load(keys_ptr + row * CHUNKS + offs, mask=mask, other=-2147483647 - 1)
-    idx = tl.load(idx_ptr + row * CHUNKS + offs, mask=mask, other=2147483647)
-    tok = tl.min(tl.where(key == tl.max(key, 0), idx, 2147483647), 0)
+    tok = _chunks_winner(keys_ptr, idx_ptr, row, CHUNKS, BLOCK)
     p = tl.load(top_p_ptr + row)
     if p < 1.0:
         t = tl.load(temps_ptr + row)
         a = 1.4426950408889634 / t
+        offs = tl.arange(0, BLOCK)
+        mask = offs < CHUNKS
         m = tl.load(stats_ptr + (row * CHUNKS + offs) * 2, mask=mask, other=float("-inf"))
         s = tl.load(stats_ptr + (row * CHUNKS + offs) * 2 + 1, mask=mask, other=0.0)
         top = tl.max(m, 0)

@@ -57,12 +57,11 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
     row_seeds = [0] * len(params)
     for i in sampled:
         row_seeds[i] = draw_seed(seeds[i], indices[i])
-    dev = logits.device
     if logits.is_cuda:
         from kernels.sample import choose_tokens
         from kernels.sample_threshold import candidates_for, row_thresholds
 
-        thresholds = nucleus = None
+        dev, thresholds, nucleus = logits.device, None, None
         if filtered and top_p_race_enabled():     # top-p alone: the race's winner checked against the nucleus
             nucleus = [1.0] * len(params)
             for i in filtered:
