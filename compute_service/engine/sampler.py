@@ -4,15 +4,17 @@ A sampled row's noise comes only from its request's seed and the index of the to
 seeded request gives the same tokens whatever else is in the batch, in whatever step its tokens come, and
 after a preemption (recompute does not sample again). A batch of greedy rows alone is the library's argmax. With
 a sampled row, on a GPU, every row is chosen by `kernels.sample` (two launches for the whole batch: greedy rows
-an argmax, sampled ones an exponential race on counter-based noise); rows with top-k or top-p draw only above a
-threshold per row (`kernels.sample_threshold`: a top-k of candidates and one pass over the row, no sort of the
-vocabulary; every token tied with the threshold is kept). On the CPU a row keeps the same tokens (ties at the
-boundary: some of them) and draws one by inverse CDF with a `torch.Generator` seeded with the row's draw seed
-(`sampler_cpu`): seeded CPU and GPU runs give different tokens, each repeatable.
+an argmax, sampled ones an exponential race on counter-based noise). Rows with top-k draw only above a threshold
+per row (`kernels.sample_threshold`: a top-k of candidates and one pass over the row, no sort of the vocabulary;
+every token tied with the threshold is kept). Rows with top-p alone keep the race's winner where it lies inside
+the nucleus and race again above it where not (`kernels.sample_nucleus`: the token a threshold would give,
+without the candidates' `torch.topk`; H200, GPU µs at batch 1 / 8 / 64 against the threshold: 121 / 130 / 270
+-> 29 / 142 / 198, a flat row's wide nucleus 362 / 374 / 522 -> 29 / 142 / 198; bench/results/sampler_cost.json).
+On the CPU a row keeps the same tokens (ties at the boundary: some of them) and draws one by inverse CDF with a
+`torch.Generator` seeded with the row's draw seed (`sampler_cpu`): seeded CPU and GPU runs give different
+tokens, each repeatable.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -31,15 +33,6 @@ def draw_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-def top_p_race_enabled() -> bool:
-    """LORAPLEX_TOP_P_RACE=1: on a GPU, rows with top-p and no top-k keep the race's winner when it is inside the
-    nucleus and race again above it when not (`kernels.sample_nucleus`: no `torch.topk`, one pass over the row
-    where the winner is inside), instead of drawing under a threshold from candidates
-    (`kernels.sample_threshold`). The same tokens either way (tests/kernels/test_sample_nucleus.py). Off until
-    timed on a GPU (`bench/sampler_cost.py` with it set and unset)."""
-    return os.environ.get("LORAPLEX_TOP_P_RACE", "0") == "1"
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
@@ -62,7 +55,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         from kernels.sample_threshold import candidates_for, row_thresholds
 
         dev, thresholds, nucleus = logits.device, None, None
-        if filtered and top_p_race_enabled():     # top-p alone: the race's winner checked against the nucleus
+        if filtered:                               # top-p alone: the race's winner checked against the nucleus
             nucleus = [1.0] * len(params)
             for i in filtered:
                 if params[i].top_k <= 0:
@@ -70,7 +63,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
             filtered = [i for i in filtered if params[i].top_k > 0]
             nucleus = nucleus if min(nucleus) < 1.0 else None
         if filtered:                               # each filtered row's threshold key: no sort of the vocabulary
-            top_ks = [max(params[i].top_k, 0) for i in filtered]
+            top_ks = [params[i].top_k for i in filtered]
             top_ps = [params[i].top_p for i in filtered]
             cands = candidates_for(top_ks, min(top_ps) < 1.0, logits.shape[-1])
             thresholds = row_thresholds(logits, to_device(filtered, torch.int64, dev),

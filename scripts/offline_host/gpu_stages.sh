@@ -157,13 +157,11 @@ case "$stage" in
     bf=serve_load_8b_w4_bf16${MAX_LORA_RANK:+_r$MAX_LORA_RANK}$sampled
     python3 bench/serve_load.py $common --out "$out/$bf.json" --plot "$out/$bf.png" > "$out/serve_8b_bf16.log" 2>&1
     tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
-  sampler-ab)       # the top-p paths, threshold (0) and race (1); tests/kernels/test_sample_nucleus.py first
+  sampler)          # the sampler's GPU tests, then bench/sampler_cost.py
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sample_nucleus.py \
-      tests/kernels/test_sample_threshold.py 2>&1 | tail -3 | tee "$out/$stage.log"
-    for v in 0 1; do
-      LORAPLEX_TOP_P_RACE=$v python3 bench/sampler_cost.py --commit "$commit LORAPLEX_TOP_P_RACE=$v" \
-        --out "$out/sampler_cost_race_$v.json" 2>&1 | tail -16 | tee -a "$out/$stage.log"
-    done ;;
+      tests/kernels/test_sample_threshold.py tests/kernels/test_sample.py 2>&1 | tail -3 | tee "$out/$stage.log"
+    python3 bench/sampler_cost.py --commit "$commit" --out "$out/sampler_cost.json" 2>&1 | tail -16 \
+      | tee -a "$out/$stage.log" ;;
   gemv-sweep)
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_8b_rows1.json" --only 8b --rows 1 2>&1 \
       | cut -c1-150 | tee "$out/$stage.log" ;;

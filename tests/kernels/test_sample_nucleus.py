@@ -1,14 +1,14 @@
-"""kernels/sample_nucleus.py (LORAPLEX_TOP_P_RACE): a top-p row's token, the race's winner checked against the
-nucleus and raced again above it while outside, is the token the threshold path draws with the same seed
-(peaked rows, flat ones whose winner often falls outside, small and large p), with greedy and plain sampled rows
-beside it unchanged, and a row of -inf alone ending at its first token (the renormalized law: test_sample_threshold.py,
-both paths). CPU in Triton's interpreter; GPU at the 8B's vocabulary."""
+"""kernels/sample_nucleus.py (the engine's path for rows with top-p alone): a top-p row's token, the race's
+winner checked against the nucleus and raced again above it while outside, is the token the threshold path draws
+with the same seed (peaked rows, flat ones whose winner often falls outside, small and large p), with greedy and
+plain sampled rows beside it unchanged, and a row of -inf alone ending at its first token (the renormalized law:
+test_sample_threshold.py, both paths). CPU in Triton's interpreter; GPU at the 8B's vocabulary."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from compute_service.engine.sampler import sample_tokens
+from compute_service.engine.sampler import draw_seed, sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
 from kernels.sample import choose_tokens
 from kernels.sample_threshold import candidates_for, row_thresholds
@@ -64,7 +64,9 @@ def test_mixed_rows_and_a_row_of_minus_infinity(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_sampler_switch_gives_the_same_tokens(monkeypatch):
+def test_engine_sampler_draws_what_thresholds_give():
+    """The engine's sampler (top-p-alone rows by the race, top-k rows by a threshold) against every filtered row
+    drawn under its threshold, greedy and plain rows beside them."""
     torch.manual_seed(6)
     logits = torch.randn(8, 128256, device="cuda") * 4
     params = [SamplingParams(temperature=0.8, top_p=0.9)] * 4 + [SamplingParams(temperature=0.8, top_k=50),
@@ -72,7 +74,14 @@ def test_gpu_sampler_switch_gives_the_same_tokens(monkeypatch):
                                                                SamplingParams(temperature=0.0),
                                                                SamplingParams(temperature=1.0)]
     seeds, indices = list(range(8)), [30] * 8
-    monkeypatch.setenv("LORAPLEX_TOP_P_RACE", "0")
-    off = sample_tokens(logits, params, seeds, indices).tolist()
-    monkeypatch.setenv("LORAPLEX_TOP_P_RACE", "1")
-    assert sample_tokens(logits, params, seeds, indices).tolist() == off
+    got = sample_tokens(logits, params, seeds, indices).tolist()
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    row_seeds = torch.tensor([draw_seed(s, i) for s, i in zip(seeds, indices)], dtype=torch.int64, device=dev)
+    thr = row_thresholds(logits, torch.arange(6, device=dev), temps[:6],
+                         torch.tensor([p.top_k for p in params[:6]], dtype=torch.int32, device=dev),
+                         torch.tensor([p.top_p for p in params[:6]], device=dev), 1024)
+    want = choose_tokens(logits[:6], temps[:6], row_seeds[:6], thr).tolist()
+    assert got[:6] == want
+    assert got[6] == logits[6].argmax().item()
+    assert got[7] == choose_tokens(logits[7:], temps[7:], row_seeds[7:]).item()
