@@ -172,6 +172,14 @@ case "$stage" in
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma \
       ${TMA_SHAPES:+--shapes $TMA_SHAPES} 2>&1 \
       | cut -c1-200 | tee "$out/$stage.log" ;;
+  decode-env-ab)   # bench/quant_decode.py --labels int4 once per value of AB_ENV in AB_VALUES ("-": unset), in order
+    i=0
+    for v in ${AB_VALUES:?}; do
+      i=$((i + 1)); [ "$v" = "-" ] && v=""
+      env "${AB_ENV:?}=$v" timeout "${AB_TIMEOUT:-200}" python3 bench/quant_decode.py --labels int4 \
+        --commit "$commit $AB_ENV=$v" --batches "${BATCHES:-1,8}" --out "$out/decode_ab_${i}_${v:-unset}.json" 2>&1 \
+        | grep -E "tpot|T=   1 |rror" | tail -12 | tee -a "$out/$stage.log"
+    done ;;
   tma-decode)
     for v in "" ${TMA_VARIANTS:-4 4,1}; do
       LORAPLEX_H2_TMA="$v" timeout 200 python3 bench/quant_decode.py --commit "$commit${v:+ LORAPLEX_H2_TMA=$v}" \
