@@ -165,7 +165,7 @@ def quant_matmul(
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
-                                EVEN_N=h2 and N % cfg.block_n == 0, **pdl, **_gemv_bound(h2 and x.is_cuda))
+                                EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
     else:
         stages = _tile_stages(cfg) if pairs and paired else 0
         if stages > 0 and _tma_capable(x):      # the words by TMA, a half block a step (`kernels.quant_mma_tma`)
@@ -237,16 +237,6 @@ def tma_override() -> tuple[int, bool] | None:
     if stages != 0 and not 2 <= stages <= 8:
         raise ValueError(f"{TMA_ENV}: stages must be 0 (off) or 2-8, got {stages}")
     return stages, ahead
-
-
-GEMV_MAXNREG_ENV = "LORAPLEX_GEMV_MAXNREG"
-
-
-def _gemv_bound(h2: bool) -> dict:
-    """The one-row register-set kernel's register bound on its float16-pairs path: LORAPLEX_GEMV_MAXNREG (for A/B
-    runs of the engine; 64-255) where set, else none (the compiler's own count)."""
-    bound = env_int(GEMV_MAXNREG_ENV, lambda v: 64 <= v <= 255, "a register count 64-255") if h2 else None
-    return {} if bound is None else {"maxnreg": bound}
 
 
 TILE_TMA_ENV = "LORAPLEX_TILE_TMA"
