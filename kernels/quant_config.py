@@ -91,8 +91,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     two-register-set float16-pairs path): 128-feature programs, split to about three programs an SM or fewer
     (one wave at the in-launch sum's 168 registers; the deferred sum's 193 fit two an SM, and bounding them
     to 168 changed nothing, bench/results/gemv_maxnreg_ab.json), at most 16 (H200 sweep of the 8B shapes over
-    32/64/128 features and splits 1-16, bench/results/quant_sweep_8b_rows1.json: q/k/v 7.6 us at split 8 against 9.5 at the two-an-SM rule's
-    4; o and down 6.9 / 16.1 at 8, each the fastest; gate/up 28.9 at 1, the fastest 27.9). `beside_lora` (a LoRA
+    32/64/128 features and splits 1-16, bench/results/quant_sweep_8b_rows1.json: q/k/v 7.6 us at split 8
+    against 9.5 at the two-an-SM rule's 4; o and down 6.9 / 16.1 at 8, each the fastest; gate/up 28.9 at 1, the
+    fastest 27.9). `beside_lora` (a LoRA
     launch runs beside the call: at one row the fused launch whose delta it adds, `quant_matmul`'s addend; at 2+
     rows the LoRA on a side stream, `LlamaModel._project`): at one row about two an SM, leaving
     room for that launch's programs (only q/k/v differs, 8 -> 4: H200 engine at batch 1, one run each, rank 16
