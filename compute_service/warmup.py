@@ -414,13 +414,14 @@ class _ForwardPass:
         self.model.compute_logits(hidden[-1:])
 
     def sample(self, batch: int, with_lora: bool) -> None:
-        """The sampler's launches (`kernels.sample` on a GPU) for `batch` sampled rows, with top-p and with a small
-        top-k too (`kernels.sample_threshold`'s two candidate counts; a batch of greedy rows alone launches the
-        library's argmax only). `with_lora`: unused, the compile tasks' shape."""
+        """The sampler's launches (`kernels.sample` on a GPU) for `batch` sampled rows: plain, top-p alone (the race
+        checked against the nucleus, `kernels.sample_nucleus`), and top-k alone and with top-p
+        (`kernels.sample_threshold`'s two candidate counts); a batch of greedy rows alone launches the library's
+        argmax only. `with_lora`: unused, the compile tasks' shape."""
         vocab = self.model.weights.lm_head.shape[0]
         logits = torch.zeros(batch, vocab, dtype=torch.float32, device=self.model.device)
         for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9),
-                       SamplingParams(temperature=0.8, top_k=50)):
+                       SamplingParams(temperature=0.8, top_k=50), SamplingParams(temperature=0.8, top_k=50, top_p=0.9)):
             sample_tokens(logits, [params] * batch, [0] * batch, [0] * batch)
 
 

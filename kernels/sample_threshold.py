@@ -12,9 +12,9 @@ kept set is wider than the candidates (top-k above `cands`, or a nucleus whose m
 finds its threshold exactly in the same program, by bisection over the order keys (each step a pass over the row,
 up to 32), so no row is cut short and nothing waits for the host.
 
-Ties at a threshold are all kept (the sort-based reference, `compute_service.engine.sampler.apply_top_k_top_p`,
-keeps an arbitrary subset of them); a row's mass sums run in float32 in the program's order, so a token whose
-cumulative mass lies within rounding of p may fall on either side.
+Ties at a threshold are all kept (a sort of the row, as the sampler did until 5ab306d, keeps an arbitrary subset
+of them); a row's mass sums run in float32 in the program's order, so a token whose cumulative mass lies within
+rounding of p may fall on either side.
 """
 from __future__ import annotations
 

@@ -45,7 +45,6 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         # (GPU 29-41) against 77-113 for the two Triton launches, bound by their host work (H200, batch 1-64,
         # bench/results/sampler_cost_4ba8ef3.json)
         return logits.argmax(dim=-1)
-    filtered = [i for i in sampled if params[i].top_k > 0 or params[i].top_p < 1.0]
     temps = [0.0 if p.greedy else p.temperature for p in params]
     row_seeds = [0] * len(params)
     for i in sampled:
@@ -55,19 +54,18 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: lis
         from kernels.sample_threshold import candidates_for, row_thresholds
 
         dev, thresholds, nucleus = logits.device, None, None
-        if filtered:                               # top-p alone: the race's winner checked against the nucleus
+        top_p_alone = [i for i in sampled if params[i].top_k <= 0 and params[i].top_p < 1.0]
+        if top_p_alone:                            # the race's winner checked against the nucleus
             nucleus = [1.0] * len(params)
-            for i in filtered:
-                if params[i].top_k <= 0:
-                    nucleus[i] = params[i].top_p
-            filtered = [i for i in filtered if params[i].top_k > 0]
-            nucleus = nucleus if min(nucleus) < 1.0 else None
-        if filtered:                               # each filtered row's threshold key: no sort of the vocabulary
-            top_ks = [params[i].top_k for i in filtered]
-            top_ps = [params[i].top_p for i in filtered]
+            for i in top_p_alone:
+                nucleus[i] = params[i].top_p
+        with_top_k = [i for i in sampled if params[i].top_k > 0]
+        if with_top_k:                             # each such row's threshold key: no sort of the vocabulary
+            top_ks = [params[i].top_k for i in with_top_k]
+            top_ps = [params[i].top_p for i in with_top_k]
             cands = candidates_for(top_ks, min(top_ps) < 1.0, logits.shape[-1])
-            thresholds = row_thresholds(logits, to_device(filtered, torch.int64, dev),
-                                        to_device([temps[i] for i in filtered], torch.float32, dev),
+            thresholds = row_thresholds(logits, to_device(with_top_k, torch.int64, dev),
+                                        to_device([temps[i] for i in with_top_k], torch.float32, dev),
                                         to_device(top_ks, torch.int32, dev), to_device(top_ps, torch.float32, dev),
                                         cands)
         return choose_tokens(logits, to_device(temps, torch.float32, dev), to_device(row_seeds, torch.int64, dev),
