@@ -8,6 +8,8 @@
 #   suite-rest       every other GPU test (engine, services, SmolLM2 end to end; ~8 minutes on an H200)
 #   suite-rest-a     its compute-service and tensor-parallel part, and suite-rest-b the rest: the same tests in
 #                    two calls, where one would come near the 10-minute limit
+#   suite-rest-b1    suite-rest-b's kernel-file and engine part, and suite-rest-b2 the rest of it (suite-rest-b with
+#                    the SmolLM2 tests came near the 10-minute limit)
 #   serve-load       bench/serve_load.py, overlapped steps (the default), then --no-async-scheduling (both sides)
 #   cold             bench/cold_adapter.py, and bench/cold_adapter_burst.py with 0 and 4 conversion workers
 #   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
@@ -124,6 +126,9 @@ case "$stage" in
   suite-rest) pytest_gpu tests $ignore $not_kernels ;;
   suite-rest-a) pytest_gpu tests/compute_service tests/parallel ;;
   suite-rest-b) pytest_gpu tests $ignore $not_kernels --ignore=tests/compute_service --ignore=tests/parallel ;;
+  suite-rest-b1) pytest_gpu tests/kernels tests/engine $not_kernels ;;
+  suite-rest-b2) pytest_gpu tests $ignore $not_kernels --ignore=tests/compute_service --ignore=tests/parallel \
+                   --ignore=tests/kernels --ignore=tests/engine ;;
   serve-load)
     python3 bench/serve_load.py --commit "$commit" --out "$out/serve_load.json" > "$out/serve_load.log" 2>&1
     python3 bench/serve_load.py --commit "$commit" --no-async-scheduling --out "$out/serve_load_plain.json" \
