@@ -15,13 +15,21 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
     python3 bench/quant_kernel_sweep.py --out tt.json --only 8b --rows 32,64,128 --tma   # the TMA-read tiles
     python3 bench/quant_kernel_sweep.py --out w.json --only 8b --rows 64,128,256,512 --wide   # 128/256-row rings
     python3 bench/quant_kernel_sweep.py --out a.json --only 8b --rows 64,128,256 --wide --after-norm   # below
-    TRITON_INTERPRET=1 python3 bench/quant_kernel_sweep.py --out s.json --smoke [--after-norm]   # CPU: the script
+    python3 bench/quant_kernel_sweep.py --out d.json --only 8b --rows 1 --defer   # one row as the engine runs it
+    TRITON_INTERPRET=1 python3 bench/quant_kernel_sweep.py --out s.json --smoke [--after-norm] [--defer]   # CPU
 
 With --after-norm each launch follows an RMSNorm launch that writes its x (and, where the config reads them, x's
 slice sums, as the engine's norms and SwiGLU do), and a config's time is that pair's less the norm's alone: a
 kernel that copies weights before its wait then overlaps a short kernel, as in a decode step, not a launch of
 itself (docs/quantization.md, "Tried at 32-256 rows"); without it the pair-codes tiles' times include their own
 launch for the sums. (The bf16, dense-path and --compare figures stay plain launches either way.)
+
+With --defer (one row; implies --after-norm) every launch that splits K leaves its partials (`defer_split`, as the
+engine's projections do) and a reader sums them after it, as in a decode step: SwiGLU (`kernels.silu_mul`) after
+q/k/v and gate/up, the norm after o and down; a config's time is then norm + projection + reader less the norm
+alone and the reader alone on a plain output (`reader_us`), i.e. the projection and what its partials add to the
+reader. Its configs (`defer_configs`) are the register-set kernel and the TMA-read kernel over features, splits and
+stages, since their split rule was swept with the sum inside the launch.
 
 Each config is recorded as [block_n, block_m, split_k, num_warps, field_dots, num_stages], then 1 for whole rows a
 thread, or 0, tma_stages, scales_ahead for the TMA-read kernels, or "ring", ring, ring_step for the
@@ -44,16 +52,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
-from kernels.quant_matmul import (QuantMatmulConfig, dense_min_rows, half_sums, pair_codes_layout,  # noqa: E402
-                                  pick_config, quant_matmul, sums_width)
+from kernels.quant_matmul import (QuantMatmulConfig, dense_min_rows, half_sums, launch_split,  # noqa: E402
+                                  pair_codes_layout, pick_config, quant_matmul, sums_width)
 from kernels.quant_pack import pack_quantized  # noqa: E402
 from kernels.rms_norm import add_rms_norm  # noqa: E402
+from kernels.silu_mul import silu_mul  # noqa: E402
+from kernels.split_sum import SplitSum  # noqa: E402
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # [N, K]
 SHAPES = {"8b": (SHAPES_8B, 128, (1, 8, 32, 64, 512)),
           "smol": ({"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}, 32,
                    (1, 8, 64)),
-          "smoke": ({"o": (64, 256)}, 128, (16,))}      # --smoke: the CPU interpreter, to check the script
+          "smoke": ({"o": (64, 256)}, 128, (16,)),      # --smoke: the CPU interpreter, to check the script
+          "smoke_defer": ({"o": (64, 1024), "gate_up": (128, 512)}, 128, (1,))}   # --smoke --defer
 SPAN = 160 * 2**20          # bytes of weight copies per graph: beyond the 50 MB L2
 EPS = 1e-5                  # --after-norm's RMSNorm
 
@@ -125,6 +136,19 @@ def tma_configs(n: int, k: int, group: int) -> list[QuantMatmulConfig]:
         C(bn, 1, s, num_warps=w, tma_stages=st, scales_ahead=a)
         for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8, 16) if s <= blocks // 2
         for st in (2, 3, 4) for a in (False, True)]
+
+
+def defer_configs(n: int, k: int, group: int, smoke: bool = False) -> list[QuantMatmulConfig]:
+    """--defer, one row: pick_config's choice, the register-set kernel over 64/128 features and splits 1-16, and the
+    TMA-read kernel over 128/256 features, splits 1-16 and 2-3 stages (scales in the step)."""
+    C = QuantMatmulConfig
+    blocks = k // 256
+    if smoke:
+        return [C(64, 1, 1), C(64, 1, 2), C(64, 1, 4)]
+    return [pick_config(1, n, k, 4, 132, group)] + [
+        C(bn, 1, s) for bn in (64, 128) for s in (1, 2, 4, 8, 16) if s <= blocks] + [
+        C(bn, 1, s, num_warps=w, tma_stages=st) for bn, w in ((128, 4), (128, 8), (256, 8))
+        for s in (1, 2, 3, 4, 8, 16) if s <= blocks // 2 for st in (2, 3)]
 
 
 def tile_tma_configs(t: int, n: int, k: int, group: int) -> list[QuantMatmulConfig]:
@@ -204,6 +228,25 @@ def old_kernel(path: Path):
     return OneRow
 
 
+def make_reader(x: torch.Tensor, n: int, name: str):
+    """--defer: the kernel that reads a one-row projection's output in a decode step (SwiGLU after q/k/v and gate/up,
+    the norm after o and down), as a function of that output (a tensor or a SplitSum); `.plain` is an output tensor
+    for timing it alone."""
+    t, dev = x.shape[0], x.device
+    if name in ("o", "down"):
+        w, out = torch.ones(n, device=dev, dtype=x.dtype), torch.empty(t, n, device=dev, dtype=x.dtype)
+
+        def read(y) -> None:
+            add_rms_norm(y, None, w, EPS, out)
+    else:
+        half = torch.empty(t, n // 2, device=dev, dtype=x.dtype)
+
+        def read(y) -> None:
+            silu_mul(y, half)
+    read.plain = torch.randn(t, n, device=dev, dtype=torch.float32).to(x.dtype)
+    return read
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -223,11 +266,17 @@ def main() -> None:
                     "the script (and its configs' outputs), no figures")
     ap.add_argument("--after-norm", action="store_true", help="each launch after an RMSNorm launch that writes its "
                     "x (and x's sums where the config reads them), timed as the pair less the norm (module docstring)")
+    ap.add_argument("--defer", action="store_true", help="one row, after a norm: split launches leave their partials "
+                    "and a reader (SwiGLU or the norm) sums them, timed with them (module docstring)")
     ap.add_argument("--group-size", type=int, help="quantization group instead of the model's (8b: 128, smol: 32); "
                     "--only 8b --group-size 32 is what a Q4_0 / Q4_K GGUF of an 8B runs")
     args = ap.parse_args()
     if args.smoke:      # tiny shape, CPU interpreter, plain timing
         args.only = "smoke"
+    if args.defer:
+        args.after_norm = True
+        if args.smoke:
+            args.only = "smoke_defer"
     time_us = wall_us if args.smoke else graph_us
     dev = torch.device("cpu" if args.smoke else "cuda")
     span = 1 if args.smoke else SPAN
@@ -274,7 +323,11 @@ def main() -> None:
                     r["old_err"] = ((oouts[0].float() - want).norm() / want.norm()).item()
                     r["old_us_first"] = time_us(old_calls)
                 found = []
-                cfgs = (wide_configs(t, n, k, group) if args.wide
+                reader = make_reader(x, n, name) if args.defer and t == 1 else None
+                if reader is not None:
+                    r["reader_us"] = time_us([lambda: reader(reader.plain)] * len(ws))
+                cfgs = (defer_configs(n, k, group, args.smoke) if reader is not None
+                        else wide_configs(t, n, k, group) if args.wide
                         else tma_configs(n, k, group) if args.tma and t == 1 else tile_tma_configs(t, n, k, group)
                         if args.tma else warps_configs(model, t) if args.warps
                         else compare_configs(model, t, n, k, group) if old is not None else configs(model, t))
@@ -291,18 +344,26 @@ def main() -> None:
                     def norm(sums=sums) -> None:
                         add_rms_norm(src, None, norm_w, EPS, x, sums=sums)
 
-                    def call(w, o, cfg=cfg, part=part, locks=locks, sums=sums) -> None:
+                    split = launch_split(cfg, ws[0]) if reader is not None else 1
+                    parts = SplitSum(part[:split * t * n].view(split, t, n), x.dtype) if split > 1 else None
+
+                    def call(w, o, cfg=cfg, part=part, locks=locks, sums=sums, parts=parts) -> None:
                         if args.after_norm:
                             norm(sums)
-                        quant_matmul(x, w, None, o, cfg, part, locks, x_sums=sums)
+                        quant_matmul(x, w, None, o, cfg, part, locks, x_sums=sums, defer_split=parts is not None)
+                        if reader is not None:
+                            reader(parts if parts is not None else o)
                     try:
                         call(ws[0], outs[0])
-                        err = ((outs[0].float() - want).norm() / want.norm()).item()
+                        got = parts.parts.sum(0).to(x.dtype) if parts is not None else outs[0]
+                        err = ((got.float() - want).norm() / want.norm()).item()
                         us = time_us([lambda w=w, i=i: call(w, outs[i % 2]) for i, w in enumerate(ws)])
                         if args.after_norm:
                             if width not in norm_us:
                                 norm_us[width] = time_us([norm] * len(ws))
                             us -= norm_us[width]
+                        if reader is not None:
+                            us -= r["reader_us"]
                     except Exception as e:  # noqa: BLE001  a config the compiler refuses: recorded, skipped
                         print(f"  {name} T={t} {cfg} failed: {e!r}"[:300], flush=True)
                         continue

@@ -63,6 +63,12 @@
 #                    choice against the asynchronous-dot kernel's 128- and 256-row tiles (DEQ), the GEMM and bf16
 #                    (quant_kernel_wide.json; ~4 minutes), then bench/quant_decode.py --labels int4 at batches
 #                    128,256 (quant_decode_wide.json; ~1 minute)
+#   defer-sweep      bench/quant_kernel_sweep.py --only 8b --rows 1 --defer: every one-row config of the 8B shapes with
+#                    its partials left to the reader after it (SwiGLU, the norm) and that reader timed with it, as the
+#                    engine runs them (quant_kernel_defer.json; pick_config's one-row rule was swept with the sum in the
+#                    launch; SWEEP_TIMEOUT, default 420 s)
+#   w4-trace-1       bench/step_profile.py on the 4-bit 8B at batch 1, base and rank 16 on every module, with a trace of
+#                    each step's first kernels (step_profile_w4_b1.json: each projection's span from its x; ~2 minutes)
 #   split-cost       bench/quant_split_cost.py: pick_config's one-row launches of the 8B shapes after a norm, summing
 #                    their split-K partials in the launch or leaving them to the next kernel (quant_split_cost.json; ~1 minute; 4614e1a: 52.0 -> 43.6 us a
 #                    layer, which the deferred sum of 6714be1 took, kernels/split_sum.py)
@@ -177,6 +183,12 @@ case "$stage" in
     python3 bench/quant_kernel_sweep.py --out "$out/quant_sweep_tma.json" --only 8b --rows 1 --tma \
       ${TMA_SHAPES:+--shapes $TMA_SHAPES} 2>&1 \
       | cut -c1-200 | tee "$out/$stage.log" ;;
+  defer-sweep)
+    timeout "${SWEEP_TIMEOUT:-420}" python3 bench/quant_kernel_sweep.py --out "$out/quant_kernel_defer.json" --only 8b \
+      --rows 1 --defer 2>&1 | cut -c1-150 | tee "$out/$stage.log" ;;
+  w4-trace-1)
+    timeout 300 python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1 --steps 10 --trace 60 \
+      --commit "$commit" --out "$out/step_profile_w4_b1.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
   decode-env-ab)   # bench/quant_decode.py --labels int4 once per value of AB_ENV in AB_VALUES ("-": unset), in order
     i=0
     for v in ${AB_VALUES:?}; do

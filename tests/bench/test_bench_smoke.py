@@ -190,6 +190,21 @@ def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
         assert "norm_us" not in case
 
 
+def test_quant_kernel_sweep_defer_smoke(tmp_path):
+    """--defer: one-row launches that split K leave their partials and the reader after them (the norm after o,
+    SwiGLU after gate/up) sums them; every config's summed output matches the fp32 reference, split or not, and the
+    reader's own time on a plain output is recorded."""
+    out = tmp_path / "sweep.json"
+    proc = _run(["bench/quant_kernel_sweep.py", "--smoke", "--defer", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert set(cases) == {"smoke_defer/o/1", "smoke_defer/gate_up/1"}
+    for case in cases.values():
+        assert "reader_us" in case and set(case["norm_us"]) == {"0"}
+        assert len(case["configs"]) == 3 and all(c["err"] < 1e-2 for c in case["configs"])
+    assert sorted(c["cfg"][2] for c in cases["smoke_defer/o/1"]["configs"]) == [1, 2, 4]
+
+
 def test_quant_split_cost_smoke(tmp_path):
     """The split-K cost probe times a split launch summing its partials and leaving them to the next kernel (the
     script itself checks that the partials sum to the output)."""
