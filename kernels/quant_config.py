@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels.env_switch import env_int
 from kernels.host_ints import cdiv, next_pow2
 from kernels.quant_pack import block_k, paired_layout
 
@@ -154,10 +155,12 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
-        if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 2
-            return QuantMatmulConfig(128, 1, max(1, min(2, num_blocks)), tma_stages=2)
-        split = pow2_floor((2 if beside_lora else 3) * num_sms // cdiv(N, 128))
-        return QuantMatmulConfig(128, 1, max(1, min(split, 16, num_blocks)))
+        swept_deferred = env_int(ONE_ROW_RULE_ENV, lambda v: v in (0, 1), "0 or 1") != 0
+        if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 4
+            return QuantMatmulConfig(128, 1, max(1, min(4 if swept_deferred else 2, num_blocks)), tma_stages=2)
+        split = max(1, min(pow2_floor((2 if beside_lora else 3) * num_sms // cdiv(N, 128)), 16, num_blocks))
+        narrow = swept_deferred and cdiv(N, 128) * split < 2 * num_sms     # o, down; q/k/v beside a LoRA
+        return QuantMatmulConfig(64 if narrow else 128, 1, split)
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
         if num_blocks < 6:      # short K: no split
@@ -191,6 +194,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
     split = 1 if T > 32 and tiles >= num_sms else 2 if tiles >= 2 * num_sms else 8 if K >= 8192 else 4
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
+
+
+ONE_ROW_RULE_ENV = "LORAPLEX_ONE_ROW_RULE"     # A/B: 0, the one-row rule as swept with the split-K sum in the launch
 
 
 def _wide_config(T: int) -> QuantMatmulConfig | None:
