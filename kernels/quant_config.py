@@ -155,11 +155,11 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
-        swept_deferred = env_int(ONE_ROW_RULE_ENV, lambda v: v in (0, 1), "0 or 1") != 0
-        if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 4
+        swept_deferred = not beside_lora and env_int(ONE_ROW_RULE_ENV, lambda v: v in (0, 1), "0 or 1") != 0
+        if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 4 (2 beside a LoRA)
             return QuantMatmulConfig(128, 1, max(1, min(4 if swept_deferred else 2, num_blocks)), tma_stages=2)
         split = max(1, min(pow2_floor((2 if beside_lora else 3) * num_sms // cdiv(N, 128)), 16, num_blocks))
-        narrow = swept_deferred and cdiv(N, 128) * split < 2 * num_sms     # o, down; q/k/v beside a LoRA
+        narrow = swept_deferred and cdiv(N, 128) * split < 2 * num_sms     # o, down
         return QuantMatmulConfig(64 if narrow else 128, 1, split)
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
