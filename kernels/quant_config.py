@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.env_switch import env_int
 from kernels.host_ints import cdiv, next_pow2
 from kernels.quant_pack import block_k, paired_layout
 
@@ -103,6 +102,13 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     same arithmetic reads its words by TMA (`kernels.quant_gemv_tma`), split 2, two stages, with or without a LoRA
     launch beside it (H200: gate/up 24.6-25.5 us against 28.9-30.4; the engine at batch 1 2.49 -> 2.30 ms a token,
     rank 16 on every module 3.04 -> 2.71; bench/results/quant_tma_ab.json); on q/k/v, o and down it was no faster.
+    Those figures were swept with split-K's partials summed in the launch. With them left to the next kernel (the
+    engine's case since 6714be1; `bench/quant_kernel_sweep.py --defer`, bench/results/quant_kernel_defer.json) and
+    no LoRA launch beside: gate/up split 4 (17.3 us against 18.0-18.2 at 2), and 64-feature programs where the
+    128-feature ones would make under two an SM (o and down, 256 programs: 5.2 / 11.2 us against 5.5 / 11.7;
+    q/k/v keeps 128, 5.5 against 6.1). The engine at batch 1 (H200, one lease, runs interleaved,
+    bench/results/one_row_rule_ab.json): 2.08 -> 2.04 ms a token, rank 64 on q/k/v 2.28 -> 2.22; beside a LoRA
+    launch the same change was slower (rank 16 on every module 2.53 -> 2.78), so there the rule above holds.
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
@@ -155,11 +161,10 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
-        swept_deferred = not beside_lora and env_int(ONE_ROW_RULE_ENV, lambda v: v in (0, 1), "0 or 1") != 0
         if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 4 (2 beside a LoRA)
-            return QuantMatmulConfig(128, 1, max(1, min(4 if swept_deferred else 2, num_blocks)), tma_stages=2)
+            return QuantMatmulConfig(128, 1, max(1, min(2 if beside_lora else 4, num_blocks)), tma_stages=2)
         split = max(1, min(pow2_floor((2 if beside_lora else 3) * num_sms // cdiv(N, 128)), 16, num_blocks))
-        narrow = swept_deferred and cdiv(N, 128) * split < 2 * num_sms     # o, down
+        narrow = not beside_lora and cdiv(N, 128) * split < 2 * num_sms     # o, down
         return QuantMatmulConfig(64 if narrow else 128, 1, split)
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well
@@ -194,9 +199,6 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     tiles = triton.cdiv(N, 64) * triton.cdiv(T, block_m)
     split = 1 if T > 32 and tiles >= num_sms else 2 if tiles >= 2 * num_sms else 8 if K >= 8192 else 4
     return QuantMatmulConfig(64, block_m, max(1, min(split, num_blocks // 3)))
-
-
-ONE_ROW_RULE_ENV = "LORAPLEX_ONE_ROW_RULE"     # A/B: 0, the one-row rule as swept with the split-K sum in the launch
 
 
 def _wide_config(T: int) -> QuantMatmulConfig | None:

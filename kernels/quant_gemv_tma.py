@@ -11,10 +11,10 @@ blocks of each row are requested into L2 before the wait (`_prefetch_rows`): the
 are issued after it.
 
 Taken where `QuantMatmulConfig.tma_stages` > 0 (`pick_config`: one row of a weight whose 128-feature tiles alone
-fill the SMs, gate/up, split 2, two stages) unless LORAPLEX_H2_TMA=0; LORAPLEX_H2_TMA=stages[,1] forces it on every
-float16-pairs launch (`kernels.quant_matmul.tma_override`). H200, the 8B's gate/up: 24.6-25.5 us against 28.9-30.4
-for the register-set kernel; on q/k/v, o and down (split 8: two to seven blocks a program) it is no faster, the
-pipeline's start costing what it hides (bench/results/quant_tma_ab.json).
+fill the SMs, gate/up, split 4 (2 beside a LoRA launch), two stages) unless LORAPLEX_H2_TMA=0;
+LORAPLEX_H2_TMA=stages[,1] forces it on every float16-pairs launch (`kernels.quant_matmul.tma_override`). H200, the
+8B's gate/up: 24.6-25.5 us against 28.9-30.4 for the register-set kernel; on q/k/v, o and down (split 8: two to
+seven blocks a program) it is no faster, the pipeline's start costing what it hides (bench/results/quant_tma_ab.json).
 """
 import triton
 import triton.language as tl
