@@ -33,7 +33,6 @@ Other groups (32, 64) and 8 bits: `_groups_step`, the scales and offsets loaded 
 import triton
 import triton.language as tl
 
-from kernels.lora_parts import shrink_part
 from kernels.pdl import read_early, read_input, wait_then_release
 from kernels.quant_h2 import h2_acc4, h2_nsum, h2_quad_sum, h2_x
 from kernels.quant_split import write_out
@@ -314,10 +313,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
                       PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False,
-                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False, LORA: tl.constexpr = False,
-                      lora_k_block=0, lora_pool=None, lora_a=None, lora_b=None, lora_ranks=None, lora_slot=None,
-                      lora_mods=None, lora_parts=None, lora_layer=0, lora_layers=0, lora_modules=0,
-                      lora_max_rank=0, lora_slices=0, LORA_BLOCK_K: tl.constexpr = 512):
+                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
@@ -327,19 +323,8 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
     H2 (PAIRED, bfloat16 x in 4-byte aligned rows, 16-byte aligned words): `_halves_step_h2`, two blocks a loop
     step in two register sets, each block's words and x requested before the previous block's arithmetic. EVEN_N
-    (N a multiple of BLOCK_N): the H2 path reads its words unmasked. LORA (one token, `kernels.lora_parts`): the
-    programs past the feature tiles, one a slice, store the LoRA's shrink over their split's K range instead."""
+    (N a multiple of BLOCK_N): the H2 path reads its words unmasked."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if LORA:
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        if pid_n >= n_tiles:
-            wait_then_release(USE_PDL)
-            k_lo = pid_k * blocks_per_split * lora_k_block
-            k_hi = tl.minimum(k_lo + blocks_per_split * lora_k_block, K)
-            shrink_part(x_ptr, k_lo, k_hi, pid_n - n_tiles, pid_k, lora_pool, lora_a, lora_b, lora_ranks, lora_slot,
-                        lora_mods, lora_parts, lora_layer, lora_layers, lora_modules, lora_max_rank, lora_slices,
-                        16, LORA_BLOCK_K)           # 16 rank rows a step
-            return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
     n_mask = offs_n < N

@@ -29,8 +29,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.env_switch import env_int
-from kernels.host_ints import next_pow2
-from kernels.lora_parts import LoraParts, check_parts, shrink_programs
 from kernels.pdl import compiled, launch_args, pdl_enabled
 from kernels.quant_config import (QuantMatmulConfig, dense_min_rows, group_pairs_layout,  # noqa: F401
                                   pair_codes_layout, pick_config)
@@ -64,7 +62,6 @@ def quant_matmul(
     addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
     x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
     defer_split: bool = False,              # split > 1: partials only (`kernels.split_sum`), out not written
-    lora_parts: LoraParts | None = None,    # one row, the register-set one-row kernel: also the LoRA's shrink
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
@@ -83,9 +80,6 @@ def quant_matmul(
     `defer_split` (where the launch splits K, `launch_split` > 1): `out` is not written; `partials`, as
     [split, T, N], hold the fp32 terms whose sum in that order is out before rounding (the first with the bias and
     the addend), for `kernels.split_sum.SplitSum`; `locks` are not used.
-    `lora_parts` (`kernels.lora_parts`; one row on the register-set one-row kernel, no addend): the launch also
-    stores the LoRA's partial shrink products of x, a split each, into `lora_parts.parts` (and sets its `splits`),
-    for the kernel that reads out next; out is the base projection's alone.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
     x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
@@ -119,12 +113,7 @@ def quant_matmul(
     num_blocks = w.padded_in_features // block_k(w.bits)
     per_split = _blocks_per_split(cfg, w)
     split = launch_split(cfg, w)
-    grid = (triton.cdiv(N, cfg.block_n) + shrink_programs(lora_parts), triton.cdiv(T, cfg.block_m), split)
-    if lora_parts is not None:
-        if cfg.block_m != 1 or cfg.ring or addend is not None:
-            raise ValueError(f"LoRA parts take the register-set one-row kernel with no addend, not {cfg}")
-        check_parts(lora_parts, x, split)
-        lora_parts.splits = split
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(T, cfg.block_m), split)
     mode = 0 if split == 1 else DEFER if defer_split else 1       # `write_out`'s SPLIT
     if split > 1:
         if partials is None or partials.dtype != torch.float32 or partials.numel() < split * T * N:
@@ -164,8 +153,6 @@ def quant_matmul(
         h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w) and fp16_pairs_enabled()
         stages, ahead = tma_override() or (cfg.tma_stages, cfg.scales_ahead)
         if h2 and stages > 0 and _tma_capable(x):
-            if lora_parts is not None:
-                raise ValueError("LoRA parts take the register-set one-row kernel, not the TMA-read one")
             quant_gemv_tma_kernel[grid](x, _words_desc(w, cfg.block_n), w.words, *buffers[2:],
                                         addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                         BLOCK_N=cfg.block_n, SPLIT=mode, HAS_BIAS=bias is not None,
@@ -173,14 +160,12 @@ def quant_matmul(
                                         ADD=addend is not None, STAGES=stages, SCALES_AHEAD=ahead,
                                         num_warps=cfg.num_warps, **pdl)
             return
-        lora = {} if lora_parts is None else dict(zip(LORA_ARGS, (block_k(w.bits), *lora_parts.table_args())),
-                                                   LORA_BLOCK_K=min(1024, next_pow2(per_split * block_k(w.bits))))
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                 BITS=w.bits, BLOCK_N=cfg.block_n, SPLIT=mode, HAS_BIAS=bias is not None,
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
-                                EVEN_N=h2 and N % cfg.block_n == 0, LORA=lora_parts is not None, **lora, **pdl)
+                                EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
     else:
         stages = _tile_stages(cfg) if pairs and paired else 0
         if stages > 0 and _tma_capable(x):      # the words by TMA, a half block a step (`kernels.quant_mma_tma`)
@@ -199,11 +184,6 @@ def quant_matmul(
                                PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
                                **pdl)
-
-
-# quant_gemv_kernel's LoRA-parts arguments, in `LoraParts.table_args`'s order after the K block
-LORA_ARGS = ("lora_k_block", "lora_pool", "lora_a", "lora_b", "lora_ranks", "lora_slot", "lora_mods", "lora_parts",
-             "lora_layer", "lora_layers", "lora_modules", "lora_max_rank", "lora_slices")
 
 
 def launch_split(config: QuantMatmulConfig, w: PackedQuantWeight) -> int:

@@ -16,8 +16,7 @@ import triton.language as tl
 from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import next_pow2
 from kernels.pdl import launch_args, wait_then_release
-from kernels.lora_parts import LoraParts, delta_cols
-from kernels.split_sum import SplitSum, load_input, load_input_plus, summed_input
+from kernels.split_sum import SplitSum, load_input, summed_input
 
 
 @triton.jit
@@ -36,14 +35,10 @@ def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
                        v_cache_ptr, num_heads, num_kv_heads, head_dim, half, kv_per_program,
                        BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr, extra_ptr=None, extra_stride=0,
-                       EXTRA: tl.constexpr = False, part_stride=0, NPARTS: tl.constexpr = 0,
-                       LORA: tl.constexpr = False, lora_splits=0, lora_pool=None, lora_a=None, lora_b=None,
-                       lora_ranks=None, lora_slot=None, lora_mods=None, lora_parts=None, lora_layer=0,
-                       lora_layers=0, lora_modules=0, lora_max_rank=0, lora_slices=0):
+                       EXTRA: tl.constexpr = False, part_stride=0, NPARTS: tl.constexpr = 0):
     """Token program_id(0); KV heads kv_per_program * program_id(1) onwards and their query heads (grouped-query
     attention: num_heads / num_kv_heads a KV head). NPARTS > 0: qkv_ptr holds split-K partials
-    (`kernels.split_sum`), summed as they are read. LORA (one token, `kernels.lora_parts`): the q, k and v slices'
-    LoRA deltas, from the shrink's parts, added to the sums before they round."""
+    (`kernels.split_sum`), summed as they are read."""
     t = tl.program_id(0).to(tl.int64)
     kv0 = tl.program_id(1) * kv_per_program
     q_per_program = kv_per_program * (num_heads // num_kv_heads)
@@ -64,12 +59,8 @@ def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     h = kv0 * (num_heads // num_kv_heads) + hl
     m = ((hl < q_per_program) & (h < num_heads))[:, None] & jm[None, :]
     base = h[:, None] * head_dim + j[None, :]
-    o1, o2 = _rotate(_read(row, xrow, base, m, part_stride, NPARTS, dt, EXTRA, LORA, 0, base, lora_splits,
-                           lora_pool, lora_a, lora_b, lora_ranks, lora_slot, lora_mods, lora_parts, lora_layer,
-                           lora_layers, lora_modules, lora_max_rank, lora_slices),
-                     _read(row, xrow, base + half, m, part_stride, NPARTS, dt, EXTRA, LORA, 0, base + half,
-                           lora_splits, lora_pool, lora_a, lora_b, lora_ranks, lora_slot, lora_mods, lora_parts,
-                           lora_layer, lora_layers, lora_modules, lora_max_rank, lora_slices),
+    o1, o2 = _rotate(_read(row, xrow, base, m, part_stride, NPARTS, dt, EXTRA),
+                     _read(row, xrow, base + half, m, part_stride, NPARTS, dt, EXTRA),
                      c1[None, :], c2[None, :], s1[None, :], s2[None, :])
     q_row = q_out_ptr + t * num_heads * head_dim
     tl.store(q_row + base, o1, mask=m)
@@ -80,39 +71,25 @@ def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     g = kv0 + gi
     gm = (gi < kv_per_program) & (g < num_kv_heads)
     m = gm[:, None] & jm[None, :]
-    kbase = g[:, None] * head_dim + j[None, :]                            # k's columns of its slice
-    base = num_heads * head_dim + kbase                                   # and of qkv
-    o1, o2 = _rotate(_read(row, xrow, base, m, part_stride, NPARTS, dt, EXTRA, LORA, 1, kbase, lora_splits,
-                           lora_pool, lora_a, lora_b, lora_ranks, lora_slot, lora_mods, lora_parts, lora_layer,
-                           lora_layers, lora_modules, lora_max_rank, lora_slices),
-                     _read(row, xrow, base + half, m, part_stride, NPARTS, dt, EXTRA, LORA, 1, kbase + half,
-                           lora_splits, lora_pool, lora_a, lora_b, lora_ranks, lora_slot, lora_mods, lora_parts,
-                           lora_layer, lora_layers, lora_modules, lora_max_rank, lora_slices),
+    base = num_heads * head_dim + g[:, None] * head_dim + j[None, :]      # k's columns of qkv
+    o1, o2 = _rotate(_read(row, xrow, base, m, part_stride, NPARTS, dt, EXTRA),
+                     _read(row, xrow, base + half, m, part_stride, NPARTS, dt, EXTRA),
                      c1[None, :], c2[None, :], s1[None, :], s2[None, :])
     k_row = k_cache_ptr + slot * kv_width
+    kbase = g[:, None] * head_dim + j[None, :]
     tl.store(k_row + kbase, o1, mask=m)
     tl.store(k_row + kbase + half, o2, mask=m)
 
     d = tl.arange(0, BLOCK_D)
     m = gm[:, None] & (d < head_dim)[None, :]
     vbase = g[:, None] * head_dim + d[None, :]
-    v = _read(row, xrow, num_heads * head_dim + kv_width + vbase, m, part_stride, NPARTS, dt, EXTRA, LORA, 2, vbase,
-              lora_splits, lora_pool, lora_a, lora_b, lora_ranks, lora_slot, lora_mods, lora_parts, lora_layer,
-              lora_layers, lora_modules, lora_max_rank, lora_slices)
+    v = _read(row, xrow, num_heads * head_dim + kv_width + vbase, m, part_stride, NPARTS, dt, EXTRA)
     tl.store(v_cache_ptr + slot * kv_width + vbase, v, mask=m)
 
 
 @triton.jit
-def _read(row, xrow, cols, mask, part_stride, NPARTS: tl.constexpr, dt: tl.constexpr, EXTRA: tl.constexpr,
-          LORA: tl.constexpr, s: tl.constexpr, slice_cols, lora_splits, lora_pool, lora_a, lora_b, lora_ranks,
-          lora_slot, lora_mods, lora_parts, lora_layer, lora_layers, lora_modules, lora_max_rank, lora_slices):
-    """qkv's row at `cols` in the model dtype (NPARTS: the partials summed), plus the extra's (EXTRA), or with
-    slice s's LoRA delta at its columns `slice_cols` added before the rounding (LORA)."""
-    if LORA:
-        delta = delta_cols(slice_cols, mask, s, lora_splits, lora_pool, lora_a, lora_b, lora_ranks, lora_slot,
-                           lora_mods, lora_parts, lora_layer, lora_layers, lora_modules, lora_max_rank, lora_slices,
-                           16)
-        return load_input_plus(row + cols, mask, part_stride, NPARTS, dt, delta)
+def _read(row, xrow, cols, mask, part_stride, NPARTS: tl.constexpr, dt: tl.constexpr, EXTRA: tl.constexpr):
+    """qkv's row at `cols` in the model dtype (NPARTS: the partials summed), plus the extra's (EXTRA)."""
     return with_extra(load_input(row + cols, mask, part_stride, NPARTS, dt), xrow + cols, mask, EXTRA)
 
 
@@ -125,16 +102,13 @@ def rope_and_cache(
     q_out: torch.Tensor,          # [T, H, D] contiguous
     k_cache: torch.Tensor,        # [num_blocks, block_size, KVH, D] contiguous
     v_cache: torch.Tensor,        # [num_blocks, block_size, KVH, D] contiguous
-    extra: torch.Tensor | LoraParts | None = None,   # like qkv (rows contiguous): added to it first; or a LoRA
+    extra: torch.Tensor | None = None,   # like qkv (rows contiguous): added to it first
 ) -> None:
     """Semantics (rot(x) = x * cos[p] + cat(-x[D/2:], x[:D/2]) * sin[p], in the model dtype):
         qkv = qkv + extra if extra is not None        (model dtype, as torch adds them; not stored)
         q, k, v = qkv.split([H*D, KVH*D, KVH*D], -1)
         q_out[t] = rot(q[t].view(H, D));  k_cache.view(-1, KVH, D)[slot[t]] = rot(k[t].view(KVH, D))
         v_cache.view(-1, KVH, D)[slot[t]] = v[t].view(KVH, D)
-    `extra` may instead be a one-token LoRA left as partial shrink products by the q/k/v projection's launch
-    (`kernels.lora_parts`): its q, k and v deltas (float32) are added to the projection's float32 sum before it
-    rounds.
     """
     T, H, D = q_out.shape
     KVH = k_cache.shape[2]
@@ -152,12 +126,6 @@ def rope_and_cache(
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 or positions.shape[0] < T \
             or slot_mapping.shape[0] < T:
         raise ValueError(f"positions and slot_mapping must be int64 [>= {T}]")
-    lora = extra if isinstance(extra, LoraParts) else None
-    if lora is not None:
-        extra = None
-        if T != 1 or lora.widths != (H * D, KVH * D, KVH * D) or lora.splits < 1:
-            raise ValueError(f"LoRA parts take one token of q/k/v widths {(H * D, KVH * D, KVH * D)} after the "
-                             f"projection's launch, got {T} tokens, {lora.widths}, {lora.splits} splits")
     check_extra(extra, qkv, "qkv")
     if T == 0:
         return
@@ -172,10 +140,4 @@ def rope_and_cache(
         kv_per_program, BLOCK_H=next_pow2(kv_per_program * (H // KVH)), BLOCK_KVH=next_pow2(kv_per_program),
         BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), num_warps=4,
         extra_ptr=extra if extra is not None else q_out, extra_stride=extra.stride(0) if extra is not None else 0,
-        EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts, LORA=lora is not None,
-        **({} if lora is None else dict(zip(LORA_ARGS, (lora.splits, *lora.table_args())))), **launch_args(pdl))
-
-
-# _rope_cache_kernel's LoRA-parts arguments, in `LoraParts.table_args`'s order after the split count
-LORA_ARGS = ("lora_splits", "lora_pool", "lora_a", "lora_b", "lora_ranks", "lora_slot", "lora_mods", "lora_parts",
-             "lora_layer", "lora_layers", "lora_modules", "lora_max_rank", "lora_slices")
+        EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts, **launch_args(pdl))

@@ -79,14 +79,3 @@ def load_input(ptrs, mask, part_stride, NPARTS: tl.constexpr, DTYPE: tl.constexp
             total += tl.load(ptrs + s * part_stride, mask=mask, other=0.0)
         v = total.to(DTYPE)
     return v
-
-
-@triton.jit
-def load_input_plus(ptrs, mask, part_stride, NPARTS: tl.constexpr, DTYPE: tl.constexpr, delta):
-    """`load_input` with a float32 delta added before the rounding: to the first partial (NPARTS, as the one-row
-    kernel adds its addend to its first split's partial), or to the plain input in float32."""
-    total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + delta
-    for s in tl.static_range(1, NPARTS):
-        total += tl.load(ptrs + s * part_stride, mask=mask, other=0.0)
-    return total.to(DTYPE)
-

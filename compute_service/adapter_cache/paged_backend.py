@@ -17,16 +17,11 @@ reference, which is for tests only: CPU serving uses
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from compute_service.adapter_cache.paged_slots import PagedAdapterSlots
 from compute_service.engine.lora_backend import ALL_GROUPS, GROUP_MODULE_IDS
 from kernels import LoraBatchMeta, lora_expand, lora_fused, lora_shrink
-
-if TYPE_CHECKING:
-    from kernels.lora_parts import LoraParts
 
 # Steps of up to this many tokens take the shrink's per-layer buffers zeroed once per step (the shrink splits
 # its reduction at these sizes); above it the shrink stores whole sums into one buffer with no zeroing.
@@ -63,7 +58,6 @@ class PagedLoraBackend:
         self._layer_buf_tokens = 0
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fused_max_tokens = 0
-        self._parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.active_groups = ALL_GROUPS
 
     def allocate(self) -> LoraBatchMeta:
@@ -88,28 +82,8 @@ class PagedLoraBackend:
             # Rank-r sums and counters of the fused kernel; the kernel leaves them zero after each launch.
             self._fused_max_tokens = min(FUSED_MAX_TOKENS, self.max_num_batched_tokens)
             self._workspace = fused_workspace(self._fused_max_tokens, tables.max_rank, self.slots.device)
-        if self.slots.device.type == "cuda":
-            from kernels.lora_parts import parts_buffer
-            # One-token q/k/v without a LoRA launch (`one_row_parts`): the slices' module indices, a parts buffer.
-            mods = self._group_modules["qkv"]
-            self._parts["qkv"] = (torch.tensor(mods, dtype=torch.int32, device=self.slots.device),
-                                  parts_buffer(len(mods), tables.max_rank, self.slots.device))
         self.meta = meta
         return meta
-
-    def one_row_parts(self, layer: int, group: str, widths: list[int]) -> LoraParts | None:
-        """The one-token LoRA of `group` at `layer` as `kernels.lora_parts.LoraParts` (the projection's launch
-        stores its shrink, the next kernel adds the delta: no LoRA launch), or None where that is not available
-        (a group other than q/k/v, a CPU pool). One token: its slot is the step's first segment's."""
-        if group not in self.active_groups or group not in self._parts:
-            return None
-        from kernels.lora_parts import LoraParts
-
-        tables, pool, meta = self.slots.tables, self.slots.pool, self.meta
-        assert tables is not None and pool is not None and meta is not None
-        mods, parts = self._parts[group]
-        return LoraParts(pool, tables.a_offsets, tables.b_offsets, tables.ranks, meta.seg_slots, mods, layer,
-                         tuple(widths), parts)
 
     def prepare(self, token_slot_ids_cpu: torch.Tensor, groups: frozenset[str] = ALL_GROUPS) -> None:
         meta = self.meta if self.meta is not None else self.allocate()

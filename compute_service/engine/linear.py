@@ -72,10 +72,6 @@ class Linear:
         """Whether `self(x, addend=...)` is allowed: one 16-bit row on CUDA (the GEMV kernel runs it)."""
         return takes_gemv(x, self.weight, self.bias, any_size=True)
 
-    def takes_lora_parts(self, x: torch.Tensor) -> bool:
-        """False: a dense projection's launch stores no LoRA shrink (`QuantLinear.takes_lora_parts`)."""
-        return False
-
     def sums_width(self, t: int, dtype: torch.dtype) -> int:
         """0: a dense projection reads no sums of x (`QuantLinear.sums_width`)."""
         return 0

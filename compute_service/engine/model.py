@@ -40,16 +40,6 @@ OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
 Pending = tuple["torch.Tensor | SplitSum", "torch.Tensor | None"]
 
 
-LORA_PARTS_ENV = "LORAPLEX_LORA_PARTS"
-
-
-def lora_parts_enabled() -> bool:
-    """LORAPLEX_LORA_PARTS=1: a one-token step's q/k/v LoRA runs with no launch of its own, its shrink in the
-    projection's launch and its expand in RoPE + cache (`kernels.lora_parts`; A/B runs, off by default until
-    measured)."""
-    return env_int(LORA_PARTS_ENV, lambda v: v in (0, 1), "0 or 1") == 1
-
-
 def overlap_tokens() -> int:
     """The most tokens a captured step runs its LoRA beside the base projection at: LORA_OVERLAP_TOKENS, or
     LORAPLEX_LORA_OVERLAP_TOKENS (2 or more; 1 turns the overlap off, as LORAPLEX_LORA_OVERLAP=0 does)."""
@@ -107,7 +97,6 @@ class LlamaModel:
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
         self._overlap_tokens = overlap_tokens()
-        self._lora_parts = lora_parts_enabled()
         # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
         # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
@@ -279,16 +268,9 @@ class LlamaModel:
         a float32 output), and the kernel adds it: that kernel reads x and its whole
         weight before it waits for the LoRA launch (kernels/pdl.py), so the LoRA's chain of dependent
         memory round trips runs beside the weight reads instead of after them. x was written before the
-        LoRA launch, which writes only the delta.
-        With LORAPLEX_LORA_PARTS=1 a one-token q/k/v LoRA has no launch at all: the projection's launch stores its
-        shrink and the extra returned is that (`kernels.lora_parts.LoraParts`), which RoPE + cache expands."""
+        LoRA launch, which writes only the delta."""
         if lora is not None and group not in lora.active_groups:
             lora = None                 # no adapter of this step changes this group: the base projection alone
-        if (lora is not None and self._lora_parts and defer and x.shape[0] == 1 and self.reduce_add_norm is None
-                and hasattr(lora, "one_row_parts") and linear.takes_lora_parts(x)):
-            parts = lora.one_row_parts(i, group, widths)        # q/k/v: the shrink here, the expand in RoPE
-            if parts is not None:
-                return linear(x, split_out=True, lora_parts=parts), parts
         if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
                 and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)

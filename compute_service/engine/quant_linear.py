@@ -27,7 +27,6 @@ from compute_service.engine.quantized import QuantizedWeight
 from kernels.env_switch import env_int
 
 if TYPE_CHECKING:
-    from kernels.lora_parts import LoraParts
     from kernels.split_sum import SplitSum
 
 DEFER_SPLIT_ENV = "LORAPLEX_DEFER_SPLIT"
@@ -132,19 +131,6 @@ class QuantLinear:
         return (self.use_kernel and self._perm is None and x.is_cuda and x.numel() == x.shape[-1]
                 and x.dtype in (torch.float16, torch.bfloat16))
 
-    def takes_lora_parts(self, x: torch.Tensor) -> bool:
-        """Whether `self(x, lora_parts=...)` is allowed: one row on the register-set one-row kernel (its config
-        without a LoRA launch beside it; not the TMA-read kernel), with x in the model's order and the partials
-        left to the next kernel (`kernels.lora_parts`)."""
-        if not (self.takes_addend(x) and self.defer_split):
-            return False
-        from kernels.quant_matmul import pick_config, tma_override
-
-        n, k = self._shape
-        cfg = pick_config(1, n, k, self._bits, self.num_sms, self._group_size, x.dtype, False, self.async_dots,
-                          self.async_one_row)
-        return cfg.block_m == 1 and not cfg.ring and not (tma_override() or (cfg.tma_stages, False))[0]
-
     def sums_width(self, t: int, dtype: torch.dtype) -> int:
         """The width of the slices of x ([t, K] of `dtype`) whose float32 sums a call reads (`x_sums`): 128 or 32
         where it runs a pair-codes path of the kernel, else 0. The kernel that writes x can write them
@@ -161,19 +147,16 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
                  x_sums: torch.Tensor | None = None, beside_lora: bool = False,
-                 split_out: bool = False, lora_parts: LoraParts | None = None) -> torch.Tensor | SplitSum:
+                 split_out: bool = False) -> torch.Tensor | SplitSum:
         """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
         then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
         slice sums as `sums_width` asks for them ([T, K / width] float32), written with x. `beside_lora`: a LoRA
         launch runs beside this call on another stream (`LlamaModel._project`); the kernel's config leaves room
         for it (`pick_config`). `split_out`: where the kernel splits K (and `defer_split_enabled`), the output
         as its partials (`kernels.split_sum.SplitSum`), for a kernel that reads them (the norm, RoPE, SwiGLU)
-        to sum; otherwise a tensor as always. `lora_parts` (one row, `takes_lora_parts`): the launch also stores
-        that LoRA's shrink parts for the next kernel (`kernels.lora_parts`); the output is the base projection's."""
+        to sum; otherwise a tensor as always."""
         if addend is not None and not self.takes_addend(x):
             raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
-        if lora_parts is not None and (addend is not None or beside_lora or not self.takes_lora_parts(x)):
-            raise ValueError("LoRA parts take one 16-bit row on the register-set one-row kernel (takes_lora_parts)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not self.use_kernel:
             assert self._qweight is not None
@@ -200,8 +183,7 @@ class QuantLinear:
         if split > 1:
             partials = torch.empty(split, t, n, dtype=torch.float32, device=x.device)
         defer = split > 1 and split_out and x.dim() == 2 and self.defer_split
-        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, defer_split=defer,
-                     lora_parts=lora_parts)
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, defer_split=defer)
         if defer:
             from kernels.split_sum import SplitSum
             return SplitSum(partials, x.dtype)
