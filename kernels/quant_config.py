@@ -71,7 +71,8 @@ def dense_min_rows(N: int, K: int, bits: int, group_size: int) -> int:
 @functools.lru_cache(maxsize=4096)     # a pure function of its arguments; ~9 us of Python a call uncached
 def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int = 128,
                 x_dtype: torch.dtype = torch.bfloat16, beside_lora: bool = False,
-                async_dots: bool = False, async_one_row: bool = False) -> QuantMatmulConfig:
+                async_dots: bool = False, async_one_row: bool = False,
+                deferred: bool = True) -> QuantMatmulConfig:
     """Kernel, tiles and split-K for a shape (bench/quant_kernel_sweep.py on an H100: the 8B layer shapes at
     group 128 and the default SmolLM2's at group 32; each rule below was the fastest or within ~10% there).
 
@@ -108,7 +109,9 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     128-feature ones would make under two an SM (o and down, 256 programs: 5.2 / 11.2 us against 5.5 / 11.7;
     q/k/v keeps 128, 5.5 against 6.1). The engine at batch 1 (H200, one lease, runs interleaved,
     bench/results/one_row_rule_ab.json): 2.08 -> 2.04 ms a token, rank 64 on q/k/v 2.28 -> 2.22; beside a LoRA
-    launch the same change was slower (rank 16 on every module 2.53 -> 2.78), so there the rule above holds.
+    launch the same change was slower (rank 16 on every module 2.53 -> 2.78), so there the rule above holds, as it
+    does where the launch sums its own partials (`deferred` False: under tensor parallelism o and down, whose
+    output goes to the all-reduce, or with LORAPLEX_DEFER_SPLIT=0).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
     count as ~4 programs of 64) where K has 6 blocks or more; 64 features per program for 4 bits in groups
     of 128 and more (its two-halves path: H200 sweep, each 8B shape's fastest or within 5%), else 32.
@@ -161,10 +164,11 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
         split = min(next_pow2(cdiv(8 * num_sms, cdiv(N, 128))), 16)
         return QuantMatmulConfig(128, 1, max(1, min(split, num_blocks)), num_warps=2, thread_rows=True)
     if T == 1 and paired_layout(bits, group_size) and x_dtype == torch.bfloat16 and N * K >= SMALL_WEIGHT:
-        if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 4 (2 beside a LoRA)
-            return QuantMatmulConfig(128, 1, max(1, min(2 if beside_lora else 4, num_blocks)), tma_stages=2)
+        swept_deferred = deferred and not beside_lora
+        if cdiv(N, 128) >= num_sms:     # gate/up: words by TMA, two stages, split 4 (else 2)
+            return QuantMatmulConfig(128, 1, max(1, min(4 if swept_deferred else 2, num_blocks)), tma_stages=2)
         split = max(1, min(pow2_floor((2 if beside_lora else 3) * num_sms // cdiv(N, 128)), 16, num_blocks))
-        narrow = not beside_lora and cdiv(N, 128) * split < 2 * num_sms     # o, down
+        narrow = swept_deferred and cdiv(N, 128) * split < 2 * num_sms     # o, down
         return QuantMatmulConfig(64 if narrow else 128, 1, split)
     if T == 1 or (N * K < SMALL_WEIGHT and T * N <= 8192):     # one row, or a few rows of a small weight
         bn = 64 if paired_layout(bits, group_size) else 32          # the two-halves path reads 64 well

@@ -15,9 +15,9 @@ produced in one layout and used in another, e.g. a [BN] load used across a [BN, 
 
 A constexpr parameter with a default (`X: tl.constexpr = False`) takes that default unless --const names it
 (the first line of the output lists the defaults taken). Other parameters not named in --const are runtime
-arguments: `*_ptr` ones and those --ptr names pointers (fp32 unless --ptr says, 16-byte aligned), the rest int32 (multiples of 16
-where --aligned names them: Triton specializes on that, and without it vector loads look scalar). The waits
-are found statically: an instruction that reads a register whose latest writer in the loop body is a global
+arguments: `*_ptr` ones and those --ptr names pointers (fp32 unless --ptr says, 16-byte aligned), the rest int32
+(multiples of 16 where --aligned names them: Triton specializes on that, and without it vector loads look scalar).
+The waits are found statically: an instruction that reads a register whose latest writer in the loop body is a global
 load (the first use after the load stalls the warp until it lands; a register copy at the loop's back edge
 counts, which is how a value requested for the next iteration ends up waited for in this one).
 """

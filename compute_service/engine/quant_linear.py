@@ -177,7 +177,8 @@ class QuantLinear:
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
-                          addend is not None or beside_lora, self.async_dots, self.async_one_row)
+                          addend is not None or beside_lora, self.async_dots, self.async_one_row,
+                          deferred=split_out and self.defer_split and x.dim() == 2)
         split = launch_split(cfg, self.packed)
         partials = None
         if split > 1:

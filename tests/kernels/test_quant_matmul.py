@@ -201,7 +201,8 @@ def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
     """One row of the 8B's weights in groups of 128 with bfloat16 x: split to about three programs an SM, of 128
     features where those make two an SM, else 64 (o, down: the rule swept with split-K's partials left to the next
     kernel); gate/up (feature tiles alone fill the SMs) reads its words by TMA, split 4. Beside a LoRA launch the
-    earlier rule: about two an SM of 128 features, gate/up split 2. float16 x keeps the fp32 path's 64 features."""
+    earlier rule: about two an SM of 128 features, gate/up split 2; where the launch sums its partials, the earlier
+    rule's three an SM. float16 x keeps the fp32 path's 64 features."""
     assert pick_config(1, 28672, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 4, tma_stages=2)  # gate/up: TMA
     assert pick_config(1, 6144, 4096, 4, 132, 128) == QuantMatmulConfig(128, 1, 8)        # q/k/v: 384
     assert pick_config(1, 4096, 4096, 4, 132, 128) == QuantMatmulConfig(64, 1, 8)         # o: 512
@@ -210,6 +211,9 @@ def test_one_row_pick_config_for_the_float16_pairs_path() -> None:
     assert pick_config(1, 28672, 4096, 4, 132, 128, **lora) == QuantMatmulConfig(128, 1, 2, tma_stages=2)
     assert pick_config(1, 6144, 4096, 4, 132, 128, **lora) == QuantMatmulConfig(128, 1, 4)     # 192
     assert pick_config(1, 4096, 4096, 4, 132, 128, **lora) == QuantMatmulConfig(128, 1, 8)     # 256
+    summed = dict(deferred=False)       # the launch sums its own partials: the earlier rule too
+    assert pick_config(1, 28672, 4096, 4, 132, 128, **summed) == QuantMatmulConfig(128, 1, 2, tma_stages=2)
+    assert pick_config(1, 4096, 14336, 4, 132, 128, **summed) == QuantMatmulConfig(128, 1, 8)
     assert pick_config(1, 28672, 4096, 4, 132, 128, torch.float16).block_n == 64
     assert pick_config(1, 960, 576, 4, 132, 128).block_n != 128                           # a small weight
 
