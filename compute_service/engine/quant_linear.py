@@ -176,14 +176,14 @@ class QuantLinear:
             dequantize_packed(self.packed, w)
             return F.linear(x2, w, bias).view(*lead, n)
         out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+        may_defer = split_out and x.dim() == 2 and self.defer_split      # partials left to the next kernel if split
         cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, x.dtype,
-                          addend is not None or beside_lora, self.async_dots, self.async_one_row,
-                          deferred=split_out and self.defer_split and x.dim() == 2)
+                          addend is not None or beside_lora, self.async_dots, self.async_one_row, deferred=may_defer)
         split = launch_split(cfg, self.packed)
         partials = None
         if split > 1:
             partials = torch.empty(split, t, n, dtype=torch.float32, device=x.device)
-        defer = split > 1 and split_out and x.dim() == 2 and self.defer_split
+        defer = split > 1 and may_defer
         quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, defer_split=defer)
         if defer:
             from kernels.split_sum import SplitSum
