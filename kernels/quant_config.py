@@ -109,7 +109,8 @@ def pick_config(T: int, N: int, K: int, bits: int, num_sms: int, group_size: int
     128-feature ones would make under two an SM (o and down, 256 programs: 5.2 / 11.2 us against 5.5 / 11.7;
     q/k/v keeps 128, 5.5 against 6.1). The engine at batch 1 (H200, one lease, runs interleaved,
     bench/results/one_row_rule_ab.json): 2.08 -> 2.04 ms a token, rank 64 on q/k/v 2.28 -> 2.22; beside a LoRA
-    launch the same change was slower (rank 16 on every module 2.53 -> 2.78), so there the rule above holds, as it
+    launch the same change was slower (rank 16 on every module 2.53 -> 2.78: gate/up's split 4, 2.54 -> 2.74; the
+    64-feature programs even, bench/results/preread_beside_ab.json), so there the rule above holds, as it
     does where the launch sums its own partials (`deferred` False: under tensor parallelism o and down, whose
     output goes to the all-reduce, or with LORAPLEX_DEFER_SPLIT=0).
     Other one-row cases: the elementwise kernel, split until ~8 programs of 32 features per SM (the same feature
