@@ -15,9 +15,10 @@ Clean-up: the synthetic adapters leave the pool, the KV cache is zeroed, and the
 counters a user reads (evictions, graph steps) are as they were.
 
 Tensor parallel (rank 0 drives followers): every forward holds all-reduces that the
-other ranks must join, so the threaded compile pass is skipped (kernels compile in the
-engine pass, which the followers run step for step) and the graphs are captured on all
-ranks at once (`DriverRunner.capture_graphs`).
+other ranks must join, so the compile pass runs on rank 0 alone with them skipped
+(`parallel.alone.peers_skipped`; every rank's shard has the same shapes, so the followers
+find its programs in the kernel cache), and the graphs are captured on all ranks at once
+(`DriverRunner.capture_graphs`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from compute_service.engine.attention import DecodeMetadata, step_metadata
 from compute_service.engine.graph_capture import graph_forward
 from compute_service.engine.sampler import sample_tokens
 from compute_service.engine.sampling_params import SamplingParams
+from compute_service.parallel.alone import peers_skipped
 from compute_service.warmup_adapters import load_synthetic, unload_synthetic
 from compute_service.compile_pool import CompilePool, PoolReport, default_processes, pool_applies, recording
 from compute_service.warmup_plan import (GroupShape, LaunchClass, WarmupPlan, describe_quantized, group_shapes, joined,
@@ -130,8 +132,10 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_proce
     tensor_parallel = hasattr(engine.runner, "capture_graphs")
     try:
         if mode == "full" and tensor_parallel:
-            log.info("warm-up: tensor parallel, so no threaded compile pass (its forwards would need the other "
-                     "ranks); kernels compile in the engine pass, step for step on every rank")
+            log.info("warm-up: tensor parallel: the compile pass runs on rank 0 alone, its all-reduces skipped "
+                     "(every rank's shard has the same shapes; the other ranks read its kernels from the cache)")
+            with peers_skipped(engine.runner.model):
+                _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes)
         elif mode == "full":
             _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes)
         _capture(rt, report)
@@ -172,8 +176,10 @@ def _capture(rt: Runtime, report: WarmupReport) -> None:
 
 
 def _spare_backend(rt: Runtime) -> Any:
-    """A LoRA backend like the engine's over the same pool, with its own batch metadata and buffers."""
-    backend = type(rt.engine.runner.lora)(rt.slots, rt.engine.config.max_num_batched_tokens)
+    """A LoRA backend like the engine's over the same pool, with its own batch metadata and buffers (the pool the
+    engine's backend reads: under tensor parallelism the rank's share, where `rt.slots` takes whole adapters)."""
+    engine_lora = rt.engine.runner.lora
+    backend = type(engine_lora)(engine_lora.slots, rt.engine.config.max_num_batched_tokens)
     if hasattr(backend, "allocate"):
         backend.allocate()
     return backend
