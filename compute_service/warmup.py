@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,13 +131,12 @@ def warm_up(rt: Runtime, mode: str = "auto", num_threads: int = 0, compile_proce
     report.adapter_ranks = [rank for _, rank in keys]
     tensor_parallel = hasattr(engine.runner, "capture_graphs")
     try:
-        if mode == "full" and tensor_parallel:
-            log.info("warm-up: tensor parallel: the compile pass runs on rank 0 alone, its all-reduces skipped "
-                     "(every rank's shard has the same shapes; the other ranks read its kernels from the cache)")
-            with peers_skipped(engine.runner.model):
+        if mode == "full":
+            if tensor_parallel:
+                log.info("warm-up: tensor parallel: the compile pass runs on rank 0 alone, its all-reduces skipped "
+                         "(every rank's shard has the same shapes; the other ranks read its kernels from the cache)")
+            with peers_skipped(engine.runner.model) if tensor_parallel else nullcontext():
                 _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes)
-        elif mode == "full":
-            _compile_pass(rt, [k for k, _ in keys], report, num_threads, compile_processes)
         _capture(rt, report)
         t = time.perf_counter()
         _engine_pass(rt, [k for k, _ in keys], long_prompt=mode == "full")

@@ -27,7 +27,6 @@ def test_served_tp2_streams_the_single_process_tokens(tmp_path):
     assert ahead is not None and int(ahead.group(1)) >= 1, output
 
 
-
 def test_served_tp2_full_warmup_compiles_on_rank0_alone(tmp_path):
     """The full warm-up's compile pass (forwards on threads, outside the engine) runs on rank 0 with its
     all-reduces skipped: without that its first forward would wait on a peer that never joins, and the start
@@ -37,6 +36,7 @@ def test_served_tp2_full_warmup_compiles_on_rank0_alone(tmp_path):
     assert codes == [0, 0], output
     assert "the compile pass runs on rank 0 alone" in output, output
     assert re.search(r"warm-up: kernels compiled in [\d.]+ s", output), output
+
 
 def test_serve_passes_tensor_parallel_size_to_compute():
     from loraplex.cli.main import build_parser
