@@ -12,7 +12,8 @@ from kernels.rope_cache import rope_and_cache
 from kernels.rope_decode import rope_attention_decode
 from kernels.split_sum import SplitSum
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter runs only")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _case(lens, H, KVH, D, block_size, dtype, device, gen, parts=0, extra=False):
