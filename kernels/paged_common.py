@@ -41,39 +41,17 @@ def attend_keys(q, m_i, l_i, acc, table_ptr, pos, n_mask, visible, k_ptr, v_ptr,
                 cache_stride_slot, kv_offset, offs_d, d_mask, scale, IEEE: tl.constexpr):
     """Folds keys at positions `pos` [N] (valid where n_mask) of one sequence (its page list at table_ptr)
     into the rows of q [R, D] where `visible` [R or 1, N]; returns the new (row max, row sum, acc [R, D])."""
-    k, v = load_keys(table_ptr, pos, n_mask, k_ptr, v_ptr, block_size, cache_stride_slot, kv_offset, offs_d,
-                     d_mask, False)
-    return fold_keys(q, m_i, l_i, acc, k, v, visible, scale, IEEE)
-
-
-@triton.jit
-def load_keys(table_ptr, pos, n_mask, k_ptr, v_ptr, block_size, cache_stride_slot, kv_offset, offs_d, d_mask,
-              PAST_L1: tl.constexpr):
-    """The keys and values [N, D] at positions `pos` of one sequence (0 where not n_mask). PAST_L1: loaded
-    past the SM's L1 (read before a dependent launch's wait, `kernels/pdl.py`: L1 is not coherent)."""
     page = tl.load(table_ptr + pos // block_size, mask=n_mask, other=0).to(tl.int64)
     kv_rows = (page * block_size + pos % block_size) * cache_stride_slot + kv_offset    # [N] flat KV rows
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    ptrs = kv_rows[:, None] + offs_d[None, :]
-    if PAST_L1:
-        k = tl.load(k_ptr + ptrs, mask=kv_mask, other=0.0, cache_modifier=".cg")
-        v = tl.load(v_ptr + ptrs, mask=kv_mask, other=0.0, cache_modifier=".cg")
-    else:
-        k = tl.load(k_ptr + ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + ptrs, mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def fold_keys(q, m_i, l_i, acc, k, v, visible, scale, IEEE: tl.constexpr):
-    """Folds keys k and values v [N, D] into the rows of q [R, D] where `visible` [R or 1, N] (online
-    softmax, fp32); returns the new (row max, row sum, acc [R, D])."""
+    k = tl.load(k_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
     s = dot(q, tl.trans(k), IEEE)
     s = tl.where(visible, s * scale, float("-inf"))                                   # [R, N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + kv_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
     if IEEE:
         pv = dot(p, v.to(tl.float32), True)
     else:

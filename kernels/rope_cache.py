@@ -31,20 +31,6 @@ def _rotate(x1, x2, c1, c2, s1, s2):
 
 
 @triton.jit
-def rope_read(row, xrow, base, d, mask, half, c, s, part_stride, NPARTS: tl.constexpr, dt: tl.constexpr,
-              EXTRA: tl.constexpr):
-    """rot(x) of qkv's row at columns base + d (d: the column within its head, broadcast like base; c and s
-    cos and sin at d, in dt then float32), each op rounded to dt as `_rotate` does: the same values."""
-    first = d < half
-    x = _read(row, xrow, base + d, mask, part_stride, NPARTS, dt, EXTRA).to(tl.float32)
-    xp = _read(row, xrow, base + tl.where(first, d + half, d - half), mask, part_stride, NPARTS, dt,
-               EXTRA).to(tl.float32)
-    a = (x * c).to(dt).to(tl.float32)
-    b = (tl.where(first, -xp, xp) * s).to(dt).to(tl.float32)
-    return (a + b).to(dt)
-
-
-@triton.jit
 def _rope_cache_kernel(qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
                        v_cache_ptr, num_heads, num_kv_heads, head_dim, half, kv_per_program,
                        BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -124,26 +110,6 @@ def rope_and_cache(
         q_out[t] = rot(q[t].view(H, D));  k_cache.view(-1, KVH, D)[slot[t]] = rot(k[t].view(KVH, D))
         v_cache.view(-1, KVH, D)[slot[t]] = v[t].view(KVH, D)
     """
-    T, H, D, KVH = check_rope_inputs(qkv, positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, extra)
-    if T == 0:
-        return
-    pdl = extra_pdl(qkv.device, extra)
-    src, nparts, part_stride = summed_input(qkv)
-    # One program a token, or with partials to sum (several times the bytes) one a KV head and its query heads
-    kv_per_program = 1 if nparts else KVH
-    _rope_cache_kernel[(T, KVH // kv_per_program)](
-        src, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
-        kv_per_program, BLOCK_H=next_pow2(kv_per_program * (H // KVH)), BLOCK_KVH=next_pow2(kv_per_program),
-        BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), num_warps=4,
-        extra_ptr=extra if extra is not None else q_out, extra_stride=extra.stride(0) if extra is not None else 0,
-        EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts, **launch_args(pdl))
-
-
-def check_rope_inputs(qkv: torch.Tensor | SplitSum, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, extra: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """(T, H, D, KVH) of `rope_and_cache`'s inputs (q_out [T, H, D]: the rotated q's, or what is computed from
-    them), or ValueError naming what does not fit."""
     T, H, D = q_out.shape
     KVH = k_cache.shape[2]
     if qkv.dim() != 2 or qkv.shape != (T, (H + 2 * KVH) * D) or qkv.stride(1) != 1:
@@ -161,6 +127,17 @@ def check_rope_inputs(qkv: torch.Tensor | SplitSum, positions: torch.Tensor, slo
             or slot_mapping.shape[0] < T:
         raise ValueError(f"positions and slot_mapping must be int64 [>= {T}]")
     check_extra(extra, qkv, "qkv")
+    if T == 0:
+        return
     if H % KVH:
         raise ValueError(f"{H} query heads do not group over {KVH} KV heads")
-    return T, H, D, KVH
+    pdl = extra_pdl(qkv.device, extra)
+    src, nparts, part_stride = summed_input(qkv)
+    # One program a token, or with partials to sum (several times the bytes) one a KV head and its query heads
+    kv_per_program = 1 if nparts else KVH
+    _rope_cache_kernel[(T, KVH // kv_per_program)](
+        src, qkv.stride(0), positions, slot_mapping, cos, sin, q_out, k_cache, v_cache, H, KVH, D, D // 2,
+        kv_per_program, BLOCK_H=next_pow2(kv_per_program * (H // KVH)), BLOCK_KVH=next_pow2(kv_per_program),
+        BLOCK_HALF=next_pow2(D // 2), BLOCK_D=next_pow2(D), num_warps=4,
+        extra_ptr=extra if extra is not None else q_out, extra_stride=extra.stride(0) if extra is not None else 0,
+        EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts, **launch_args(pdl))

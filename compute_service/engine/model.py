@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
-from compute_service.engine.attention import DecodeMetadata, StepMetadata, paged_attention
+from compute_service.engine.attention import StepMetadata, paged_attention
 from compute_service.engine.graph_capture import in_graph_forward
 from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 # LORAPLEX_LORA_OVERLAP_TOKENS sets another bound (tuning).
 LORA_OVERLAP_TOKENS = 64
 OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
-ROPE_IN_ATTENTION_ENV = "LORAPLEX_ROPE_IN_ATTENTION"
 # A layer's delta not yet added to the residual stream h: the down projection's output (a tensor, or on a
 # quantized split-K kernel its partials, `kernels.split_sum.SplitSum`), and its LoRA delta where that is still
 # to be added too (`LlamaModel._project`'s extra), else None.
@@ -104,11 +103,6 @@ class LlamaModel:
         if self.fused and os.environ.get("LORAPLEX_LORA_FIRST", "1") != "0":
             width = max(spec.q_size + 2 * spec.kv_size, 2 * spec.intermediate_size, spec.hidden_size)
             self._lora_delta = torch.zeros(width, dtype=torch.float32, device=self.device)
-        # Decode steps run RoPE + the cache write inside the attention launch (`decode_attention`);
-        # LORAPLEX_ROPE_IN_ATTENTION=0 keeps them a launch of their own, 2 also reads the first block of
-        # earlier keys and values before the launch's wait (measurements).
-        mode = env_int(ROPE_IN_ATTENTION_ENV, lambda v: v in (0, 1, 2), "0, 1 or 2")
-        self._rope_in_attention = 1 if mode is None else mode
 
     def shard_over(self, group: Any) -> None:
         """Tensor parallelism over `group` (a `compute_service.parallel.group.TensorParallelGroup` of 2+
@@ -169,15 +163,10 @@ class LlamaModel:
         t = h.shape[0]
         x = torch.empty_like(h)
         pending: Pending | None = None                                        # delta not yet added to h
-        decode = isinstance(meta, DecodeMetadata) and self._rope_in_attention > 0
         for i in range(len(self.weights.layers)):
             q = torch.empty(t, spec.num_heads, spec.head_dim, dtype=h.dtype, device=h.device)
-            if decode:                       # q is the attention's output here
-                self.decode_attention(i, pending, h, x, positions, meta, kv_caches, q, lora)
-                attn = q.view(t, spec.q_size)
-            else:
-                self.attention_in(i, pending, h, x, positions, meta.slot_mapping, kv_caches, q, lora)
-                attn = paged_attention(q, None, None, *kv_caches[i], meta, self.scale).reshape(t, spec.q_size)
+            self.attention_in(i, pending, h, x, positions, meta.slot_mapping, kv_caches, q, lora)
+            attn = paged_attention(q, None, None, *kv_caches[i], meta, self.scale).reshape(t, spec.q_size)
             pending = self.attention_out_mlp(i, attn, h, x, lora)
         out = torch.empty_like(h)
         self.final_norm(pending, h, out)
@@ -189,30 +178,8 @@ class LlamaModel:
                      lora: LoraBackend | None) -> None:
         """Layer i up to its attention: h += pending (the previous layer's delta, if any), x = norm(h),
         q/k/v with LoRA, RoPE into q [T, heads, D] and k/v into the cache at `slot_mapping` (CUDA)."""
-        from kernels.rope_cache import rope_and_cache   # Triton: imported on first use (interpreter flag)
-
-        qkv, extra = self._norm_qkv(i, pending, h, x, lora)
-        k_cache, v_cache = kv_caches[i]
-        rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache, extra)
-
-    def decode_attention(self, i: int, pending: Pending | None, h: torch.Tensor, x: torch.Tensor,
-                         positions: torch.Tensor, meta: DecodeMetadata,
-                         kv_caches: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor,
-                         lora: LoraBackend | None) -> None:
-        """A decode step's layer i up to its attention's output `out` [T, heads, D]: `attention_in`'s norm and
-        q/k/v, then RoPE, the cache write and the attention in one launch (`kernels.rope_decode`)."""
-        from kernels.rope_decode import rope_attention_decode
-
-        qkv, extra = self._norm_qkv(i, pending, h, x, lora)
-        rope_attention_decode(qkv, positions, meta.slot_mapping, self.rope.cos, self.rope.sin, *kv_caches[i],
-                              meta.block_tables, meta.context_lens, out, self.scale, extra,
-                              early=self._rope_in_attention == 2)
-
-    def _norm_qkv(self, i: int, pending: Pending | None, h: torch.Tensor, x: torch.Tensor,
-                  lora: LoraBackend | None) -> tuple[torch.Tensor | SplitSum, torch.Tensor | None]:
-        """h += pending (the previous layer's delta, if any), x = norm(h); returns the q/k/v projection of x
-        with LoRA (`_project`'s (y, extra), deferred)."""
-        from kernels.rms_norm import add_rms_norm
+        from kernels.rms_norm import add_rms_norm       # Triton: imported on first use (interpreter flag)
+        from kernels.rope_cache import rope_and_cache
 
         spec, lw = self.spec, self.weights.layers[i]
         sums = self._norm_sums(lw.qkv, x)
@@ -220,8 +187,10 @@ class LlamaModel:
             add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x, sums=sums)
         else:
             self._add_norm(pending[0], h, lw.input_norm, x, 1, sums, pending[1])
-        return self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums,
-                             defer=True)
+        qkv, extra = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums,
+                                   defer=True)
+        k_cache, v_cache = kv_caches[i]
+        rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache, extra)
 
     def attention_out_mlp(self, i: int, attn: torch.Tensor, h: torch.Tensor, x: torch.Tensor,
                           lora: LoraBackend | None) -> Pending:
