@@ -17,6 +17,8 @@
 #   quant-decode     bench/quant_decode.py (issue 16's engine benchmark: 4-bit 8B against bf16, batch 1-64)
 #   gemv-sweep       bench/quant_kernel_sweep.py --only 8b --rows 1: every one-row config of the 8B's shapes (and
 #                    16-row tensor-core tiles at one row, split 1-8), for pick_config (~2 minutes)
+#   layer-probe      bench/quant_layer_probe.py: a step's words read by one persistent launch (grid barriers, with and
+#                    without early reads) against a chain of launches (~3 minutes)
 #   probe-staged     bench/quant_gemv_probe.py --staged on gate/up and q/k/v: the one-row kernel's reads as TMA
 #                    boxes or pipelined pointer loads, 2-6 stages (not run yet; 144 cases, a few minutes)
 #   tma-sweep        bench/quant_kernel_sweep.py --only 8b --rows 1 --tma: pick_config's one-row choice against the
@@ -235,6 +237,9 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     done
     cp -r /tmp/cps "$out/cps" 2>/dev/null; find "$out/cps" -name "*.cubin" -delete -o -name "*.ptx" -delete \
       -o -name "*.llir" -delete -o -name "*.ttgir" -delete 2>/dev/null ;;
+  layer-probe)
+    timeout 500 python3 bench/quant_layer_probe.py --commit "$commit" --out "$out/quant_layer_probe.json" 2>&1 \
+      | tail -90 | tee "$out/$stage.log" ;;
   probe-staged)
     timeout 400 python3 bench/quant_gemv_probe.py --staged --only gate_up,qkv --commit "$commit" \
       --out "$out/quant_gemv_probe_staged.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;

@@ -173,6 +173,19 @@ def test_quant_gemv_probe_smoke(tmp_path):
     assert {c["flat"] for c in res["cases"][:2]} == {0, 1} and all("us" in c for c in res["cases"])
 
 
+def test_quant_layer_probe_smoke(tmp_path):
+    """The persistent-step probe reads every word of every layer once and, with its small phases, every KV value,
+    in each mode (the script checks both sums; barriers are compiled out on the CPU)."""
+    out = tmp_path / "layers.json"
+    proc = subprocess.run([sys.executable, "bench/quant_layer_probe.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert {(c["mode"], c["small"]) for c in cases} == {(m, s) for m in
+                                                         ("launches", "launches_early", "persistent", "preload",
+                                                          "stream") for s in (False, True)}
+
+
 @pytest.mark.parametrize("after_norm", [False, True])
 def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
     """The kernel sweep's configs at 16 rows run and match the fp32 reference; with --after-norm x is what an

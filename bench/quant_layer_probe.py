@@ -1,0 +1,323 @@
+"""Whether one persistent launch a decode step could stream a 4-bit 8B's weights faster than a chain of launches.
+
+Issue 16's batch-1 goals leave ~40 us a layer; the engine takes ~54 (docs/quantization.md, "What the batch-1
+goals need"). The one way left on paper is a persistent kernel: every program stays resident for the whole
+step, the phases of a layer are separated by grid barriers instead of launch boundaries, and programs that have
+nothing to do in a phase (a norm runs on one program, the attention on eight) read the next projection's first
+words meanwhile. This probe measures that structure before anyone builds it, with loads and no arithmetic (the
+words summed as floats, as in bench/quant_gemv_probe.py), over 32 layers of the 8B's packed 4-bit words
+(q/k/v, o, gate/up, down):
+
+  launches      one launch a phase, P programs each (P = SMs x programs an SM), programmatic dependent launches
+                that wait, then read (the engine's chain, with the same reads);
+  launches_early  the same, each launch reading its first group of words before its wait;
+  persistent    one launch of P programs for the step; a grid barrier (an atomic counter) between phases;
+  preload       that, each program reading its first group of the next phase before it arrives at the barrier;
+  stream        one launch, no barriers: the ceiling of the structure (what the word reads cost alone).
+
+Each runs without and with "small" phases, three a layer where few programs work (a norm: one program reads
+8 KB; the attention: eight programs read 256 KB each, 512 tokens of a KV head; the second norm), as in a real
+layer. Within a phase a program takes every P-th unit ([block_n rows, 32 words]), `depth` units a load.
+
+    python3 bench/quant_layer_probe.py --commit "$(git rev-parse --short HEAD)" --out bench/results/layer_probe.json
+    TRITON_INTERPRET=1 python3 bench/quant_layer_probe.py --smoke --out /tmp/p.json   # the script on CPU, no barriers
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
+from quant_kernel_sweep import SHAPES_8B  # noqa: E402
+from kernels.pdl import launch_args, wait_then_release  # noqa: E402
+from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
+
+NORM_WORDS, ATTN_PROGRAMS, ATTN_WORDS = 2048, 8, 65536
+
+
+@triton.jit
+def _group(w_ptr, g, pid, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """This program's g-th group of D units of a [N, W] weight (unit i of the program: pid + i * P), as floats."""
+    CHUNKS: tl.constexpr = W // 32
+    UNITS: tl.constexpr = (N // BN) * CHUNKS
+    u = pid + (g * D + tl.arange(0, D)) * P
+    tile = u // CHUNKS
+    chunk = u - tile * CHUNKS
+    rows = tile[:, None] * BN + tl.arange(0, BN)[None, :]
+    ptrs = w_ptr + rows.to(tl.int64)[:, :, None] * W + (chunk * 32)[:, None, None] + tl.arange(0, 32)[None, None, :]
+    return tl.load(ptrs, mask=(u < UNITS)[:, None, None], other=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _phase(w_ptr, acc, pre, pid, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+           PRELOADED: tl.constexpr):
+    """acc plus every unit of this program in the phase; `pre` is its first group when PRELOADED."""
+    UNITS: tl.constexpr = (N // BN) * (W // 32)
+    groups = ((UNITS - pid + P - 1) // P + D - 1) // D
+    start = 0
+    if PRELOADED:
+        acc += tl.sum(pre, 0)
+        start = 1
+    for g in range(start, groups):
+        acc += tl.sum(_group(w_ptr, g, pid, P, N, W, BN, D), 0)
+    return acc
+
+
+@triton.jit
+def _small(kv_ptr, tot, pid, PROGRAMS: tl.constexpr, WORDS: tl.constexpr):
+    """Programs below PROGRAMS read WORDS words of their own row of kv (4 KB a load); the rest nothing."""
+    if pid < PROGRAMS:
+        ptrs = kv_ptr + pid * WORDS + tl.arange(0, 1024)
+        part = tl.zeros((1024,), tl.float32)
+        for c in range(0, WORDS, 1024):
+            part += tl.load(ptrs + c)
+        tot += tl.sum(part, 0)
+    return tot
+
+
+@triton.jit
+def _barrier(bar_ptr, target, ON: tl.constexpr):
+    """Arrive at the grid barrier and wait until `target` arrivals (a counter that only grows in the launch)."""
+    if ON:
+        tl.debug_barrier()
+        tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
+            N0: tl.constexpr, W0: tl.constexpr, N1: tl.constexpr, W1: tl.constexpr,
+            N2: tl.constexpr, W2: tl.constexpr, N3: tl.constexpr, W3: tl.constexpr,
+            BN: tl.constexpr, D: tl.constexpr, BARRIER: tl.constexpr, PRELOAD: tl.constexpr, SMALL: tl.constexpr,
+            NORM_W: tl.constexpr, ATTN_P: tl.constexpr, ATTN_W: tl.constexpr):
+    """The whole step in one launch: per layer [norm] q/k/v [attention] o [norm] gate/up down, barriers between."""
+    pid = tl.program_id(0)
+    O1: tl.constexpr = N0 * W0
+    O2: tl.constexpr = O1 + N1 * W1
+    O3: tl.constexpr = O2 + N2 * W2
+    LW: tl.constexpr = O3 + N3 * W3
+    KVW: tl.constexpr = 2 * NORM_W + ATTN_P * ATTN_W
+    BPL: tl.constexpr = 7 if SMALL else 4          # barriers a layer
+    acc = tl.zeros((BN, 32), tl.float32)
+    tot = 0.0
+    pre = tl.zeros((D, BN, 32), tl.float32)
+    if PRELOAD:
+        pre = _group(w_ptr, 0, pid, P, N0, W0, BN, D)
+    for layer in range(L):
+        wl = w_ptr + layer * LW           # < 2**31 words for 32 layers of the 8B
+        kvl = kv_ptr + layer * KVW
+        b = layer * BPL
+        if SMALL:
+            tot = _small(kvl, tot, pid, 1, NORM_W)
+            if PRELOAD:
+                pre = _group(wl, 0, pid, P, N0, W0, BN, D)
+            b += 1
+            _barrier(bar_ptr, b * P, BARRIER)
+        acc = _phase(wl, acc, pre, pid, P, N0, W0, BN, D, PRELOAD)
+        if SMALL:
+            b += 1
+            _barrier(bar_ptr, b * P, BARRIER)
+            tot = _small(kvl + NORM_W, tot, pid, ATTN_P, ATTN_W)
+        if PRELOAD:
+            pre = _group(wl + O1, 0, pid, P, N1, W1, BN, D)
+        b += 1
+        _barrier(bar_ptr, b * P, BARRIER)
+        acc = _phase(wl + O1, acc, pre, pid, P, N1, W1, BN, D, PRELOAD)
+        if SMALL:
+            b += 1
+            _barrier(bar_ptr, b * P, BARRIER)
+            tot = _small(kvl + NORM_W + ATTN_P * ATTN_W, tot, pid, 1, NORM_W)
+        if PRELOAD:
+            pre = _group(wl + O2, 0, pid, P, N2, W2, BN, D)
+        b += 1
+        _barrier(bar_ptr, b * P, BARRIER)
+        acc = _phase(wl + O2, acc, pre, pid, P, N2, W2, BN, D, PRELOAD)
+        if PRELOAD:
+            pre = _group(wl + O3, 0, pid, P, N3, W3, BN, D)
+        b += 1
+        _barrier(bar_ptr, b * P, BARRIER)
+        acc = _phase(wl + O3, acc, pre, pid, P, N3, W3, BN, D, PRELOAD)
+        if PRELOAD and not SMALL:        # the next layer's q/k/v (the spare layer of words past the last)
+            pre = _group(wl + LW, 0, pid, P, N0, W0, BN, D)
+        b += 1
+        _barrier(bar_ptr, b * P, BARRIER)
+    tl.store(out_ptr + pid * BN + tl.arange(0, BN), tl.sum(acc, 1))
+    tl.store(tot_ptr + pid, tot)
+
+
+@triton.jit
+def _one_phase(w_ptr, out_ptr, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+               EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+    """One projection's words as a launch of its own (EARLY: the first group read before the wait)."""
+    pid = tl.program_id(0)
+    pre = tl.zeros((D, BN, 32), tl.float32)
+    if EARLY:
+        pre = _group(w_ptr, 0, pid, P, N, W, BN, D)
+    wait_then_release(USE_PDL)
+    acc = _phase(w_ptr, tl.zeros((BN, 32), tl.float32), pre, pid, P, N, W, BN, D, EARLY)
+    tl.atomic_add(out_ptr + pid * BN + tl.arange(0, BN), tl.sum(acc, 1))
+
+
+@triton.jit
+def _one_small(kv_ptr, tot_ptr, PROGRAMS: tl.constexpr, WORDS: tl.constexpr, USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    wait_then_release(USE_PDL)
+    tl.atomic_add(tot_ptr + pid, _small(kv_ptr, 0.0, pid, PROGRAMS, WORDS))
+
+
+MODES = ("launches", "launches_early", "persistent", "preload", "stream")
+
+
+def shapes(smoke: bool) -> list[tuple[int, int]]:
+    """[N, W] (rows, int32 words a row) of q/k/v, o, gate/up, down."""
+    if smoke:
+        return [(128, 192), (64, 128), (256, 64), (64, 256)]
+    return [(n, k // 8) for n, k in SHAPES_8B.values()]
+
+
+def small_sizes(smoke: bool) -> tuple[int, int, int]:
+    return (1024, 2, 2048) if smoke else (NORM_WORDS, ATTN_PROGRAMS, ATTN_WORDS)
+
+
+class Step:
+    """One step's buffers and its launches for a mode and config."""
+
+    def __init__(self, dev: torch.device, layers: int, smoke: bool):
+        self.dev, self.layers, self.smoke = dev, layers, smoke
+        self.shapes = shapes(smoke)
+        self.layer_words = sum(n * w for n, w in self.shapes)
+        self.norm_w, self.attn_p, self.attn_w = small_sizes(smoke)
+        self.kv_words = 2 * self.norm_w + self.attn_p * self.attn_w
+        # randn floats seen as words: the sums stay finite; one spare layer for the last preload
+        self.w = torch.randn((layers + 1) * self.layer_words, device=dev).view(torch.int32)
+        self.kv = torch.randn(layers * self.kv_words, device=dev)
+        self.bar = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def weight_bytes(self) -> int:
+        return self.layers * self.layer_words * 4
+
+    def launches(self, mode: str, small: bool, programs: int, bn: int, depth: int, warps: int,
+                 out: torch.Tensor, tot: torch.Tensor) -> list:
+        """The step as callables, in order."""
+        pdl = launch_args(self.dev.type == "cuda")
+        if mode not in ("launches", "launches_early"):
+            flat = [v for s in self.shapes for v in s]
+            kw = dict(BN=bn, D=depth, BARRIER=mode != "stream" and self.dev.type == "cuda",
+                      PRELOAD=mode == "preload", SMALL=small, NORM_W=self.norm_w, ATTN_P=self.attn_p,
+                      ATTN_W=self.attn_w, num_warps=warps)
+
+            def run() -> None:
+                self.bar.zero_()
+                _layers[(programs,)](self.w, self.kv, out, tot, self.bar, programs, self.layers, *flat, **kw)
+            return [run]
+        fns = []
+        offs = [0]
+        for n, w in self.shapes:
+            offs.append(offs[-1] + n * w)
+        for layer in range(self.layers):
+            wl, kvl = layer * self.layer_words, layer * self.kv_words
+
+            def proj(i: int, wl=wl) -> None:
+                n, w = self.shapes[i]
+                _one_phase[(programs,)](self.w[wl + offs[i]:], out, programs, n, w, BN=bn, D=depth,
+                                        EARLY=mode == "launches_early", num_warps=warps, **pdl)
+
+            def norm(at: int) -> None:
+                _one_small[(1,)](self.kv[at:], tot, 1, self.norm_w, num_warps=4, **pdl)
+
+            def attn(kvl=kvl) -> None:
+                _one_small[(self.attn_p,)](self.kv[kvl + self.norm_w:], tot, self.attn_p, self.attn_w,
+                                           num_warps=4, **pdl)
+            at2 = kvl + self.norm_w + self.attn_p * self.attn_w
+            fns += ([lambda kvl=kvl: norm(kvl)] if small else []) + [lambda p=proj: p(0)] + ([attn] if small else [])
+            fns += [lambda p=proj: p(1)] + ([lambda a=at2: norm(a)] if small else [])
+            fns += [lambda p=proj: p(2), lambda p=proj: p(3)]
+        return fns
+
+    def check(self, out: torch.Tensor, tot: torch.Tensor, small: bool) -> None:
+        """Every word and (with the small phases) every KV value was read once."""
+        want = self.w[:self.layers * self.layer_words].view(torch.float32).double().sum()
+        got = out.double().sum()
+        assert torch.allclose(got, want, rtol=1e-3, atol=1.0), f"words read wrong: {got} against {want}"
+        if small:
+            want, got = self.kv.double().sum(), tot.double().sum()
+            assert torch.allclose(got, want, rtol=1e-3, atol=1.0), f"KV read wrong: {got} against {want}"
+
+
+def fits(step: Step, programs_per_sm: int, bn: int, depth: int, warps: int, small: bool) -> str | None:
+    """Why the persistent grid might not be resident at once (the barrier would then never open), or None."""
+    flat = [v for s in step.shapes for v in s]
+    k = _layers.warmup(step.w, step.kv, step.w, step.kv, step.bar, 1, step.layers, *flat, BN=bn, D=depth,
+                       BARRIER=True, PRELOAD=True, SMALL=small, NORM_W=step.norm_w, ATTN_P=step.attn_p,
+                       ATTN_W=step.attn_w, num_warps=warps, grid=(1,))
+    regs = k.n_regs * warps * 32 * programs_per_sm
+    smem = k.metadata.shared * programs_per_sm
+    if regs > 65536 or smem > 227 * 1024 or warps * programs_per_sm > 64:
+        return f"{k.n_regs} registers, {k.metadata.shared} B shared a program"
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), no barriers")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    layers = 2 if args.smoke else args.layers
+    step = Step(dev, layers, args.smoke)
+    sms = 4 if args.smoke else torch.cuda.get_device_properties(dev).multi_processor_count
+    bw = None if args.smoke else copy_bandwidth(dev, 2**31)
+    res: dict = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(dev), "commit": args.commit,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "layers": layers, "sms": sms, "copy_bandwidth_Bps": bw, "weight_bytes": step.weight_bytes(),
+                 "floor_us_per_layer": step.weight_bytes() / bw * 1e6 / layers if bw else None,
+                 "small_phases": dict(norm_words=step.norm_w, attn_programs=step.attn_p, attn_words=step.attn_w),
+                 "cases": []}
+    configs = [(1, 32, 2, 4)] if args.smoke else [(per, 64, d, wp) for d in (2, 4)
+                                                  for per, wp in ((1, 8), (2, 4), (2, 8), (4, 4))]
+    for per_sm, bn, depth, warps in configs:
+        programs = sms * per_sm
+        for small in (False, True):
+            why = None if args.smoke else fits(step, per_sm, bn, depth, warps, small)
+            for mode in MODES:
+                case = dict(mode=mode, small=small, programs_per_sm=per_sm, block_n=bn, depth=depth, warps=warps)
+                if why and mode in ("persistent", "preload"):
+                    res["cases"].append(dict(case, skipped=why))
+                    print(case, "skipped:", why, flush=True)
+                    continue
+                out = torch.zeros(programs * bn, device=dev)
+                tot = torch.zeros(programs, device=dev)
+                fns = step.launches(mode, small, programs, bn, depth, warps, out, tot)
+                for f in fns:
+                    f()
+                step.check(out, tot, small)
+                us = 0.0
+                if not args.smoke:
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for f in fns:
+                            f()
+                    us = median_replay_ms(g, 10) * 1e3
+                row = dict(case, us=us, us_per_layer=us / layers)
+                res["cases"].append(row)
+                print(" ".join(f"{k}={v}" for k, v in case.items()), f"{us / layers:.2f} us a layer", flush=True)
+        args.out.write_text(json.dumps(res, indent=1))
+    args.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
