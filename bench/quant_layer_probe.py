@@ -265,6 +265,7 @@ def fits(step: Step, programs_per_sm: int, bn: int, depth: int, warps: int, smal
     k = _layers.warmup(step.w, step.kv, step.w, step.kv, step.bar, 1, step.layers, *flat, BN=bn, D=depth,
                        BARRIER=True, PRELOAD=True, SMALL=small, NORM_W=step.norm_w, ATTN_P=step.attn_p,
                        ATTN_W=step.attn_w, num_warps=warps, grid=(1,))
+    k._init_handles()                  # loads the binary: its register count is known from then on
     regs = k.n_regs * warps * 32 * programs_per_sm
     smem = k.metadata.shared * programs_per_sm
     if regs > 65536 or smem > 227 * 1024 or warps * programs_per_sm > 64:
