@@ -114,7 +114,7 @@ def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
     KVW: tl.constexpr = 2 * NORM_W + ATTN_P * ATTN_W
     BPL: tl.constexpr = 7 if SMALL else 4          # barriers a layer
     acc = tl.zeros((BN, 32), tl.float32)
-    tot = 0.0
+    tot = tl.full((), 0.0, tl.float32)
     pre = tl.zeros((D, BN, 32), tl.float32)
     if PRELOAD:
         pre = _group(w_ptr, 0, pid, P, N0, W0, BN, D)
@@ -177,7 +177,7 @@ def _one_phase(w_ptr, out_ptr, P, N: tl.constexpr, W: tl.constexpr, BN: tl.const
 def _one_small(kv_ptr, tot_ptr, PROGRAMS: tl.constexpr, WORDS: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     wait_then_release(USE_PDL)
-    tl.atomic_add(tot_ptr + pid, _small(kv_ptr, 0.0, pid, PROGRAMS, WORDS))
+    tl.atomic_add(tot_ptr + pid, _small(kv_ptr, tl.full((), 0.0, tl.float32), pid, PROGRAMS, WORDS))
 
 
 MODES = ("launches", "launches_early", "persistent", "preload", "stream")
@@ -291,8 +291,8 @@ def main() -> None:
                  "floor_us_per_layer": step.weight_bytes() / bw * 1e6 / layers if bw else None,
                  "small_phases": dict(norm_words=step.norm_w, attn_programs=step.attn_p, attn_words=step.attn_w),
                  "cases": []}
-    configs = [(1, 32, 2, 4)] if args.smoke else [(per, 64, d, wp) for d in (2, 4)
-                                                  for per, wp in ((1, 8), (2, 4), (2, 8), (4, 4))]
+    configs = [(1, 32, 2, 4)] if args.smoke else [(per, 64, d, wp) for per, d, wp in
+                                                  ((1, 2, 8), (2, 2, 8), (2, 4, 8), (4, 2, 4), (4, 4, 4), (4, 2, 8))]
     for per_sm, bn, depth, warps in configs:
         programs = sms * per_sm
         for small in (False, True):
