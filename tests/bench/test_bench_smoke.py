@@ -181,9 +181,8 @@ def test_quant_layer_probe_smoke(tmp_path):
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
-    assert {(c["mode"], c["small"]) for c in cases} == {(m, s) for m in
-                                                         ("launches", "launches_early", "persistent", "preload",
-                                                          "stream") for s in (False, True)}
+    modes = ("launches", "launches_early", "persistent", "preload", "stream", "barriers")
+    assert {(c["mode"], c["small"]) for c in cases} == {(m, s) for m in modes for s in (False, True)}
 
 
 @pytest.mark.parametrize("after_norm", [False, True])
