@@ -10,10 +10,14 @@ words summed as floats, as in bench/quant_gemv_probe.py), over 32 layers of the 
 
   launches      one launch a phase, P programs each (P = SMs x programs an SM), programmatic dependent launches
                 that wait, then read (the engine's chain, with the same reads);
-  launches_early  the same, each launch reading its first group of words before its wait;
+  launches_early  the same, each launch reading its first `early_units` units of words before its wait;
   persistent    one launch of P programs for the step; a grid barrier (an atomic counter) between phases;
-  preload       that, each program reading its first group of the next phase before it arrives at the barrier;
-  stream        one launch, no barriers: the ceiling of the structure (what the word reads cost alone).
+  preload       that, each program requesting its first units of the next projection before it arrives at the
+                barrier (at the barrier before a small phase, so that the reads span it);
+  preload_split the same requested after arriving and before waiting (an arrival releases: loads requested
+                before it are completed first);
+  stream        one launch, no barriers: the ceiling of the structure (what the word reads cost alone);
+  barriers      the barriers (and small phases) alone, no words.
 
 Each runs without and with "small" phases, three a layer where few programs work (a norm: one program reads
 8 KB; the attention: eight programs read 256 KB each, 512 tokens of a KV head; the second norm), as in a real
@@ -38,18 +42,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
 from quant_kernel_sweep import SHAPES_8B  # noqa: E402
-from kernels.pdl import gpu_fence, launch_args, wait_then_release  # noqa: E402
+from kernels.pdl import launch_args, wait_then_release  # noqa: E402
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 
 NORM_WORDS, ATTN_PROGRAMS, ATTN_WORDS = 2048, 8, 65536
 
 
 @triton.jit
-def _group(w_ptr, g, pid, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    """This program's g-th group of D units of a [N, W] weight (unit i of the program: pid + i * P), as floats."""
+def _group(w_ptr, i0, pid, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """Units i0 .. i0 + D - 1 of this program in a [N, W] weight (its unit i: pid + i * P), as floats."""
     CHUNKS: tl.constexpr = W // 32
     UNITS: tl.constexpr = (N // BN) * CHUNKS
-    u = pid + (g * D + tl.arange(0, D)) * P
+    u = pid + (i0 + tl.arange(0, D)) * P
     tile = u // CHUNKS
     chunk = u - tile * CHUNKS
     rows = tile[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -59,16 +63,14 @@ def _group(w_ptr, g, pid, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
 
 @triton.jit
 def _phase(w_ptr, acc, pre, pid, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-           PRELOADED: tl.constexpr, READ: tl.constexpr = 1):
-    """acc plus every unit of this program in the phase; `pre` is its first group when PRELOADED."""
+           PRE: tl.constexpr, READ: tl.constexpr = 1):
+    """acc plus every unit of this program in the phase; `pre` holds its first PRE units (PRE 0: none)."""
     UNITS: tl.constexpr = (N // BN) * (W // 32)
-    groups = ((UNITS - pid + P - 1) // P + D - 1) // D * READ
-    start = 0
-    if PRELOADED:
+    mine = (UNITS - pid + P - 1) // P * READ
+    if PRE > 0:
         acc += tl.sum(pre, 0)
-        start = 1
-    for g in range(start, groups):
-        acc += tl.sum(_group(w_ptr, g, pid, P, N, W, BN, D), 0)
+    for i0 in range(PRE, mine, D):
+        acc += tl.sum(_group(w_ptr, i0, pid, P, N, W, BN, D), 0)
     return acc
 
 
@@ -95,26 +97,25 @@ def _lane0_acquire(bar_ptr, NT: tl.constexpr):
 
 
 @triton.jit
-def _barrier(bar_ptr, target, ON: tl.constexpr, POLL: tl.constexpr, NT: tl.constexpr):
-    """Arrive at the grid barrier and wait until `target` arrivals (a counter that only grows in the launch).
-    POLL 0: the wait reads the counter with acquiring atomics (one thread of the program); 1: with volatile loads
-    (every thread; a warp's are one request), then a GPU-scope fence by every thread (acquire); 2: with acquiring
-    loads by the first thread."""
+def _arrive(bar_ptr, ON: tl.constexpr):
+    """Arrive at the grid barrier: this program's earlier writes are visible to whoever sees the count."""
     if ON:
         tl.debug_barrier()
         tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(bar_ptr, target, ON: tl.constexpr, POLL: tl.constexpr, NT: tl.constexpr):
+    """Wait until the counter (which only grows in the launch) reaches `target`. POLL 0: acquiring atomics by
+    one thread of the program; 2: acquiring loads by the first thread. A grid not resident at once would wait
+    forever: after 2**16 reads the wait gives up and says so in bar[1]."""
+    if ON:
         spins = 0
         if POLL == 0:
             seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-            while (seen < target) & (spins < 1 << 16):     # a grid not resident at once: give up, say so in bar[1]
+            while (seen < target) & (spins < 1 << 16):
                 seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
                 spins += 1
-        elif POLL == 1:
-            seen = tl.load(bar_ptr, volatile=True)
-            while (seen < target) & (spins < 1 << 16):
-                seen = tl.load(bar_ptr, volatile=True)
-                spins += 1
-            gpu_fence(NT)
         else:
             seen = _lane0_acquire(bar_ptr, NT)
             while (seen < target) & (spins < 1 << 16):
@@ -125,13 +126,32 @@ def _barrier(bar_ptr, target, ON: tl.constexpr, POLL: tl.constexpr, NT: tl.const
 
 
 @triton.jit
+def _sync(bar_ptr, target, pre, w_next, pid, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr,
+          PRE: tl.constexpr, ON: tl.constexpr, POLL: tl.constexpr, NT: tl.constexpr, SPLIT: tl.constexpr):
+    """A grid barrier; with PRE > 0 the program also requests its first PRE units of the weight at w_next
+    ([N, W]) and returns them: before it arrives, or (SPLIT) between arriving and waiting, so that the loads
+    overlap the wait (an arrival releases, so loads requested before it are waited for first)."""
+    if PRE > 0 and not SPLIT:
+        pre = _group(w_next, 0, pid, P, N, W, BN, PRE)
+    _arrive(bar_ptr, ON)
+    if PRE > 0 and SPLIT:
+        pre = _group(w_next, 0, pid, P, N, W, BN, PRE)
+    _wait(bar_ptr, target, ON, POLL, NT)
+    return pre
+
+
+@triton.jit
 def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
             N0: tl.constexpr, W0: tl.constexpr, N1: tl.constexpr, W1: tl.constexpr,
             N2: tl.constexpr, W2: tl.constexpr, N3: tl.constexpr, W3: tl.constexpr,
-            BN: tl.constexpr, D: tl.constexpr, BARRIER: tl.constexpr, PRELOAD: tl.constexpr, SMALL: tl.constexpr,
-            NORM_W: tl.constexpr, ATTN_P: tl.constexpr, ATTN_W: tl.constexpr, POLL: tl.constexpr,
-            READ: tl.constexpr, NT: tl.constexpr):
-    """The whole step in one launch: per layer [norm] q/k/v [attention] o [norm] gate/up down, barriers between."""
+            BN: tl.constexpr, D: tl.constexpr, BARRIER: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr,
+            SMALL: tl.constexpr, NORM_W: tl.constexpr, ATTN_P: tl.constexpr, ATTN_W: tl.constexpr,
+            POLL: tl.constexpr, READ: tl.constexpr, NT: tl.constexpr):
+    """The whole step in one launch, a layer being
+        [norm, sync] q/k/v, sync(o) [attention, sync] o, sync(gate/up) [norm, sync] gate/up, sync(down) down,
+        sync(next q/k/v)
+    where sync(X) also requests the first PRE units of X's words (PRE 0: nothing early) and [..] are the small
+    phases (SMALL)."""
     pid = tl.program_id(0)
     O1: tl.constexpr = N0 * W0
     O2: tl.constexpr = O1 + N1 * W1
@@ -141,61 +161,53 @@ def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
     BPL: tl.constexpr = 7 if SMALL else 4          # barriers a layer
     acc = tl.zeros((BN, 32), tl.float32)
     tot = tl.full((), 0.0, tl.float32)
-    pre = tl.zeros((D, BN, 32), tl.float32)
-    if PRELOAD:
-        pre = _group(w_ptr, 0, pid, P, N0, W0, BN, D)
+    PB: tl.constexpr = PRE if PRE > 0 else 1
+    pre = tl.zeros((PB, BN, 32), tl.float32)
+    if PRE > 0:
+        pre = _group(w_ptr, 0, pid, P, N0, W0, BN, PRE)
     for layer in range(L):
         wl = w_ptr + layer * LW           # < 2**31 words for 32 layers of the 8B
         kvl = kv_ptr + layer * KVW
         b = layer * BPL
         if SMALL:
             tot = _small(kvl, tot, pid, 1, NORM_W)
-            if PRELOAD:
-                pre = _group(wl, 0, pid, P, N0, W0, BN, D)
             b += 1
-            _barrier(bar_ptr, b * P, BARRIER, POLL, NT)
-        acc = _phase(wl, acc, pre, pid, P, N0, W0, BN, D, PRELOAD, READ)
+            _sync(bar_ptr, b * P, pre, wl, pid, P, N0, W0, BN, 0, BARRIER, POLL, NT, SPLIT)
+        acc = _phase(wl, acc, pre, pid, P, N0, W0, BN, D, PRE, READ)
+        b += 1
+        pre = _sync(bar_ptr, b * P, pre, wl + O1, pid, P, N1, W1, BN, PRE, BARRIER, POLL, NT, SPLIT)
         if SMALL:
-            b += 1
-            _barrier(bar_ptr, b * P, BARRIER, POLL, NT)
             tot = _small(kvl + NORM_W, tot, pid, ATTN_P, ATTN_W)
-        if PRELOAD:
-            pre = _group(wl + O1, 0, pid, P, N1, W1, BN, D)
-        b += 1
-        _barrier(bar_ptr, b * P, BARRIER, POLL, NT)
-        acc = _phase(wl + O1, acc, pre, pid, P, N1, W1, BN, D, PRELOAD, READ)
-        if SMALL:
             b += 1
-            _barrier(bar_ptr, b * P, BARRIER, POLL, NT)
+            _sync(bar_ptr, b * P, pre, wl, pid, P, N0, W0, BN, 0, BARRIER, POLL, NT, SPLIT)
+        acc = _phase(wl + O1, acc, pre, pid, P, N1, W1, BN, D, PRE, READ)
+        b += 1
+        pre = _sync(bar_ptr, b * P, pre, wl + O2, pid, P, N2, W2, BN, PRE, BARRIER, POLL, NT, SPLIT)
+        if SMALL:
             tot = _small(kvl + NORM_W + ATTN_P * ATTN_W, tot, pid, 1, NORM_W)
-        if PRELOAD:
-            pre = _group(wl + O2, 0, pid, P, N2, W2, BN, D)
+            b += 1
+            _sync(bar_ptr, b * P, pre, wl, pid, P, N0, W0, BN, 0, BARRIER, POLL, NT, SPLIT)
+        acc = _phase(wl + O2, acc, pre, pid, P, N2, W2, BN, D, PRE, READ)
         b += 1
-        _barrier(bar_ptr, b * P, BARRIER, POLL, NT)
-        acc = _phase(wl + O2, acc, pre, pid, P, N2, W2, BN, D, PRELOAD, READ)
-        if PRELOAD:
-            pre = _group(wl + O3, 0, pid, P, N3, W3, BN, D)
-        b += 1
-        _barrier(bar_ptr, b * P, BARRIER, POLL, NT)
-        acc = _phase(wl + O3, acc, pre, pid, P, N3, W3, BN, D, PRELOAD, READ)
-        if PRELOAD and not SMALL:        # the next layer's q/k/v (the spare layer of words past the last)
-            pre = _group(wl + LW, 0, pid, P, N0, W0, BN, D)
-        b += 1
-        _barrier(bar_ptr, b * P, BARRIER, POLL, NT)
+        pre = _sync(bar_ptr, b * P, pre, wl + O3, pid, P, N3, W3, BN, PRE, BARRIER, POLL, NT, SPLIT)
+        acc = _phase(wl + O3, acc, pre, pid, P, N3, W3, BN, D, PRE, READ)
+        b += 1                            # the next layer's q/k/v: the spare layer of words past the last
+        pre = _sync(bar_ptr, b * P, pre, wl + LW, pid, P, N0, W0, BN, PRE, BARRIER, POLL, NT, SPLIT)
     tl.store(out_ptr + pid * BN + tl.arange(0, BN), tl.sum(acc, 1))
     tl.store(tot_ptr + pid, tot)
 
 
 @triton.jit
 def _one_phase(w_ptr, out_ptr, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               EARLY: tl.constexpr, USE_PDL: tl.constexpr):
-    """One projection's words as a launch of its own (EARLY: the first group read before the wait)."""
+               PRE: tl.constexpr, USE_PDL: tl.constexpr):
+    """One projection's words as a launch of its own (its first PRE units read before the wait)."""
     pid = tl.program_id(0)
-    pre = tl.zeros((D, BN, 32), tl.float32)
-    if EARLY:
-        pre = _group(w_ptr, 0, pid, P, N, W, BN, D)
+    PB: tl.constexpr = PRE if PRE > 0 else 1
+    pre = tl.zeros((PB, BN, 32), tl.float32)
+    if PRE > 0:
+        pre = _group(w_ptr, 0, pid, P, N, W, BN, PRE)
     wait_then_release(USE_PDL)
-    acc = _phase(w_ptr, tl.zeros((BN, 32), tl.float32), pre, pid, P, N, W, BN, D, EARLY)
+    acc = _phase(w_ptr, tl.zeros((BN, 32), tl.float32), pre, pid, P, N, W, BN, D, PRE)
     tl.atomic_add(out_ptr + pid * BN + tl.arange(0, BN), tl.sum(acc, 1))
 
 
@@ -206,8 +218,8 @@ def _one_small(kv_ptr, tot_ptr, PROGRAMS: tl.constexpr, WORDS: tl.constexpr, USE
     tl.atomic_add(tot_ptr + pid, _small(kv_ptr, tl.full((), 0.0, tl.float32), pid, PROGRAMS, WORDS))
 
 
-MODES = ("launches", "launches_early", "persistent", "preload", "stream", "barriers")
-PERSISTENT = ("persistent", "preload", "barriers")
+MODES = ("launches", "launches_early", "persistent", "preload", "preload_split", "stream", "barriers")
+PERSISTENT = ("persistent", "preload", "preload_split", "barriers")
 
 
 def shapes(smoke: bool) -> list[tuple[int, int]]:
@@ -238,19 +250,19 @@ class Step:
     def weight_bytes(self) -> int:
         return self.layers * self.layer_words * 4
 
-    def layers_kw(self, mode: str, small: bool, bn: int, depth: int, warps: int, poll: int) -> dict:
+    def layers_kw(self, mode: str, small: bool, bn: int, depth: int, warps: int, poll: int, pre: int) -> dict:
         """The persistent kernel's constexprs for a mode (barriers: the barriers and small phases, no words)."""
         return dict(BN=bn, D=depth, BARRIER=mode != "stream" and self.dev.type == "cuda",
-                    PRELOAD=mode == "preload", SMALL=small, NORM_W=self.norm_w, ATTN_P=self.attn_p,
+                    PRE=pre if mode.startswith("preload") else 0, SPLIT=mode == "preload_split", SMALL=small, NORM_W=self.norm_w, ATTN_P=self.attn_p,
                     ATTN_W=self.attn_w, POLL=poll, READ=int(mode != "barriers"), NT=warps * 32, num_warps=warps)
 
     def launches(self, mode: str, small: bool, programs: int, bn: int, depth: int, warps: int, poll: int,
-                 out: torch.Tensor, tot: torch.Tensor) -> list:
+                 pre: int, out: torch.Tensor, tot: torch.Tensor) -> list:
         """The step as callables, in order."""
         pdl = launch_args(self.dev.type == "cuda")
         if mode not in ("launches", "launches_early"):
             flat = [v for s in self.shapes for v in s]
-            kw = self.layers_kw(mode, small, bn, depth, warps, poll)
+            kw = self.layers_kw(mode, small, bn, depth, warps, poll, pre)
 
             def run() -> None:
                 self.bar[0].zero_()
@@ -266,7 +278,7 @@ class Step:
             def proj(i: int, wl=wl) -> None:
                 n, w = self.shapes[i]
                 _one_phase[(programs,)](self.w[wl + offs[i]:], out, programs, n, w, BN=bn, D=depth,
-                                        EARLY=mode == "launches_early", num_warps=warps, **pdl)
+                                        PRE=pre if mode == "launches_early" else 0, num_warps=warps, **pdl)
 
             def norm(at: int) -> None:
                 _one_small[(1,)](self.kv[at:], tot, 1, self.norm_w, num_warps=4, **pdl)
@@ -290,7 +302,7 @@ class Step:
             assert torch.allclose(got, want, rtol=1e-3, atol=1.0), f"KV read wrong: {got} against {want}"
 
 
-def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int, warps: int, poll: int,
+def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int, warps: int, poll: int, pre: int,
          out: torch.Tensor, tot: torch.Tensor) -> str | None:
     """Why the persistent grid might not be resident at once (the barrier would then never open), or None. The
     kernel is compiled with the launch's own arguments (Triton specializes on integers equal to 1, so a stand-in
@@ -298,7 +310,7 @@ def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int,
     flat = [v for s in step.shapes for v in s]
     programs_per_sm = programs // torch.cuda.get_device_properties(step.dev).multi_processor_count
     k = _layers.warmup(step.w, step.kv, out, tot, step.bar, programs, step.layers, *flat,
-                       **step.layers_kw(mode, small, bn, depth, warps, poll), grid=(programs,))
+                       **step.layers_kw(mode, small, bn, depth, warps, poll, pre), grid=(programs,))
     k._init_handles()                  # loads the binary: its register count is known from then on
     regs = k.n_regs * warps * 32 * programs_per_sm
     smem = k.metadata.shared * programs_per_sm
@@ -325,26 +337,27 @@ def main() -> None:
                  "floor_us_per_layer": step.weight_bytes() / bw * 1e6 / layers if bw else None,
                  "small_phases": dict(norm_words=step.norm_w, attn_programs=step.attn_p, attn_words=step.attn_w),
                  "cases": []}
-    configs = [(1, 32, 2, 4, 0)] if args.smoke else [
-        (4, 64, 2, 8, 0), (4, 64, 2, 8, 2), (2, 64, 2, 8, 0), (2, 64, 2, 8, 2), (4, 64, 2, 4, 0),
-        (4, 64, 2, 4, 2), (1, 128, 4, 16, 0), (1, 128, 4, 16, 2)]
-    for per_sm, bn, depth, warps, poll in configs:
+    # (programs an SM, block_n, units a load, warps, how waits poll, units read early)
+    configs = [(1, 32, 2, 4, 0, 2), (1, 32, 2, 4, 0, 4)] if args.smoke else [
+        (4, 64, 2, 8, 0, 2), (2, 64, 2, 8, 0, 4), (2, 64, 2, 8, 0, 8), (1, 128, 4, 16, 0, 4),
+        (1, 128, 4, 16, 0, 8), (1, 128, 4, 16, 2, 8), (1, 128, 4, 32, 0, 8)]
+    for per_sm, bn, depth, warps, poll, pre in configs:
         programs = sms * per_sm
         for small in (False, True):
             for mode in MODES:
                 case = dict(mode=mode, small=small, programs_per_sm=per_sm, block_n=bn, depth=depth, warps=warps,
-                            poll=poll)
+                            poll=poll, early_units=pre)
                 if poll and mode not in PERSISTENT:       # the same launches as the config with poll 0
                     continue
                 out = torch.zeros(programs * bn, device=dev)
                 tot = torch.zeros(programs, device=dev)
                 why = None if args.smoke or mode not in PERSISTENT else fits(step, mode, small, programs, bn, depth,
-                                                                             warps, poll, out, tot)
+                                                                             warps, poll, pre, out, tot)
                 if why:
                     res["cases"].append(dict(case, skipped=why))
                     print(case, "skipped:", why, flush=True)
                     continue
-                fns = step.launches(mode, small, programs, bn, depth, warps, poll, out, tot)
+                fns = step.launches(mode, small, programs, bn, depth, warps, poll, pre, out, tot)
                 for f in fns:
                     f()
                 step.check(out, tot, small, words=mode != "barriers")
