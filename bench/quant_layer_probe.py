@@ -17,7 +17,10 @@ words summed as floats, as in bench/quant_gemv_probe.py), over 32 layers of the 
   preload_split the same requested after arriving and before waiting (an arrival releases: loads requested
                 before it are completed first);
   stream        one launch, no barriers: the ceiling of the structure (what the word reads cost alone);
-  barriers      the barriers (and small phases) alone, no words.
+  barriers      the barriers (and small phases) alone, no words;
+  pipelined     one launch whose streaming programs (one an SM) run a single loop over all their units of the
+                step, software-pipelined `depth` - 1 units ahead through shared memory, so that the next phase's
+                words are in flight across the barrier; the small phases run on programs of their own.
 
 Each runs without and with "small" phases, three a layer where few programs work (a norm: one program reads
 8 KB; the attention: eight programs read 256 KB each, 512 tokens of a KV head; the second norm), as in a real
@@ -198,6 +201,108 @@ def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
 
 
 @triton.jit
+def _spin(ptr, target, NT: tl.constexpr):
+    """Every thread reads the counter at ptr with acquiring loads until it reaches `target` (at once where target
+    is 0) or 2**20 reads have passed, in assembly: no control flow of the compiler's own, so a software-pipelined
+    loop may hold it. Returns the count the program saw (the least of its threads')."""
+    lane = tl.arange(0, NT)
+    seen = tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 n; mov.u32 n, 0;\n"
+        "SPIN${:uid}: ld.acquire.gpu.global.u32 $0, [$1];\n"
+        "setp.lt.u32 p, $0, $2; add.u32 n, n, 1; setp.lt.and.u32 p, n, 1048576, p; @p bra SPIN${:uid}; }",
+        "=r,l,r", [ptr + lane * 0, target + lane * 0], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.min(seen, 0)
+
+
+@triton.jit
+def _cta_sync(NT: tl.constexpr):
+    """`bar.sync 0` in assembly (the compiler's own barrier stops it software-pipelining the loop around it)."""
+    tl.inline_asm_elementwise("bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [tl.arange(0, NT)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _layers_flat(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
+                 N0: tl.constexpr, W0: tl.constexpr, N1: tl.constexpr, W1: tl.constexpr,
+                 N2: tl.constexpr, W2: tl.constexpr, N3: tl.constexpr, W3: tl.constexpr,
+                 BN: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr, SMALL: tl.constexpr,
+                 NORM_W: tl.constexpr, ATTN_P: tl.constexpr, ATTN_W: tl.constexpr, NT: tl.constexpr):
+    """The step with the weights' reads software-pipelined across the barriers. Programs below P stream: one loop
+    over their units of every phase of every layer, STAGES - 1 units requested ahead (the compiler's asynchronous
+    copies into shared memory), so the next phase's words are in flight before the barrier that opens it. With
+    SMALL, ATTN_P more programs run the small phases (a norm on the first of them, the attention on all), each
+    after the projection before it, while the streaming programs wait for them at the next projection's first
+    unit. Two counters: bar[0] counts the streaming programs' phase ends, bar[2] the small programs' (bar[1]:
+    a wait gave up)."""
+    pid = tl.program_id(0)
+    O1: tl.constexpr = N0 * W0
+    O2: tl.constexpr = O1 + N1 * W1
+    O3: tl.constexpr = O2 + N2 * W2
+    LW: tl.constexpr = O3 + N3 * W3
+    KVW: tl.constexpr = 2 * NORM_W + ATTN_P * ATTN_W
+    acc = tl.zeros((BN, 32), tl.float32)
+    tot = tl.full((), 0.0, tl.float32)
+    gave_up = False
+    if pid < P:
+        n0 = ((N0 // BN) * (W0 // 32) - pid + P - 1) // P
+        n1 = ((N1 // BN) * (W1 // 32) - pid + P - 1) // P
+        n2 = ((N2 // BN) * (W2 // 32) - pid + P - 1) // P
+        n3 = ((N3 // BN) * (W3 // 32) - pid + P - 1) // P
+        e0 = n0
+        e1 = e0 + n1
+        e2 = e1 + n2
+        T = e2 + n3
+        rows = tl.arange(0, BN)
+        cols = tl.arange(0, 32)
+        for it in tl.range(0, L * T, num_stages=STAGES):
+            layer = it // T
+            j = it - layer * T
+            phase = (j >= e0).to(tl.int32) + (j >= e1).to(tl.int32) + (j >= e2).to(tl.int32)
+            i = j - tl.where(phase == 0, 0, tl.where(phase == 1, e0, tl.where(phase == 2, e1, e2)))
+            W = tl.where(phase == 0, W0, tl.where(phase == 1, W1, tl.where(phase == 2, W2, W3)))
+            C = W // 32
+            off = tl.where(phase == 0, 0, tl.where(phase == 1, O1, tl.where(phase == 2, O2, O3)))
+            u = pid + i * P
+            tile = u // C
+            chunk = u - tile * C
+            ptrs = (w_ptr + layer * LW + off + (tile * BN + rows).to(tl.int64)[:, None] * W + chunk * 32
+                    + cols[None, :])
+            words = tl.load(ptrs).to(tl.float32, bitcast=True)
+            if BARRIER:
+                opens = i == 0
+                _cta_sync(NT)       # the program's work before the arrival is done (its stores, in a real kernel)
+                tl.atomic_add(bar_ptr, 1, mask=opens & ((layer > 0) | (phase > 0)), sem="release", scope="gpu")
+                if SMALL:       # after a small phase (before q/k/v, o, gate/up): the small programs' count
+                    small = phase < 3
+                    target = tl.where(small, (3 * layer + phase + 1) * ATTN_P, (4 * layer + 3) * P)
+                    ptr = tl.where(small, bar_ptr + 2, bar_ptr)
+                else:
+                    target = (4 * layer + phase) * P
+                    ptr = bar_ptr
+                target = tl.where(opens, target, 0)
+                gave_up = gave_up | (_spin(ptr, target, NT) < target)
+            acc += words
+    else:
+        q = pid - P
+        for layer in range(L):
+            kvl = kv_ptr + layer * KVW
+            for ph in tl.static_range(3):          # norm, attention, norm: after q/k/v's x, q/k/v, o
+                target = (4 * layer + ph) * P
+                if BARRIER:
+                    gave_up = gave_up | (_spin(bar_ptr, target, NT) < target)
+                if ph == 1:
+                    tot = _small(kvl + NORM_W, tot, q, ATTN_P, ATTN_W)
+                else:
+                    tot = _small(kvl + (ph // 2) * (NORM_W + ATTN_P * ATTN_W), tot, q, 1, NORM_W)
+                if BARRIER:
+                    tl.debug_barrier()
+                    tl.atomic_add(bar_ptr + 2, 1, sem="release", scope="gpu")
+    tl.store(out_ptr + pid * BN + tl.arange(0, BN), tl.sum(acc, 1))
+    tl.store(tot_ptr + pid, tot)
+    tl.store(bar_ptr + 1, 1, mask=gave_up)
+
+
+@triton.jit
 def _one_phase(w_ptr, out_ptr, P, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                PRE: tl.constexpr, USE_PDL: tl.constexpr):
     """One projection's words as a launch of its own (its first PRE units read before the wait)."""
@@ -218,8 +323,8 @@ def _one_small(kv_ptr, tot_ptr, PROGRAMS: tl.constexpr, WORDS: tl.constexpr, USE
     tl.atomic_add(tot_ptr + pid, _small(kv_ptr, tl.full((), 0.0, tl.float32), pid, PROGRAMS, WORDS))
 
 
-MODES = ("launches", "launches_early", "persistent", "preload", "preload_split", "stream", "barriers")
-PERSISTENT = ("persistent", "preload", "preload_split", "barriers")
+MODES = ("launches", "launches_early", "persistent", "preload", "preload_split", "stream", "barriers", "pipelined")
+PERSISTENT = ("persistent", "preload", "preload_split", "barriers", "pipelined")
 
 
 def shapes(smoke: bool) -> list[tuple[int, int]]:
@@ -245,7 +350,7 @@ class Step:
         # randn floats seen as words: the sums stay finite; one spare layer for the last preload
         self.w = torch.randn((layers + 1) * self.layer_words, device=dev).view(torch.int32)
         self.kv = torch.randn(layers * self.kv_words, device=dev)
-        self.bar = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.bar = torch.zeros(3, dtype=torch.int32, device=dev)    # counts, gave up, small programs' count
 
     def weight_bytes(self) -> int:
         return self.layers * self.layer_words * 4
@@ -256,10 +361,24 @@ class Step:
                     PRE=pre if mode.startswith("preload") else 0, SPLIT=mode == "preload_split", SMALL=small, NORM_W=self.norm_w, ATTN_P=self.attn_p,
                     ATTN_W=self.attn_w, POLL=poll, READ=int(mode != "barriers"), NT=warps * 32, num_warps=warps)
 
+    def flat_kw(self, small: bool, bn: int, stages: int, warps: int) -> dict:
+        """`_layers_flat`'s constexprs (`stages` in the configs' depth column)."""
+        return dict(BN=bn, STAGES=stages, BARRIER=self.dev.type == "cuda", SMALL=small, NORM_W=self.norm_w,
+                    ATTN_P=self.attn_p, ATTN_W=self.attn_w, NT=warps * 32, num_warps=warps)
+
     def launches(self, mode: str, small: bool, programs: int, bn: int, depth: int, warps: int, poll: int,
                  pre: int, out: torch.Tensor, tot: torch.Tensor) -> list:
         """The step as callables, in order."""
         pdl = launch_args(self.dev.type == "cuda")
+        if mode == "pipelined":
+            flat = [v for s in self.shapes for v in s]
+            kw = self.flat_kw(small, bn, depth, warps)
+
+            def run_flat() -> None:
+                self.bar[0::2].zero_()
+                _layers_flat[(programs + (self.attn_p if small else 0),)](self.w, self.kv, out, tot, self.bar,
+                                                                           programs, self.layers, *flat, **kw)
+            return [run_flat]
         if mode not in ("launches", "launches_early"):
             flat = [v for s in self.shapes for v in s]
             kw = self.layers_kw(mode, small, bn, depth, warps, poll, pre)
@@ -309,12 +428,18 @@ def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int,
     program count would compile another kernel)."""
     flat = [v for s in step.shapes for v in s]
     programs_per_sm = programs // torch.cuda.get_device_properties(step.dev).multi_processor_count
-    k = _layers.warmup(step.w, step.kv, out, tot, step.bar, programs, step.layers, *flat,
-                       **step.layers_kw(mode, small, bn, depth, warps, poll, pre), grid=(programs,))
+    if mode == "pipelined":            # a small-phase program may share an SM with a streaming one
+        programs_per_sm += int(small)
+        grid = (programs + (step.attn_p if small else 0),)
+        k = _layers_flat.warmup(step.w, step.kv, out, tot, step.bar, programs, step.layers, *flat,
+                                **step.flat_kw(small, bn, depth, warps), grid=grid)
+    else:
+        k = _layers.warmup(step.w, step.kv, out, tot, step.bar, programs, step.layers, *flat,
+                           **step.layers_kw(mode, small, bn, depth, warps, poll, pre), grid=(programs,))
     k._init_handles()                  # loads the binary: its register count is known from then on
     regs = k.n_regs * warps * 32 * programs_per_sm
-    smem = k.metadata.shared * programs_per_sm
-    if regs > 65536 or smem > 227 * 1024 or warps * programs_per_sm > 64:
+    smem = (k.metadata.shared + 1024) * programs_per_sm        # the driver keeps 1 KB a program
+    if regs > 65536 or smem > 228 * 1024 or warps * programs_per_sm > 64:
         return f"{k.n_regs} registers, {k.metadata.shared} B shared a program"
     return None
 
@@ -325,6 +450,9 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), no barriers")
+    ap.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
+    ap.add_argument("--configs", default="", help="semicolon-separated per_sm,block_n,depth,warps,poll,early_units "
+                    "(pipelined: depth is the stages)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     layers = 2 if args.smoke else args.layers
@@ -341,16 +469,19 @@ def main() -> None:
     configs = [(1, 32, 2, 4, 0, 2), (1, 32, 2, 4, 0, 4)] if args.smoke else [
         (4, 64, 2, 8, 0, 2), (2, 64, 2, 8, 0, 4), (2, 64, 2, 8, 0, 8), (1, 128, 4, 16, 0, 4),
         (1, 128, 4, 16, 0, 8), (1, 128, 4, 16, 2, 8), (1, 128, 4, 32, 0, 8)]
+    if args.configs:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     for per_sm, bn, depth, warps, poll, pre in configs:
         programs = sms * per_sm
         for small in (False, True):
-            for mode in MODES:
+            for mode in args.modes.split(","):
                 case = dict(mode=mode, small=small, programs_per_sm=per_sm, block_n=bn, depth=depth, warps=warps,
                             poll=poll, early_units=pre)
                 if poll and mode not in PERSISTENT:       # the same launches as the config with poll 0
                     continue
-                out = torch.zeros(programs * bn, device=dev)
-                tot = torch.zeros(programs, device=dev)
+                extra = step.attn_p if mode == "pipelined" and small else 0      # the small phases' programs
+                out = torch.zeros((programs + extra) * bn, device=dev)
+                tot = torch.zeros(programs + extra, device=dev)
                 why = None if args.smoke or mode not in PERSISTENT else fits(step, mode, small, programs, bn, depth,
                                                                              warps, poll, pre, out, tot)
                 if why:

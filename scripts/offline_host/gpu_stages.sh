@@ -18,7 +18,8 @@
 #   gemv-sweep       bench/quant_kernel_sweep.py --only 8b --rows 1: every one-row config of the 8B's shapes (and
 #                    16-row tensor-core tiles at one row, split 1-8), for pick_config (~2 minutes)
 #   layer-probe      bench/quant_layer_probe.py: a step's words read by one persistent launch (grid barriers, with and
-#                    without early reads) against a chain of launches (~3 minutes)
+#                    without early reads) against a chain of launches (~3 minutes); layer-probe-pipelined: its
+#                    software-pipelined mode over stages, beside the best chain and barrier configs (~2 minutes)
 #   probe-staged     bench/quant_gemv_probe.py --staged on gate/up and q/k/v: the one-row kernel's reads as TMA
 #                    boxes or pipelined pointer loads, 2-6 stages (not run yet; 144 cases, a few minutes)
 #   tma-sweep        bench/quant_kernel_sweep.py --only 8b --rows 1 --tma: pick_config's one-row choice against the
@@ -237,6 +238,13 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     done
     cp -r /tmp/cps "$out/cps" 2>/dev/null; find "$out/cps" -name "*.cubin" -delete -o -name "*.ptx" -delete \
       -o -name "*.llir" -delete -o -name "*.ttgir" -delete 2>/dev/null ;;
+  layer-probe-pipelined)      # the pipelined structure over its stages, beside the best chain and barrier configs
+    timeout 250 python3 bench/quant_layer_probe.py --commit "$commit" --modes pipelined \
+      --configs "1,128,8,16,0,0;1,128,4,16,0,0;1,64,12,8,0,0;1,64,8,8,0,0;1,128,12,16,0,0" \
+      --out "$out/quant_layer_probe_pipelined.json" 2>&1 | tail -40 | tee "$out/$stage.log"
+    timeout 200 python3 bench/quant_layer_probe.py --commit "$commit" --modes launches_early,preload_split,stream \
+      --configs "4,64,2,8,0,2;1,128,4,16,0,4" --out "$out/quant_layer_probe_pipelined_base.json" 2>&1 | tail -20 \
+      | tee -a "$out/$stage.log" ;;
   layer-probe)
     timeout 500 python3 bench/quant_layer_probe.py --commit "$commit" --out "$out/quant_layer_probe.json" 2>&1 \
       | tail -90 | tee "$out/$stage.log" ;;

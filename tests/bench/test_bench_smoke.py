@@ -181,7 +181,8 @@ def test_quant_layer_probe_smoke(tmp_path):
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
-    modes = ("launches", "launches_early", "persistent", "preload", "preload_split", "stream", "barriers")
+    modes = ("launches", "launches_early", "persistent", "preload", "preload_split", "stream", "barriers",
+             "pipelined")
     assert {(c["mode"], c["small"]) for c in cases} == {(m, s) for m in modes for s in (False, True)}
 
 
