@@ -358,8 +358,9 @@ class Step:
     def layers_kw(self, mode: str, small: bool, bn: int, depth: int, warps: int, poll: int, pre: int) -> dict:
         """The persistent kernel's constexprs for a mode (barriers: the barriers and small phases, no words)."""
         return dict(BN=bn, D=depth, BARRIER=mode != "stream" and self.dev.type == "cuda",
-                    PRE=pre if mode.startswith("preload") else 0, SPLIT=mode == "preload_split", SMALL=small, NORM_W=self.norm_w, ATTN_P=self.attn_p,
-                    ATTN_W=self.attn_w, POLL=poll, READ=int(mode != "barriers"), NT=warps * 32, num_warps=warps)
+                    PRE=pre if mode.startswith("preload") else 0, SPLIT=mode == "preload_split", SMALL=small,
+                    NORM_W=self.norm_w, ATTN_P=self.attn_p, ATTN_W=self.attn_w, POLL=poll,
+                    READ=int(mode != "barriers"), NT=warps * 32, num_warps=warps)
 
     def flat_kw(self, small: bool, bn: int, stages: int, warps: int) -> dict:
         """`_layers_flat`'s constexprs (`stages` in the configs' depth column)."""
