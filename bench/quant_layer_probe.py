@@ -202,14 +202,15 @@ def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
 
 @triton.jit
 def _spin(ptr, target, NT: tl.constexpr):
-    """Every thread reads the counter at ptr with acquiring loads until it reaches `target` (at once where target
+    """Every thread reads the counter at ptr with acquiring loads until it reaches `target` (no read where target
     is 0) or 2**20 reads have passed, in assembly: no control flow of the compiler's own, so a software-pipelined
     loop may hold it. Returns the count the program saw (the least of its threads')."""
     lane = tl.arange(0, NT)
     seen = tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 n; mov.u32 n, 0;\n"
+        "{ .reg .pred p; .reg .u32 n; mov.u32 n, 0; mov.u32 $0, $2; setp.eq.u32 p, $2, 0; @p bra DONE${:uid};\n"
         "SPIN${:uid}: ld.acquire.gpu.global.u32 $0, [$1];\n"
-        "setp.lt.u32 p, $0, $2; add.u32 n, n, 1; setp.lt.and.u32 p, n, 1048576, p; @p bra SPIN${:uid}; }",
+        "setp.lt.u32 p, $0, $2; add.u32 n, n, 1; setp.lt.and.u32 p, n, 1048576, p; @p bra SPIN${:uid};\n"
+        "DONE${:uid}: }",
         "=r,l,r", [ptr + lane * 0, target + lane * 0], dtype=tl.int32, is_pure=False, pack=1)
     return tl.min(seen, 0)
 
