@@ -78,6 +78,14 @@ class Step:
         self.kv = torch.randn(layers * self.kv_words, device=dev)
         self.bar = torch.zeros(3, dtype=torch.int32, device=dev)    # counts, gave up, small programs' count
 
+    def geometry(self) -> list[int]:
+        """The layer kernels' shape arguments: [N, W] of each weight, where each starts in a layer, a layer's words,
+        a layer's words of small-phase data."""
+        starts = [0]
+        for n, w in self.shapes:
+            starts.append(starts[-1] + n * w)
+        return [v for s in self.shapes for v in s] + starts[1:4] + [self.layer_words, self.kv_words]
+
     def weight_bytes(self) -> int:
         return self.layers * self.layer_words * 4
 
@@ -98,7 +106,7 @@ class Step:
         """The step as callables, in order."""
         pdl = launch_args(self.dev.type == "cuda")
         if mode == "pipelined":
-            flat = [v for s in self.shapes for v in s]
+            flat = self.geometry()
             kw = self.flat_kw(small, bn, depth, warps)
 
             def run_flat() -> None:
@@ -107,7 +115,7 @@ class Step:
                                                                            programs, self.layers, *flat, **kw)
             return [run_flat]
         if mode not in ("launches", "launches_early"):
-            flat = [v for s in self.shapes for v in s]
+            flat = self.geometry()
             kw = self.layers_kw(mode, small, bn, depth, warps, poll, pre)
 
             def run() -> None:
@@ -153,7 +161,7 @@ def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int,
     """Why the persistent grid might not be resident at once (the barrier would then never open), or None. The
     kernel is compiled with the launch's own arguments (Triton specializes on integers equal to 1, so a stand-in
     program count would compile another kernel)."""
-    flat = [v for s in step.shapes for v in s]
+    flat = step.geometry()
     programs_per_sm = programs // torch.cuda.get_device_properties(step.dev).multi_processor_count
     if mode == "pipelined":            # a small-phase program may share an SM with a streaming one
         programs_per_sm += int(small)

@@ -114,6 +114,7 @@ def _sync(bar_ptr, target, pre, w_next, pid, P, N: tl.constexpr, W: tl.constexpr
 def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
             N0: tl.constexpr, W0: tl.constexpr, N1: tl.constexpr, W1: tl.constexpr,
             N2: tl.constexpr, W2: tl.constexpr, N3: tl.constexpr, W3: tl.constexpr,
+            O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, LW: tl.constexpr, KVW: tl.constexpr,
             BN: tl.constexpr, D: tl.constexpr, BARRIER: tl.constexpr, PRE: tl.constexpr, SPLIT: tl.constexpr,
             SMALL: tl.constexpr, NORM_W: tl.constexpr, ATTN_P: tl.constexpr, ATTN_W: tl.constexpr,
             POLL: tl.constexpr, READ: tl.constexpr, NT: tl.constexpr):
@@ -121,13 +122,9 @@ def _layers(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
         [norm, sync] q/k/v, sync(o) [attention, sync] o, sync(gate/up) [norm, sync] gate/up, sync(down) down,
         sync(next q/k/v)
     where sync(X) also requests the first PRE units of X's words (PRE 0: nothing early) and [..] are the small
-    phases (SMALL)."""
+    phases (SMALL). [N_i, W_i]: the four weights' shapes in words; O_i: where weight i starts in a layer's LW
+    words; KVW: a layer's words of the small phases' data."""
     pid = tl.program_id(0)
-    O1: tl.constexpr = N0 * W0
-    O2: tl.constexpr = O1 + N1 * W1
-    O3: tl.constexpr = O2 + N2 * W2
-    LW: tl.constexpr = O3 + N3 * W3
-    KVW: tl.constexpr = 2 * NORM_W + ATTN_P * ATTN_W
     BPL: tl.constexpr = 7 if SMALL else 4          # barriers a layer
     acc = tl.zeros((BN, 32), tl.float32)
     tot = tl.full((), 0.0, tl.float32)
@@ -193,6 +190,7 @@ def _cta_sync(NT: tl.constexpr):
 def _layers_flat(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
                  N0: tl.constexpr, W0: tl.constexpr, N1: tl.constexpr, W1: tl.constexpr,
                  N2: tl.constexpr, W2: tl.constexpr, N3: tl.constexpr, W3: tl.constexpr,
+                 O1: tl.constexpr, O2: tl.constexpr, O3: tl.constexpr, LW: tl.constexpr, KVW: tl.constexpr,
                  BN: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr, SMALL: tl.constexpr,
                  NORM_W: tl.constexpr, ATTN_P: tl.constexpr, ATTN_W: tl.constexpr, NT: tl.constexpr):
     """The step with the weights' reads software-pipelined across the barriers. Programs below P stream: one loop
@@ -203,11 +201,6 @@ def _layers_flat(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
     unit. Two counters: bar[0] counts the streaming programs' phase ends, bar[2] the small programs' (bar[1]:
     a wait gave up)."""
     pid = tl.program_id(0)
-    O1: tl.constexpr = N0 * W0
-    O2: tl.constexpr = O1 + N1 * W1
-    O3: tl.constexpr = O2 + N2 * W2
-    LW: tl.constexpr = O3 + N3 * W3
-    KVW: tl.constexpr = 2 * NORM_W + ATTN_P * ATTN_W
     acc = tl.zeros((BN, 32), tl.float32)
     tot = tl.full((), 0.0, tl.float32)
     gave_up = False
