@@ -27,7 +27,7 @@ Each runs without and with "small" phases, three a layer where few programs work
 layer. Within a phase a program takes every P-th unit ([block_n rows, 32 words]), `depth` units a load. The
 kernels are in bench/quant_layer_probe_kernels.py.
 
-    python3 bench/quant_layer_probe.py --commit "$(git rev-parse --short HEAD)" --out bench/results/layer_probe.json
+    python3 bench/quant_layer_probe.py --commit "$(git rev-parse --short HEAD)" --out bench/results/quant_layer_probe.json
     TRITON_INTERPRET=1 python3 bench/quant_layer_probe.py --smoke --out /tmp/p.json   # the script on CPU, no barriers
 """
 from __future__ import annotations
@@ -123,9 +123,7 @@ class Step:
                 _layers[(programs,)](self.w, self.kv, out, tot, self.bar, programs, self.layers, *flat, **kw)
             return [run]
         fns = []
-        offs = [0]
-        for n, w in self.shapes:
-            offs.append(offs[-1] + n * w)
+        offs = [0] + self.geometry()[8:11]           # where each weight starts in a layer
         for layer in range(self.layers):
             wl, kvl = layer * self.layer_words, layer * self.kv_words
 
