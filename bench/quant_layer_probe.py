@@ -27,7 +27,8 @@ Each runs without and with "small" phases, three a layer where few programs work
 layer. Within a phase a program takes every P-th unit ([block_n rows, 32 words]), `depth` units a load. The
 kernels are in bench/quant_layer_probe_kernels.py.
 
-    python3 bench/quant_layer_probe.py --commit "$(git rev-parse --short HEAD)" --out bench/results/quant_layer_probe.json
+    python3 bench/quant_layer_probe.py --commit "$(git rev-parse --short HEAD)" \
+        --out bench/results/quant_layer_probe.json
     TRITON_INTERPRET=1 python3 bench/quant_layer_probe.py --smoke --out /tmp/p.json   # the script on CPU, no barriers
 """
 from __future__ import annotations
@@ -77,14 +78,21 @@ class Step:
         self.w = torch.randn((layers + 1) * self.layer_words, device=dev).view(torch.int32)
         self.kv = torch.randn(layers * self.kv_words, device=dev)
         self.bar = torch.zeros(3, dtype=torch.int32, device=dev)    # counts, gave up, small programs' count
+        # what a full read sums to (`check`), once: every case reads the same buffers
+        self.words_sum = self.w[:layers * self.layer_words].view(torch.float32).double().sum()
+        self.kv_sum = self.kv.double().sum()
+
+    def starts(self) -> list[int]:
+        """Where each weight starts in a layer's words."""
+        starts = [0]
+        for n, w in self.shapes[:-1]:
+            starts.append(starts[-1] + n * w)
+        return starts
 
     def geometry(self) -> list[int]:
-        """The layer kernels' shape arguments: [N, W] of each weight, where each starts in a layer, a layer's words,
-        a layer's words of small-phase data."""
-        starts = [0]
-        for n, w in self.shapes:
-            starts.append(starts[-1] + n * w)
-        return [v for s in self.shapes for v in s] + starts[1:4] + [self.layer_words, self.kv_words]
+        """The layer kernels' shape arguments: [N, W] of each weight, where each starts in a layer (but the
+        first), a layer's words, a layer's words of small-phase data."""
+        return [v for s in self.shapes for v in s] + self.starts()[1:] + [self.layer_words, self.kv_words]
 
     def weight_bytes(self) -> int:
         return self.layers * self.layer_words * 4
@@ -123,7 +131,7 @@ class Step:
                 _layers[(programs,)](self.w, self.kv, out, tot, self.bar, programs, self.layers, *flat, **kw)
             return [run]
         fns = []
-        offs = [0] + self.geometry()[8:11]           # where each weight starts in a layer
+        offs = self.starts()
         for layer in range(self.layers):
             wl, kvl = layer * self.layer_words, layer * self.kv_words
 
@@ -146,11 +154,10 @@ class Step:
 
     def check(self, out: torch.Tensor, tot: torch.Tensor, small: bool, words: bool) -> None:
         """Every word (where read) and (with the small phases) every KV value was read once."""
-        want = self.w[:self.layers * self.layer_words].view(torch.float32).double().sum()
-        got = out.double().sum()
+        want, got = self.words_sum, out.double().sum()
         assert not words or torch.allclose(got, want, rtol=1e-3, atol=1.0), f"words read wrong: {got} against {want}"
         if small:
-            want, got = self.kv.double().sum(), tot.double().sum()
+            want, got = self.kv_sum, tot.double().sum()
             assert torch.allclose(got, want, rtol=1e-3, atol=1.0), f"KV read wrong: {got} against {want}"
 
 
@@ -241,8 +248,7 @@ def main() -> None:
                 row = dict(case, us=us, us_per_layer=us / layers, barrier_gave_up=bool(step.bar[1].item()))
                 res["cases"].append(row)
                 print(" ".join(f"{k}={v}" for k, v in case.items()), f"{us / layers:.2f} us a layer", flush=True)
-        args.out.write_text(json.dumps(res, indent=1))
-    args.out.write_text(json.dumps(res, indent=1))
+        args.out.write_text(json.dumps(res, indent=1))        # after each config: a run cut short keeps its cases
 
 
 if __name__ == "__main__":
