@@ -16,7 +16,10 @@ For each case it decodes a few warm-up steps, then profiles `--steps` engine ste
   (`projection_spans`): what a projection costs on the step's path.
 `--bits 4` runs the 4-bit base of bench/quant_decode.py (every projection quantized on the GPU, group 128).
 Under the profiler the host runs slower, so gaps are larger than in an unprofiled run: compare cases
-and modes with each other, not with bench/multi_lora.py's figures.
+and modes with each other, not with bench/multi_lora.py's figures. Nor is a profiled step the graph's replay
+on the device: a one-row norm split over 16 programs made a layer 1.6 us shorter here and the unprofiled
+step 0.04 ms longer (docs/quantization.md, "Inline LoRA at one token"); decide small effects by A/B runs of
+bench/quant_decode.py, and read traces for where the time goes.
 
     python3 bench/step_profile.py --cases base:1,distinct_r16_qkv:32 [--no-async-scheduling] [--out p.json]
     python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1 --trace 80 --out p.json
