@@ -20,10 +20,12 @@ graphs on.
     python3 bench/quant_decode.py --commit "$(git rev-parse --short HEAD)" --out bench/results/quant_decode.json \
         --plot bench/results/quant_decode.png
     .venv/bin/python bench/quant_decode.py --smoke --out /tmp/q.json      # checks the script on CPU
+    python3 bench/quant_decode.py --labels int4 --batches 1,8 --act-order --no-kernels   # act-order checkpoints
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -141,13 +143,21 @@ def sweep_configs(quant: list, x: torch.Tensor, n: int, k: int, dev: torch.devic
     return found
 
 
-def quantize_layers(model, bits: int, group: int) -> None:
-    """Every layer's projections replaced by QuantLinear (round to nearest, on the weights' device)."""
+def quantize_layers(model, bits: int, group: int, act_order: bool = False) -> None:
+    """Every layer's projections replaced by QuantLinear (round to nearest, on the weights' device). `act_order`:
+    each stored with its input channels in a random order (`QuantizedWeight.perm`, as GPTQ's act-order
+    checkpoints load: groups of channels taken out of order), so every call gathers x first."""
+    gen = torch.Generator().manual_seed(11)
     for lw in model.weights.layers:
         for name in LAYER_PROJECTIONS:
             lin = getattr(lw, name)
-            setattr(lw, name, QuantLinear(quantize_rtn(lin.weight, bits, group), lin.bias, lin.weight.device))
-            del lin
+            weight, perm = lin.weight, None
+            if act_order:
+                perm = torch.randperm(weight.shape[1], generator=gen).to(weight.device)
+                weight = weight[:, perm]
+            qw = dataclasses.replace(quantize_rtn(weight, bits, group), perm=perm)
+            setattr(lw, name, QuantLinear(qw, lin.bias, lin.weight.device))
+            del lin, weight
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -257,6 +267,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--sweep", action="store_true", help="also try tile/split configs in the kernel table")
     ap.add_argument("--no-engine", action="store_true", help="kernel table only")
+    ap.add_argument("--no-kernels", action="store_true", help="engine only (no kernel table)")
     ap.add_argument("--labels", default="bf16,int4", help="engines to run: bf16, int4 or both (an A/B of 4-bit "
                     "kernel choices needs int4 only)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, no figures")
@@ -264,6 +275,8 @@ def main() -> None:
                     "steps attend grows from it)")
     ap.add_argument("--group-size", type=int, help="quantization group (default 128, the smoke run 32); 32 is "
                     "what Q4_0 / Q4_1 / Q4_K GGUF files run")
+    ap.add_argument("--act-order", action="store_true", help="the 4-bit projections' input channels stored in a "
+                    "random order, as act-order checkpoints load (each call gathers x first)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -273,7 +286,8 @@ def main() -> None:
     res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", commit=args.commit,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      torch=torch.__version__, dims=dims, input_len=in_len, output_len=out_len, bits=4,
-                     group_size=args.group_size or (32 if args.smoke else 128), engine={}, errors=[])
+                     group_size=args.group_size or (32 if args.smoke else 128), act_order=args.act_order,
+                     engine={}, errors=[])
 
     def save() -> None:
         if args.out:
@@ -284,7 +298,8 @@ def main() -> None:
     res["copy_bandwidth_Bps"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     shapes = LAYER_SHAPES if not args.smoke else {"tiny": (64, 256)}
-    kernel_table(dev, bw, shapes, KERNEL_ROWS if not args.smoke else (1, 3), args.sweep, res)
+    if not args.no_kernels:
+        kernel_table(dev, bw, shapes, KERNEL_ROWS if not args.smoke else (1, 3), args.sweep, res)
     save()
     if not args.no_engine:
         hf = build_hf(dims, dev, dtype)
@@ -292,7 +307,7 @@ def main() -> None:
             engine, _ = build_engine(hf, dev, dtype, max(batches), in_len, out_len,
                                      [(in_len + out_len, max(batches))])   # room for every output token
             if label == "int4":
-                quantize_layers(engine.runner.model, 4, res["group_size"])
+                quantize_layers(engine.runner.model, 4, res["group_size"], args.act_order)
             if dev.type == "cuda":
                 res.setdefault("allocated_bytes", {})[label] = torch.cuda.memory_allocated(dev)
             engine_cases(engine, label, dims, batches, in_len, out_len, bw, dev, dtype, res, save)

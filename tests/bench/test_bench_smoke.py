@@ -27,6 +27,18 @@ def test_quant_decode_smoke(tmp_path):
     assert set(res["goals"]) >= {"b1_speedup", "b64_speedup", "multi_lora_over_floor"}
 
 
+def test_quant_decode_act_order_smoke(tmp_path):
+    """--act-order: the 4-bit projections stored in a channel order of their own (each call gathers x), the
+    engine's decode run on them; --no-kernels leaves the kernel table out."""
+    out = tmp_path / "q.json"
+    proc = _run(["bench/quant_decode.py", "--smoke", "--act-order", "--no-kernels", "--labels", "int4",
+                 "--batches", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == [] and res["act_order"] is True and "kernels" not in res
+    assert res["engine"]["int4"]["base"]["1"]["tpot_ms"] > 0
+
+
 def test_quant_decode_goals_from_a_run_without_batch_1():
     """A run of some batches (gpu_stages.sh quant-decode-ab: 8, 32, 64) reports the goals it can and names the
     others, instead of dropping every goal at the first missing row."""
