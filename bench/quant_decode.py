@@ -308,6 +308,8 @@ def main() -> None:
                                      [(in_len + out_len, max(batches))])   # room for every output token
             if label == "int4":
                 quantize_layers(engine.runner.model, 4, res["group_size"], args.act_order)
+                res["act_order_projections"] = sum(getattr(lw, p).act_order for lw in engine.runner.model.weights.layers
+                                                   for p in LAYER_PROJECTIONS)
             if dev.type == "cuda":
                 res.setdefault("allocated_bytes", {})[label] = torch.cuda.memory_allocated(dev)
             engine_cases(engine, label, dims, batches, in_len, out_len, bw, dev, dtype, res, save)

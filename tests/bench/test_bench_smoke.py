@@ -36,6 +36,7 @@ def test_quant_decode_act_order_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["act_order"] is True and "kernels" not in res
+    assert res["act_order_projections"] == 4 * res["dims"]["num_hidden_layers"], "every projection in its own order"
     assert res["engine"]["int4"]["base"]["1"]["tpot_ms"] > 0
 
 
