@@ -146,7 +146,8 @@ def sweep_configs(quant: list, x: torch.Tensor, n: int, k: int, dev: torch.devic
 def quantize_layers(model, bits: int, group: int, act_order: bool = False) -> None:
     """Every layer's projections replaced by QuantLinear (round to nearest, on the weights' device). `act_order`:
     each stored with its input channels in a random order (`QuantizedWeight.perm`, as GPTQ's act-order
-    checkpoints load: groups of channels taken out of order), so every call gathers x first."""
+    checkpoints load: groups of channels taken out of order): o gathers x first, the others read x as the kernel
+    before writes it, in their order (`LlamaModel._ordered_x`; LORAPLEX_ORDERED_X=0: every call gathers)."""
     gen = torch.Generator().manual_seed(11)
     for lw in model.weights.layers:
         for name in LAYER_PROJECTIONS:
@@ -276,7 +277,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, help="quantization group (default 128, the smoke run 32); 32 is "
                     "what Q4_0 / Q4_1 / Q4_K GGUF files run")
     ap.add_argument("--act-order", action="store_true", help="the 4-bit projections' input channels stored in a "
-                    "random order, as act-order checkpoints load (each call gathers x first)")
+                    "random order, as act-order checkpoints load (o gathers x first; LORAPLEX_ORDERED_X=0: every "
+                    "projection does)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16

@@ -30,6 +30,7 @@ import torch
 
 from compute_service.adapter_cache.layout import module_features
 from compute_service.engine.lora_backend import GROUP_MODULE_IDS, NO_ADAPTER
+from compute_service.engine.quant_linear import ordered_x_enabled
 from compute_service.engine.spec import ModelSpec
 
 LaunchClass = tuple
@@ -165,8 +166,12 @@ def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Call
             if t >= p.dense_min_tokens:
                 keys.append(f"dequantize+GEMM {p.out_features}x{p.in_features}")
                 continue
-            width = p.sums_width(t, dtype) if sums_written else 0      # as the forward calls it (`_x_sums`)
-            kw = {"x_sums": torch.zeros(t, p.in_features // width, dtype=torch.float32, device=device)} if width else {}
+            # as the forward calls it (`_x_sums`; an act-order x written in the stored order, `_ordered_x`)
+            ordered = sums_written and p.input_perm is not None and ordered_x_enabled()
+            width = p.sums_width(t, dtype, ordered) if sums_written else 0
+            kw: dict[str, Any] = {"ordered": True} if ordered else {}
+            if width:
+                kw["x_sums"] = torch.zeros(t, p.in_features // width, dtype=torch.float32, device=device)
             # Keys only: the forward calls a projection as here but sums a split launch's partials in the next
             # kernel or in the launch depending on where its LoRA runs (`LlamaModel._project`), so these launches'
             # programs are not all ones a forward runs; the forwards' recordings hand the pool those.

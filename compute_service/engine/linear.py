@@ -68,18 +68,23 @@ class Linear:
         """Bytes a forward reads from memory (weight and bias)."""
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
-    def takes_addend(self, x: torch.Tensor) -> bool:
+    @property
+    def input_perm(self) -> None:
+        """None: a dense weight reads x in the model's channel order (`QuantLinear.input_perm`)."""
+        return None
+
+    def takes_addend(self, x: torch.Tensor, ordered: bool = False) -> bool:
         """Whether `self(x, addend=...)` is allowed: one 16-bit row on CUDA (the GEMV kernel runs it)."""
         return takes_gemv(x, self.weight, self.bias, any_size=True)
 
-    def sums_width(self, t: int, dtype: torch.dtype) -> int:
+    def sums_width(self, t: int, dtype: torch.dtype, ordered: bool = False) -> int:
         """0: a dense projection reads no sums of x (`QuantLinear.sums_width`)."""
         return 0
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None, beside_lora: bool = False,
-                 split_out: bool = False) -> torch.Tensor:
+                 split_out: bool = False, ordered: bool = False) -> torch.Tensor:
         """[T, N]; `addend` [T, N] float32 is added before rounding and left zero (`dense_linear`). `beside_lora`
         (a LoRA launch runs beside the call, `LlamaModel._project`): no other choice here (the library GEMM);
         `QuantLinear` picks its kernel by it. `split_out` (partials allowed): always a tensor here, nothing
-        splits K."""
+        splits K. `ordered` (x in `input_perm`'s order): the model's order here, there is no other."""
         return dense_linear(x, self.weight, self.bias, addend)

@@ -18,6 +18,7 @@ from compute_service.engine.attention import StepMetadata, paged_attention
 from compute_service.engine.graph_capture import in_graph_forward
 from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
+from compute_service.engine.quant_linear import ordered_x_enabled
 from compute_service.engine.rope import RotaryEmbedding
 from compute_service.engine.spec import ModelSpec
 from kernels.env_switch import env_int
@@ -97,6 +98,7 @@ class LlamaModel:
         overlap = os.environ.get("LORAPLEX_LORA_OVERLAP", "1") != "0"
         self._lora_stream = torch.cuda.Stream(self.device) if self.fused and overlap else None
         self._overlap_tokens = overlap_tokens()
+        self._ordered_x_on = ordered_x_enabled()     # act-order x written in the projection's order (`_ordered_x`)
         # One-token steps: the LoRA runs first, into these float32 zeros, and the base projection's one-row
         # kernel adds it (`_project`); every kernel that adds it leaves it zero again.
         self._lora_delta: torch.Tensor | None = None
@@ -182,13 +184,14 @@ class LlamaModel:
         from kernels.rope_cache import rope_and_cache
 
         spec, lw = self.spec, self.weights.layers[i]
-        sums = self._norm_sums(lw.qkv, x)
+        perm, xp, model_x = self._ordered_x("qkv", lw.qkv, x, lora)
+        sums = self._norm_sums(lw.qkv, x, perm is not None)
         if pending is None:
-            add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, x, sums=sums)
+            add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, xp, sums=sums, perm=perm, model_out=model_x)
         else:
-            self._add_norm(pending[0], h, lw.input_norm, x, 1, sums, pending[1])
+            self._add_norm(pending[0], h, lw.input_norm, xp, 1, sums, pending[1], perm, model_x)
         qkv, extra = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums,
-                                   defer=True)
+                                   defer=True, xp=xp)
         k_cache, v_cache = kv_caches[i]
         rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache, extra)
 
@@ -203,14 +206,16 @@ class LlamaModel:
         spec, lw = self.spec, self.weights.layers[i]
         local = self.reduce_add_norm is None         # o's and down's outputs reach a kernel of this rank
         o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local)
-        sums = self._norm_sums(lw.gate_up, x)
-        self._add_norm(o, h, lw.post_norm, x, 0, sums, extra)                # h += o; x = norm(h)
+        perm, xp, model_x = self._ordered_x("gate_up", lw.gate_up, x, lora)
+        sums = self._norm_sums(lw.gate_up, x, perm is not None)
+        self._add_norm(o, h, lw.post_norm, xp, 0, sums, extra, perm, model_x)     # h += o; x = norm(h)
         gate_up, extra = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums,
-                                       defer=True)
+                                       defer=True, xp=xp)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
-        sums = self._x_sums(lw.down, act)
-        silu_mul(gate_up, act, sums, extra)
-        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local)
+        perm, actp, model_act = self._ordered_x("down", lw.down, act, lora)
+        sums = self._x_sums(lw.down, act, perm is not None)
+        silu_mul(gate_up, actp, sums, extra, perm, model_act)
+        return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local, xp=actp)
 
     def writes_sums(self, name: str) -> bool:
         """Whether the kernel that writes projection `name`'s x (LAYER_PROJECTIONS) writes its slice sums too
@@ -220,36 +225,52 @@ class LlamaModel:
             return False
         return name == "down" or self.reduce_add_norm is None
 
-    def _x_sums(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
+    def _x_sums(self, linear: Linear, x: torch.Tensor, ordered: bool = False) -> torch.Tensor | None:
         """A buffer for the slice sums of x ([T, K]) that `linear` reads on its quantized pair-codes path
-        (`QuantLinear.sums_width`), for the kernel that writes x to fill (no launch of their own between the
-        two); None where it reads none."""
-        width = linear.sums_width(x.shape[0], x.dtype)
+        (`QuantLinear.sums_width`; `ordered`: x written in its stored order, `_ordered_x`), for the kernel that
+        writes x to fill (no launch of their own between the two); None where it reads none."""
+        width = linear.sums_width(x.shape[0], x.dtype, ordered)
         if not width:
             return None
         return torch.empty(x.shape[0], x.shape[1] // width, dtype=torch.float32, device=x.device)
 
-    def _norm_sums(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
+    def _norm_sums(self, linear: Linear, x: torch.Tensor, ordered: bool = False) -> torch.Tensor | None:
         """`_x_sums` for an x that a norm writes: none under tensor parallelism (its all-reduce + norm writes
         no sums; the projection computes them itself)."""
-        return None if self.reduce_add_norm is not None else self._x_sums(linear, x)
+        return None if self.reduce_add_norm is not None else self._x_sums(linear, x, ordered)
+
+    def _ordered_x(self, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(perm, xp, model_x) for the kernel that writes projection `group`'s input x: where `linear` reads x in
+        a stored channel order of its own (act-order, `Linear.input_perm`) and that kernel can write it so (the
+        norms, not under tensor parallelism; the SwiGLU; `ordered_x_enabled`), its perm, a new buffer xp that
+        receives x in that order for the projection, and x itself where a LoRA launch of this step reads it in
+        the model's order (else None: x is not written). Otherwise (None, x, None): x as always."""
+        perm = linear.input_perm if self.fused else None
+        if perm is None or (group != "down" and self.reduce_add_norm is not None) or not self._ordered_x_on:
+            return None, x, None
+        reads = lora is not None and group in lora.active_groups
+        return perm, torch.empty_like(x), x if reads else None
 
     def _add_norm(self, delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                  slot: int, sums: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> None:
+                  slot: int, sums: torch.Tensor | None = None, extra: torch.Tensor | None = None,
+                  perm: torch.Tensor | None = None, model_out: torch.Tensor | None = None) -> None:
         """h += delta + extra (delta summed over the ranks under tensor parallelism, where there is no extra);
-        out = norm(h) * weight, and `sums` (if any) out's slice sums (`kernels.rms_norm.add_rms_norm`)."""
+        out = norm(h) * weight, and `sums` (if any) out's slice sums (`kernels.rms_norm.add_rms_norm`; `perm`,
+        `model_out`: out in a projection's channel order, `_ordered_x`)."""
         from kernels.rms_norm import add_rms_norm
 
         if self.reduce_add_norm is not None:
             assert sums is None, "the all-reduce + norm writes no slice sums"
             assert extra is None, "under tensor parallelism a LoRA delta is added before the all-reduce"
+            assert perm is None, "the all-reduce + norm writes x in the model's order"
             self.reduce_add_norm(delta, h, weight, self.spec.rms_norm_eps, out, slot)
             return
-        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h, sums, extra)
+        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h, sums, extra, perm, model_out)
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
-                 widths: list[int], x_sums: torch.Tensor | None = None,
-                 defer: bool = False) -> tuple[torch.Tensor | SplitSum, torch.Tensor | None]:
+                 widths: list[int], x_sums: torch.Tensor | None = None, defer: bool = False,
+                 xp: torch.Tensor | None = None) -> tuple[torch.Tensor | SplitSum, torch.Tensor | None]:
         """(y, extra): y = linear(x) [T, sum(widths)] plus the LoRA delta of every slice (widths: the slices'
         columns), or, where `defer` and the delta is still to be added, y without it and the delta as extra
         (y's dtype and shape) for the kernel that reads y next to add (`kernels.addend.with_extra`); else extra
@@ -268,18 +289,25 @@ class LlamaModel:
         a float32 output), and the kernel adds it: that kernel reads x and its whole
         weight before it waits for the LoRA launch (kernels/pdl.py), so the LoRA's chain of dependent
         memory round trips runs beside the weight reads instead of after them. x was written before the
-        LoRA launch, which writes only the delta."""
+        LoRA launch, which writes only the delta.
+
+        `xp`: x in `linear`'s stored channel order (`_ordered_x`), which the base projection reads (and the LoRA x,
+        in the model's order, where a LoRA launch runs); None: the projection reads x."""
         if lora is not None and group not in lora.active_groups:
             lora = None                 # no adapter of this step changes this group: the base projection alone
+        ordered = xp is not None and xp is not x
+        base_x = xp if ordered else x
         if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
-                and getattr(lora, "delta_first", False) and linear.takes_addend(x)):
+                and getattr(lora, "delta_first", False) and linear.takes_addend(base_x, ordered)):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-            return linear(x, addend=delta, split_out=defer), None
+            return linear(base_x, addend=delta, split_out=defer, ordered=ordered), None
         side = self._lora_stream
-        kw = {} if x_sums is None else {"x_sums": x_sums}
+        kw: dict[str, Any] = {} if x_sums is None else {"x_sums": x_sums}
+        if ordered:
+            kw["ordered"] = True
         if lora is None or side is None or not 1 < x.shape[0] <= self._overlap_tokens or not in_graph_forward():
-            y = linear(x, split_out=defer and lora is None, **kw)
+            y = linear(base_x, split_out=defer and lora is None, **kw)
             if lora is not None:
                 lora.apply(i, group, x, list(y.split(widths, dim=-1)))
             return y, None
@@ -289,7 +317,7 @@ class LlamaModel:
         with torch.cuda.stream(side):
             delta.zero_()
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
-        y = linear(x, beside_lora=True, split_out=defer, **kw)     # leaves room for the LoRA launch beside it
+        y = linear(base_x, beside_lora=True, split_out=defer, **kw)    # leaves room for the LoRA launch beside it
         main.wait_stream(side)
         if defer:
             return y, delta

@@ -30,12 +30,20 @@ if TYPE_CHECKING:
     from kernels.split_sum import SplitSum
 
 DEFER_SPLIT_ENV = "LORAPLEX_DEFER_SPLIT"
+ORDERED_X_ENV = "LORAPLEX_ORDERED_X"
 
 
 def defer_split_enabled() -> bool:
     """LORAPLEX_DEFER_SPLIT (for A/B runs; unset or 1 by default): 0 keeps every split-K sum inside the
     projection's launch, where otherwise `QuantLinear(..., split_out=True)` leaves it to the next kernel."""
     return env_int(DEFER_SPLIT_ENV, lambda v: v in (0, 1), "0 or 1") != 0
+
+
+def ordered_x_enabled() -> bool:
+    """LORAPLEX_ORDERED_X (for A/B runs; unset or 1 by default): 0 makes every act-order projection gather x in a
+    launch of its own, where otherwise the kernel that writes x writes it in the projection's order
+    (`input_perm`, `kernels.perm`)."""
+    return env_int(ORDERED_X_ENV, lambda v: v in (0, 1), "0 or 1") != 0
 
 
 class QuantLinear:
@@ -55,6 +63,8 @@ class QuantLinear:
         # act-order: the codes are stored by group, the kernels read x in that order (one gather a call)
         self._perm = None if qweight.perm is None else qweight.perm.to(self.device)
         self._qweight: QuantizedWeight | None = None
+        # the same as int32 for the kernels that write x in this order (`input_perm`); kernel path only
+        self._perm32 = None if self._perm is None or not self.use_kernel else self._perm.to(torch.int32)
         if not self.use_kernel:
             self._qweight = qweight.to(self.device)
             return
@@ -94,6 +104,13 @@ class QuantLinear:
         return self._perm is not None
 
     @property
+    def input_perm(self) -> torch.Tensor | None:
+        """int32 [K] where the kernels read x in a stored channel order (act-order: stored channel j is the model's
+        channel perm[j]), else None. A kernel that writes x in that order (`kernels.perm`) lets a call skip its
+        gather (`ordered=True`). None on the dequantize-per-call path, which reads x in the model's order."""
+        return self._perm32
+
+    @property
     def bits(self) -> int:
         return self._bits
 
@@ -124,19 +141,20 @@ class QuantLinear:
         """[N, K] dense weight (for fingerprints, sharding and tests)."""
         return self.qweight.dequantize(dtype)
 
-    def takes_addend(self, x: torch.Tensor) -> bool:
-        """Whether `self(x, addend=...)` is allowed: one 16-bit row on the kernel (the one-row kernel), with
-        x in the model's order (not act-order: x is gathered by a launch of its own first, which the one-row
-        kernel's early reads of x must not race)."""
-        return (self.use_kernel and self._perm is None and x.is_cuda and x.numel() == x.shape[-1]
+    def takes_addend(self, x: torch.Tensor, ordered: bool = False) -> bool:
+        """Whether `self(x, addend=..., ordered=ordered)` is allowed: one 16-bit row on the kernel (the one-row
+        kernel), with x in the order the kernel reads (not an act-order weight's x in the model's order: x is
+        then gathered by a launch of its own first, which the one-row kernel's early reads of x must not race)."""
+        return (self.use_kernel and (self._perm is None or ordered) and x.is_cuda and x.numel() == x.shape[-1]
                 and x.dtype in (torch.float16, torch.bfloat16))
 
-    def sums_width(self, t: int, dtype: torch.dtype) -> int:
+    def sums_width(self, t: int, dtype: torch.dtype, ordered: bool = False) -> int:
         """The width of the slices of x ([t, K] of `dtype`) whose float32 sums a call reads (`x_sums`): 128 or 32
         where it runs a pair-codes path of the kernel, else 0. The kernel that writes x can write them
         (`kernels.rms_norm.add_rms_norm`, `kernels.silu_mul.silu_mul`), so that the call needs no launch of its
-        own for them. Not with act-order (x is gathered first: the sums would be of another order's slices)."""
-        if not self.use_kernel or self._perm is not None or t < 1 or t >= self.dense_min_tokens:
+        own for them. Not with act-order unless x arrives in the stored order (`ordered`; else x is gathered first,
+        and the sums would be of another order's slices)."""
+        if not self.use_kernel or (self._perm is not None and not ordered) or t < 1 or t >= self.dense_min_tokens:
             return 0
         from kernels.quant_matmul import pick_config, sums_width
 
@@ -147,15 +165,18 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
                  x_sums: torch.Tensor | None = None, beside_lora: bool = False,
-                 split_out: bool = False) -> torch.Tensor | SplitSum:
+                 split_out: bool = False, ordered: bool = False) -> torch.Tensor | SplitSum:
         """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
         then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
         slice sums as `sums_width` asks for them ([T, K / width] float32), written with x. `beside_lora`: a LoRA
         launch runs beside this call on another stream (`LlamaModel._project`); the kernel's config leaves room
         for it (`pick_config`). `split_out`: where the kernel splits K (and `defer_split_enabled`), the output
         as its partials (`kernels.split_sum.SplitSum`), for a kernel that reads them (the norm, RoPE, SwiGLU)
-        to sum; otherwise a tensor as always."""
-        if addend is not None and not self.takes_addend(x):
+        to sum; otherwise a tensor as always. `ordered`: x is already in the stored channel order (`input_perm`,
+        written so by the kernel before); no gather."""
+        if ordered and self._perm is not None and self._perm32 is None:
+            raise ValueError("this call dequantizes in the model's channel order: x cannot arrive in another")
+        if addend is not None and not self.takes_addend(x, ordered):
             raise ValueError("an addend takes one 16-bit row on the quantized kernel (see takes_addend)")
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if not self.use_kernel:
@@ -166,7 +187,7 @@ class QuantLinear:
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self._perm is not None:
+        if self._perm is not None and not ordered:
             x2 = x2.index_select(1, self._perm)
         elif x2.stride(-1) != 1:
             x2 = x2.contiguous()

@@ -192,12 +192,13 @@ case "$stage" in
   w4-trace-1)
     timeout 300 python3 bench/step_profile.py --bits 4 --cases base:1,distinct_r16_all:1 --steps 10 --trace 60 \
       --commit "$commit" --out "$out/step_profile_w4_b1.json" 2>&1 | tail -40 | tee "$out/$stage.log" ;;
-  decode-env-ab)   # bench/quant_decode.py --labels int4 once per value of AB_ENV in AB_VALUES ("-": unset), in order
+  decode-env-ab)   # bench/quant_decode.py --labels int4 [AB_ARGS] once per value of AB_ENV in AB_VALUES ("-": unset)
     i=0
     for v in ${AB_VALUES:?}; do
       i=$((i + 1)); [ "$v" = "-" ] && v=""
       env "${AB_ENV:?}=$v" timeout "${AB_TIMEOUT:-200}" python3 bench/quant_decode.py --labels int4 \
-        --commit "$commit $AB_ENV=$v" --batches "${BATCHES:-1,8}" --out "$out/decode_ab_${i}_${v:-unset}.json" 2>&1 \
+        --commit "$commit $AB_ENV=$v" --batches "${BATCHES:-1,8}" ${AB_ARGS:-} \
+        --out "$out/decode_ab_${i}_${v:-unset}.json" 2>&1 \
         | grep -E "tpot|T=   1 |rror" | tail -12 | tee -a "$out/$stage.log"
     done ;;
   tma-decode)
