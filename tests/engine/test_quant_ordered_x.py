@@ -5,8 +5,8 @@ keeps its gather. LORAPLEX_ORDERED_X=0 gathers x in every projection: the two ru
 
 On the CPU in Triton's interpreter (float16; the tiny llama's q/k/v, o and gate/up as act-order 4-bit groups of
 32, adapters on some groups, so that a norm writes x in both orders for one projection and in one for the other);
-on the GPU, a GPTQ act-order checkpoint of the MID_DIMS llama in bfloat16, one-token steps in CUDA graphs with
-and without its adapter (the LoRA-first addend) and a batch of two."""
+on the GPU, a GPTQ act-order checkpoint of the MID_DIMS llama in bfloat16 against its float32 model, one-token
+steps in CUDA graphs with and without its adapter (the LoRA-first addend) and a batch of two."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ import torch
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
 from compute_service.engine.quant_linear import QuantLinear
 from compute_service.engine.quantized import QuantizedWeight, quantize_rtn
-from helpers import add_peft_adapters, assert_same_logits, decode_alone, peft_adapter_to_converted
+from helpers import add_peft_adapters, peft_adapter_to_converted
 from test_parity import run_collecting
 
 ADAPTERS = {"qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
@@ -87,38 +87,56 @@ def test_norms_write_x_in_the_act_order(tiny_models, monkeypatch):
 
 @pytest.fixture(scope="module")
 def gptq_act_order_mid(tmp_path_factory):
-    """(a GPTQ act-order 4-bit copy of `mid_llama` in groups of 128, the folder of its adapter "all")."""
+    """(a GPTQ act-order 4-bit copy of `mid_llama` in groups of 128, the folder of its adapter "all", the float32
+    PEFT model of the weights that checkpoint defines with that adapter, and the same in bfloat16), on the GPU."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from helpers import ALL_MODULES, mid_llama
-    from quant_helpers import write_gptq_folder
+    from quant_helpers import with_weights, write_gptq_folder
 
     src, adapters = tmp_path_factory.mktemp("mid"), tmp_path_factory.mktemp("adapters")
     mid_llama({"all": ALL_MODULES}, src, adapters)
     dense = AutoModelForCausalLM.from_pretrained(str(src))
-    folder, _ = write_gptq_folder(dense, src, tmp_path_factory.mktemp("gptq") / "q", 4, 128, act_order=True)
-    return folder, adapters
+    folder, defined = write_gptq_folder(dense, src, tmp_path_factory.mktemp("gptq") / "q", 4, 128, act_order=True)
+    peft32 = PeftModel.from_pretrained(with_weights(dense, defined), str(adapters / "all"), adapter_name="all")
+    peft32 = peft32.cuda().eval()
+    return folder, adapters, peft32, copy.deepcopy(peft32).to(torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_act_order_checkpoint_decodes_as_with_gathers(gptq_act_order_mid, monkeypatch):
-    from helpers import w4_engine
+def test_gpu_act_order_checkpoint_matches_float32(gptq_act_order_mid, monkeypatch):
+    """Both ways (x written in order, and gathered) within bf16's own distance of the float32 model, at the tokens
+    each chose: requests alone (one-token steps in graphs; with the adapter, the LoRA-first addend) and two at
+    once (the LoRA beside the projection)."""
+    from helpers import MID_DIMS, w4_engine, rel_err
+    from test_parity import reference_logits
 
-    folder, adapters = gptq_act_order_mid
+    folder, adapters, peft32, peft16 = gptq_act_order_mid
     calls = _spy_calls(monkeypatch)
-    runs = {}
+    g = torch.Generator().manual_seed(5)
+    prompts = {rid: torch.randint(0, MID_DIMS["vocab_size"], (6,), generator=g).tolist() for rid in ("a", "b")}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for ordered in ("1", "0"):
         monkeypatch.setenv("LORAPLEX_ORDERED_X", ordered)
         engine = w4_engine(folder, adapters, 2)
         assert engine.loaded.model.weights.layers[0].down.act_order
         calls.clear()
-        alone = decode_alone(engine)
-        batch = run_collecting(engine, {"a": ([1, 2, 3, 4], "all"), "b": ([7, 6, 5], None)},
-                               SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        runs[ordered] = alone, batch
+        runs = [run_collecting(engine, {rid: (prompts[rid], key)}, params) for rid in prompts for key in ("all", None)]
+        runs.append(run_collecting(engine, {"a": (prompts["a"], "all"), "b": (prompts["b"], None)}, params))
         assert any(o for _, o in calls) == (ordered == "1"), calls[:8]
-    assert_same_logits(runs["1"][0], runs["0"][0])
-    for rid in ("a", "b"):
-        assert_same_logits({(rid, None): (runs["1"][1][0][rid], runs["1"][1][1][rid])},
-                           {(rid, None): (runs["0"][1][0][rid], runs["0"][1][1][rid])})
+        keys = {"a": "all", "b": None}
+        for i, (tokens, logits) in enumerate(runs):
+            for rid, rows in logits.items():
+                key = keys[rid] if i == len(runs) - 1 else ("all", None)[i % 2]
+                refs = []
+                for m in (peft32, peft16):
+                    if key is None:
+                        with m.disable_adapter():
+                            refs.append(reference_logits(m, prompts[rid], tokens[rid]).float())
+                    else:
+                        m.set_adapter(key)
+                        refs.append(reference_logits(m, prompts[rid], tokens[rid]).float())
+                ours, hf = rel_err(torch.stack(rows).float(), refs[0]), rel_err(refs[1], refs[0])
+                assert ours <= 3 * hf + 1e-2, (ordered, i, rid, key, ours, hf)

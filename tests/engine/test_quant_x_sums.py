@@ -54,7 +54,7 @@ def test_norms_write_the_sums_the_quantized_projections_read(tiny_models, monkey
     tokens, logits = run_collecting(_quantized_engine(folder, device), requests, params)
     given = list(launches)
     launches.clear()
-    monkeypatch.setattr(LlamaModel, "_x_sums", lambda self, linear, x: None)      # every projection sums x itself
+    monkeypatch.setattr(LlamaModel, "_x_sums", lambda self, linear, x, ordered=False: None)      # every projection sums x itself
     tokens_own, logits_own = run_collecting(_quantized_engine(folder, device), requests, params)
 
     # Steps of 2+ tokens: the projection computes sums only for o (its x comes from attention), 1 a layer,

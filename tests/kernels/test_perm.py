@@ -12,12 +12,15 @@ from kernels.rms_norm import add_rms_norm
 from kernels.silu_mul import silu_mul
 from kernels.split_sum import SplitSum
 
+CASES = [pytest.param("cpu", torch.float16, marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                                     reason="interpreter runs only")),
+         pytest.param("cuda", torch.float16, marks=pytest.mark.gpu),
+         pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-def _perm(n: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randperm(n, generator=gen).to(DEVICE, torch.int32)
+def _perm(n: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    return torch.randperm(n, generator=gen).to(device, torch.int32)
 
 
 def _sums_close(sums: torch.Tensor, out: torch.Tensor, width: int) -> None:
@@ -25,28 +28,29 @@ def _sums_close(sums: torch.Tensor, out: torch.Tensor, width: int) -> None:
     assert torch.allclose(sums, want, rtol=1e-5, atol=1e-4)
 
 
-def _source(T: int, n: int, split: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor | SplitSum:
+def _source(T: int, n: int, split: int, gen: torch.Generator, dtype: torch.dtype,
+            device: str) -> torch.Tensor | SplitSum:
     if split:
-        return SplitSum((torch.randn(split, T, n, generator=gen) / split ** 0.5).to(DEVICE), dtype)
-    return torch.randn(T, n, generator=gen).to(DEVICE, dtype)
+        return SplitSum((torch.randn(split, T, n, generator=gen) / split ** 0.5).to(device), dtype)
+    return torch.randn(T, n, generator=gen).to(device, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("T,H,split,width", [(1, 96, 0, 32), (3, 64, 4, 32), (2, 200, 0, 0), (1, 256, 3, 128)])
-def test_norm_writes_x_in_the_projection_order(dtype, T: int, H: int, split: int, width: int) -> None:
+def test_norm_writes_x_in_the_projection_order(device, dtype, T: int, H: int, split: int, width: int) -> None:
     gen = torch.Generator().manual_seed(T * H + split)
-    x = _source(T, H, split, gen, dtype)
-    h = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
-    w = (torch.rand(H, generator=gen) + 0.5).to(DEVICE, dtype)
-    extra = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
-    perm = _perm(H, gen)
+    x = _source(T, H, split, gen, dtype, device)
+    h = torch.randn(T, H, generator=gen).to(device, dtype)
+    w = (torch.rand(H, generator=gen) + 0.5).to(device, dtype)
+    extra = torch.randn(T, H, generator=gen).to(device, dtype)
+    perm = _perm(H, gen, device)
     for e in (None, extra):
-        res_want, want = h.clone(), torch.empty(T, H, dtype=dtype, device=DEVICE)
+        res_want, want = h.clone(), torch.empty(T, H, dtype=dtype, device=device)
         add_rms_norm(x, res_want, w, 1e-5, want, res_want, extra=e)
         for with_model in (False, True):
-            res, out = h.clone(), torch.full((T, H), float("nan"), dtype=dtype, device=DEVICE)
+            res, out = h.clone(), torch.full((T, H), float("nan"), dtype=dtype, device=device)
             model = torch.full_like(out, float("nan")) if with_model else None
-            sums = torch.full((T, H // width), float("nan"), device=DEVICE) if width else None
+            sums = torch.full((T, H // width), float("nan"), device=device) if width else None
             add_rms_norm(x, res, w, 1e-5, out, res, sums, e, perm=perm, model_out=model)
             assert torch.equal(res, res_want)
             assert torch.equal(out, want[:, perm.long()])
@@ -62,21 +66,21 @@ def test_norm_writes_x_in_the_projection_order(dtype, T: int, H: int, split: int
     assert torch.equal(out, want[:, perm.long()])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("T,inter,split,width", [(1, 96, 0, 32), (2, 600, 2, 0), (1, 1024, 4, 128),
                                                  (3, 2304, 0, 128)])
-def test_swiglu_writes_x_in_the_projection_order(dtype, T: int, inter: int, split: int, width: int) -> None:
+def test_swiglu_writes_x_in_the_projection_order(device, dtype, T: int, inter: int, split: int, width: int) -> None:
     gen = torch.Generator().manual_seed(T * inter + split)
-    gu = _source(T, 2 * inter, split, gen, dtype)
-    extra = torch.randn(T, 2 * inter, generator=gen).to(DEVICE, dtype)
-    perm = _perm(inter, gen)
+    gu = _source(T, 2 * inter, split, gen, dtype, device)
+    extra = torch.randn(T, 2 * inter, generator=gen).to(device, dtype)
+    perm = _perm(inter, gen, device)
     for e in (None, extra):
-        want = torch.empty(T, inter, dtype=dtype, device=DEVICE)
+        want = torch.empty(T, inter, dtype=dtype, device=device)
         silu_mul(gu, want, extra=e)
         for with_model in (False, True):
-            out = torch.full((T, inter), float("nan"), dtype=dtype, device=DEVICE)
+            out = torch.full((T, inter), float("nan"), dtype=dtype, device=device)
             model = torch.full_like(out, float("nan")) if with_model else None
-            sums = torch.full((T, inter // width), float("nan"), device=DEVICE) if width else None
+            sums = torch.full((T, inter // width), float("nan"), device=device) if width else None
             silu_mul(gu, out, sums, e, perm=perm, model_out=model)
             assert torch.equal(out, want[:, perm.long()])
             if model is not None:
