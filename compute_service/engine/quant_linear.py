@@ -60,7 +60,8 @@ class QuantLinear:
             self.use_kernel = False     # a group size the packed layout cannot hold: dequantize per call
         self._bits, self._group_size = qweight.bits, qweight.group_size
         self._shape = qweight.shape
-        # act-order: the codes are stored by group, the kernels read x in that order (one gather a call)
+        # act-order: the codes are stored by group, the kernels read x in that order (one gather a call, unless x
+        # arrives in that order: `input_perm`)
         self._perm = None if qweight.perm is None else qweight.perm.to(self.device)
         self._qweight: QuantizedWeight | None = None
         # the same as int32 for the kernels that write x in this order (`input_perm`); kernel path only
@@ -129,7 +130,8 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         """Bytes a forward reads: packed codes, scales, offsets (and bias, and an act-order permutation)."""
-        extra = (0 if self.bias is None else self.bias.nbytes) + (0 if self._perm is None else self._perm.nbytes)
+        perm = self._perm32 if self._perm32 is not None else self._perm        # the kernels read int32
+        extra = (0 if self.bias is None else self.bias.nbytes) + (0 if perm is None else perm.nbytes)
         if self.use_kernel:
             return self.packed.nbytes + extra
         n, k = self._shape
@@ -182,15 +184,16 @@ class QuantLinear:
         if not self.use_kernel:
             assert self._qweight is not None
             return F.linear(x, self._qweight.dequantize(x.dtype), bias)                    # [T, N]
+        from kernels.perm import gather_columns
         from kernels.quant_dequant import dequantize_packed
         from kernels.quant_matmul import launch_split, pick_config, quant_matmul
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self._perm is not None and not ordered:
-            x2 = x2.index_select(1, self._perm)
-        elif x2.stride(-1) != 1:
+        if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        if self._perm32 is not None and not ordered:
+            x2 = gather_columns(x2, self._perm32)
         t, (n, k) = x2.shape[0], self._shape
         if t >= self.dense_min_tokens:
             w = torch.empty(n, k, dtype=x.dtype, device=x.device)

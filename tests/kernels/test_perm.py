@@ -103,3 +103,19 @@ def test_perm_checks() -> None:
     with pytest.raises(ValueError, match="model_out must be contiguous"):
         silu_mul(torch.randn(2, 128, device=DEVICE, dtype=torch.float16), out, perm=perm.int(),
                  model_out=torch.empty(2, 64, device=DEVICE))
+
+
+@pytest.mark.parametrize("device", [CASES[0].values[0], pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gather_columns(device) -> None:
+    """x[:, perm] in one launch (o's x, from attention, under an act-order o): rows of a wider tensor too."""
+    from kernels.perm import gather_columns
+
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("interpreter runs only")
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.randn(3, 2600, generator=gen).to(device, torch.float16)
+    perm = _perm(2500, gen, device)
+    for x in (wide[:, :2500], wide[:1, 100:2600].contiguous(), wide[:0, :2500]):
+        assert torch.equal(gather_columns(x, perm), x[:, perm.long()])
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gather_columns(wide.t(), perm)
