@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                     help="overlapped decode steps or plain ones (default: the engine's, on with a GPU)")
     ap.add_argument("--bits", type=int, choices=(4, 8), help="quantize every projection (bench/quant_decode.py)")
+    ap.add_argument("--act-order", action="store_true", help="with --bits: input channels stored in a random order "
+                    "(bench/quant_decode.py --act-order)")
     ap.add_argument("--trace", type=int, default=0, help="print / keep the last step's first N kernels")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script")
     ap.add_argument("--out", type=Path)
@@ -196,10 +198,11 @@ def main() -> None:
     del hf
     if args.bits:
         from quant_decode import quantize_layers
-        quantize_layers(engine.runner.model, args.bits, 32 if args.smoke else 128)
+        quantize_layers(engine.runner.model, args.bits, 32 if args.smoke else 128, args.act_order)
     res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", commit=args.commit,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     command=" ".join(sys.argv), async_scheduling=engine.overlap, bits=args.bits or 16, cases=[])
+                     command=" ".join(sys.argv), async_scheduling=engine.overlap, bits=args.bits or 16,
+                     act_order=bool(args.bits and args.act_order), cases=[])
     loaded: set[str] = set()
     for name, batch in wanted:
         _, rank, modules, distinct = by_name[name]

@@ -73,6 +73,10 @@ class Linear:
         """None: a dense weight reads x in the model's channel order (`QuantLinear.input_perm`)."""
         return None
 
+    @property
+    def input_perm_inverse(self) -> None:
+        return None
+
     def takes_addend(self, x: torch.Tensor, ordered: bool = False) -> bool:
         """Whether `self(x, addend=...)` is allowed: one 16-bit row on CUDA (the GEMV kernel runs it)."""
         return takes_gemv(x, self.weight, self.bias, any_size=True)

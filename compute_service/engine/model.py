@@ -214,7 +214,7 @@ class LlamaModel:
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         perm, actp, model_act = self._ordered_x("down", lw.down, act, lora)
         sums = self._x_sums(lw.down, act, perm is not None)
-        silu_mul(gate_up, actp, sums, extra, perm, model_act)
+        silu_mul(gate_up, actp, sums, extra, perm, model_act, None if perm is None else lw.down.input_perm_inverse)
         return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local, xp=actp)
 
     def writes_sums(self, name: str) -> bool:

@@ -66,6 +66,7 @@ class QuantLinear:
         self._qweight: QuantizedWeight | None = None
         # the same as int32 for the kernels that write x in this order (`input_perm`); kernel path only
         self._perm32 = None if self._perm is None or not self.use_kernel else self._perm.to(torch.int32)
+        self._inverse32 = None if self._perm32 is None else torch.argsort(self._perm32).to(torch.int32)
         if not self.use_kernel:
             self._qweight = qweight.to(self.device)
             return
@@ -110,6 +111,11 @@ class QuantLinear:
         channel perm[j]), else None. A kernel that writes x in that order (`kernels.perm`) lets a call skip its
         gather (`ordered=True`). None on the dequantize-per-call path, which reads x in the model's order."""
         return self._perm32
+
+    @property
+    def input_perm_inverse(self) -> torch.Tensor | None:
+        """`input_perm`'s inverse (int32: the stored position of each model channel), or None without one."""
+        return self._inverse32
 
     @property
     def bits(self) -> int:

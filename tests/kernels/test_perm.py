@@ -74,14 +74,15 @@ def test_swiglu_writes_x_in_the_projection_order(device, dtype, T: int, inter: i
     gu = _source(T, 2 * inter, split, gen, dtype, device)
     extra = torch.randn(T, 2 * inter, generator=gen).to(device, dtype)
     perm = _perm(inter, gen, device)
-    for e in (None, extra):
+    inverse = torch.argsort(perm).to(torch.int32)
+    for e, inv in ((None, None), (extra, None), (None, inverse), (extra, inverse)):   # gathered or scattered
         want = torch.empty(T, inter, dtype=dtype, device=device)
         silu_mul(gu, want, extra=e)
         for with_model in (False, True):
             out = torch.full((T, inter), float("nan"), dtype=dtype, device=device)
             model = torch.full_like(out, float("nan")) if with_model else None
             sums = torch.full((T, inter // width), float("nan"), device=device) if width else None
-            silu_mul(gu, out, sums, e, perm=perm, model_out=model)
+            silu_mul(gu, out, sums, e, perm=perm, model_out=model, inverse=inv)
             assert torch.equal(out, want[:, perm.long()])
             if model is not None:
                 assert torch.equal(model, want)
@@ -100,6 +101,8 @@ def test_perm_checks() -> None:
         add_rms_norm(x, None, w, 1e-5, out, perm=perm[:32].int())
     with pytest.raises(ValueError, match="model_out is written only with a perm"):
         add_rms_norm(x, None, w, 1e-5, out, model_out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="give perm too"):
+        silu_mul(torch.randn(2, 128, device=DEVICE, dtype=torch.float16), out, inverse=perm.int())
     with pytest.raises(ValueError, match="model_out must be contiguous"):
         silu_mul(torch.randn(2, 128, device=DEVICE, dtype=torch.float16), out, perm=perm.int(),
                  model_out=torch.empty(2, 64, device=DEVICE))
