@@ -75,6 +75,7 @@ class Linear:
 
     @property
     def input_perm_inverse(self) -> None:
+        """None, as `input_perm`."""
         return None
 
     def takes_addend(self, x: torch.Tensor, ordered: bool = False) -> bool:

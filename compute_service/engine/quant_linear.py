@@ -102,7 +102,8 @@ class QuantLinear:
 
     @property
     def act_order(self) -> bool:
-        """Whether the codes are stored in an act-order channel order (each call gathers x first)."""
+        """Whether the codes are stored in an act-order channel order (x is read in that order: gathered by the
+        call, or written so by the kernel before it, `input_perm`)."""
         return self._perm is not None
 
     @property
