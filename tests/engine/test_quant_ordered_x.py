@@ -68,12 +68,14 @@ def test_norms_write_x_in_the_act_order(tiny_models, monkeypatch):
     peft = add_peft_adapters(copy.deepcopy(model), ADAPTERS)
     adapters = {name: peft_adapter_to_converted(peft, name) for name in ADAPTERS}
     calls = _spy_calls(monkeypatch)
-    requests = {"base": ([5, 9, 13, 2, 7], None), "qv": ([3, 3, 8], "qv"), "mlp": ([4, 1, 6, 2], "mlp")}
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    # "mlp" joins at step 2: steps with q/k/v's LoRA alone, with both, and with the MLP's alone
+    requests = {"qv": ([3, 3, 8], "qv"), "mlp": ([4, 1, 6, 2], "mlp")}
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     runs = {}
     for ordered in (True, False):
         calls.clear()
-        runs[ordered] = run_collecting(_cpu_engine(folder, adapters, monkeypatch, ordered), requests, params)
+        runs[ordered] = run_collecting(_cpu_engine(folder, adapters, monkeypatch, ordered), requests, params,
+                                       join_at={"mlp": 2})
         seen = set(calls)
         hidden, qkv = model.config.hidden_size, model.config.hidden_size * 2    # q 64 + k, v 16 each
         assert (qkv, ordered) in seen and (2 * model.config.intermediate_size, ordered) in seen, seen
