@@ -30,7 +30,6 @@ import torch
 
 from compute_service.adapter_cache.layout import module_features
 from compute_service.engine.lora_backend import GROUP_MODULE_IDS, NO_ADAPTER
-from compute_service.engine.quant_linear import ordered_x_enabled
 from compute_service.engine.spec import ModelSpec
 
 LaunchClass = tuple
@@ -157,18 +156,16 @@ def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Call
     projections = _projection_calls(model)
     if not projections or not LaunchRecorder.available() or device.type != "cuda":
         return lambda t: ()
-    rows = max(p.dense_min_tokens for p, _ in projections)
-    xs = {k: torch.zeros(rows, k, dtype=dtype, device=device) for k in {p.in_features for p, _ in projections}}
+    rows = max(p.dense_min_tokens for p, _, _ in projections)
+    xs = {k: torch.zeros(rows, k, dtype=dtype, device=device) for k in {p.in_features for p, _, _ in projections}}
 
     def launch_keys(t: int) -> LaunchClass:
         keys: list[str] = []
-        for p, sums_written in projections:
+        for p, sums_written, ordered in projections:
             if t >= p.dense_min_tokens:
                 keys.append(f"dequantize+GEMM {p.out_features}x{p.in_features}")
                 continue
-            # as the forward calls it (`_x_sums`; an act-order x written in the stored order, `_ordered_x`)
-            ordered = sums_written and p.input_perm is not None and ordered_x_enabled()
-            width = p.sums_width(t, dtype, ordered) if sums_written else 0
+            width = p.sums_width(t, dtype, ordered) if sums_written else 0      # as the forward calls it (`_x_sums`)
             kw: dict[str, Any] = {"ordered": True} if ordered else {}
             if width:
                 kw["x_sums"] = torch.zeros(t, p.in_features // width, dtype=torch.float32, device=device)
@@ -184,15 +181,18 @@ def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Call
     return launch_keys
 
 
-def _projection_calls(model: Any) -> list[tuple[Any, bool]]:
+def _projection_calls(model: Any) -> list[tuple[Any, bool, bool]]:
     """`quantized_projections`, each with whether the forward hands it x's slice sums written by the kernel
-    before it (`LlamaModel.writes_sums`), else it launches their sums itself: one of each such pair, so the
-    dry runs launch what the forward launches and nothing else (a launch only a dry run makes would be
-    compiled at start-up for nothing)."""
+    before it (`LlamaModel.writes_sums`), else it launches their sums itself, and whether that kernel writes x
+    in the projection's own channel order (act-order, `LlamaModel.writes_ordered`), else the call gathers x:
+    one of each such kind, so the dry runs launch what the forward launches and nothing else (a launch only a
+    dry run makes would be compiled at start-up for nothing)."""
     writes = getattr(model, "writes_sums", lambda name: False)
-    seen: dict[tuple[Any, ...], tuple[Any, bool]] = {}
+    ordered = getattr(model, "writes_ordered", lambda name, p: False)
+    seen: dict[tuple[Any, ...], tuple[Any, bool, bool]] = {}
     for name, p in _kernel_projections(model):
-        seen.setdefault((*_launch_parts(p), writes(name)), (p, writes(name)))
+        call = (writes(name), ordered(name, p))
+        seen.setdefault((*_launch_parts(p), *call), (p, *call))
     return list(seen.values())
 
 

@@ -239,18 +239,23 @@ class LlamaModel:
         no sums; the projection computes them itself)."""
         return None if self.reduce_add_norm is not None else self._x_sums(linear, x, ordered)
 
+    def writes_ordered(self, name: str, linear: Linear) -> bool:
+        """Whether the kernel that writes projection `name`'s x writes it in `linear`'s stored channel order
+        (`_ordered_x`): where `linear` reads x in an order of its own (act-order, `Linear.input_perm`) and that
+        kernel is one that writes its sums too (`writes_sums`: the norms, not under tensor parallelism; the
+        SwiGLU), unless LORAPLEX_ORDERED_X=0 (`ordered_x_enabled`)."""
+        return self._ordered_x_on and linear.input_perm is not None and self.writes_sums(name)
+
     def _ordered_x(self, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None
                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """(perm, xp, model_x) for the kernel that writes projection `group`'s input x: where `linear` reads x in
-        a stored channel order of its own (act-order, `Linear.input_perm`) and that kernel can write it so (the
-        norms, not under tensor parallelism; the SwiGLU; `ordered_x_enabled`), its perm, a new buffer xp that
-        receives x in that order for the projection, and x itself where a LoRA launch of this step reads it in
-        the model's order (else None: x is not written). Otherwise (None, x, None): x as always."""
-        perm = linear.input_perm if self.fused else None
-        if perm is None or (group != "down" and self.reduce_add_norm is not None) or not self._ordered_x_on:
+        """(perm, xp, model_x) for the kernel that writes projection `group`'s input x: where it writes it in
+        `linear`'s order (`writes_ordered`), its perm, a new buffer xp that receives x in that order for the
+        projection, and x itself where a LoRA launch of this step reads it in the model's order (else None: x
+        is not written). Otherwise (None, x, None): x as always."""
+        if not self.writes_ordered(group, linear):
             return None, x, None
         reads = lora is not None and group in lora.active_groups
-        return perm, torch.empty_like(x), x if reads else None
+        return linear.input_perm, torch.empty_like(x), x if reads else None
 
     def _add_norm(self, delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                   slot: int, sums: torch.Tensor | None = None, extra: torch.Tensor | None = None,

@@ -212,14 +212,47 @@ def test_dry_runs_hand_a_projection_the_sums_the_forward_hands_it():
     model = types.SimpleNamespace(weights=types.SimpleNamespace(layers=layers), fused=True, reduce_add_norm=None)
     model.writes_sums = types.MethodType(LlamaModel.writes_sums, model)
     calls = _projection_calls(model)
-    assert [(p.out_features, written) for p, written in calls] == [(96, True), (64, False), (128, True), (64, True)]
-    assert calls[1][0] is square
+    assert [(p.out_features, written) for p, written, _ in calls] == \
+        [(96, True), (64, False), (128, True), (64, True)]
+    assert calls[1][0] is square and not any(ordered for _, _, ordered in calls)
     model.reduce_add_norm = object()        # tensor parallel: the norms write no sums
-    assert [written for _, written in _projection_calls(model)] == [False, False, False, True]
+    assert [written for _, written, _ in _projection_calls(model)] == [False, False, False, True]
     model.fused = False
-    assert [written for _, written in _projection_calls(model)] == [False, False, False]   # o and down: one
-    assert [written for _, written in _projection_calls(types.SimpleNamespace(weights=model.weights))] == \
+    assert [written for _, written, _ in _projection_calls(model)] == [False, False, False]   # o and down: one
+    assert [written for _, written, _ in _projection_calls(types.SimpleNamespace(weights=model.weights))] == \
         [False, False, False]
+
+
+def test_dry_runs_hand_an_act_order_projection_x_in_its_order_where_the_forward_does(monkeypatch):
+    """An act-order projection whose x a norm or the SwiGLU writes gets it in its own channel order
+    (`LlamaModel.writes_ordered`), so its dry run calls it ordered (no gather); o, and the norms under tensor
+    parallelism, gather; LORAPLEX_ORDERED_X=0 gathers everywhere. Such a projection does not stand for a plain
+    one of its shape."""
+    from compute_service.engine.model import LlamaModel
+    from compute_service.engine.quant_linear import QuantLinear
+    from compute_service.engine.quantized import QuantizedWeight, quantize_rtn
+    from compute_service.warmup_plan import _projection_calls
+
+    def quant(n, k, act_order):
+        q = quantize_rtn(torch.randn(n, k), 4, 32)
+        perm = torch.randperm(k) if act_order else None
+        return QuantLinear(QuantizedWeight(q.q, q.scales, q.offsets, 4, 32, perm), None, torch.device("cpu"),
+                           use_kernel=True)
+    layers = [types.SimpleNamespace(qkv=quant(96, 64, True), o=quant(64, 64, True), gate_up=quant(128, 64, True),
+                                    down=quant(64, 64, False)),
+              types.SimpleNamespace(qkv=quant(96, 64, True), o=quant(64, 64, True), gate_up=quant(128, 64, True),
+                                    down=quant(64, 64, True))]
+    model = types.SimpleNamespace(weights=types.SimpleNamespace(layers=layers), fused=True, reduce_add_norm=None,
+                                  _ordered_x_on=True)
+    model.writes_sums = types.MethodType(LlamaModel.writes_sums, model)
+    model.writes_ordered = types.MethodType(LlamaModel.writes_ordered, model)
+    calls = _projection_calls(model)
+    assert [(p.out_features, p.act_order, ordered) for p, _, ordered in calls] == \
+        [(96, True, True), (64, True, False), (128, True, True), (64, False, False), (64, True, True)]
+    model.reduce_add_norm = object()        # tensor parallel: the all-reduce + norm writes x in the model's order
+    assert [ordered for _, _, ordered in _projection_calls(model)] == [False, False, False, False, True]
+    model.reduce_add_norm, model._ordered_x_on = None, False
+    assert not any(ordered for _, _, ordered in _projection_calls(model))
 
 
 def test_start_up_line_names_the_compiled_programs_or_says_there_are_none():
