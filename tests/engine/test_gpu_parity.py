@@ -19,7 +19,7 @@ from compute_service.engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import TINY_DIMS, add_peft_adapters, rel_err
 from loraplex.formats import read_peft
 from test_mixed_batch import ADAPTERS, REQUESTS
-from test_parity import reference_logits, run_collecting
+from test_parity import adapter_reference_logits, reference_logits, run_collecting
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 RESULTS: dict[str, object] = {}
@@ -51,14 +51,7 @@ def test_tiny_mixed_batch_bf16(tiny_models, tmp_path, kind, backend):
                                     join_at=joins)
     worst = {}
     for rid, (prompt, key) in reqs.items():
-        refs = []
-        for m in (peft32, peft16):
-            if key is None:
-                with m.disable_adapter():
-                    refs.append(reference_logits(m, prompt, tokens[rid]).float())
-            else:
-                m.set_adapter(key)
-                refs.append(reference_logits(m, prompt, tokens[rid]).float())
+        refs = [adapter_reference_logits(m, prompt, tokens[rid], key).float() for m in (peft32, peft16)]
         ours = torch.stack(logits[rid])
         worst[rid] = (rel_err(ours, refs[0]), rel_err(refs[1], refs[0]))
     _record(f"tiny_{kind}_{backend}", {r: {"ours_vs_fp32": a, "transformers_bf16_vs_fp32": b}

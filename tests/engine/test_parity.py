@@ -41,17 +41,21 @@ def reference_logits(model, prompt: list[int], output: list[int]) -> torch.Tenso
     return full[len(prompt) - 1: len(prompt) - 1 + len(output)]
 
 
+def adapter_reference_logits(peft_model, prompt: list[int], output: list[int], key: str | None) -> torch.Tensor:
+    """`reference_logits` of `peft_model` with its adapter `key` set, or with its adapters disabled for None."""
+    if key is None:
+        with peft_model.disable_adapter():
+            return reference_logits(peft_model, prompt, output)
+    peft_model.set_adapter(key)
+    return reference_logits(peft_model, prompt, output)
+
+
 def assert_peft_parity(peft_model, reqs: dict[str, tuple[list[int], str | None]], tokens: dict, logits: dict,
                        steps: int) -> None:
     """Every request's `steps` logits rows within TOL of PEFT's (its adapter set, or none) at the same tokens."""
     for rid, (prompt, key) in reqs.items():
         assert len(logits[rid]) == steps
-        if key is None:
-            with peft_model.disable_adapter():
-                ref = reference_logits(peft_model, prompt, tokens[rid])
-        else:
-            peft_model.set_adapter(key)
-            ref = reference_logits(peft_model, prompt, tokens[rid])
+        ref = adapter_reference_logits(peft_model, prompt, tokens[rid], key)
         for i, row in enumerate(logits[rid]):
             assert rel_err(row.cpu(), ref[i]) < TOL, (rid, key, i)
 

@@ -3,7 +3,6 @@ compressed-tensors tiny Qwen2 kept quantized equals each request run alone on th
 transformers + PEFT on the same model with its projections replaced by the dequantized weights."""
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -15,7 +14,7 @@ from compute_service.engine.quant_linear import QuantLinear
 from helpers import TINY_DIMS, add_peft_adapters, rel_err
 from loraplex.formats import read_peft
 from test_mixed_batch import ADAPTERS, REQUESTS
-from test_parity import TOL, reference_logits, run_collecting
+from test_parity import TOL, adapter_reference_logits, run_collecting
 
 SPLIT = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
@@ -67,10 +66,7 @@ def test_mixed_batch_on_a_quantized_base_matches_each_request_alone(quantized_qw
         assert alone_tokens[rid] == tokens[rid], rid
         for row, ref in zip(logits[rid], alone[rid]):
             assert rel_err(row, ref) < 1e-5, rid
-        if key is not None:
-            peft_model.set_adapter(key)
-        with peft_model.disable_adapter() if key is None else contextlib.nullcontext():
-            ref = reference_logits(peft_model, prompt, tokens[rid])
+        ref = adapter_reference_logits(peft_model, prompt, tokens[rid], key)
         assert max(rel_err(row, ref[i]) for i, row in enumerate(logits[rid])) < TOL, (rid, key)
     firsts = [logits[r][0] for r in ("base", "a1", "b", "c")]
     assert all(rel_err(x, y) > 100 * TOL for i, x in enumerate(firsts) for y in firsts[i + 1:])

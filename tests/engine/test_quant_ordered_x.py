@@ -113,7 +113,7 @@ def test_gpu_act_order_checkpoint_matches_float32(gptq_act_order_mid, monkeypatc
     each chose: requests alone (one-token steps in graphs; with the adapter, the LoRA-first addend) and two at
     once (the LoRA beside the projection)."""
     from helpers import MID_DIMS, w4_engine, rel_err
-    from test_parity import reference_logits
+    from test_parity import adapter_reference_logits
 
     folder, adapters, peft32, peft16 = gptq_act_order_mid
     calls = _spy_calls(monkeypatch)
@@ -132,13 +132,7 @@ def test_gpu_act_order_checkpoint_matches_float32(gptq_act_order_mid, monkeypatc
         for i, (tokens, logits) in enumerate(runs):
             for rid, rows in logits.items():
                 key = keys[rid] if i == len(runs) - 1 else ("all", None)[i % 2]
-                refs = []
-                for m in (peft32, peft16):
-                    if key is None:
-                        with m.disable_adapter():
-                            refs.append(reference_logits(m, prompts[rid], tokens[rid]).float())
-                    else:
-                        m.set_adapter(key)
-                        refs.append(reference_logits(m, prompts[rid], tokens[rid]).float())
+                refs = [adapter_reference_logits(m, prompts[rid], tokens[rid], key).float()
+                        for m in (peft32, peft16)]
                 ours, hf = rel_err(torch.stack(rows).float(), refs[0]), rel_err(refs[1], refs[0])
                 assert ours <= 3 * hf + 1e-2, (ordered, i, rid, key, ours, hf)
