@@ -1,5 +1,5 @@
 # The README's two commands: `make serve` and `make test`.
-.PHONY: setup serve test test-fast clean
+.PHONY: setup serve test clean
 
 setup:
 	bash scripts/setup.sh

@@ -87,7 +87,9 @@ def test_few_rows_of_a_small_weight_take_the_one_row_kernel() -> None:
     assert pick_config(16, 960, 576, 4, 132, 32).block_m == 16
     assert pick_config(4, 3072, 576, 4, 132, 32).block_m == 16
     assert pick_config(2, 6144, 4096, 4, 132, 128).block_m == 16
-    check(6, 576, 1536, 4, 32, torch.float16, True)        # through pick_config: 6 rows, split-K
+    # through pick_config: 6 rows, split-K (2 splits at the interpreter's 4 programs' worth of SMs, 6 on the GPU)
+    assert pick_config(6, 64, 1536, 4, 4, 32) == QuantMatmulConfig(32, 1, 2)
+    check(6, 64, 1536, 4, 32, torch.float16, True)
 
 
 @pytest.mark.parametrize("bits,k,dtype", [(4, 512, torch.float16), (4, 288, torch.float32), (8, 512, torch.float16),
