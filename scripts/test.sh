@@ -2,13 +2,13 @@
 # Runs the test suite in .venv (set up by scripts/setup.sh --test). GPU tests are skipped without CUDA.
 #
 # With no arguments, the whole suite in two parts:
-#   1. every test but those below, spread over worker processes (LORAPLEX_TEST_WORKERS, default: the machine's
-#      cores, at most 4; 1 runs them in this process): they compare results, whatever the machine's load;
-#   2. the tests that start whole systems (tests/integration, the faults and soaks of tests/reliability; its
-#      transport test only waits on gRPC's 30 s, in part 1) and those that bound a time (a failover within
-#      seconds, a cancel that frees a slot sooner than the rest of the stream would take, a stalled client that
-#      slows no one), one at a time, as a user's machine runs the services: a neighbour test's load would
-#      stretch what they time. A new test that bounds a time goes here.
+#   1. every test not marked `serial`, spread over worker processes (LORAPLEX_TEST_WORKERS, default: the
+#      machine's cores, at most 4; 1 runs them in this process): they compare results, whatever the machine's load;
+#   2. the tests marked `serial` (pyproject.toml's markers), one at a time, as a user's machine runs the services:
+#      those that start whole systems (tests/integration, the faults and soaks of tests/reliability) and those that
+#      bound a time (a failover within seconds, a cancel that frees a slot sooner than the rest of the stream would
+#      take, a stalled client that slows no one), whose bound a neighbour test's load would stretch. A new test of
+#      either kind marks itself (`pytestmark = pytest.mark.serial` in its file, or the mark on the test).
 # Both parts run; the exit status is the first part's failure, else the second's.
 # With arguments, one pytest run of exactly those arguments (e.g. a file, -k, --durations=40).
 set -uo pipefail
@@ -19,12 +19,6 @@ if [ $# -gt 0 ]; then
   exec "${pytest[@]}" "$@"
 fi
 
-serial=(tests/integration tests/reliability/test_faults.py tests/reliability/test_soak.py
-        tests/reliability/test_soak_script.py
-        tests/compute_service/test_engine_process.py tests/compute_service/test_compute_grpc.py
-        tests/compute_service/test_token_stream.py tests/cache_service/test_cache_client_reconnect.py
-        tests/cache_service/test_cache_shm_spares.py tests/cache_service/test_cache_redis_restart.py
-        tests/parallel/test_tp_rank_failure.py tests/parallel/test_step_channel.py)
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${LORAPLEX_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 spread_env=() spread_args=()
@@ -35,14 +29,12 @@ if [ "$workers" -gt 1 ]; then
   spread_env=(OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}")
   spread_args=(-n "$workers" --dist loadfile)
 fi
-ignore=()
-for p in "${serial[@]}"; do ignore+=(--ignore="$p"); done
 trap 'exit 130' INT
-echo "[test] part 1 of 2: every test but those of part 2 (${workers} worker processes)"
-env "${spread_env[@]}" "${pytest[@]}" "${spread_args[@]}" tests "${ignore[@]}"
+echo "[test] part 1 of 2: the tests not marked serial (${workers} worker processes)"
+env "${spread_env[@]}" "${pytest[@]}" "${spread_args[@]}" -m "not serial" tests
 first=$?
-echo "[test] part 2 of 2: ${serial[*]}, one test at a time"
-"${pytest[@]}" "${serial[@]}"
+echo "[test] part 2 of 2: the tests marked serial, one at a time"
+"${pytest[@]}" -m serial tests
 second=$?
 [ "$first" -ne 0 ] && exit "$first"
 exit "$second"

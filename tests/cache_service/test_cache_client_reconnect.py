@@ -16,7 +16,7 @@ from cache_helpers import start_cache
 from loraplex import errors
 from loraplex.cache_client import CacheClient
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(120)]
 DOWN_S = 15.0       # gRPC's default backoff would be at an attempt 10 s apart by then
 
 

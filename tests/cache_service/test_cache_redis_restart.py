@@ -10,6 +10,8 @@ from loraplex import errors
 from loraplex.cache_client import CacheClient
 from loraplex.formats import save_adapter
 
+pytestmark = pytest.mark.serial
+
 
 def test_redis_killed_and_restarted(tmp_path, tiny_model, redis_restartable):
     svc = start_cache(tmp_path, tiny_model, "redis", redis_url=redis_restartable.url)

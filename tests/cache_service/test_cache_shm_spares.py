@@ -19,7 +19,7 @@ from cache_service.shm_backend import ShmBackend
 from cache_service.shm_segments import HEADER_BYTES
 
 SHM = Path("/dev/shm")
-pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm (Linux)")
+pytestmark = [pytest.mark.serial, pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm (Linux)")]
 N = 1 << 20
 
 

@@ -16,6 +16,8 @@ from loraplex import errors
 from loraplex.formats import ModelSpec
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 
+pytestmark = pytest.mark.serial
+
 
 async def _serve(rt):
     server = grpc.aio.server()

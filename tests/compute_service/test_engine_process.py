@@ -24,7 +24,7 @@ from compute_service.engine.sampling_params import SamplingParams
 from loraplex.procs import start_service
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.serial, pytest.mark.slow]
 FLAGS = ["--max-model-len", "96", "--kv-cache-bytes", str(1 << 20), "--lora-gpu-cache-bytes", str(4 << 20),
          "--max-lora-rank", "64", "--max-num-seqs", "32", "--engine-process", "on"]
 

@@ -20,6 +20,8 @@ from test_runner_workload import make_runtime
 from compute_service.adapter_cache.loader import adapter_key
 from loraplex.v1 import common_pb2, compute_pb2
 
+pytestmark = pytest.mark.serial
+
 
 def start(handle, prompt, max_tokens, task_id=None, timeout_s=0.0, rid=None):
     req = compute_pb2.GenerateTokensRequest(request_id=rid or f"h{handle}", input_ids=prompt,

@@ -14,7 +14,7 @@ import pytest
 from loraplex.procs import start_service
 from integration.e2e_support import PROMPT_EN, write_peft_adapter
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

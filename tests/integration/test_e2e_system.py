@@ -20,7 +20,7 @@ from loraplex.model_files import load_tokenizer
 from integration.e2e_support import (PROMPT_EN, PROMPT_JA, PROMPT_ZH, grpcurl_generate, start_stack,
                                      write_peft_adapter)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STD = 0.05  # adapter factor scale: changes greedy output, keeps it text
 

@@ -26,7 +26,7 @@ from loraplex.procs import spawn_service, wait_listening, wait_serving
 from loraplex.v1 import gateway_pb2_grpc
 from integration.e2e_support import PROMPT_EN, write_peft_adapter
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(600)]
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 REQUEST_ID = "metrics-e2e-1"
 

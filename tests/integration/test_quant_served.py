@@ -19,7 +19,7 @@ from loraplex.procs import start_service
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc
 from parallel.tp_helpers import random_adapter, save_tiny_llama
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPT = [5, 6, 7, 8, 9]
 
 

@@ -22,7 +22,7 @@ from loraplex.procs import ServiceProcess, start_service
 from loraplex.v1 import common_pb2, compute_pb2, compute_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from gateway.replicas import rendezvous_order
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(900)]
 
 HIDDEN = 576  # SmolLM2-135M: attn_q is 576 -> 576
 RANK = 4

@@ -8,6 +8,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplex.procs import start_service
 
+pytestmark = pytest.mark.serial
+
 SERVICES = [
     ("gateway", ["gateway", "--listen", "127.0.0.1:0"]),
     ("cache", ["cache", "--listen", "127.0.0.1:0"]),

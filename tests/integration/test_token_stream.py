@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from gateway_harness import gateway_stack  # noqa: E402  (a gateway server over any compute address)
 from helpers import save_tiny, tiny_model  # noqa: E402  (the engine tests' tiny-model builder)
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(120)]
 STEP_S = 0.004   # each engine step takes at least this long, so requests are surely mid-way when checked
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from compute_service.parallel.step_channel import StepChannel, _alive
 
+pytestmark = pytest.mark.serial
+
 
 def _pair(tmp_path, capacity=1 << 12, spin=False):
     path = StepChannel.create(capacity, folder=str(tmp_path))

@@ -5,12 +5,15 @@ import os
 import time
 import traceback
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from compute_service.engine import EngineConfig, SamplingParams
 from test_tp_cpu import free_port
 from tp_helpers import save_tiny_llama
+
+pytestmark = pytest.mark.serial
 
 
 def worker(rank: int, port: int, folder: str, results) -> None:

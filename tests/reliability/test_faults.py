@@ -12,7 +12,7 @@ import pytest
 import soak_scenarios as sc
 from soak_stack import Stack, redis_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STALLED_TOKENS = 12000   # well past what the gateway buffers (4096) plus what transport windows hold
 

@@ -13,7 +13,7 @@ import pytest
 import soak_scenarios as sc
 from soak_stack import Stack, env_int
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(600)]
 
 POOL_ADAPTERS = 2
 
