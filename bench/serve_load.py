@@ -107,6 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="serve a round-to-nearest copy of the model at these bits (`loraplex quantize`, into a "
                          "sibling folder of --make-random-model or a temp dir; kept and reused)")
     ap.add_argument("--quantize-group-size", type=int, default=128, help="group size of --quantize-bits")
+    ap.add_argument("--quantize-format", default="compressed-tensors", choices=("compressed-tensors", "awq", "gptq"),
+                    help="layout of --quantize-bits' copy (default compressed-tensors)")
+    ap.add_argument("--act-order-seed", type=int,
+                    help="with --quantize-format gptq: an act-order (desc_act) layout, each input's channels in a "
+                         "random order from this seed (`quantize_checkpoint`'s act_order_seed)")
     ap.add_argument("--step-trace", type=Path, help="where the compute service writes its step trace "
                     "(default: a temp file)")
     ap.add_argument("--serve-flags", default="", help="more `loraplex serve` flags")
@@ -428,14 +433,18 @@ def quantized_copy(model: str, args: argparse.Namespace, tmp: Path) -> str:
     from compute_service.engine.quant_formats.export import quantize_checkpoint
     from loraplex.model_files import resolve_model_path
 
+    if args.act_order_seed is not None and args.quantize_format != "gptq":
+        raise SystemExit("--act-order-seed needs --quantize-format gptq")
     tag = f"w{args.quantize_bits}g{args.quantize_group_size}"
+    if args.quantize_format != "compressed-tensors":
+        tag += f"-{args.quantize_format}" + ("" if args.act_order_seed is None else f"-ao{args.act_order_seed}")
     base = args.make_random_model if args.make_random_model and not args.smoke else None
     out = base.with_name(f"{base.name}-{tag}") if base else tmp / f"model-{tag}"
     if not ((out / "config.json").is_file() and (out / "model.safetensors").is_file()):
         t0 = time.perf_counter()
         r = quantize_checkpoint(resolve_model_path(model), out, bits=args.quantize_bits,
                                 group_size=args.quantize_group_size, device=resolve_device(args.device),
-                                progress=False)
+                                fmt=args.quantize_format, act_order_seed=args.act_order_seed, progress=False)
         print(f"quantized {model or 'the default model'} -> {out}: {r.num_quantized} projections "
               f"({r.quantized_bytes / 2**30:.2f} GiB), {len(r.not_converted)} kept dense, "
               f"{time.perf_counter() - t0:.0f}s", flush=True)

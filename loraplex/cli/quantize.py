@@ -1,8 +1,8 @@
 """`loraplex quantize`: a base model -> a weight-only quantized HF folder (round to nearest).
 
 Reads a HF safetensors folder or a GGUF file, quantizes every projection (q, k, v, o, gate, up,
-down) group-wise to `--bits` with round-to-nearest, and writes a folder in the AWQ (GEMM) or
-compressed-tensors (pack-quantized) layout: config.json with its `quantization_config`,
+down) group-wise to `--bits` with round-to-nearest, and writes a folder in the AWQ (GEMM),
+compressed-tensors (pack-quantized) or GPTQ layout: config.json with its `quantization_config`,
 model.safetensors, and the tokenizer files. `loraplex serve --model OUT` serves it kept quantized
 on a GPU; other engines that read those formats read it too. Embeddings, norms and the LM head
 are copied as they are. See docs/quantization.md.
@@ -13,11 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
-FORMATS = ("compressed-tensors", "awq")
+FORMATS = ("compressed-tensors", "awq", "gptq")      # export.FORMATS, without importing torch here
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("quantize", help="quantize a base model to 4 or 8 bits (AWQ or compressed-tensors)",
+    p = subparsers.add_parser("quantize", help="quantize a base model to 4 or 8 bits (AWQ, compressed-tensors or GPTQ)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", type=Path, help="HF safetensors folder or .gguf file")
     p.add_argument("out", type=Path, help="output folder (new or empty)")
@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="input features sharing one scale and zero point (default 128; the GPU kernel takes "
                         "multiples of 32 dividing or divisible by 256)")
     p.add_argument("--format", choices=FORMATS, default="compressed-tensors",
-                   help="output layout (default compressed-tensors)")
+                   help="output layout (default compressed-tensors; gptq: channels in the model's order, desc_act "
+                        "false, as round-to-nearest has no activation order to follow)")
     p.add_argument("--symmetric", action="store_true",
                    help="symmetric quantization (zero point at mid-range; default asymmetric, min-max)")
     p.add_argument("--device", default="auto",

@@ -103,6 +103,10 @@
 #                    MAX_LORA_RANK=256: both sides with the pool of a server's default largest rank instead of the
 #                    adapters' (64); the JSONs' names end in _r256. TEMPERATURE=0.8 (and TOP_P=0.9): every request
 #                    sampled so, both sides (names end in _t0.8, _p0.9); unset, greedy as in every committed run
+#   serve-8b-act-order  bench/serve_load.py, served figures only (--skip-engine), on a random 8B kept 4-bit as GPTQ
+#                    (groups of 128), its channels in the model's order, then in an act-order layout
+#                    (--act-order-seed 1): streams $CONCURRENCY (default 1,8,64), base, shared and distinct
+#                    adapters; ORDERS=act-order (or stored) runs one side only (~4 minutes a side with the model made)
 set -u
 stage=${1:?stage}; commit=${2:?commit}; out=${3:-${OUT:-gpu_out}}
 mkdir -p "$out"
@@ -171,6 +175,16 @@ case "$stage" in
     bf=serve_load_8b_w4_bf16${MAX_LORA_RANK:+_r$MAX_LORA_RANK}$sampled
     python3 bench/serve_load.py $common --out "$out/$bf.json" --plot "$out/$bf.png" > "$out/serve_8b_bf16.log" 2>&1
     tail -n 8 "$out/serve_8b_w4.log" "$out/serve_8b_bf16.log" ;;
+  serve-8b-act-order)
+    common="--make-random-model /tmp/llama8b --shape 8b --lora-root /tmp/lora8b --num-adapters 32 --arrivals burst
+            --host-cache-bytes 17179869184 --lora-gpu-cache-bytes 17179869184 --commit $commit --quantize-bits 4
+            --quantize-format gptq --concurrency ${CONCURRENCY:-1,8,64} --skip-engine"
+    for order in ${ORDERS:-stored act-order}; do
+      seed=""; [ "$order" = act-order ] && seed="--act-order-seed 1"
+      name=serve_load_8b_w4_gptq${seed:+_act_order}
+      python3 bench/serve_load.py $common $seed --out "$out/$name.json" > "$out/serve_8b_$order.log" 2>&1
+      tail -n 6 "$out/serve_8b_$order.log"
+    done ;;
   sampler)          # the sampler's GPU tests, then bench/sampler_cost.py
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sample_nucleus.py \
       tests/kernels/test_sample_threshold.py tests/kernels/test_sample.py 2>&1 | tail -3 | tee "$out/$stage.log"

@@ -86,11 +86,13 @@ def test_workloads_assign_adapters_and_poisson_arrivals_grow():
 @pytest.mark.parametrize("steps", ["plain", "overlapped", "quantized", "sampled"])
 def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path, steps):
     """"overlapped": `loraplex serve` and the in-process engine with --async-scheduling; "quantized": both
-    on a 4-bit copy of the tiny model (--quantize-bits, kept quantized); "sampled": every request with a
+    on a 4-bit GPTQ act-order copy of the tiny model (--quantize-bits, kept quantized, each input's channels in
+    a random order); "sampled": every request with a
     temperature and top-p, both sides."""
     out = tmp_path / "serve_load.json"
     flags = {"plain": [], "overlapped": ["--async-scheduling"],
-             "quantized": ["--quantize-bits", "4", "--quantize-group-size", "32", "--quantization", "keep"],
+             "quantized": ["--quantize-bits", "4", "--quantize-group-size", "32", "--quantization", "keep",
+                           "--quantize-format", "gptq", "--act-order-seed", "1"],
              "sampled": ["--temperature", "0.8", "--top-p", "0.9"]}[steps]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--smoke", "--out", str(out), *flags],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -101,8 +103,8 @@ def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path, step
     assert res["flags"]["output_len"] == 8 and len(res["adapters"]) == 4
     assert (res["flags"]["temperature"], res["flags"]["top_p"]) == ((0.8, 0.9) if steps == "sampled" else (0.0, 1.0))
     if steps == "quantized":
-        assert res["model"].endswith("model-w4g32") and res["quantized_from"].endswith("tiny-model")
-        assert json.loads((Path(res["model"]) / "config.json").read_text())["quantization_config"]
+        assert res["model"].endswith("model-w4g32-gptq-ao1") and res["quantized_from"].endswith("tiny-model")
+        assert json.loads((Path(res["model"]) / "config.json").read_text())["quantization_config"]["desc_act"]
     assert res["first_request"]["output_tokens"] == 8 and res["adapters_first_use"]["num_requests"] == 4
     for workload in ("base", "shared", "distinct"):
         for conc in ("1", "4"):

@@ -1,7 +1,7 @@
 """Quantized checkpoints load kept quantized: each projection is a QuantLinear holding exactly the written
 codes, and the model's logits equal the same checkpoint dequantized (`--quantization none`) to rounding.
 
-Checkpoints: AWQ and compressed-tensors (4-bit symmetric, 8-bit asymmetric) written by `loraplex
+Checkpoints: AWQ, compressed-tensors and GPTQ (4- and 8-bit, symmetric and asymmetric) written by `loraplex
 quantize`'s writer, GPTQ (v1 and v2 zero conventions) packed from the format's definition, and a GGUF
 whose projections are Q4_0 / Q4_1 / Q8_0 (q/k rows permuted as the GGUF converter does) with fused
 groups of mixed types, which are dequantized.
@@ -29,6 +29,8 @@ KINDS = {       # name -> (model kind, writer arguments)
     "awq": ("llama", dict(fmt="awq", bits=4, symmetric=False)),
     "ct4-sym": ("qwen2", dict(fmt="compressed-tensors", bits=4, symmetric=True)),
     "ct8-asym": ("llama", dict(fmt="compressed-tensors", bits=8, symmetric=False)),
+    "gptq4-asym": ("llama", dict(fmt="gptq", bits=4, symmetric=False)),
+    "gptq8-sym": ("qwen2", dict(fmt="gptq", bits=8, symmetric=True)),
 }
 TOKENS = torch.randint(0, TINY_DIMS["vocab_size"], (13,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -227,6 +229,49 @@ def test_act_order_runs_on_the_kernels_with_x_gathered(rows):
     x = torch.randn(rows, 128, generator=gen)
     assert rel_err(kernel(x), x @ want_w.t()) < 1e-5
     assert torch.equal(kernel.dequantize(), want_w) and not kernel.takes_addend(x[:1])
+
+
+@pytest.mark.parametrize("symmetric,act_order", [(True, True), (True, False), (False, True)])
+def test_the_gptq_writer_packs_as_the_format_defines(symmetric, act_order):
+    """`gptq.tensors` (what `loraplex quantize --format gptq` writes) equals the tensors packed from the format's
+    definition (symmetric), and the reader gives back the weight it was quantized to (asymmetric too)."""
+    from compute_service.engine.quant_formats import gptq
+
+    gen = torch.Generator().manual_seed(int(symmetric) * 2 + int(act_order))
+    w = torch.randn(48, 128, generator=gen)
+    order = torch.randperm(128, generator=gen) if act_order else torch.arange(128)
+    qw = quantize_rtn(w[:, order], 4, 32, symmetric=symmetric)
+    ours = gptq.tensors("", qw, order if act_order else None)
+    if symmetric:
+        theirs, _ = gptq_tensors(w, 4, 32, order)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[name], theirs[name]) for name in ours), [n for n in ours
+                                                                             if not torch.equal(ours[n], theirs[n])]
+    back = gptq.reader({"bits": 4, "group_size": 32, "desc_act": act_order}, ours.get)("")
+    assert (back.perm is not None) == act_order
+    assert torch.equal(back.dequantize(), torch.empty(w.shape).index_copy_(1, order, qw.dequantize()))
+
+
+def test_an_act_order_layout_written_by_the_exporter_serves_kept_quantized(tiny_models, tmp_path):
+    """`act_order_seed`: each input's channels in one random order (q/k/v alike, gate/up alike), so every fused
+    projection loads kept quantized with a perm, and the model equals its dequantized load to rounding."""
+    model, src = tiny_models["llama"]
+    with pytest.raises(ValueError, match="act-order layout is a GPTQ one"):
+        quantize_checkpoint(src, tmp_path / "awq", fmt="awq", group_size=G, act_order_seed=1, progress=False)
+    folder = quantize_checkpoint(src, tmp_path / "q", fmt="gptq", group_size=G, symmetric=True, act_order_seed=1,
+                                 progress=False).out
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["desc_act"] is True
+    kept, dense = load_model(folder, quantization="keep"), load_model(folder, quantization="none")
+    perms = set()
+    for i, proj, layer in layers_of(kept):
+        assert isinstance(layer, QuantLinear) and layer.qweight.perm is not None, (i, proj)
+        perms.add(tuple(layer.qweight.perm.tolist()))
+        assert torch.equal(layer.dequantize(), getattr(dense.model.weights.layers[i], proj).weight), (i, proj)
+    assert len(perms) == 8                  # one order per input of each layer, none the model's own
+    a = prefill_logits(kept, TOKENS)
+    assert rel_err(a, prefill_logits(dense, TOKENS)) < 1e-5
+    with torch.no_grad():
+        assert rel_err(a, model(torch.tensor([TOKENS])).logits[0]) < 0.5
 
 
 def test_act_order_fused_parts_in_different_orders_load_dense(folders, tmp_path):

@@ -30,6 +30,21 @@ def test_quantize_writes_an_awq_folder_with_a_progress_bar(tiny_models, tmp_path
     assert isinstance(loaded.model.weights.layers[1].down, QuantLinear)
 
 
+def test_quantize_writes_a_gptq_folder_in_the_models_channel_order(tiny_models, tmp_path, capsys):
+    _, src = tiny_models["llama"]
+    out = tmp_path / "gptq"
+    assert cli.main(["quantize", str(src), str(out), "--format", "gptq", "--group-size", "32", "--quiet"]) == 0
+    assert f"wrote gptq 4-bit group 32 {out}: 12 projections quantized" in capsys.readouterr().out
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg == {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False,
+                   "checkpoint_format": "gptq", "dynamic": {r"-:model\.layers\.0\.mlp\.down_proj$": {},
+                                                            r"-:model\.layers\.1\.mlp\.down_proj$": {}}}
+    loaded = load_model(out, quantization="keep")
+    assert isinstance(loaded.model.weights.layers[1].gate_up, QuantLinear)
+    assert loaded.model.weights.layers[1].gate_up.qweight.perm is None
+    assert not isinstance(loaded.model.weights.layers[1].down, QuantLinear)      # 32 does not divide 80
+
+
 def test_quantize_errors_are_clear(tiny_models, tmp_path, capsys):
     _, src = tiny_models["llama"]
     assert cli.main(["quantize", str(src), str(tmp_path / "a"), "--format", "awq", "--bits", "8", "--quiet"]) == 1
@@ -76,7 +91,7 @@ def test_quantize_on_the_gpu_writes_what_the_cpu_writes(tiny_models, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,flags", [("awq", []), ("compressed-tensors", []),
-                                       ("compressed-tensors", ["--symmetric", "--bits", "8"])])
+                                       ("compressed-tensors", ["--symmetric", "--bits", "8"]), ("gptq", [])])
 def test_gpu_load_unpacks_on_the_gpu_to_what_the_host_unpacks(tiny_models, tmp_path, fmt, flags):
     """On a GPU the readers unpack there (`work_device`): the same codes, scales, offsets and fingerprint as a
     load that unpacks on the host."""

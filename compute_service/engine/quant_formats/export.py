@@ -1,8 +1,8 @@
 """`loraplex quantize`: a dense checkpoint (HF safetensors folder or GGUF) -> a quantized HF folder.
 
-Round-to-nearest (`quantize_rtn`) of every projection (q, k, v, o, gate, up, down) into the AWQ GEMM
-or the compressed-tensors pack-quantized layout, with the matching `quantization_config`, so this
-engine and others read it back. Embeddings, norms and the LM head stay as they were; a projection
+Round-to-nearest (`quantize_rtn`) of every projection (q, k, v, o, gate, up, down) into the AWQ GEMM,
+the compressed-tensors pack-quantized or the GPTQ layout, with the matching `quantization_config`, so
+this engine and others read it back. Embeddings, norms and the LM head stay as they were; a projection
 whose in features the group size does not divide stays dense and is listed as not converted.
 """
 from __future__ import annotations
@@ -16,11 +16,14 @@ from typing import Any
 import torch
 
 from compute_service.engine.errors import ModelLoadError
-from compute_service.engine.quant_formats import awq, compressed_tensors
+from compute_service.engine.quant_formats import awq, compressed_tensors, gptq
 from compute_service.engine.quantized import quantize_rtn
 from compute_service.engine.spec import ModelSpec
 
-FORMATS = ("compressed-tensors", "awq")
+FORMATS = ("compressed-tensors", "awq", "gptq")
+# Projections that read the same input: an act-order checkpoint orders their channels alike.
+_INPUTS = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_proj": "qkv",
+           "self_attn.o_proj": "o", "mlp.gate_proj": "gate_up", "mlp.up_proj": "gate_up", "mlp.down_proj": "down"}
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -40,10 +43,15 @@ class QuantizeResult:
 
 def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int = 128,
                         fmt: str = "compressed-tensors", symmetric: bool = False,
-                        progress: bool = True, device: str | torch.device = "cpu") -> QuantizeResult:
+                        progress: bool = True, device: str | torch.device = "cpu",
+                        act_order_seed: int | None = None) -> QuantizeResult:
     """Writes `out` (a new or empty folder): config.json, model.safetensors, the tokenizer files.
     `device`: where each projection is rounded and packed (a GPU makes an 8B model in seconds rather than
-    minutes; the result is the same), one projection at a time."""
+    minutes; the result is the same), one projection at a time.
+    `act_order_seed` (GPTQ only): the layout of an act-order (desc_act) checkpoint, each group holding channels
+    of a random order drawn from this seed, one order per input of a layer. GPTQ takes that order from
+    calibration data and it then helps accuracy; a random one does not: it is for benchmarks and tests of
+    the layout, not offered by the command."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -53,6 +61,8 @@ def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int 
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if fmt == "awq":
         awq.quantization_config(bits, group_size, [])        # refuses what AWQ cannot hold, before any work
+    if act_order_seed is not None and fmt != "gptq":
+        raise ValueError(f"an act-order layout is a GPTQ one, not {fmt}")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty: give a new folder")
     spec, get, _ = read_model_source(src)
@@ -74,8 +84,10 @@ def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int 
             result.not_converted.append(prefix)
             result.dense_bytes += w.nbytes
             continue
-        qw = quantize_rtn(w.to(device), bits, group_size, symmetric=symmetric)
-        part = (awq.tensors(prefix, qw) if fmt == "awq"
+        order = None if act_order_seed is None else _channel_order(prefix, w.shape[1], act_order_seed)
+        w = w.to(device)
+        qw = quantize_rtn(w if order is None else w[:, order.to(w.device)], bits, group_size, symmetric=symmetric)
+        part = (awq.tensors(prefix, qw) if fmt == "awq" else gptq.tensors(prefix, qw, order) if fmt == "gptq"
                 else compressed_tensors.tensors(prefix, qw, symmetric))
         part = {name: t.cpu() for name, t in part.items()}
         tensors.update(part)
@@ -84,6 +96,8 @@ def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int 
     out.mkdir(parents=True, exist_ok=True)
     ignore = [p for p in result.not_converted]
     qcfg = (awq.quantization_config(bits, group_size, ignore) if fmt == "awq"
+            else gptq.quantization_config(bits, group_size, symmetric, act_order_seed is not None, ignore)
+            if fmt == "gptq"
             else compressed_tensors.quantization_config(bits, group_size, symmetric, ignore + ["lm_head"]))
     config = _hf_config(src, spec)
     config["quantization_config"] = qcfg
@@ -91,6 +105,13 @@ def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     result.tokenizer = _copy_tokenizer(src, out)
     return result
+
+
+def _channel_order(prefix: str, k: int, seed: int) -> torch.Tensor:
+    """A random order of a projection's K input channels, the same for the projections of one input."""
+    layer, proj = prefix.removeprefix("model.layers.").split(".", 1)
+    kind = list(dict.fromkeys(_INPUTS.values())).index(_INPUTS[proj])
+    return torch.randperm(k, generator=torch.Generator().manual_seed(seed * 1_000_003 + int(layer) * 4 + kind))
 
 
 def _dense_names(spec: ModelSpec) -> list[str]:

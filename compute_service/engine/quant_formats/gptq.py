@@ -1,4 +1,4 @@
-"""GPTQ checkpoints (`quant_method: gptq`), read.
+"""GPTQ checkpoints (`quant_method: gptq`), read and written.
 
 Per projection `P` (K in, N out features, group size G, b bits, f = 32 / b codes a word):
   P.qweight  int32 [K/f, N]    codes packed along K, sequentially
@@ -18,8 +18,8 @@ import torch
 
 from compute_service.engine.errors import UnsupportedModelError
 from compute_service.engine.quant_formats.common import act_order_perm, from_zero_points, need
-from compute_service.engine.quant_formats.packing import unpack_int32
-from compute_service.engine.quantized import QuantizedWeight
+from compute_service.engine.quant_formats.packing import pack_int32, unpack_int32
+from compute_service.engine.quantized import QuantizedWeight, integer_zeros
 
 FORMAT = "gptq"
 _FORMATS = {"gptq": 1, "gptq_v2": 0}     # checkpoint format -> what was subtracted from the zero points
@@ -75,3 +75,35 @@ def reader(cfg: dict[str, Any], raw: Callable[[str], torch.Tensor | None]
         return from_zero_points(prefix, q, s.t(), z.t(), bits, perm)
 
     return read
+
+
+def quantization_config(bits: int, group_size: int, symmetric: bool, act_order: bool,
+                        dense: list[str]) -> dict[str, Any]:
+    """The `quantization_config` of a folder written by `tensors` (the original zero convention); `dense`:
+    projections kept dense, as `dynamic` rules that leave them unquantized."""
+    _check_bits(bits)
+    cfg: dict[str, Any] = {"quant_method": FORMAT, "bits": bits, "group_size": group_size, "sym": symmetric,
+                           "desc_act": act_order, "checkpoint_format": "gptq"}
+    if dense:
+        cfg["dynamic"] = {f"-:{re.escape(prefix)}$": {} for prefix in dense}
+    return cfg
+
+
+def tensors(prefix: str, qw: QuantizedWeight, order: torch.Tensor | None = None,
+            checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+    """The projection's tensors. `qw` was quantized from the weight's columns taken in `order` (int64 [K]: its
+    stored column j is input channel order[j], so each group holds consecutive channels of that order, as
+    act-order's are); None: the model's order. The codes are written back in the model's order and g_idx
+    names each channel's group."""
+    n, k = qw.shape
+    _check_bits(qw.bits)
+    q, groups = qw.q, torch.arange(k, device=qw.q.device) // qw.group_size
+    if order is not None:
+        order = order.to(q.device)
+        q = torch.empty_like(q).index_copy_(1, order, q)
+        groups = torch.empty_like(groups).index_copy_(0, order, groups)
+    z = (integer_zeros(qw).int() - _FORMATS[checkpoint_format]) & ((1 << qw.bits) - 1)       # [N, K/G]
+    return {prefix + ".qweight": pack_int32(q.t(), qw.bits, dim=0),                          # [K/f, N]
+            prefix + ".qzeros": pack_int32(z.t().to(torch.uint8), qw.bits, dim=1),            # [K/G, N/f]
+            prefix + ".scales": qw.scales.t().contiguous(),                                   # [K/G, N]
+            prefix + ".g_idx": groups.to(torch.int32)}
