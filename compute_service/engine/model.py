@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 # LORAPLEX_LORA_OVERLAP_TOKENS sets another bound (tuning).
 LORA_OVERLAP_TOKENS = 64
 OVERLAP_TOKENS_ENV = "LORAPLEX_LORA_OVERLAP_TOKENS"
+# An act-order down projection's x from this many rows: scattered by the SwiGLU, its slice sums summed by down.
+# Gathered with the sums written in the same pass below (H200, the 4-bit 8B's step with act-order, 2026-12-01,
+# `bench/results/step_profile_act_order_scatter.json`: ms a step gathered / scattered, 4 rows 2.48 / 2.78,
+# 16: 2.91 / 3.10, 32: 3.53 / 3.53, 64: 5.03 / 4.79; rank 16 on every module, 16: 4.74 / 4.71, 32: 5.39 / 5.17).
+SCATTER_MIN_TOKENS = 32
 # A layer's delta not yet added to the residual stream h: the down projection's output (a tensor, or on a
 # quantized split-K kernel its partials, `kernels.split_sum.SplitSum`), and its LoRA delta where that is still
 # to be added too (`LlamaModel._project`'s extra), else None.
@@ -213,7 +218,11 @@ class LlamaModel:
                                        defer=True, xp=xp)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
         perm, actp, model_act = self._ordered_x("down", lw.down, act, lora)
-        sums = self._x_sums(lw.down, act, perm is not None)
+        # Act-order from SCATTER_MIN_TOKENS rows: the SwiGLU reads gate/up in order and scatters act in down's
+        # order, and down sums act's slices in a launch of its own; below, the SwiGLU gathers its inputs to write
+        # act and its sums in one pass (docs/quantization.md, act-order).
+        scatter = perm is not None and act.shape[0] >= SCATTER_MIN_TOKENS
+        sums = None if scatter else self._x_sums(lw.down, act, perm is not None)
         silu_mul(gate_up, actp, sums, extra, perm, model_act, None if perm is None else lw.down.input_perm_inverse)
         return self._project(i, "down", lw.down, act, lora, [spec.hidden_size], sums, defer=local, xp=actp)
 
