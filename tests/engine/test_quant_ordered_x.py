@@ -112,7 +112,10 @@ def gptq_act_order_mid(tmp_path_factory):
 def test_gpu_act_order_checkpoint_matches_float32(gptq_act_order_mid, monkeypatch):
     """Both ways (x written in order, and gathered) within bf16's own distance of the float32 model, at the tokens
     each chose: requests alone (one-token steps in graphs; with the adapter, the LoRA-first addend) and two at
-    once (the LoRA beside the projection)."""
+    once (the LoRA beside the projection). In order, the two at once also with the SwiGLU scattering down's x
+    and down summing its slices itself (what SCATTER_MIN_TOKENS+ rows do)."""
+    import compute_service.engine.model as model_module
+
     from helpers import MID_DIMS, w4_engine, rel_err
     from test_parity import adapter_reference_logits
 
@@ -121,8 +124,9 @@ def test_gpu_act_order_checkpoint_matches_float32(gptq_act_order_mid, monkeypatc
     g = torch.Generator().manual_seed(5)
     prompts = {rid: torch.randint(0, MID_DIMS["vocab_size"], (6,), generator=g).tolist() for rid in ("a", "b")}
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    for ordered in ("1", "0"):
+    for ordered, scatter_min in (("1", model_module.SCATTER_MIN_TOKENS), ("1", 2), ("0", 2)):
         monkeypatch.setenv("LORAPLEX_ORDERED_X", ordered)
+        monkeypatch.setattr(model_module, "SCATTER_MIN_TOKENS", scatter_min)
         engine = w4_engine(folder, adapters, 2)
         assert engine.loaded.model.weights.layers[0].down.act_order
         calls.clear()
