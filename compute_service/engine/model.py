@@ -311,8 +311,18 @@ class LlamaModel:
             lora = None                 # no adapter of this step changes this group: the base projection alone
         ordered = xp is not None and xp is not x
         base_x = xp if ordered else x
-        if (lora is not None and self._lora_delta is not None and x.shape[0] == 1
-                and getattr(lora, "delta_first", False) and linear.takes_addend(base_x, ordered)):
+        first = (lora is not None and self._lora_delta is not None and x.shape[0] == 1
+                 and getattr(lora, "delta_first", False))
+        if first and not ordered and self._ordered_x_on and linear.input_perm is not None \
+                and self.reduce_add_norm is None and linear.takes_addend(x, True):
+            # An act-order x that no kernel wrote in order (o's, from attention): gathered here, before the LoRA
+            # launch, so that the projection can still take the delta as its addend (its early read of x then
+            # follows two launches behind the gather). Not under tensor parallelism, where q/k/v and gate/up
+            # gather too: not measured on two GPUs yet.
+            from kernels.perm import gather_columns
+
+            base_x, ordered = gather_columns(x, linear.input_perm), True
+        if first and linear.takes_addend(base_x, ordered):
             delta = self._lora_delta[: sum(widths)].view(1, -1)
             lora.apply(i, group, x, list(delta.split(widths, dim=-1)))
             return linear(base_x, addend=delta, split_out=defer, ordered=ordered), None
