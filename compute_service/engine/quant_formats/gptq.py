@@ -95,7 +95,7 @@ def tensors(prefix: str, qw: QuantizedWeight, order: torch.Tensor | None = None,
     stored column j is input channel order[j], so each group holds consecutive channels of that order, as
     act-order's are); None: the model's order. The codes are written back in the model's order and g_idx
     names each channel's group."""
-    n, k = qw.shape
+    k = qw.shape[1]
     _check_bits(qw.bits)
     q, groups = qw.q, torch.arange(k, device=qw.q.device) // qw.group_size
     if order is not None:
