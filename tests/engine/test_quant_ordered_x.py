@@ -7,7 +7,8 @@ On the CPU in Triton's interpreter (float16; the tiny llama's first layer's q/k/
 4-bit groups of 32, adapters on some groups, so that a norm writes x in both orders for one projection and in one
 for the other; the second layer's plain);
 on the GPU, a GPTQ act-order checkpoint of the MID_DIMS llama in bfloat16 against its float32 model, one-token
-steps in CUDA graphs with and without its adapter (the LoRA-first addend) and a batch of two."""
+steps in CUDA graphs with and without its adapter (the LoRA-first addend; o's x gathered before the LoRA launch)
+and a batch of two (also with the SwiGLU scattering down's x, as SCATTER_MIN_TOKENS+ rows do)."""
 from __future__ import annotations
 
 import copy
