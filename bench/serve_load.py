@@ -55,6 +55,8 @@ from serve_load_setup import SHAPES, make_prompts, make_random_model, write_adap
 from serve_load_stats import plot, ratios, step_figures, summarize  # noqa: E402
 from startup_stages import stages  # noqa: E402
 
+from loraplex.cli.quantize import FORMATS as QUANTIZE_FORMATS  # noqa: E402  (no torch: argparse stays quick)
+
 WORKLOADS = ("base", "shared", "distinct")
 ARRIVALS = ("burst", "poisson")
 # Defaults per mode: (concurrency, workloads, arrivals, adapters, output length, host cache, adapter pool)
@@ -107,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="serve a round-to-nearest copy of the model at these bits (`loraplex quantize`, into a "
                          "sibling folder of --make-random-model or a temp dir; kept and reused)")
     ap.add_argument("--quantize-group-size", type=int, default=128, help="group size of --quantize-bits")
-    ap.add_argument("--quantize-format", default="compressed-tensors", choices=("compressed-tensors", "awq", "gptq"),
+    ap.add_argument("--quantize-format", default="compressed-tensors", choices=QUANTIZE_FORMATS,
                     help="layout of --quantize-bits' copy (default compressed-tensors)")
     ap.add_argument("--act-order-seed", type=int,
                     help="with --quantize-format gptq: an act-order (desc_act) layout, each input's channels in a "

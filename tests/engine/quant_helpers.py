@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from compute_service.engine.quant_formats.export import PROJECTIONS
+from compute_service.engine.quant_formats.export import INPUT_GROUPS, PROJECTIONS
 from compute_service.engine.quant_formats.gguf import K_TYPES, KEPT_TYPES
 from compute_service.engine.quant_formats.packing import pack_int32
 from compute_service.engine.quantized import quantize_rtn
@@ -20,11 +20,6 @@ def projection_weights(model) -> dict[str, torch.Tensor]:
     sd = model.state_dict()
     return {f"model.layers.{i}.{p}": sd[f"model.layers.{i}.{p}.weight"].detach().float()
             for i in range(model.config.num_hidden_layers) for p in PROJECTIONS}
-
-
-# Projections that read the same input (and so get the same act-order channel order from GPTQ).
-SAME_INPUT = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_proj": "qkv",
-              "mlp.gate_proj": "gate_up", "mlp.up_proj": "gate_up"}
 
 
 def gptq_tensors(w: torch.Tensor, bits: int, group_size: int, order: torch.Tensor,
@@ -56,7 +51,7 @@ def write_gptq_folder(model, src: Path, out: Path, bits: int, group_size: int, f
         k = w.shape[1]
         layer, proj = prefix.rsplit(".", 2)[0], prefix.split(".", 3)[3]
         gen = torch.Generator().manual_seed(len(orders) + 7)
-        order = orders.setdefault(f"{layer}.{SAME_INPUT.get(proj, proj)}",
+        order = orders.setdefault(f"{layer}.{INPUT_GROUPS[proj]}",
                                   torch.randperm(k, generator=gen) if act_order else torch.arange(k))
         return gptq_tensors(w, bits, group_size, order, fmt)
 

@@ -45,6 +45,14 @@ def test_quantize_writes_a_gptq_folder_in_the_models_channel_order(tiny_models, 
     assert not isinstance(loaded.model.weights.layers[1].down, QuantLinear)      # 32 does not divide 80
 
 
+def test_the_commands_formats_are_the_writers():
+    """`loraplex quantize` lists its formats without importing the writer (torch); the two lists agree."""
+    from compute_service.engine.quant_formats import export
+    from loraplex.cli import quantize
+
+    assert quantize.FORMATS == export.FORMATS
+
+
 def test_quantize_errors_are_clear(tiny_models, tmp_path, capsys):
     _, src = tiny_models["llama"]
     assert cli.main(["quantize", str(src), str(tmp_path / "a"), "--format", "awq", "--bits", "8", "--quiet"]) == 1

@@ -21,9 +21,11 @@ from compute_service.engine.quantized import quantize_rtn
 from compute_service.engine.spec import ModelSpec
 
 FORMATS = ("compressed-tensors", "awq", "gptq")
-# Projections that read the same input: an act-order checkpoint orders their channels alike.
-_INPUTS = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_proj": "qkv",
-           "self_attn.o_proj": "o", "mlp.gate_proj": "gate_up", "mlp.up_proj": "gate_up", "mlp.down_proj": "down"}
+# Each projection's fused group (`LAYER_PROJECTIONS`): the projections of one read the same input, so an
+# act-order checkpoint orders their channels alike.
+INPUT_GROUPS = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_proj": "qkv",
+                "self_attn.o_proj": "o", "mlp.gate_proj": "gate_up", "mlp.up_proj": "gate_up",
+                "mlp.down_proj": "down"}
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -109,9 +111,12 @@ def quantize_checkpoint(src: Path, out: Path, *, bits: int = 4, group_size: int 
 
 def _channel_order(prefix: str, k: int, seed: int) -> torch.Tensor:
     """A random order of a projection's K input channels, the same for the projections of one input."""
+    from compute_service.engine.model import LAYER_PROJECTIONS
+
     layer, proj = prefix.removeprefix("model.layers.").split(".", 1)
-    kind = list(dict.fromkeys(_INPUTS.values())).index(_INPUTS[proj])
-    return torch.randperm(k, generator=torch.Generator().manual_seed(seed * 1_000_003 + int(layer) * 4 + kind))
+    group = LAYER_PROJECTIONS.index(INPUT_GROUPS[proj])
+    seed = seed * 1_000_003 + int(layer) * len(LAYER_PROJECTIONS) + group
+    return torch.randperm(k, generator=torch.Generator().manual_seed(seed))
 
 
 def _dense_names(spec: ModelSpec) -> list[str]:
