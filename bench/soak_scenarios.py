@@ -253,12 +253,12 @@ async def _stalled(stack: Stack, num_beside: int, max_tokens: int, stalled_token
         while (still_running := stack.num_running()) and time.monotonic() < t_end:
             await asyncio.sleep(0.1)
         gw_rss1 = rss_bytes(stack.gateway.proc.pid)
-        code = "OK"
+        code, detail = "OK", ""
         try:
             while (msg := await call.read()) != grpc.aio.EOF:
                 got += msg.token_ids
         except grpc.aio.AioRpcError as exc:
-            code = exc.code().name
+            code, detail = exc.code().name, exc.details() or ""
     if still_running:
         problems.append("the stalled stream still runs on compute: the gateway buffers without bound")
     if code != "RESOURCE_EXHAUSTED":
@@ -268,6 +268,7 @@ async def _stalled(stack: Stack, num_beside: int, max_tokens: int, stalled_token
     leaks = stack.wait_no_leaks()
     problems += [f"leak: {k} = {v}" for k, v in leaks.items() if v]
     return dict(stalled_max_tokens=stalled_tokens, stalled_tokens_delivered=len(got), stalled_code=code,
+                stalled_detail=detail,
                 beside_streams=num_beside, beside_s=beside_s, alone_s=alone_s,
                 gateway_rss_growth_bytes=gw_rss1 - gw_rss0, leaks=leaks, problems=problems)
 

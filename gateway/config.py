@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from gateway.token_stream import DEFAULT_MAX_BUFFERED_TOKENS
 from loraplex.settings import SettingsError
 
 
@@ -29,6 +30,10 @@ class GatewayConfig:
         default=16, metadata={"help": "new tokens generated when a request leaves max_tokens at 0"})
     max_message_bytes: int = field(
         default=1 << 30, metadata={"help": "largest request accepted, in bytes (inline adapters can be ~335 MB)"})
+    max_buffered_tokens: int = field(
+        default=DEFAULT_MAX_BUFFERED_TOKENS,
+        metadata={"help": "tokens of one request the gateway holds for a client that is not reading; past them it "
+                          "cancels the request on compute (RESOURCE_EXHAUSTED)"})
     downstream_timeout_s: float = field(
         default=30.0, metadata={"help": "deadline of calls to the cache and of non-streaming compute calls"})
     http_listen: str = field(
@@ -92,6 +97,8 @@ class GatewayConfig:
             raise SettingsError("adapter_resolve_ttl_s must be >= 0")
         if self.gil_switch_interval_us < 0:
             raise SettingsError("gil_switch_interval_us must be >= 0")
+        if self.max_buffered_tokens < 1:
+            raise SettingsError("max_buffered_tokens: must be at least 1")
         if self.default_max_tokens < 1:
             raise SettingsError("default_max_tokens: must be at least 1")
         if self.downstream_timeout_s <= 0:

@@ -125,9 +125,10 @@ class SingleReplicaRouter:
 
 
 def build_router(addresses: tuple[str, ...], max_message_bytes: int, *, spill_threshold: int = 32,
-                 health_interval_s: float = 1.0) -> ComputeRouter:
+                 health_interval_s: float = 1.0,
+                 max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS) -> ComputeRouter:
     """The router for the configured compute addresses (one or more; `dns:///name:port` expands)."""
     from gateway.replica_router import ReplicaRouter  # it builds on ComputeReplica, defined here
 
     return ReplicaRouter(addresses, max_message_bytes, spill_threshold=spill_threshold,
-                         health_interval_s=health_interval_s)
+                         health_interval_s=health_interval_s, max_buffered_tokens=max_buffered_tokens)

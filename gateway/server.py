@@ -64,7 +64,8 @@ async def serve(config: GatewayConfig) -> None:
     store = CacheStore(config.cache_address, config.max_message_bytes, config.downstream_timeout_s)
     router = build_router(config.compute_addresses, config.max_message_bytes,
                           spill_threshold=config.replica_spill_threshold,
-                          health_interval_s=config.replica_health_interval_s)
+                          health_interval_s=config.replica_health_interval_s,
+                          max_buffered_tokens=config.max_buffered_tokens)
     servicer = build_servicer(config, tokenizer, model_spec, store, router)
     access = access_from_config(config)
     http = (http_server_for(config, servicer, model_path, guard=http_guard(access)) if config.http_listen

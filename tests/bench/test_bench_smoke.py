@@ -244,17 +244,17 @@ def test_quant_split_cost_smoke(tmp_path):
 
 
 def test_lora_rank_pad_smoke(tmp_path):
-    """The rank A/B's script times every case (both launch paths) and merges an earlier run's rows."""
-    out = tmp_path / "rank.json"
-    cmd = ["bench/lora_rank_pad.py", "--smoke", "--commit", "test", "--out", str(out)]
-    proc = _run(cmd)
+    """The rank A/B's script times every case (both launch paths) and keeps an earlier run's rows ahead of its own."""
+    out, earlier = tmp_path / "rank.json", tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": [{"kernels": "tree", "us": 1.0}] * 3}))
+    proc = _run(["bench/lora_rank_pad.py", "--smoke", "--commit", "test", "--out", str(out), "--label", "other",
+                 "--merge", str(earlier)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first = json.loads(out.read_text())
-    assert first["commit"] == "test" and len(first["rows"]) == 5 * 2
-    assert {r["path"] for r in first["rows"]} == {"fused", "shrink+expand"} and all(r["us"] > 0 for r in first["rows"])
-    proc = _run([*cmd, "--label", "other", "--merge", str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["kernels"] for r in json.loads(out.read_text())["rows"]] == ["tree"] * 10 + ["other"] * 10
+    res = json.loads(out.read_text())
+    assert res["commit"] == "test" and [r["kernels"] for r in res["rows"]] == ["tree"] * 3 + ["other"] * 10
+    rows = res["rows"][3:]
+    assert {(r["rank"], r["max_rank"]) for r in rows} == {(16, 16), (16, 64), (16, 256), (64, 64), (64, 256)}
+    assert {r["path"] for r in rows} == {"fused", "shrink+expand"} and all(r["us"] > 0 for r in rows)
 
 
 def test_lora_step_sweep_smoke(tmp_path):

@@ -61,9 +61,11 @@ def test_sampled_rows_follow_the_distribution_and_skip_masked_tokens(device):
     counts = torch.bincount(tokens, minlength=5).float() / rows
     assert counts[4] == 0
     assert torch.allclose(counts, probs, atol=0.05 if device == "cpu" else 0.012), counts
-    hot = choose_tokens(logits * 2, temps * 2, seeds).cpu()     # temperature 2 on doubled logits: the same law
-    assert torch.allclose(torch.bincount(hot, minlength=5).float() / rows, probs, atol=0.05 if device == "cpu"
-                          else 0.012)
+    # temperature 2 on doubled logits: v / t is the same float, so each seed draws the same token (a row's seed
+    # alone decides, whatever the batch: the interpreter checks a slice of the rows)
+    n = 100 if device == "cpu" else rows
+    hot = choose_tokens(logits[:n] * 2, temps[:n] * 2, seeds[:n]).cpu()
+    assert torch.equal(hot, tokens[:n])
 
 
 @pytest.mark.gpu

@@ -14,7 +14,11 @@ from soak_stack import Stack, redis_available
 
 pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(600)]
 
-STALLED_TOKENS = 12000   # well past what the gateway buffers (4096) plus what transport windows hold
+# The gateway holds BUFFERED tokens for a client that is not reading (its default 4096; less here, so the stalled
+# stream fills it sooner: ~5200 tokens generated against ~8200). STALLED_TOKENS is well past what the gateway
+# buffers plus what transport windows hold (~4100 tokens of messages in the stalled client's 16 KiB window and the
+# gateway's own, measured on the CPU)
+BUFFERED, STALLED_TOKENS = 1024, 12000
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +27,7 @@ def stack(soak_model, soak_adapters):
     s = Stack.start(soak_model, root, num_computes=2, backend="redis" if redis_available() else "shm",
                     compute_flags=("--max-num-seqs", "64", "--max-model-len", str(STALLED_TOKENS + 64)),
                     # far apart: failover must not wait for a health check to notice a dead replica
-                    gateway_flags=("--replica-health-interval-s", "600"))
+                    gateway_flags=("--replica-health-interval-s", "600", "--max-buffered-tokens", str(BUFFERED)))
     yield s
     s.stop()
 
@@ -32,6 +36,7 @@ def test_a_client_that_stops_reading_slows_no_one_and_its_stream_stays_bounded(s
     out = sc.stalled_reader(stack, num_beside=16, max_tokens=32, stalled_tokens=STALLED_TOKENS)
     assert out["problems"] == [], "\n".join(out["problems"])
     assert out["stalled_code"] == "RESOURCE_EXHAUSTED"
+    assert f"at most {BUFFERED} per request" in out["stalled_detail"], out["stalled_detail"]   # the flag's bound
     assert out["stalled_tokens_delivered"] < STALLED_TOKENS
 
 
