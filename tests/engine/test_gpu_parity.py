@@ -74,11 +74,11 @@ def test_smollm2_bf16_greedy_32_tokens(quantization):
     the fp32 argmax, or within the bf16 tolerance of it (where the reference itself is tied in bf16). Under
     `auto` (the default) the GGUF's Q4_1 projections run 4-bit on the quantized kernels, whose weights are
     the same values as the dequantized reference's; `none` dequantizes them to bf16."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from hf_reference import reference_model, reference_tokenizer
 
     path = _smollm2_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    ref32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).cuda()
+    tok = reference_tokenizer(path)
+    ref32 = reference_model(path).cuda()
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16", max_model_len=1024,
                                     quantization=quantization), tokenizer=tok)

@@ -6,6 +6,7 @@ import torch
 
 from compute_service.engine import EngineConfig, LLMEngine, SamplingParams, default_model_path, load_model
 from helpers import rel_err
+from hf_reference import reference_model, reference_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -15,12 +16,9 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 
 @pytest.fixture(scope="module")
 def reference():
-    """transformers' own GGUF load (dequantized, fp32) and tokenizer, once per module."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """transformers' own GGUF load (dequantized, fp32) and tokenizer (tests/hf_reference.py), once per module."""
     path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tok, model = reference_tokenizer(path), reference_model(path)
     model.generation_config.eos_token_id = None     # run all 32 steps, like ignore_eos below
     model.generation_config.pad_token_id = tok.eos_token_id
     return tok, model.eval()

@@ -134,11 +134,10 @@ def test_named_adapter_from_the_adapter_root(client):
 def test_peft_greedy_equals_transformers_peft(client, adapters, tokenizer):
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
+    from hf_reference import reference_model
     from loraplex.model_files import resolve_model_path
-    path = resolve_model_path("")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = reference_model(resolve_model_path(""))
     peft_model = PeftModel.from_pretrained(model, str(adapters[1])).eval()
     for prompt in (PROMPT_EN, PROMPT_ZH):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
