@@ -2,10 +2,10 @@
 
 transformers reads a GGUF file slowly (the file parsed twice, tensor names mapped one by one: ~30 s for the default
 model on a CI core, ~10 s more for its tokenizer). The first test process that asks builds the model and tokenizer
-that way and stores what it built (the float32 state dict, config, generation config and tokenizer files) under the
-system's temporary folder, keyed by the file's path, size and modification time and the library versions; later
-processes (xdist workers, `make test`'s second part) load that in about a second. Nothing else goes in: a stored
-copy is exactly transformers' own conversion of the same file.
+that way and stores what it built (the float32 state dict, config, generation config and tokenizer files: ~0.5 GB
+for the default model) under the system's temporary folder, keyed by the file's contents and the library versions
+(so checkouts share it); later processes (xdist workers, `make test`'s second part) load that in a few seconds.
+Nothing else goes in: a stored copy is exactly transformers' own conversion of the same file.
 """
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ import torch
 def _folder(gguf: Path) -> Path:
     import transformers
 
-    st = gguf.stat()
-    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{torch.__version__}"
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    key = f"{digest.hexdigest()}|{transformers.__version__}|{torch.__version__}"
     return Path(tempfile.gettempdir()) / "loraplex-hf-reference" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
