@@ -9,6 +9,7 @@ Nothing else goes in: a stored copy is exactly transformers' own conversion of t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -48,6 +49,7 @@ def _build(gguf: Path, folder: Path) -> None:
         shutil.rmtree(part, ignore_errors=True)
 
 
+@functools.cache        # once a process: the model and its tokenizer ask for the same folder (the file hashed once)
 def _stored(gguf: Path) -> Path:
     folder = _folder(gguf)
     if not (folder / "state_dict.pt").exists():

@@ -15,9 +15,9 @@ from soak_stack import Stack, redis_available
 pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(600)]
 
 # The gateway holds BUFFERED tokens for a client that is not reading (its default 4096; less here, so the stalled
-# stream fills it sooner: ~5200 tokens generated against ~8200). STALLED_TOKENS is well past what the gateway
-# buffers plus what transport windows hold (~4100 tokens of messages in the stalled client's 16 KiB window and the
-# gateway's own, measured on the CPU)
+# stream fills it sooner: the scenario's call took 22 s against 43 at 4096 on a CPU). STALLED_TOKENS is well past
+# what the gateway buffers plus what transport windows hold (5171 tokens reached the stalled client at 1024, so
+# ~4100 in its 16 KiB window and the gateway's own, measured once on the CPU)
 BUFFERED, STALLED_TOKENS = 1024, 12000
 
 
