@@ -44,6 +44,7 @@ from multi_lora import (  # noqa: E402  (bench helpers: the 8B shape, engine bui
     copy_bandwidth, floor, run_engine)
 
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
+from compute_service.engine.mlp_order import fused_rows, mlp_order_enabled  # noqa: E402
 from compute_service.engine.model import LAYER_PROJECTIONS  # noqa: E402
 from compute_service.engine.quant_linear import QuantLinear  # noqa: E402
 from compute_service.engine.quantized import QuantizedWeight, quantize_rtn  # noqa: E402
@@ -143,22 +144,33 @@ def sweep_configs(quant: list, x: torch.Tensor, n: int, k: int, dev: torch.devic
     return found
 
 
-def quantize_layers(model, bits: int, group: int, act_order: bool = False) -> None:
+def quantize_layers(engine, bits: int, group: int, act_order: bool = False) -> None:
     """Every layer's projections replaced by QuantLinear (round to nearest, on the weights' device). `act_order`:
     each stored with its input channels in a random order (`QuantizedWeight.perm`, as GPTQ's act-order
     checkpoints load: groups of channels taken out of order): o gathers x first, the others read x as the kernel
-    before writes it, in their order (`LlamaModel._ordered_x`; LORAPLEX_ORDERED_X=0: every call gathers)."""
+    before writes it, in their order (`LlamaModel._ordered_x`; LORAPLEX_ORDERED_X=0: every call gathers); down's
+    order taken by gate/up's rows as a load does (`mlp_order.py`; LORAPLEX_MLP_ORDER=0: the SwiGLU writes act in
+    it), the engine's pool told so."""
+    model = engine.runner.model
     gen = torch.Generator().manual_seed(11)
     for lw in model.weights.layers:
+        perms = {name: torch.randperm(getattr(lw, name).weight.shape[1], generator=gen).to(model.device)
+                 for name in LAYER_PROJECTIONS} if act_order else {}
+        order = perms["down"] if act_order and mlp_order_enabled() else None
         for name in LAYER_PROJECTIONS:
             lin = getattr(lw, name)
-            weight, perm = lin.weight, None
-            if act_order:
-                perm = torch.randperm(weight.shape[1], generator=gen).to(weight.device)
+            weight, bias, perm = lin.weight, lin.bias, perms.get(name)
+            if perm is not None:
                 weight = weight[:, perm]
-            qw = dataclasses.replace(quantize_rtn(weight, bits, group), perm=perm)
-            setattr(lw, name, QuantLinear(qw, lin.bias, lin.weight.device))
+            if name == "gate_up" and order is not None:
+                rows = fused_rows(order, 2)
+                weight, bias = weight[rows], None if bias is None else bias[rows]
+            qw = dataclasses.replace(quantize_rtn(weight, bits, group),
+                                     perm=None if name == "down" and order is not None else perm)
+            setattr(lw, name, QuantLinear(qw, bias, lin.weight.device))
             del lin, weight
+        lw.mlp_order = order
+    engine.slots.follow_orders(model.weights.layers)
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -309,9 +321,10 @@ def main() -> None:
             engine, _ = build_engine(hf, dev, dtype, max(batches), in_len, out_len,
                                      [(in_len + out_len, max(batches))])   # room for every output token
             if label == "int4":
-                quantize_layers(engine.runner.model, 4, res["group_size"], args.act_order)
+                quantize_layers(engine, 4, res["group_size"], args.act_order)
                 res["act_order_projections"] = sum(getattr(lw, p).act_order for lw in engine.runner.model.weights.layers
                                                    for p in LAYER_PROJECTIONS)
+                res["mlp_ordered_layers"] = sum(lw.mlp_order is not None for lw in engine.runner.model.weights.layers)
             if dev.type == "cuda":
                 res.setdefault("allocated_bytes", {})[label] = torch.cuda.memory_allocated(dev)
             engine_cases(engine, label, dims, batches, in_len, out_len, bw, dev, dtype, res, save)

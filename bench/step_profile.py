@@ -198,11 +198,13 @@ def main() -> None:
     del hf
     if args.bits:
         from quant_decode import quantize_layers
-        quantize_layers(engine.runner.model, args.bits, 32 if args.smoke else 128, args.act_order)
+        quantize_layers(engine, args.bits, 32 if args.smoke else 128, args.act_order)
     res: dict = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", commit=args.commit,
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      command=" ".join(sys.argv), async_scheduling=engine.overlap, bits=args.bits or 16,
-                     act_order=bool(args.bits and args.act_order), cases=[])
+                     act_order=bool(args.bits and args.act_order),
+                     mlp_ordered_layers=sum(lw.mlp_order is not None for lw in engine.runner.model.weights.layers),
+                     cases=[])
     loaded: set[str] = set()
     for name, batch in wanted:
         _, rank, modules, distinct = by_name[name]

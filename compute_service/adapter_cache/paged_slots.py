@@ -21,7 +21,7 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ from compute_service.adapter_cache.residency import AdapterResidency, Entry, Sta
 from compute_service.adapter_cache.staging import CopyHandle, PinnedRing, Uploaded, pack, upload
 from compute_service.engine.errors import CapacityError, InvalidAdapterError
 from compute_service.engine.lora_backend import groups_of_modules
+from compute_service.engine.mlp_order import orders_table
 from compute_service.engine.spec import ModelSpec
 from kernels import DEFAULT_MODULE_IDS, LoraRowTables, pages_needed
 from loraplex.formats.adapter import Adapter
@@ -105,6 +106,19 @@ class PagedAdapterSlots:
         self.on_packed: Callable[[int, int], None] | None = None
         self.on_evicted: Callable[[int], None] | None = None   # (slot): its adapter left the pool
         self._load_ids = itertools.count(1)
+        # [L, I] int64: each layer's intermediate order, in which gate's and up's B rows and down's A columns
+        # are packed (`follow_orders`); None: the model's order.
+        self.mlp_orders: torch.Tensor | None = None
+
+    def follow_orders(self, layers: Sequence[Any]) -> None:
+        """Packs adapters in the intermediate order of the model's `layers` (`LayerWeights.mlp_order`,
+        `compute_service.engine.mlp_order`): the engine calls it before any adapter loads, and so does a
+        benchmark that replaces the layers; refused while adapters are in the pool and the order changes."""
+        table = orders_table([lw.mlp_order for lw in layers], self.device)
+        same = (table is None) == (self.mlp_orders is None) and (table is None or torch.equal(table, self.mlp_orders))
+        if not same and (self._in_flight or (self.residency is not None and self.residency.entries())):
+            raise RuntimeError("the model's MLP order changed while adapters are in the pool")
+        self.mlp_orders = table
 
     def allocate(self, num_bytes: int, optimal_adapter_size: int = 8, max_slots: int = 0) -> PoolLayout:
         """Preallocates the pool (`num_bytes`) and the row tables."""
@@ -328,7 +342,8 @@ class PagedAdapterSlots:
     def _pack(self, staged: Uploaded, pages: list[int], slot: int, load_id: int) -> CopyHandle:
         """The packing thread's job: rows into pages, then `on_packed` where the copy is already done (host)."""
         assert self.pool is not None and self.tables is not None and self.layout is not None
-        handle = pack(staged, self.spec, self.pool, self.tables, pages, slot, self.layout, self._stream)
+        handle = pack(staged, self.spec, self.pool, self.tables, pages, slot, self.layout, self._stream,
+                      self.mlp_orders)
         if self.on_packed is not None and handle.event is None:
             self.on_packed(slot, load_id)
         return handle

@@ -35,10 +35,15 @@ import torch
 
 from compute_service.adapter_cache.layout import PoolLayout
 from compute_service.engine.errors import InvalidAdapterError
+from compute_service.engine.mlp_order import take_intermediate
 from compute_service.engine.spec import ModelSpec
 from kernels import LoraRowTables, rows_per_page
 from loraplex.formats.adapter import Adapter
+from loraplex.formats.modules import MODULE_IDS
 
+# Modules whose output (gate, up) or input (down) features are the MLP's intermediate ones (`mlp_order.py`).
+INTERMEDIATE_OUT = (MODULE_IDS["mlp_gate"], MODULE_IDS["mlp_h_to_4h"])
+INTERMEDIATE_IN = MODULE_IDS["mlp_4h_to_h"]
 COPY_THREADS = 4      # host copies into the ring: one thread moves ~5-10 GB/s out of freshly mapped shm
 RING_BUFFER_BYTES = 64 << 20
 
@@ -230,14 +235,19 @@ class CopyHandle:
         return self.start_event.elapsed_time(self.event)
 
 
-def _row_blocks(up: Uploaded, spec: ModelSpec, tables: LoraRowTables):
-    """Yields (width, rows [n*r, width], kind "a"|"b", module index, layers, rank, (in, out)) per group."""
+def _row_blocks(up: Uploaded, spec: ModelSpec, tables: LoraRowTables, mlp_orders: torch.Tensor | None = None):
+    """Yields (width, rows [n*r, width], kind "a"|"b", module index, layers, rank, (in, out)) per group;
+    `mlp_orders` ([L, I], `mlp_order.orders_table`): gate's and up's B rows and down's A columns taken in it."""
     cfg = np.asarray(up.adapter.config)
     for g in up.groups:
         module_id, r, (fin, fout), n = g.module_id, g.rank, g.in_out, len(g.row_ids)
         a = g.rows[:, : r * fin].reshape(n * r, fin)
         b = g.rows[:, r * fin:].reshape(n, fout, r)
         layers = cfg[g.row_ids, 1]
+        if mlp_orders is not None and module_id in INTERMEDIATE_OUT:
+            b = take_intermediate(b, layers, mlp_orders, 1)
+        elif mlp_orders is not None and module_id == INTERMEDIATE_IN:
+            a = take_intermediate(a.view(n, r, fin), layers, mlp_orders, 2).view(n * r, fin)
         if module_id == 0:      # fused qkv: q, k and v each get the shared A and their slice of B
             parts = zip((1, 2, 3), b.split([spec.q_size, spec.kv_size, spec.kv_size], dim=1))
         else:
@@ -249,12 +259,13 @@ def _row_blocks(up: Uploaded, spec: ModelSpec, tables: LoraRowTables):
 
 
 def pack(up: Uploaded, spec: ModelSpec, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int], slot: int,
-         layout: PoolLayout, stream: "torch.cuda.Stream | None") -> CopyHandle:
-    """Writes the adapter's rows into the granted pages and fills `slot`'s tables (queued on `stream`)."""
+         layout: PoolLayout, stream: "torch.cuda.Stream | None", mlp_orders: torch.Tensor | None = None) -> CopyHandle:
+    """Writes the adapter's rows into the granted pages and fills `slot`'s tables (queued on `stream`), the MLP's
+    intermediate features in `mlp_orders` (`PagedAdapterSlots.follow_orders`)."""
     if len(page_ids) != up.num_pages:
         raise ValueError(f"adapter needs {up.num_pages} pages, granted {len(page_ids)}")
     if stream is None:
-        _pack(up, spec, pool, tables, page_ids, slot, layout)
+        _pack(up, spec, pool, tables, page_ids, slot, layout, mlp_orders)
         return CopyHandle(None)
     # The pages may have belonged to an adapter evicted a moment ago: let kernels already queued on
     # the batch's stream finish reading them before they are overwritten.
@@ -264,20 +275,20 @@ def pack(up: Uploaded, spec: ModelSpec, pool: torch.Tensor, tables: LoraRowTable
     with torch.cuda.stream(stream):
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        _pack(up, spec, pool, tables, page_ids, slot, layout)
+        _pack(up, spec, pool, tables, page_ids, slot, layout, mlp_orders)
         done = torch.cuda.Event(enable_timing=True)
         done.record(stream)
     return CopyHandle(done, (up,), start)
 
 
 def _pack(up: Uploaded, spec: ModelSpec, pool: torch.Tensor, tables: LoraRowTables, page_ids: list[int],
-          slot: int, layout: PoolLayout) -> None:
+          slot: int, layout: PoolLayout, mlp_orders: torch.Tensor | None) -> None:
     L, M, R, pe = tables.num_layers, tables.num_modules, tables.max_rank, layout.page_elems
     offs = {"a": np.zeros((L, M, R), dtype=np.int64), "b": np.zeros((L, M, R), dtype=np.int64)}
     ranks = np.zeros((L, M), dtype=np.int32)
     shapes = np.zeros((L, M, 3), dtype=np.int64)
     by_width: dict[int, list] = {}
-    for width, rows, kind, mi, layers, r, fio in _row_blocks(up, spec, tables):
+    for width, rows, kind, mi, layers, r, fio in _row_blocks(up, spec, tables, mlp_orders):
         by_width.setdefault(width, []).append((rows, kind, mi, layers, r, fio))
     pages = np.asarray(page_ids, dtype=np.int64)
     pages_2d = pool.view(-1, pe)

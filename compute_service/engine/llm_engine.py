@@ -54,6 +54,9 @@ class LLMEngine:
         if slots is None:
             slots, lora_backend = _default_lora(config, self.spec, dev, loaded.model.dtype)
         self.slots = slots
+        layers = loaded.model.weights.layers
+        if any(lw.mlp_order is not None for lw in layers):
+            slots.follow_orders(layers)     # adapters packed in the MLP's order (`mlp_order.py`)
         budget = config.kv_cache_bytes
         if budget is None:
             budget = (cuda_kv_budget(dev, config.gpu_memory_fraction, config.kv_reserve_bytes)

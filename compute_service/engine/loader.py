@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from compute_service.engine.errors import ModelLoadError
+from compute_service.engine.mlp_order import mlp_order_enabled
 from compute_service.engine.model import LlamaModel
 from compute_service.engine.spec import ModelSpec
 from compute_service.engine.weights import build_weights
@@ -72,7 +73,9 @@ def load_model(path: str | os.PathLike[str] | None, *, dtype: torch.dtype = torc
     t1 = time.perf_counter()
     keep = keeps_quantized(quantization, device)
     _log_quantization_choice(get, quantization, keep, device, dtype)
-    weights, fingerprint = build_weights(spec, get, dtype, device, keep_quantized=keep)
+    # One device: an act-order down's input order is taken by gate/up (`mlp_order.py`); the engine's pool
+    # follows it (`LLMEngine`).
+    weights, fingerprint = build_weights(spec, get, dtype, device, keep_quantized=keep, order_mlp=mlp_order_enabled())
     if device.type == "cuda":
         # The load's temporaries (float32 dequantizations on the GPU, casts) go back to the driver: the KV
         # cache is sized from the memory the driver reports free, which the allocator's cached blocks hide.

@@ -61,6 +61,9 @@ class LayerWeights:
     post_norm: torch.Tensor              # [H]
     gate_up: Linear                      # [2I, H]
     down: Linear                         # [H, I]
+    # Intermediate feature j is the model's feature mlp_order[j] (int64 [I]: gate's and up's rows and down's
+    # columns kept in an act-order down's stored order, `mlp_order.py`); None: the model's order.
+    mlp_order: torch.Tensor | None = None
 
 
 LAYER_PROJECTIONS = ("qkv", "o", "gate_up", "down")     # LayerWeights' projections (its Linear fields), in order

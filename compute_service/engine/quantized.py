@@ -70,6 +70,13 @@ class QuantizedWeight:
         return QuantizedWeight(self.q[start:end], self.scales[start:end], self.offsets[start:end],
                                self.bits, self.group_size, self.perm)
 
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Output features in the order `index` names (row j is this weight's row index[j]); the input order
+        is kept (`compute_service.engine.mlp_order`)."""
+        index = index.to(self.q.device)
+        return QuantizedWeight(self.q.index_select(0, index), self.scales.index_select(0, index),
+                               self.offsets.index_select(0, index), self.bits, self.group_size, self.perm)
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         return QuantizedWeight(self.q.to(device), self.scales.to(device), self.offsets.to(device),
                                self.bits, self.group_size, None if self.perm is None else self.perm.to(device))

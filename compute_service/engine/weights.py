@@ -7,6 +7,7 @@ the dequantized load's and converted adapters keep matching.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Callable
@@ -15,6 +16,7 @@ import torch
 
 from compute_service.engine.errors import ModelLoadError
 from compute_service.engine.linear import Linear
+from compute_service.engine.mlp_order import fused_rows, mlp_order
 from compute_service.engine.model import LayerWeights, ModelWeights
 from compute_service.engine.quant_linear import QuantLinear
 from compute_service.engine.quantized import QuantizedWeight
@@ -25,8 +27,12 @@ TensorSource = Callable[[str], "torch.Tensor | None"]
 
 
 def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
-                  device: torch.device, *, keep_quantized: bool = False) -> tuple[ModelWeights, str]:
-    """Reads every tensor through `get`, fuses q/k/v and gate/up, casts; returns (weights, fingerprint)."""
+                  device: torch.device, *, keep_quantized: bool = False,
+                  order_mlp: bool = False) -> tuple[ModelWeights, str]:
+    """Reads every tensor through `get`, fuses q/k/v and gate/up, casts; returns (weights, fingerprint).
+
+    `order_mlp`: where down is kept quantized act-order, gate/up's rows take its stored order and down drops
+    its perm (`mlp_order.py`; the caller's pool must then `follow_orders`)."""
     hasher = _Fingerprint(spec)
     fmt = getattr(get, "format_name", None)       # set by sources of quantized checkpoints
     quantized = getattr(get, "quantized", None) if keep_quantized and fmt else None
@@ -52,18 +58,30 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
     def cast_opt(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else cast(t)
 
-    def project(parts: list[tuple[str, tuple[int, int]]], bias: torch.Tensor | None) -> Linear | QuantLinear:
-        """One (fused) projection from its parts' HF prefixes and [out, in] shapes."""
-        qw, why_dense = _fused_quantized(quantized, parts, device) if quantized is not None else (None, "")
+    def fuse(parts: list[tuple[str, tuple[int, int]]]) -> tuple[QuantizedWeight | None, str]:
+        return _fused_quantized(quantized, parts, device) if quantized is not None else (None, "")
+
+    def project(parts: list[tuple[str, tuple[int, int]]], bias: torch.Tensor | None,
+                rows: torch.Tensor | None = None,
+                fused: tuple[QuantizedWeight | None, str] | None = None,
+                stored_order: bool = False) -> Linear | QuantLinear:
+        """One (fused) projection from its parts' HF prefixes and [out, in] shapes; `rows`: its output rows
+        in this order; `fused`: `fuse(parts)` already read; `stored_order`: an act-order weight that reads x in
+        its stored order (for the summary)."""
+        qw, why_dense = fuse(parts) if fused is None else fused
+        if rows is not None and bias is not None:
+            bias = bias[rows.to(bias.device)]
         if qw is not None:
-            layer: Linear | QuantLinear = QuantLinear(qw, cast_opt(bias), device)
+            layer: Linear | QuantLinear = QuantLinear(qw if rows is None else qw.select_rows(rows), cast_opt(bias),
+                                                      device)
         else:
             # each part cast first: a source with a work device gives its dequantized parts there, others
             # stay on the host (GGUF: Q8_0 gate, F16 up)
             dense = [cast(need(p + ".weight", shape)) for p, shape in parts]
-            layer = Linear(dense[0] if len(dense) == 1 else torch.cat(dense), cast_opt(bias))
+            weight = dense[0] if len(dense) == 1 else torch.cat(dense)
+            layer = Linear(weight if rows is None else weight[rows.to(weight.device)].contiguous(), cast_opt(bias))
         if summary is not None:
-            summary.add(" + ".join(p.removeprefix("model.") for p, _ in parts), layer, why_dense)
+            summary.add(" + ".join(p.removeprefix("model.") for p, _ in parts), layer, why_dense, stored_order)
         return layer
 
     def first_columns(parts: list[tuple[str, tuple[int, int]]]) -> torch.Tensor:
@@ -91,13 +109,20 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
         qkv = project(qkv_parts, qkv_bias)
         if i in (0, s.num_layers - 1):
             hasher.add(f"qkv{i}", first_columns(qkv_parts))
+        down_parts = [(p + "mlp.down_proj", (hid, inter))]
+        down_qw, why_down = fuse(down_parts)
+        order = mlp_order(down_qw) if order_mlp else None
+        if order is not None:            # act arrives in down's stored order
+            down_qw = dataclasses.replace(down_qw, perm=None)
         layers.append(LayerWeights(
             input_norm=cast(need(p + "input_layernorm.weight", (hid,))),
             qkv=qkv,
             o=project([(p + "self_attn.o_proj", (hid, q))], opt(p + "self_attn.o_proj.bias", (hid,), s.o_bias)),
             post_norm=cast(need(p + "post_attention_layernorm.weight", (hid,))),
-            gate_up=project(gate_up_parts, gate_up_bias),
-            down=project([(p + "mlp.down_proj", (hid, inter))], opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias)),
+            gate_up=project(gate_up_parts, gate_up_bias, None if order is None else fused_rows(order, 2)),
+            down=project(down_parts, opt(p + "mlp.down_proj.bias", (hid,), s.mlp_bias), fused=(down_qw, why_down),
+                         stored_order=order is not None),
+            mlp_order=None if order is None else order.to(device),
         ))
     norm = need("model.norm.weight", (hid,))
     hasher.add("norm", norm)

@@ -28,15 +28,17 @@ def test_quant_decode_smoke(tmp_path):
 
 
 def test_quant_decode_act_order_smoke(tmp_path):
-    """--act-order: the 4-bit projections stored in a channel order of their own (each call gathers x), the
-    engine's decode run on them; --no-kernels leaves the kernel table out."""
+    """--act-order: the 4-bit projections stored in a channel order of their own (down's taken by gate/up's rows,
+    as a load does), the engine's decode run on them; --no-kernels leaves the kernel table out."""
     out = tmp_path / "q.json"
     proc = _run(["bench/quant_decode.py", "--smoke", "--act-order", "--no-kernels", "--labels", "int4",
                  "--batches", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["act_order"] is True and "kernels" not in res
-    assert res["act_order_projections"] == 4 * res["dims"]["num_hidden_layers"], "every projection in its own order"
+    layers = res["dims"]["num_hidden_layers"]
+    assert res["act_order_projections"] == 3 * layers, "every projection in its own order, down's taken by gate/up"
+    assert res["mlp_ordered_layers"] == layers
     assert res["engine"]["int4"]["base"]["1"]["tpot_ms"] > 0
 
 

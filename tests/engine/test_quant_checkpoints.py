@@ -15,6 +15,7 @@ import torch
 
 from compute_service.engine import load_model
 from compute_service.engine.linear import Linear
+from compute_service.engine.mlp_order import in_model_order
 from compute_service.engine.model import LAYER_PROJECTIONS
 from compute_service.engine.quant_formats.export import quantize_checkpoint
 from compute_service.engine.quant_formats.summary import describe_projections
@@ -60,6 +61,12 @@ def layers_of(loaded):
             for name in LAYER_PROJECTIONS]
 
 
+def model_order(loaded, i: int, proj: str) -> torch.Tensor:
+    """Layer i's projection dequantized, its intermediate features in the model's order (`mlp_order.py`)."""
+    lw = loaded.model.weights.layers[i]
+    return in_model_order(proj, getattr(lw, proj).dequantize(), lw.mlp_order)
+
+
 @pytest.mark.parametrize("name", list(KINDS) + list(GPTQ))
 def test_loads_kept_quantized_with_the_written_codes(folders, name):
     """(Act-order: the codes kept sorted by group, `perm` naming each stored column's input channel.)"""
@@ -67,11 +74,14 @@ def test_loads_kept_quantized_with_the_written_codes(folders, name):
     kept, dense = load_model(folder, quantization="keep"), load_model(folder, quantization="none")
     fused = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
              "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    act_order = name.endswith("act-order")
     for i, proj, layer in layers_of(kept):
         assert isinstance(layer, QuantLinear) and layer.bits == kw["bits"] and layer.group_size == G
-        assert (layer.qweight.perm is not None) == name.endswith("act-order"), (i, proj)
+        # down's act-order is taken by gate/up's rows: down reads act in its stored order
+        assert (layer.qweight.perm is not None) == (act_order and proj != "down"), (i, proj)
+        assert (kept.model.weights.layers[i].mlp_order is not None) == act_order
         written = torch.cat([weights[f"model.layers.{i}.{p}"] for p in fused[proj]])
-        assert torch.equal(layer.dequantize(), written), (i, proj)
+        assert torch.equal(model_order(kept, i, proj), written), (i, proj)
         assert torch.equal(getattr(dense.model.weights.layers[i], proj).weight, written), (i, proj)
     assert kept.fingerprint == dense.fingerprint
     assert ("act-order" in describe_projections(kept.model.weights, torch.float32)) == name.endswith("act-order")
@@ -199,7 +209,7 @@ def test_compressed_tensors_own_reader_reads_our_folders(folders, name):
         i, proj = int(prefix.split(".")[2]), prefix.split(".")[-1]
         layer = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
                  "up_proj": "gate_up", "down_proj": "down"}[proj]
-        ours = getattr(kept.model.weights.layers[i], layer).dequantize()
+        ours = model_order(kept, i, layer)
         start = {"k_proj": kept.spec.q_size, "v_proj": kept.spec.q_size + kept.spec.kv_size,
                  "up_proj": kept.spec.intermediate_size}.get(proj, 0)
         ours = ours[start: start + theirs.shape[0]]
@@ -264,9 +274,10 @@ def test_an_act_order_layout_written_by_the_exporter_serves_kept_quantized(tiny_
     kept, dense = load_model(folder, quantization="keep"), load_model(folder, quantization="none")
     perms = set()
     for i, proj, layer in layers_of(kept):
-        assert isinstance(layer, QuantLinear) and layer.qweight.perm is not None, (i, proj)
-        perms.add(tuple(layer.qweight.perm.tolist()))
-        assert torch.equal(layer.dequantize(), getattr(dense.model.weights.layers[i], proj).weight), (i, proj)
+        perm = kept.model.weights.layers[i].mlp_order if proj == "down" else layer.qweight.perm
+        assert isinstance(layer, QuantLinear) and perm is not None, (i, proj)
+        perms.add(tuple(perm.tolist()))
+        assert torch.equal(model_order(kept, i, proj), getattr(dense.model.weights.layers[i], proj).weight), (i, proj)
     assert len(perms) == 8                  # one order per input of each layer, none the model's own
     a = prefill_logits(kept, TOKENS)
     assert rel_err(a, prefill_logits(dense, TOKENS)) < 1e-5

@@ -8,7 +8,8 @@ On the CPU in Triton's interpreter (float16; the tiny llama's first layer's q/k/
 for the other; the second layer's plain);
 on the GPU, a GPTQ act-order checkpoint of the MID_DIMS llama in bfloat16 against its float32 model, one-token
 steps in CUDA graphs with and without its adapter (the LoRA-first addend; o's x gathered before the LoRA launch)
-and a batch of two (also with the SwiGLU scattering down's x, as SCATTER_MIN_TOKENS+ rows do)."""
+and a batch of two (also with the SwiGLU scattering down's x, as SCATTER_MIN_TOKENS+ rows do), with down's order
+taken by gate/up's rows (`mlp_order.py`) and without."""
 from __future__ import annotations
 
 import copy
@@ -113,8 +114,9 @@ def gptq_act_order_mid(tmp_path_factory):
 def test_gpu_act_order_checkpoint_matches_float32(gptq_act_order_mid, monkeypatch):
     """Both ways (x written in order, and gathered) within bf16's own distance of the float32 model, at the tokens
     each chose: requests alone (one-token steps in graphs; with the adapter, the LoRA-first addend) and two at
-    once (the LoRA beside the projection). In order, the two at once also with the SwiGLU scattering down's x
-    and down summing its slices itself (what SCATTER_MIN_TOKENS+ rows do)."""
+    once (the LoRA beside the projection). With down's order taken by gate/up (the default, `mlp_order.py`:
+    the adapter's gate, up and down packed in it) and without: then in order, the two at once also with the
+    SwiGLU scattering down's x and down summing its slices itself (what SCATTER_MIN_TOKENS+ rows do)."""
     import compute_service.engine.model as model_module
 
     from helpers import MID_DIMS, w4_engine, rel_err
@@ -125,11 +127,14 @@ def test_gpu_act_order_checkpoint_matches_float32(gptq_act_order_mid, monkeypatc
     g = torch.Generator().manual_seed(5)
     prompts = {rid: torch.randint(0, MID_DIMS["vocab_size"], (6,), generator=g).tolist() for rid in ("a", "b")}
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    for ordered, scatter_min in (("1", model_module.SCATTER_MIN_TOKENS), ("1", 2), ("0", 2)):
+    scatter = model_module.SCATTER_MIN_TOKENS
+    for ordered, scatter_min, mlp in (("1", scatter, "1"), ("1", scatter, "0"), ("1", 2, "0"), ("0", 2, "0")):
         monkeypatch.setenv("LORAPLEX_ORDERED_X", ordered)
+        monkeypatch.setenv("LORAPLEX_MLP_ORDER", mlp)
         monkeypatch.setattr(model_module, "SCATTER_MIN_TOKENS", scatter_min)
         engine = w4_engine(folder, adapters, 2)
-        assert engine.loaded.model.weights.layers[0].down.act_order
+        lw = engine.loaded.model.weights.layers[0]
+        assert lw.down.act_order == (mlp == "0") and (lw.mlp_order is not None) == (mlp == "1")
         calls.clear()
         runs = [run_collecting(engine, {rid: (prompts[rid], key)}, params) for rid in prompts for key in ("all", None)]
         runs.append(run_collecting(engine, {"a": (prompts["a"], "all"), "b": (prompts["b"], None)}, params))

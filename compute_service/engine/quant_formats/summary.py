@@ -30,11 +30,16 @@ class QuantSummary:
         self.quantized_bytes = 0
         self.dense_bytes = 0
         self.bf16_bytes = 0                           # what every projection would take in bf16
+        self.mlp_ordered = 0                          # layers whose gate/up rows take down's act-order
 
-    def add(self, name: str, layer: Linear | QuantLinear, why_dense: str = "") -> None:
+    def add(self, name: str, layer: Linear | QuantLinear, why_dense: str = "", stored_order: bool = False) -> None:
+        """`stored_order`: an act-order weight whose input arrives in its stored order (down under
+        `mlp_order.py`), counted as act-order."""
         self.bf16_bytes += 2 * layer.in_features * layer.out_features
+        self.mlp_ordered += int(stored_order)
         if isinstance(layer, QuantLinear):
-            self.kinds[f"{layer.bits}-bit group {layer.group_size}" + (" act-order" if layer.act_order else "")] += 1
+            act_order = layer.act_order or stored_order
+            self.kinds[f"{layer.bits}-bit group {layer.group_size}" + (" act-order" if act_order else "")] += 1
             self.quantized_bytes += layer.nbytes
         else:
             self.dense.append(f"{name} ({why_dense})" if why_dense else name)
@@ -91,6 +96,9 @@ class QuantSummary:
                  self.num_projections, self.kinds_text or "none",
                  f"; dense: {dense}" if dense else "", self.total_bytes / 2**20,
                  self.quantized_bytes / 2**20, self.dense_bytes / 2**20, self.bf16_bytes / 2**20)
+        if self.mlp_ordered:
+            log.info("act-order down projections: %d layers keep gate/up's rows in down's stored order (act is "
+                     "computed in it, no gather; LORAPLEX_MLP_ORDER=0 turns this off)", self.mlp_ordered)
         note = self.slow_groups_note()
         if note:
             log.warning(note)
@@ -106,7 +114,8 @@ def describe_projections(weights: ModelWeights, dtype: torch.dtype) -> str:
     summary = QuantSummary("")
     for i, layer in enumerate(weights.layers):
         for name in LAYER_PROJECTIONS:
-            summary.add(f"{i}.{name}", getattr(layer, name))
+            stored_order = name == "down" and layer.mlp_order is not None
+            summary.add(f"{i}.{name}", getattr(layer, name), stored_order=stored_order)
     dtype_name = str(dtype).removeprefix("torch.")
     if not summary.num_quantized:
         return dtype_name
