@@ -34,6 +34,9 @@ class LoadedModel:
     fingerprint: str
     path: Path                 # the folder or the .gguf file it came from
     chat_template: str | None
+    # A tensor-parallel rank's load: each layer's act-order down order its MLP shards follow (the whole
+    # model's features, `parallel.shard.sharded_source`), by which adapters are split; None elsewhere.
+    shard_mlp_orders: list[torch.Tensor | None] | None = None
 
 
 def default_model_path() -> Path:

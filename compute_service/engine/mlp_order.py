@@ -12,8 +12,10 @@ q/k/v, gate/up and o, whose inputs come from the residual stream or the attentio
 The adapters follow: their gate and up B rows and their down A columns are taken in each layer's order as they
 are packed into the pool (`PagedAdapterSlots.follow_orders`, `take_intermediate`).
 
-On one GPU (and the CPU) only: a tensor-parallel load keeps the model's order (its adapters are split in it).
-LORAPLEX_MLP_ORDER=0 turns it off (A/B runs).
+Under tensor parallelism a rank's MLP shards are cut from the features in down's stored order instead (its
+down columns stay whole groups, quantized), and adapters are split by the same order before they reach the
+rank's pool (`parallel.shard.sharded_source`'s `order_mlp`, `parallel.lora_split.split_row`).
+LORAPLEX_MLP_ORDER=0 turns both off (A/B runs).
 """
 from __future__ import annotations
 

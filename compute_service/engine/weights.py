@@ -31,8 +31,9 @@ def build_weights(spec: ModelSpec, get: TensorSource, dtype: torch.dtype,
                   order_mlp: bool = False) -> tuple[ModelWeights, str]:
     """Reads every tensor through `get`, fuses q/k/v and gate/up, casts; returns (weights, fingerprint).
 
-    `order_mlp`: where down is kept quantized act-order, gate/up's rows take its stored order and down drops
-    its perm (`mlp_order.py`; the caller's pool must then `follow_orders`)."""
+    `order_mlp` (one device; a tensor-parallel rank's source orders its shards itself): where down is kept
+    quantized act-order, gate/up's rows take its stored order and down drops its perm (`mlp_order.py`; the
+    caller's pool must then `follow_orders`)."""
     hasher = _Fingerprint(spec)
     fmt = getattr(get, "format_name", None)       # set by sources of quantized checkpoints
     quantized = getattr(get, "quantized", None) if keep_quantized and fmt else None

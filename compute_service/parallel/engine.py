@@ -15,6 +15,7 @@ from compute_service.engine.config import EngineConfig
 from compute_service.engine.kv_cache import cuda_kv_budget
 from compute_service.engine.llm_engine import LLMEngine, _default_lora
 from compute_service.engine.loader import LoadedModel, default_model_path, read_model_source, unpack_on
+from compute_service.engine.mlp_order import mlp_order_enabled
 from compute_service.engine.model import LlamaModel
 from compute_service.engine.quant_formats import keeps_quantized
 from compute_service.engine.spec import ModelSpec
@@ -39,14 +40,16 @@ def load_sharded(path: str | None, group: TensorParallelGroup, dtype: torch.dtyp
     shard = shard_for(spec, group.world_size, group.rank)
     local = local_spec(spec, shard)
     keep = keeps_quantized(quantization, group.device)
-    weights, _ = build_weights(local, sharded_source(spec, shard, get), dtype, group.device, keep_quantized=keep)
+    source = sharded_source(spec, shard, get, order_mlp=keep and mlp_order_enabled())
+    weights, _ = build_weights(local, source, dtype, group.device, keep_quantized=keep)
     model = LlamaModel(local, weights, spec.max_position_embeddings)
     if group.world_size > 1:
         model.shard_over(group)
     log.info("rank %d/%d: %s sharded (%d of %d heads, %d of %d KV heads) in %.1f s", group.rank,
              group.world_size, p.name, local.num_heads, spec.num_heads, local.num_kv_heads, spec.num_kv_heads,
              time.perf_counter() - t0)
-    return LoadedModel(local, model, whole_fingerprint(spec, get), p, template), spec, shard
+    orders = source.mlp_orders()                  # type: ignore[attr-defined]
+    return LoadedModel(local, model, whole_fingerprint(spec, get), p, template, orders), spec, shard
 
 
 def build_rank_engine(config: EngineConfig, group: TensorParallelGroup,
@@ -69,7 +72,7 @@ def build_rank_engine(config: EngineConfig, group: TensorParallelGroup,
     else:
         inner = PagedAdapterSlots(loaded.spec, config.max_lora_rank, group.device, loaded.model.dtype)
         backend = lora_backend_for(inner, config.max_num_batched_tokens, config.lora_backend)
-    slots = ShardedSlots(inner, whole_spec, shard)
+    slots = ShardedSlots(inner, whole_spec, shard, loaded.shard_mlp_orders)
     if config.kv_cache_bytes is None and group.device.type == "cuda":
         budget = cuda_kv_budget(group.device, config.gpu_memory_fraction, config.kv_reserve_bytes)
         config = dataclasses.replace(config, kv_cache_bytes=group.min_int(budget))

@@ -34,20 +34,26 @@ def _b_rows(module_id: int, spec: ModelSpec, shard: Shard) -> torch.Tensor:
     return span(shard.inter)
 
 
-def split_row(module_id: int, a: torch.Tensor, b: torch.Tensor, spec: ModelSpec,
-              shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [r, in], B [out, r]) of the whole model -> the rank's (A, B) by the rule."""
+def split_row(module_id: int, a: torch.Tensor, b: torch.Tensor, spec: ModelSpec, shard: Shard,
+              mlp_order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [r, in], B [out, r]) of the whole model -> the rank's (A, B) by the rule. `mlp_order`: the layer's
+    act-order down order, whose positions `shard.inter` the rank's MLP shards hold (`sharded_source`)."""
+    features = None if mlp_order is None else mlp_order[shard.inter[0]:shard.inter[1]]
+    if module_id in (5, 7) and features is not None:
+        return a, b[features.to(b.device)]
     if module_id in COLUMN_PARALLEL:
         return a, b[_b_rows(module_id, spec, shard)]
     if module_id == 4:
         return a[:, shard.q[0]:shard.q[1]], b
     if module_id == 6:
-        return a[:, shard.inter[0]:shard.inter[1]], b
+        return (a[:, shard.inter[0]:shard.inter[1]] if features is None else a[:, features.to(a.device)]), b
     raise ValueError(f"module id {module_id} has no tensor-parallel split in a Llama-family decoder")
 
 
-def split_adapter(adapter: Adapter, spec: ModelSpec, shard: Shard) -> Adapter:
-    """The rank's share of a whole adapter (rows in the same order; metadata kept)."""
+def split_adapter(adapter: Adapter, spec: ModelSpec, shard: Shard,
+                  mlp_orders: list[torch.Tensor | None] | None = None) -> Adapter:
+    """The rank's share of a whole adapter (rows in the same order; metadata kept); `mlp_orders`: each
+    layer's order its MLP shards follow (`split_row`)."""
     if shard.tp == 1:
         return adapter
     in_out = adapter.in_out or tuple(
@@ -58,7 +64,8 @@ def split_adapter(adapter: Adapter, spec: ModelSpec, shard: Shard) -> Adapter:
     whole = Adapter(adapter.config, adapter.weights, in_out, adapter.metadata)
     rows, shapes = [], []
     for row in whole.rows():
-        a, b = split_row(row.module_id, row.a, row.b, spec, shard)
+        order = None if mlp_orders is None else mlp_orders[row.layer_idx]
+        a, b = split_row(row.module_id, row.a, row.b, spec, shard, order)
         rows.append(torch.cat([a.reshape(-1), b.reshape(-1)]))
         shapes.append((a.shape[1], b.shape[0]))
     width = max((r.numel() for r in rows), default=0)

@@ -59,10 +59,12 @@ class ShardedSlots:
     adapter, or None when it was announced.
     """
 
-    def __init__(self, inner: Any, whole_spec: ModelSpec, shard: Shard) -> None:
+    def __init__(self, inner: Any, whole_spec: ModelSpec, shard: Shard,
+                 mlp_orders: list[torch.Tensor | None] | None = None) -> None:
         self._inner = inner
         self.spec = self._whole_spec = whole_spec
         self._shard = shard
+        self._mlp_orders = mlp_orders       # the MLP shards' act-order down orders (`sharded_source`)
         self.unshipped: dict[str, Adapter | None] = {}
         self.announce: Callable[[str, Adapter], bool] | None = None
 
@@ -78,7 +80,7 @@ class ShardedSlots:
         self._inner.fingerprint = value
 
     def share(self, adapter: Adapter) -> Adapter:
-        return split_adapter(adapter, self._whole_spec, self._shard)
+        return split_adapter(adapter, self._whole_spec, self._shard, self._mlp_orders)
 
     def load(self, key: str, adapter: Adapter) -> int:
         slot = self._inner.load(key, self.share(adapter))

@@ -55,7 +55,7 @@ def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
                    intermediate_size=shard.inter[1] - shard.inter[0])
 
 
-def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSource:
+def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource, order_mlp: bool = False) -> TensorSource:
     """A tensor source of the rank's slices under the checkpoint's names (for `build_weights`).
 
     Row-parallel biases (o, down) are added once, after the all-reduce: rank 0 keeps them, the
@@ -66,6 +66,10 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
     column range that cuts a group, or any range of an act-order weight, gives None, and the projection
     is read dense); with
     `quantized_rows` / `quantized_columns` (GGUF) only the slice is read.
+    `order_mlp` (a load that keeps quantized weights so): where down is act-order and the rank's range of
+    intermediate features holds whole groups, the rank keeps down's stored columns of that range, quantized,
+    and gate's and up's rows of the same features, in that order (`compute_service.engine.mlp_order`);
+    `local.mlp_orders()` then names each layer's order, by which adapters are split (`lora_split`).
     """
     rows = {"q_proj": shard.q, "k_proj": shard.kv, "v_proj": shard.kv, "gate_proj": shard.inter,
             "up_proj": shard.inter}
@@ -74,10 +78,42 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
     read_rows = getattr(get, "rows", None)          # a source that reads slices from disk
     read_cols = getattr(get, "columns", None)
 
+    quantized = getattr(get, "quantized", None)
+    q_rows = getattr(get, "quantized_rows", None)        # kept quantized, a slice read from disk (GGUF)
+    q_cols = getattr(get, "quantized_columns", None)
+    orders: dict[str, torch.Tensor | None] = {}          # layer prefix -> down's order this rank follows
+    read_downs: dict[str, QuantizedWeight | None] = {}   # whole downs read for their order, not yet sliced
+
+    def read_down(layer: str) -> QuantizedWeight | None:
+        """The layer's whole down (quantized), its order noted where this rank can follow it."""
+        qw = quantized(layer + "mlp.down_proj") if quantized is not None else None
+        a, b = shard.inter
+        follow = order_mlp and qw is not None and qw.perm is not None and not (a % qw.group_size or b % qw.group_size)
+        orders[layer] = qw.perm if follow else None
+        return qw
+
+    def rank_features(name: str) -> torch.Tensor | None:
+        """The whole model's intermediate features this rank holds, in its order, for an MLP tensor `name`
+        of a layer whose down's order it follows; None otherwise (the range `shard.inter` in the model's order)."""
+        if not order_mlp or quantized is None or q_cols is not None or ".mlp." not in name:
+            return None
+        layer = name[: name.index("mlp.")]
+        if layer not in orders:
+            read_downs[layer] = read_down(layer)
+        order = orders[layer]
+        return None if order is None else order[shard.inter[0]: shard.inter[1]]
+
     def local(name: str) -> torch.Tensor | None:
         proj, kind = name.split(".")[-2:]
         if not name.startswith("model.layers.") or (proj not in rows and proj not in cols):
             return get(name)
+        features = rank_features(name) if proj in ("gate_proj", "up_proj", "down_proj") else None
+        if features is not None and not (proj == "down_proj" and kind == "bias"):
+            t = get(name)
+            if t is None:
+                return None
+            features = features.to(t.device)
+            return t[features] if proj in rows else t[:, features]
         if proj in rows:
             a, b = rows[proj]
             if read_rows is not None:
@@ -93,17 +129,26 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
         t = get(name)
         return None if t is None else t[:, a:b]
 
-    quantized = getattr(get, "quantized", None)
-    q_rows = getattr(get, "quantized_rows", None)        # kept quantized, a slice read from disk (GGUF)
-    q_cols = getattr(get, "quantized_columns", None)
-
     def local_quantized(prefix: str) -> QuantizedWeight | None:
         proj = prefix.split(".")[-1]
+        features = rank_features(prefix) if proj in ("gate_proj", "up_proj", "down_proj") else None
+        layer = prefix[: prefix.index("mlp.")] if ".mlp." in prefix else ""
+        # the whole down `rank_features` read for its order (it may be None), or False: not read yet
+        read = read_downs.pop(layer, None) if proj == "down_proj" and layer in read_downs else False
+        if features is not None and proj == "down_proj":      # its stored columns of the rank's range
+            qw = read_down(layer) if read is False else read
+            assert qw is not None
+            a, b, g = shard.inter[0], shard.inter[1], qw.group_size
+            return QuantizedWeight(qw.q[:, a:b].contiguous(), qw.scales[:, a // g: b // g].contiguous(),
+                                   qw.offsets[:, a // g: b // g].contiguous(), qw.bits, g)
+        if features is not None:
+            qw = quantized(prefix)
+            return None if qw is None else qw.select_rows(features)
         if prefix.startswith("model.layers.") and proj in rows and q_rows is not None:
             return q_rows(prefix, *rows[proj])  # type: ignore[no-any-return]
         if prefix.startswith("model.layers.") and proj in cols and q_cols is not None:
             return q_cols(prefix, *cols[proj])  # type: ignore[no-any-return]
-        qw = quantized(prefix) if quantized is not None else None
+        qw = read if read is not False else quantized(prefix) if quantized is not None else None
         if qw is None or not prefix.startswith("model.layers."):
             return qw
         if proj in rows:
@@ -115,6 +160,11 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource) -> TensorSo
         return QuantizedWeight(qw.q[:, a:b].contiguous(), qw.scales[:, a // g: b // g].contiguous(),
                                qw.offsets[:, a // g: b // g].contiguous(), qw.bits, g)
 
+    def mlp_orders() -> list[torch.Tensor | None]:
+        """Each layer's down order this rank's MLP shards follow (None: the model's order)."""
+        return [orders.get(f"model.layers.{i}.") for i in range(spec.num_layers)]
+
+    local.mlp_orders = mlp_orders                               # type: ignore[attr-defined]
     if quantized is not None:
         local.quantized = local_quantized                       # type: ignore[attr-defined]
         local.format_name = getattr(get, "format_name", None)   # type: ignore[attr-defined]

@@ -64,3 +64,23 @@ def test_shapes_that_do_not_split_are_refused():
         shard_for(spec(6, 3, inter=96), 2, 0)
     with pytest.raises(ModelLoadError, match="num_heads"):
         shard_for(spec(4, 2), 8, 0)
+
+
+def test_mlp_rows_follow_the_shards_order():
+    """With a layer's act-order down order (`sharded_source`'s `order_mlp`), rank r's gate and up B rows and down
+    A columns are the whole model's features order[r * I/tp: (r + 1) * I/tp]; other layers and modules as before."""
+    s, tp = spec(4, 2, inter=32), 2
+    whole = random_adapter(s, (1, 4, 5, 6, 7), rank=3, seed=5)
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    orders = [order, None]                       # layer 0 follows down's order, layer 1 the model's
+    for r in range(tp):
+        sh = shard_for(s, tp, r)
+        plain, ordered = split_adapter(whole, s, sh), split_adapter(whole, s, sh, orders)
+        mine = order[sh.inter[0]: sh.inter[1]]
+        for wrow, prow, orow in zip(whole.rows(), plain.rows(), ordered.rows()):
+            if wrow.layer_idx == 1 or wrow.module_id in (1, 4):
+                assert torch.equal(orow.a, prow.a) and torch.equal(orow.b, prow.b)
+            elif wrow.module_id == 6:
+                assert torch.equal(orow.a, wrow.a[:, mine]) and torch.equal(orow.b, wrow.b)
+            else:
+                assert torch.equal(orow.a, wrow.a) and torch.equal(orow.b, wrow.b[mine])

@@ -2,6 +2,7 @@
 they equal the slices of the whole tensors; row-parallel biases stay on rank 0."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compute_service.engine.loader import read_model_source
@@ -63,3 +64,46 @@ def test_act_order_shards_keep_rows_quantized_and_read_columns_dense(tmp_path):
     assert local.quantized(p + "self_attn.o_proj") is None
     down = local.quantized(p + "mlp.down_proj")                # in order: whole groups of its channels
     assert down is not None and down.perm is None and down.shape[1] == (shard.inter[1] - shard.inter[0])
+
+
+@pytest.mark.parametrize("inter,follows", [(128, True), (80, False)])
+def test_act_order_down_shards_follow_its_order(tmp_path, inter, follows):
+    """`order_mlp`: a rank whose range of down's stored columns holds whole groups keeps them quantized (no
+    perm) and gate's and up's rows of the same features, dense reads likewise; a range that cuts a group
+    (80 = 40 | 40, groups of 16) leaves the model's order and down dense."""
+    from compute_service.engine.quantized import QuantizedWeight, quantize_rtn
+
+    folder = save_tiny_llama(tmp_path, 4, 2, seed=4, intermediate_size=inter)
+    spec, get, _ = read_model_source(folder)
+    perm = torch.randperm(inter, generator=torch.Generator().manual_seed(1))
+    wholes = {}
+
+    def quantized(prefix):
+        w = get(prefix + ".weight")
+        if prefix.endswith("down_proj"):
+            qw = quantize_rtn(w[:, perm], 4, 16)
+            qw = QuantizedWeight(qw.q, qw.scales, qw.offsets, 4, 16, perm)
+        else:
+            qw = quantize_rtn(w, 4, 16)
+        wholes[prefix] = qw
+        return qw
+
+    get.quantized = quantized
+    shard = shard_for(spec, 2, 1)
+    a, b = shard.inter
+    local = sharded_source(spec, shard, get, order_mlp=True)
+    p = "model.layers.0.mlp."
+    down = local.quantized(p + "down_proj")
+    gate = local.quantized(p + "gate_proj")
+    if not follows:
+        assert down is None and local.mlp_orders() == [None, None]
+        assert torch.equal(gate.dequantize(), wholes[p + "gate_proj"].dequantize()[a:b])
+        return
+    mine = perm[a:b]
+    assert down.perm is None and torch.equal(down.dequantize(), wholes[p + "down_proj"].dequantize()[:, mine])
+    assert torch.equal(gate.dequantize(), wholes[p + "gate_proj"].dequantize()[mine])
+    assert torch.equal(local(p + "up_proj.weight"), get(p + "up_proj.weight")[mine])
+    assert torch.equal(local(p + "down_proj.weight"), get(p + "down_proj.weight")[:, mine])
+    assert torch.equal(local.mlp_orders()[0], perm) and local.mlp_orders()[1] is None   # layer 1 not read yet
+    plain = sharded_source(spec, shard, get)                       # without order_mlp: as before
+    assert plain.quantized(p + "down_proj") is None and plain.mlp_orders() == [None, None]

@@ -55,16 +55,26 @@ def worker(rank: int, port: int, folder: str, results) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_quantized_logits_equal_single_process(tmp_path):
-    dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=4)
-    folder = quantize_checkpoint(dense, tmp_path / "awq", fmt="awq", group_size=16, progress=False).out
+@pytest.mark.parametrize("kind", ["awq", "gptq-act-order"])
+def test_tp2_quantized_logits_equal_single_process(tmp_path, kind):
+    """AWQ: down's in features split 40 | 40, not whole groups of 16, so its shards are dense. GPTQ act-order
+    (128 intermediate features, 64 | 64): each rank keeps down's stored columns of its half quantized and
+    gate's and up's rows of the same features (`sharded_source`'s `order_mlp`), adapters split to match; o's
+    act-order channels are spread over every group, so o's shards are dense."""
+    if kind == "awq":
+        dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=4)
+        folder = quantize_checkpoint(dense, tmp_path / "q", fmt="awq", group_size=16, progress=False).out
+        want = {"qkv": "QuantLinear", "o": "QuantLinear", "gate_up": "QuantLinear", "down": "Linear"}
+    else:
+        dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=4, intermediate_size=128)
+        folder = quantize_checkpoint(dense, tmp_path / "q", fmt="gptq", group_size=16, symmetric=True,
+                                     act_order_seed=1, progress=False).out
+        want = {"qkv": "QuantLinear", "o": "Linear", "gate_up": "QuantLinear", "down": "QuantLinear"}
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(worker, args=(free_port(), str(folder), results), nprocs=2, join=True)
         results = dict(results)
     assert not any(k.startswith("error") for k in results), results
-    # down's in features split 40 | 40: not whole groups of 16, so its shards are dense
-    want = {"qkv": "QuantLinear", "o": "QuantLinear", "gate_up": "QuantLinear", "down": "Linear"}
     assert results["kinds0"] == results["kinds1"] == want
     assert set(results["errs"]) == set(REQUESTS) and max(results["errs"].values()) < TOL, results["errs"]
     assert results["fingerprints"][0] == results["fingerprints"][1]
