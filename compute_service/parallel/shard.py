@@ -129,18 +129,18 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource, order_mlp: 
         t = get(name)
         return None if t is None else t[:, a:b]
 
+    def whole_down(prefix: str) -> QuantizedWeight | None:
+        """A layer's whole down, read once (`rank_features` may have read it for its order already)."""
+        layer = prefix[: prefix.index("mlp.")]
+        return read_downs.pop(layer) if layer in read_downs else read_down(layer)
+
     def local_quantized(prefix: str) -> QuantizedWeight | None:
         proj = prefix.split(".")[-1]
         features = rank_features(prefix) if proj in ("gate_proj", "up_proj", "down_proj") else None
-        layer = prefix[: prefix.index("mlp.")] if ".mlp." in prefix else ""
-        # the whole down `rank_features` read for its order (it may be None), or False: not read yet
-        read = read_downs.pop(layer, None) if proj == "down_proj" and layer in read_downs else False
         if features is not None and proj == "down_proj":      # its stored columns of the rank's range
-            qw = read_down(layer) if read is False else read
+            qw = whole_down(prefix)
             assert qw is not None
-            a, b, g = shard.inter[0], shard.inter[1], qw.group_size
-            return QuantizedWeight(qw.q[:, a:b].contiguous(), qw.scales[:, a // g: b // g].contiguous(),
-                                   qw.offsets[:, a // g: b // g].contiguous(), qw.bits, g)
+            return _stored_columns(qw, *shard.inter)
         if features is not None:
             qw = quantized(prefix)
             return None if qw is None else qw.select_rows(features)
@@ -148,7 +148,9 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource, order_mlp: 
             return q_rows(prefix, *rows[proj])  # type: ignore[no-any-return]
         if prefix.startswith("model.layers.") and proj in cols and q_cols is not None:
             return q_cols(prefix, *cols[proj])  # type: ignore[no-any-return]
-        qw = read if read is not False else quantized(prefix) if quantized is not None else None
+        if quantized is None:
+            return None
+        qw = whole_down(prefix) if prefix.startswith("model.layers.") and proj == "down_proj" else quantized(prefix)
         if qw is None or not prefix.startswith("model.layers."):
             return qw
         if proj in rows:
@@ -157,8 +159,7 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource, order_mlp: 
         g = qw.group_size
         if a % g or b % g or qw.perm is not None:     # act-order: a rank's channels are spread over the groups
             return None
-        return QuantizedWeight(qw.q[:, a:b].contiguous(), qw.scales[:, a // g: b // g].contiguous(),
-                               qw.offsets[:, a // g: b // g].contiguous(), qw.bits, g)
+        return _stored_columns(qw, a, b)
 
     def mlp_orders() -> list[torch.Tensor | None]:
         """Each layer's down order this rank's MLP shards follow (None: the model's order)."""
@@ -169,6 +170,13 @@ def sharded_source(spec: ModelSpec, shard: Shard, get: TensorSource, order_mlp: 
         local.quantized = local_quantized                       # type: ignore[attr-defined]
         local.format_name = getattr(get, "format_name", None)   # type: ignore[attr-defined]
     return local
+
+
+def _stored_columns(qw: QuantizedWeight, start: int, end: int) -> QuantizedWeight:
+    """Stored in-feature columns [start, end) of `qw` (whole groups: a row-parallel shard), read in that order."""
+    g = qw.group_size
+    return QuantizedWeight(qw.q[:, start:end].contiguous(), qw.scales[:, start // g: end // g].contiguous(),
+                           qw.offsets[:, start // g: end // g].contiguous(), qw.bits, g)
 
 
 def whole_fingerprint(spec: ModelSpec, get: TensorSource) -> str:
