@@ -94,7 +94,9 @@
 #                    after it: the half sums' launch; ~2 minutes)
 #   quant-decode-ab  bench/quant_decode.py at batches $BATCHES (default 8,32,64) in this tree, then in another
 #                    commit's whole tree unpacked under ab_tree/ (`git archive C | tar -x -C ab_tree`: ignored, name
-#                    it in the call's carry; ~17 MB): an engine A/B on one lease (~4 minutes)
+#                    it in the call's carry; ~17 MB): an engine A/B on one lease (~4 minutes); AB_ARGS: more
+#                    arguments for both (e.g. "--labels int4 --no-kernels --act-order"), AB_ROUNDS="1 2": the
+#                    two trees twice, in opposite orders
 #   serve-8b-w4      bench/serve_load.py on a random 8B kept 4-bit, then the same model in bf16 (~6 minutes
 #                    with the model made in /tmp; both JSONs hold served_start_stages). Making the random
 #                    model reads the default model's tokenizer: install the default model first (on an
@@ -285,11 +287,17 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
     fi ;;
   quant-decode-ab)
     [ -d ab_tree/kernels ] || { echo "quant-decode-ab needs another commit's tree in ab_tree/" >&2; exit 2; }
-    python3 bench/quant_decode.py --batches "${BATCHES:-8,32,64}" --commit "$commit" \
-      --out "$out/quant_decode_tree.json" 2>&1 | tail -16 | tee "$out/$stage.log"
     abs_out=$(cd "$out" && pwd)
-    (cd ab_tree && python3 bench/quant_decode.py --batches "${BATCHES:-8,32,64}" --commit ab_tree \
-      --out "$abs_out/quant_decode_ab_tree.json") 2>&1 | tail -16 | tee -a "$out/$stage.log" ;;
+    for round in ${AB_ROUNDS:-1}; do     # AB_ROUNDS="1 2": the two trees twice, in opposite orders
+      trees="tree ab_tree"; [ "$round" = 2 ] && trees="ab_tree tree"
+      for t in $trees; do
+        dir=.; [ "$t" = ab_tree ] && dir=ab_tree
+        (cd "$dir" && python3 bench/quant_decode.py --batches "${BATCHES:-8,32,64}" ${AB_ARGS:-} \
+          --commit "$([ "$t" = tree ] && echo "$commit" || echo ab_tree)" \
+          --out "$abs_out/quant_decode_${t}_$round.json") 2>&1 | grep -E "tpot|T= |rror" | tail -16 \
+          | sed "s/^/$t $round: /" | tee -a "$out/$stage.log"
+      done
+    done ;;
   lora-step-sweep)
     python3 bench/lora_step_sweep.py --focused --cases "${SWEEP_CASES:-16:256,64:256}" --batches 32,64 \
       --commit "$commit" --out "$out/lora_step_sweep.json" 2>&1 | tail -5 | tee "$out/$stage.log" ;;
