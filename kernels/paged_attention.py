@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_ints import next_pow2
-from kernels.paged_common import attend_keys, check_order, check_paged_inputs, store_heads
+from kernels.paged_common import attend_keys, check_paged_inputs
 from kernels import paged_split
 from kernels.paged_split import decode_splits, max_splits, merge_partials, split_counters, split_range
 from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
@@ -27,13 +27,12 @@ from kernels.shrink import _num_sms
 @triton.jit(do_not_specialize=["num_splits"])      # one compiled split variant whatever the count (16 or not)
 def _paged_decode_kernel(
     q_ptr, q_stride_b, q_stride_h, k_ptr, v_ptr, cache_stride_slot, cache_stride_h,
-    tables_ptr, tables_stride, ctx_ptr, out_ptr, out_stride_b, out_stride_h, model_ptr, order_ptr,
+    tables_ptr, tables_stride, ctx_ptr, out_ptr, out_stride_b, out_stride_h,
     m_ptr, l_ptr, part_ptr, lock_ptr, num_splits,
     block_size, group, head_dim, scale,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr, MIN_CONTEXT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_GM: tl.constexpr,
     FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, USE_PDL: tl.constexpr,
-    ORDERED: tl.constexpr, MODEL_OUT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -59,22 +58,19 @@ def _paged_decode_kernel(
             m_i, l_i, acc = attend_keys(q, m_i, l_i, acc, tables_ptr + b * tables_stride, pos, n_mask,
                                         n_mask[None, :], k_ptr, v_ptr, block_size, cache_stride_slot,
                                         kvh * cache_stride_h, offs_d, d_mask, scale, IEEE)
-        out_row = out_ptr + b * out_stride_b
-        model_row = model_ptr + b * out_stride_b
+        out_ptrs = out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
         out_mask = g_mask[:, None] & d_mask[None, :]
         if SPLIT:
             if active == 1:                    # a context of one chunk: no partials
-                store_heads(acc / l_i[:, None], out_row, model_row, order_ptr, out_stride_h, heads, offs_d,
-                            out_mask, head_dim, ORDERED, MODEL_OUT)
+                tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
             else:
                 pair = b * tl.num_programs(1) + kvh
-                merge_partials(m_i, l_i, acc, m_ptr, l_ptr, part_ptr, lock_ptr + pair, out_row, model_row,
-                               order_ptr, out_stride_h, kvh * group, pair * num_splits * group, split, active,
-                               group, head_dim, offs_d, d_mask, BLOCK_S, BLOCK_GM, BLOCK_D, FENCE, NUM_THREADS,
-                               ORDERED, MODEL_OUT)
+                merge_partials(m_i, l_i, acc, m_ptr, l_ptr, part_ptr, lock_ptr + pair,
+                               out_ptr + b * out_stride_b + kvh * group * out_stride_h, out_stride_h,
+                               pair * num_splits * group, split, active, group, head_dim, offs_d, d_mask,
+                               BLOCK_S, BLOCK_GM, BLOCK_D, FENCE, NUM_THREADS)
         else:
-            store_heads(acc / l_i[:, None], out_row, model_row, order_ptr, out_stride_h, heads, offs_d, out_mask,
-                        head_dim, ORDERED, MODEL_OUT)
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def paged_attention_decode(
@@ -88,15 +84,8 @@ def paged_attention_decode(
     block_n: int = 64,            # tokens per loop iteration (power of two, >= 16)
     num_splits: int | None = None,  # programs per (sequence, KV head); None: `decode_splits`'s choice
     min_split_context: int | None = None,   # longer contexts only are split; None: MIN_SPLIT_CONTEXT
-    order: torch.Tensor | None = None,      # int32 [H * D]: out's rows in this channel order (below)
-    model_out: torch.Tensor | None = None,  # with `order`: also receives out in the model's order
 ) -> None:
     """Attention of each sequence's newest token over its whole context, written into `out`.
-
-    With `order` (an act-order projection's `QuantLinear.input_perm_inverse`: the stored position of each
-    model channel), out (contiguous) receives each row flattened in that order, out.view(B, H * D)[b, order[c]]
-    being model channel c = h * D + d, so that the projection that reads it (o) needs no gather of its own;
-    `model_out` (like out) receives the same in the model's order, for a LoRA launch that reads it.
 
     Semantics:
         for b, h: g = h // (H // KVH); n = context_lens[b]
@@ -105,7 +94,6 @@ def paged_attention_decode(
             out[b, h] = softmax(q[b, h] @ keys.T * scale) @ vals      (fp32 math)
     """
     check_paged_inputs(q, k_cache, v_cache, out, block_tables, block_n)
-    check_order(order, model_out, out)
     B, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     if context_lens.dtype != torch.int32 or block_tables.shape[0] < B or context_lens.shape[0] < B:
@@ -136,12 +124,11 @@ def paged_attention_decode(
     _paged_decode_kernel[(B, KVH, num_splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(1), k_cache.stride(2),
         block_tables, block_tables.stride(0), context_lens, out, out.stride(0), out.stride(1),
-        out if model_out is None else model_out, context_lens if order is None else order,
         m_buf, l_buf, parts, locks, num_splits,
         block_size, group, D, scale,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(D)),
         IEEE=q.dtype == torch.float32, SPLIT=num_splits > 1, MIN_CONTEXT=min_split_context,
         BLOCK_S=max_splits(group),
         BLOCK_GM=next_pow2(group), FENCE=compiled(), NUM_THREADS=32 * 4,
-        ORDERED=order is not None, MODEL_OUT=model_out is not None, num_warps=4, num_stages=2, **launch_args(pdl),
+        num_warps=4, num_stages=2, **launch_args(pdl),
     )

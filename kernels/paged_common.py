@@ -1,6 +1,5 @@
-"""What the two paged-attention kernels share: the input checks of their wrappers, the loop body that
-attends a block of keys read in place from the paged KV cache (online softmax in fp32), and the decode
-output's store (in the model's channel order, or in an act-order projection's: `store_heads`)."""
+"""What the two paged-attention kernels share: the input checks of their wrappers and the loop body that
+attends a block of keys read in place from the paged KV cache (online softmax in fp32)."""
 from __future__ import annotations
 
 import torch
@@ -35,43 +34,6 @@ def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-
-
-def check_order(order: torch.Tensor | None, model_out: torch.Tensor | None, out: torch.Tensor) -> None:
-    """Raises unless `order` (if any) is contiguous int32 [H * D] on out's device with out contiguous, and
-    `model_out` (allowed only with an order) is a contiguous tensor like `out`."""
-    if order is None:
-        if model_out is not None:
-            raise ValueError("model_out is written only with an order (out is in the model's order without one)")
-        return
-    width = out.shape[1] * out.shape[2]
-    if order.shape != (width,) or order.dtype != torch.int32 or not order.is_contiguous() \
-            or order.device != out.device:
-        raise ValueError(f"order must be contiguous int32 [{width}] on {out.device}, got {order.dtype} "
-                         f"{tuple(order.shape)} on {order.device}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous to receive its rows in an order")
-    if model_out is not None and (model_out.shape != out.shape or model_out.dtype != out.dtype
-                                  or not model_out.is_contiguous() or model_out.device != out.device):
-        raise ValueError(f"model_out must be contiguous {out.dtype} {tuple(out.shape)} like out, got "
-                         f"{model_out.dtype} {tuple(model_out.shape)}")
-
-
-@triton.jit
-def store_heads(vals, out_row, model_row, order_ptr, out_stride_h, heads, offs_d, mask, head_dim,
-                ORDERED: tl.constexpr, MODEL_OUT: tl.constexpr):
-    """Stores vals [G, D], query heads `heads` of one token, into its row: at out_row[h * out_stride_h + d], or
-    with ORDERED at out_row[order_ptr[h * head_dim + d]] (the row in an act-order projection's channel order:
-    order is `QuantLinear.input_perm_inverse`) and with MODEL_OUT also at model_row[h * out_stride_h + d]."""
-    vals = vals.to(out_row.dtype.element_ty)
-    model_cols = heads[:, None] * out_stride_h + offs_d[None, :]
-    if ORDERED:
-        cols = tl.load(order_ptr + heads[:, None] * head_dim + offs_d[None, :], mask=mask, other=0)
-        tl.store(out_row + cols, vals, mask=mask)
-        if MODEL_OUT:
-            tl.store(model_row + model_cols, vals, mask=mask)
-    else:
-        tl.store(out_row + model_cols, vals, mask=mask)
 
 
 @triton.jit

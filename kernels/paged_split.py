@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from kernels.host_ints import cdiv, next_pow2
-from kernels.paged_common import store_heads
 from kernels.pdl import gpu_fence
 
 # The most programs one (sequence, KV head) is split over, and the most partial rows (splits x query
@@ -93,14 +92,14 @@ def split_range(ctx, split, num_splits, SPLIT: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def merge_partials(m_i, l_i, acc, m_ptr, l_ptr, part_ptr, lock_ptr, out_row, model_row, order_ptr, out_stride_h,
-                   head0, row0, split, active, group, head_dim, offs_d, d_mask,
+def merge_partials(m_i, l_i, acc, m_ptr, l_ptr, part_ptr, lock_ptr, out_base, out_stride_h, row0, split, active,
+                   group, head_dim, offs_d, d_mask,
                    BLOCK_S: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, ORDERED: tl.constexpr, MODEL_OUT: tl.constexpr):
+                   FENCE: tl.constexpr, NUM_THREADS: tl.constexpr):
     """Stores this chunk's partial (row max m_i, row sum l_i, unnormalized acc [G', D] of the KV group's
     query heads g < group at rows row0 + split * group + g) and bumps the counter at lock_ptr; the last
-    of the `active` chunks merges all of them in chunk order, writes query heads head0 + g of the token's
-    row (`paged_common.store_heads`) and zeroes the counter."""
+    of the `active` chunks merges all of them in chunk order, writes out_base[g * out_stride_h + d] and
+    zeroes the counter."""
     offs_g = tl.arange(0, acc.shape[0])
     rows = row0 + split * group + offs_g
     g_mask = offs_g < group
@@ -132,6 +131,6 @@ def merge_partials(m_i, l_i, acc, m_ptr, l_ptr, part_ptr, lock_ptr, out_row, mod
                         mask=sgd_mask, other=0.0, cache_modifier=".cg")                  # [S, G, D]
         merged = tl.sum(parts * w[:, :, None], axis=0) / total[:, None]                  # [G, D]
         out_mask = (g < group)[:, None] & (d < head_dim)[None, :]
-        store_heads(merged, out_row, model_row, order_ptr, out_stride_h, head0 + g, d, out_mask, head_dim,
-                    ORDERED, MODEL_OUT)
+        tl.store(out_base + g[:, None] * out_stride_h + d[None, :], merged.to(out_base.dtype.element_ty),
+                 mask=out_mask)
         tl.atomic_xchg(lock_ptr, 0, sem="relaxed", scope="gpu")

@@ -6,9 +6,8 @@ launch of its own before each projection costs a launch, and the projection's de
 read its weight ahead of it (H200, the 4-bit 8B at one token: 3.06 ms a token against 2.03 in the stored order,
 bench/results/quant_decode_act_order.json). The kernels that write x anyway (the norms, `kernels.rms_norm`; the
 SwiGLU, `kernels.silu_mul`) write it in that order instead, and also in the model's order where a LoRA launch
-reads it (its A is in the model's order). o's x comes from attention: the decode kernel writes it in o's order
-(`kernels.paged_attention`'s `order`). Where no kernel writes x so (a prefill's attention), `gather_columns`
-gathers it in a launch that lets the projection after it start reading its weight at once.
+reads it (its A is in the model's order). Where no such kernel writes x (o's x comes from attention),
+`gather_columns` gathers it in a launch that lets the projection after it start reading its weight at once.
 """
 from __future__ import annotations
 

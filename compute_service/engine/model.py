@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
-from compute_service.engine.attention import DecodeMetadata, StepMetadata, paged_attention
+from compute_service.engine.attention import StepMetadata, paged_attention
 from compute_service.engine.graph_capture import in_graph_forward
 from compute_service.engine.linear import Linear, dense_linear
 from compute_service.engine.lora_backend import LoraBackend
@@ -176,8 +176,8 @@ class LlamaModel:
         for i in range(len(self.weights.layers)):
             q = torch.empty(t, spec.num_heads, spec.head_dim, dtype=h.dtype, device=h.device)
             self.attention_in(i, pending, h, x, positions, meta.slot_mapping, kv_caches, q, lora)
-            attn, attn_o = self.attend(i, q, kv_caches, meta, lora)
-            pending = self.attention_out_mlp(i, attn, h, x, lora, attn_o)
+            attn = paged_attention(q, None, None, *kv_caches[i], meta, self.scale).reshape(t, spec.q_size)
+            pending = self.attention_out_mlp(i, attn, h, x, lora)
         out = torch.empty_like(h)
         self.final_norm(pending, h, out)
         return out
@@ -203,31 +203,9 @@ class LlamaModel:
         k_cache, v_cache = kv_caches[i]
         rope_and_cache(qkv, positions, slot_mapping, self.rope.cos, self.rope.sin, q, k_cache, v_cache, extra)
 
-    def attend(self, i: int, q: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-               meta: StepMetadata, lora: LoraBackend | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's attention of q [T, heads, D] over its cache (written by `attention_in`): (attn, o's x),
-        each [T, q]. Where o reads x in an order of its own (act-order, `Linear.input_perm`) and the step
-        decodes, the decode kernel writes o's x in that order (no gather launch before o) and attn, in the
-        model's order, only where a LoRA launch of this step reads it (else attn is not written); otherwise
-        o's x is attn. Not under tensor parallelism (a row-parallel rank reads an act-order o dense), nor with
-        LORAPLEX_ORDERED_X=0; prefill and mixed steps gather in o's call."""
-        t, o = q.shape[0], self.weights.layers[i].o
-        if not (isinstance(meta, DecodeMetadata) and self._ordered_x_on and o.input_perm is not None
-                and self.reduce_add_norm is None):
-            attn = paged_attention(q, None, None, *kv_caches[i], meta, self.scale).reshape(t, -1)
-            return attn, attn
-        from kernels.paged_attention import paged_attention_decode
-
-        attn, attn_o = torch.empty_like(q), torch.empty_like(q)
-        reads = lora is not None and "o" in lora.active_groups
-        paged_attention_decode(q, *kv_caches[i], meta.block_tables, meta.context_lens, attn_o, self.scale,
-                               order=o.input_perm_inverse, model_out=attn if reads else None)
-        return attn.view(t, -1), attn_o.view(t, -1)
-
     def attention_out_mlp(self, i: int, attn: torch.Tensor, h: torch.Tensor, x: torch.Tensor,
-                          lora: LoraBackend | None, attn_o: torch.Tensor | None = None) -> Pending:
-        """Layer i after its attention (attn [T, q]; `attn_o`: the same in o's stored channel order where the
-        attention wrote it so, `attend`): h += o; x = norm(h); returns the MLP's delta
+                          lora: LoraBackend | None) -> Pending:
+        """Layer i after its attention (attn [T, q]): h += o; x = norm(h); returns the MLP's delta
         (added to h by the next layer's `attention_in` or by `final_norm`; under tensor parallelism
         this rank's partial delta, summed over the ranks there), with its LoRA delta where that is
         still to be added (`_project`'s extra)."""
@@ -235,7 +213,7 @@ class LlamaModel:
 
         spec, lw = self.spec, self.weights.layers[i]
         local = self.reduce_add_norm is None         # o's and down's outputs reach a kernel of this rank
-        o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local, xp=attn_o)
+        o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local)
         perm, xp, model_x = self._ordered_x("gate_up", lw.gate_up, x, lora)
         sums = self._norm_sums(lw.gate_up, x, perm is not None)
         self._add_norm(o, h, lw.post_norm, xp, 0, sums, extra, perm, model_x)     # h += o; x = norm(h)
@@ -340,11 +318,10 @@ class LlamaModel:
                  and getattr(lora, "delta_first", False))
         if first and not ordered and self._ordered_x_on and linear.input_perm is not None \
                 and self.reduce_add_norm is None and linear.takes_addend(x, True):
-            # An act-order x that no kernel wrote in order (o's, from a prefill kernel's attention: a decode
-            # writes it in order, `attend`): gathered here, before the LoRA launch, so that the projection can
-            # still take the delta as its addend (its early read of x then follows two launches behind the
-            # gather). Not under tensor parallelism, where q/k/v and gate/up gather too: not measured on two
-            # GPUs yet.
+            # An act-order x that no kernel wrote in order (o's, from attention): gathered here, before the LoRA
+            # launch, so that the projection can still take the delta as its addend (its early read of x then
+            # follows two launches behind the gather). Not under tensor parallelism, where q/k/v and gate/up
+            # gather too: not measured on two GPUs yet.
             from kernels.perm import gather_columns
 
             base_x, ordered = gather_columns(x, linear.input_perm), True

@@ -89,45 +89,6 @@ def test_split_leaves_short_contexts_whole():
            num_splits=4, lens_to=[edge + 44, edge, edge + 1, 40])
 
 
-@pytest.mark.parametrize("num_splits,model_out", [(1, False), (1, True), (3, True), (3, False)])
-def test_ordered_output(num_splits, model_out):
-    """With `order` (an act-order projection's inverse permutation) each row lands in that channel order, the
-    same values as the model-order run, bit for bit, unsplit and merged from split chunks; `model_out` gets the
-    model-order row beside it, and with no model_out nothing else is written."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(7)
-    B, H, KVH, D = 3, 8, 2, 16
-    q, k, v, tables, lens = _case(B, H, KVH, D, 16, 90, torch.float32, device, gen, lens_to=[90, 1, 40])
-    split = {"num_splits": num_splits, "min_split_context": 0}
-    want = torch.empty_like(q)
-    paged_attention_decode(q, k, v, tables, lens, want, 0.25, block_n=16, **split)
-    perm = torch.randperm(H * D, generator=gen)              # stored channel j is the model's channel perm[j]
-    order = torch.argsort(perm).to(device=device, dtype=torch.int32)
-    out = torch.full_like(q, float("nan"))
-    model = torch.full_like(q, float("nan")) if model_out else None
-    paged_attention_decode(q, k, v, tables, lens, out, 0.25, block_n=16, order=order, model_out=model, **split)
-    assert torch.equal(out.view(B, -1), want.view(B, -1)[:, perm.to(device)])
-    if model_out:
-        assert torch.equal(model, want)
-
-
-def test_rejects_bad_orders():
-    q = torch.randn(2, 4, 16)
-    k = torch.randn(4, 16, 2, 16)
-    tables = torch.zeros(2, 2, dtype=torch.int32)
-    lens = torch.ones(2, dtype=torch.int32)
-    order = torch.arange(64, dtype=torch.int32)
-    with pytest.raises(ValueError, match="int32"):
-        paged_attention_decode(q, k, k.clone(), tables, lens, torch.empty_like(q), 0.25, order=order.long())
-    with pytest.raises(ValueError, match=r"\[64\]"):
-        paged_attention_decode(q, k, k.clone(), tables, lens, torch.empty_like(q), 0.25, order=order[:32])
-    with pytest.raises(ValueError, match="only with an order"):
-        paged_attention_decode(q, k, k.clone(), tables, lens, torch.empty_like(q), 0.25, model_out=q.clone())
-    with pytest.raises(ValueError, match="contiguous"):
-        paged_attention_decode(q, k, k.clone(), tables, lens, torch.empty(4, 2, 16).transpose(0, 1), 0.25,
-                               order=order)
-
-
 def test_decode_splits_rule():
     """About SPLIT_WAVES waves of programs, none past the tables' width or the merge's rows."""
     assert paged_split.SPLIT_WAVES == 3                              # the figures below are for 3 waves
