@@ -21,8 +21,8 @@ Every config's output is checked against dequantize-then-matmul in fp32 (rel err
 With --after-norm each launch follows an RMSNorm launch that writes its x (and, where the config reads them, x's
 slice sums, as the engine's norms and SwiGLU do), and a config's time is that pair's less the norm's alone: a
 kernel that copies weights before its wait then overlaps a short kernel, as in a decode step, not a launch of
-itself (docs/quantization.md, "Tried at 32-256 rows"); without it the pair-codes tiles' times include their own
-launch for the sums. (The bf16, dense-path and --compare figures stay plain launches either way.)
+itself (docs/quantization-performance.md, "Tried at 32-256 rows"); without it the pair-codes tiles' times include
+their own launch for the sums. (The bf16, dense-path and --compare figures stay plain launches either way.)
 
 With --defer (one row; implies --after-norm) every launch that splits K leaves its partials (`defer_split`, as the
 engine's projections do) and a reader sums them after it, as in a decode step: SwiGLU (`kernels.silu_mul`) after

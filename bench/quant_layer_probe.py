@@ -1,6 +1,6 @@
 """Whether one persistent launch a decode step could stream a 4-bit 8B's weights faster than a chain of launches.
 
-Issue 16's batch-1 goals leave ~40 us a layer; the engine takes ~54 (docs/quantization.md, "What the batch-1
+Issue 16's batch-1 goals leave ~40 us a layer; the engine takes ~54 (docs/quantization-performance.md, "What the batch-1
 goals need"). The one way left on paper is a persistent kernel: every program stays resident for the whole
 step, the phases of a layer are separated by grid barriers instead of launch boundaries, and programs that have
 nothing to do in a phase (a norm runs on one program, the attention on eight) read the next projection's first

@@ -18,7 +18,7 @@ For each case it decodes a few warm-up steps, then profiles `--steps` engine ste
 Under the profiler the host runs slower, so gaps are larger than in an unprofiled run: compare cases
 and modes with each other, not with bench/multi_lora.py's figures. Nor is a profiled step the graph's replay
 on the device: a one-row norm split over 16 programs made a layer 1.6 us shorter here and the unprofiled
-step 0.04 ms longer (docs/quantization.md, "Inline LoRA at one token"); decide small effects by A/B runs of
+step 0.04 ms longer (docs/quantization-performance.md, "Inline LoRA at one token"); decide small effects by A/B runs of
 bench/quant_decode.py, and read traces for where the time goes.
 
     python3 bench/step_profile.py --cases base:1,distinct_r16_qkv:32 [--no-async-scheduling] [--out p.json]

@@ -28,7 +28,8 @@ class QuantMatmulConfig:
     tma_stages: int = 0         # one row on the float16-pairs path: > 0 reads the words by TMA through that many
                                 # pipeline stages (`kernels.quant_gemv_tma`; sm_90+, else the register-set kernel);
                                 # 2+ rows on the pair-codes path: the same, a half block a stage
-                                # (`kernels.quant_mma_tma`; not picked: H200, no rule won, docs/quantization.md)
+                                # (`kernels.quant_mma_tma`; not picked: H200, no rule won,
+                                # docs/quantization-performance.md)
     scales_ahead: bool = False  # with tma_stages: each block's scales and offsets read a block ahead
     ring: int = 0               # 2-32 rows on the pair-codes path, bfloat16 x, sm_90+: > 0 runs the asynchronous-dot
                                 # kernel (`kernels.quant_wgmma`: block_n 64, or 128 on two warpgroups; block_m 8 /

@@ -27,16 +27,16 @@ own, a ring of NX slots holding NX - 2 halves ahead (one barrier a half block wh
 ring's slots apart: Triton 3.9; two with 3.6). 1 is the default: every variant passes its GPU tests, and
 over the 8B shapes at 1-64 rows the best configuration with 1 was the fastest of all in 14 of 20 cases and
 beat 0's in 18 (q/k/v at 16 rows and down at 8: 1.5-2% behind); 2 was 5-9% faster on down at 1 and 8 rows
-(docs/quantization.md).
+(docs/quantization-performance.md).
 DEQ (tiles of 128 or 256 rows, `DEQ_ROWS`: pick_config's `_wide_config`, 65-383 rows of gate/up): three
 accumulators of 128+ rows do not fit the registers (688 bytes of spills at 128 rows), so each half block's weights
 go into the operand dequantized, (128 + q) * s + (o - 128 s) in fp32 rounded to bfloat16 once (the dense path's
 rounding), and one accumulator chains every dot; half h's dot runs while half h + 1 is dequantized, the ring
-holds the next NX - 1 halves, and x's sums are not read (docs/quantization.md, "Wide tiles at 65+ rows").
+holds the next NX - 1 halves, and x's sums are not read (docs/quantization-performance.md, "Wide tiles at 65+ rows").
 
 Written in Triton's explicit-layout dialect (`triton.experimental.gluon`), which the interpreter does not run:
 on the CPU only its compiled sm_90 code is checked (tests/kernels/test_quant_wgmma.py). Measured on an H200
-(docs/quantization.md, "Asynchronous dots at 2-32 rows").
+(docs/quantization-performance.md, "Asynchronous dots at 2-32 rows").
 """
 from __future__ import annotations
 

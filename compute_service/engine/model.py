@@ -223,7 +223,7 @@ class LlamaModel:
         perm, actp, model_act = self._ordered_x("down", lw.down, act, lora)
         # Act-order from SCATTER_MIN_TOKENS rows: the SwiGLU reads gate/up in order and scatters act in down's
         # order, and down sums act's slices in a launch of its own; below, the SwiGLU gathers its inputs to write
-        # act and its sums in one pass (docs/quantization.md, act-order).
+        # act and its sums in one pass (docs/quantization-performance.md, "Act-order").
         scatter = perm is not None and act.shape[0] >= SCATTER_MIN_TOKENS
         sums = None if scatter else self._x_sums(lw.down, act, perm is not None)
         silu_mul(gate_up, actp, sums, extra, perm, model_act, None if perm is None else lw.down.input_perm_inverse)

@@ -7,9 +7,9 @@ dequantize-then-matmul on every call: a slow reference path, for tests); `none` 
 The choice follows the files, as a user of a quantized checkpoint expects: the default SmolLM2 (GGUF
 Q4_1) runs 4-bit on the GPU. For a model that small 4-bit saves memory rather than time: its projections
 are bound by launch latency, not by their bytes, so from about 8 concurrent sequences the 16-bit library
-GEMM is faster and `--quantization none` serves it faster (figures in docs/quantization.md, "The default
+GEMM is faster and `--quantization none` serves it faster (figures in docs/quantization-performance.md, "The default
 model"); from a few GiB of weights up (the Llama-3-8B shape) 4-bit is 3.8x smaller and faster up to
-about 64 concurrent sequences (docs/quantization.md, "Engine" and "Served").
+about 64 concurrent sequences (docs/quantization-performance.md, "Engine" and "Served").
 """
 from __future__ import annotations
 
