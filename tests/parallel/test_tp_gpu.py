@@ -2,7 +2,7 @@
 and the fused all-reduce + add + RMSNorm, eager and in a graph), greedy bf16
 tokens equal one GPU's (a divergence only at a near tie of the fp32 reference), decode steps replayed
 from CUDA graphs with and without adapters; the same greedy check on a 4-bit base kept quantized, every
-shard on the quantized kernels."""
+shard on the quantized kernels, and on a GPTQ act-order 4-bit base (down in its stored order on each rank)."""
 from __future__ import annotations
 
 import json
@@ -44,3 +44,10 @@ def test_tp2_on_two_gpus(tmp_path):
     for c in v["quant_greedy"]:
         assert c["equal_prefix"] == 24 or c["gap"] < 0.02, c
     assert sum(c["equal_prefix"] for c in v["quant_greedy"]) >= 48, v
+    # GPTQ act-order: o dense on each rank, down quantized in its stored order with no perm (gate/up take it)
+    assert v["act_kinds"] == {"qkv": "QuantLinear", "o": "Linear", "gate_up": "QuantLinear", "down": "QuantLinear"}, v
+    assert all(v["act_kernels"][n] for n in ("qkv", "gate_up", "down")), v
+    assert not v["act_perms"]["down"] and v["act_perms"]["qkv"] and v["act_perms"]["gate_up"], v
+    for c in v["act_greedy"]:
+        assert c["equal_prefix"] == 24 or c["gap"] < 0.02, c
+    assert sum(c["equal_prefix"] for c in v["act_greedy"]) >= 48, v

@@ -35,6 +35,7 @@ def worker(rank: int, port: int, folder: str, results) -> None:
         engine, slots = build_rank_engine(quantized_config(folder), group)
         lw = engine.loaded.model.weights.layers[0]
         results[f"kinds{rank}"] = {n: type(getattr(lw, n)).__name__ for n in LAYER_PROJECTIONS}
+        results[f"perms{rank}"] = {n: bool(getattr(getattr(lw, n), "act_order", False)) for n in LAYER_PROJECTIONS}
         if rank:
             follow(engine.runner, slots, group)
             return
@@ -65,16 +66,19 @@ def test_tp2_quantized_logits_equal_single_process(tmp_path, kind):
         dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=4)
         folder = quantize_checkpoint(dense, tmp_path / "q", fmt="awq", group_size=16, progress=False).out
         want = {"qkv": "QuantLinear", "o": "QuantLinear", "gate_up": "QuantLinear", "down": "Linear"}
+        perms = dict.fromkeys(want, False)
     else:
         dense = save_tiny_llama(tmp_path / "dense", 4, 2, seed=4, intermediate_size=128)
         folder = quantize_checkpoint(dense, tmp_path / "q", fmt="gptq", group_size=16, symmetric=True,
                                      act_order_seed=1, progress=False).out
         want = {"qkv": "QuantLinear", "o": "Linear", "gate_up": "QuantLinear", "down": "QuantLinear"}
+        perms = {"qkv": True, "o": False, "gate_up": True, "down": False}     # down's perm taken by gate/up
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(worker, args=(free_port(), str(folder), results), nprocs=2, join=True)
         results = dict(results)
     assert not any(k.startswith("error") for k in results), results
     assert results["kinds0"] == results["kinds1"] == want
+    assert results["perms0"] == results["perms1"] == perms
     assert set(results["errs"]) == set(REQUESTS) and max(results["errs"].values()) < TOL, results["errs"]
     assert results["fingerprints"][0] == results["fingerprints"][1]

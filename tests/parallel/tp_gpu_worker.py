@@ -1,6 +1,7 @@
 """Run by `torchrun --nproc-per-node 2` (see test_tp_gpu.py): NCCL all-reduce correctness, then TP=2
 bf16 greedy decoding with CUDA graphs against one GPU, near-tie aware against an fp32 reference, on a
-dense and on a 4-bit base kept quantized.
+dense base, on a 4-bit base kept quantized, and on a GPTQ act-order 4-bit base (down's stored order taken by
+gate/up on each rank, `sharded_source`'s `order_mlp`).
 Rank 0 writes a JSON verdict to the path in argv[1]."""
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def main(out_path: str) -> None:
     dense = against_one_process(group, EngineConfig(model=folder, device="cuda", dtype="bfloat16", block_size=16,
                                                     max_num_seqs=8, kv_cache_bytes=64 * 2**20, max_loras=4))
     quant = against_one_process(group, quantized_config(group, Path(out_path).parent))
+    act = against_one_process(group, quantized_config(group, Path(out_path).parent, act_order=True))
     if rank == 0:
         verdict.update(greedy=dense["greedy"], graph_steps=dense["graph_steps"],
                        lora_graph_steps=dense["lora_graph_steps"], quant_kinds=quant["kinds"],
-                       quant_kernels=quant["kernels"], quant_greedy=quant["greedy"])
+                       quant_kernels=quant["kernels"], quant_greedy=quant["greedy"], act_kinds=act["kinds"],
+                       act_kernels=act["kernels"], act_greedy=act["greedy"], act_perms=act["perms"])
         Path(out_path).write_text(json.dumps(verdict, indent=1))
     _close(group)
 
@@ -59,8 +62,9 @@ def against_one_process(group, cfg: EngineConfig) -> dict:
     lw = engine.loaded.model.weights.layers[0]
     kinds = {n: type(getattr(lw, n)).__name__ for n in LAYER_PROJECTIONS}
     kernels = {n: bool(getattr(getattr(lw, n), "use_kernel", False)) for n in kinds}
+    perms = {n: bool(getattr(getattr(lw, n), "act_order", False)) for n in kinds}     # x read in an order
     greedy = greedy_against_one_process(engine, cfg)
-    return dict(kinds=kinds, kernels=kernels, greedy=greedy, graph_steps=engine.runner.num_graph_steps,
+    return dict(kinds=kinds, kernels=kernels, perms=perms, greedy=greedy, graph_steps=engine.runner.num_graph_steps,
                 lora_graph_steps=engine.runner.num_lora_graph_steps)
 
 
@@ -99,16 +103,22 @@ def greedy_against_one_process(engine, cfg: EngineConfig) -> list[dict]:
     return checks
 
 
-def quantized_config(group, tmp: Path) -> EngineConfig:
+def quantized_config(group, tmp: Path, act_order: bool = False) -> EngineConfig:
     """A 4-bit checkpoint (groups of 32, `loraplex quantize`'s AWQ layout, written by rank 0) kept quantized:
     under TP=2 every shard of every projection stays quantized (a row-parallel rank holds 32 | 64 in
-    features: whole groups) and runs the quantized kernels."""
+    features: whole groups) and runs the quantized kernels. With `act_order`, GPTQ with its channels in a
+    random order: o's shards are dense (its channels are spread over every group), down's stored columns of
+    each rank's 64 intermediate features stay quantized with no perm, gate's and up's rows in their order."""
     from compute_service.engine.quant_formats.export import quantize_checkpoint
 
     folder = None
     if group.rank == 0:
         dense = save_tiny_llama(tmp / "q_dense", 8, 2, seed=6, intermediate_size=128)
-        folder = str(quantize_checkpoint(dense, tmp / "q_awq", fmt="awq", group_size=32, progress=False).out)
+        if act_order:
+            folder = str(quantize_checkpoint(dense, tmp / "q_gptq_act_order", fmt="gptq", group_size=32,
+                                             symmetric=True, act_order_seed=1, progress=False).out)
+        else:
+            folder = str(quantize_checkpoint(dense, tmp / "q_awq", fmt="awq", group_size=32, progress=False).out)
     return EngineConfig(model=group.broadcast_object(folder), device=group.device.type, dtype="bfloat16",
                         block_size=16, max_num_seqs=8, kv_cache_bytes=64 * 2**20, max_loras=4, quantization="keep")
 
