@@ -32,7 +32,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, 
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
                          SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False, part_stride=0,
                          NPARTS: tl.constexpr = 0, perm_ptr=None, PERM: tl.constexpr = False, model_out_ptr=None,
-                         MODEL_OUT: tl.constexpr = False, SCATTER: tl.constexpr = False):
+                         MODEL_OUT: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -50,13 +50,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, 
     if PERM:            # out in the projection's stored channel order, model_out (if any) in the model's
         if MODEL_OUT:
             tl.store(model_out_ptr + t * H + offs, y, mask=mask)
-        if SCATTER:     # perm is the inverse (each model channel's stored position): no exchange in the program
-            tl.store(out_ptr + t * H + perm, y, mask=mask)
-        else:
-            y = tl.where(mask, tl.gather(y, perm, 0), 0.0).to(y.dtype)
-            tl.store(out_ptr + t * H + offs, y, mask=mask)
-    else:
-        tl.store(out_ptr + t * H + offs, y, mask=mask)
+        y = tl.where(mask, tl.gather(y, perm, 0), 0.0).to(y.dtype)
+    tl.store(out_ptr + t * H + offs, y, mask=mask)
     if SUMS:            # SUMS: the slices' width
         store_slice_sums(y, sums_ptr, t * (H // SUMS), H // SUMS, SUMS)
 
@@ -72,7 +67,6 @@ def add_rms_norm(
     extra: torch.Tensor | None = None,          # [T, H] contiguous like x: added to x first
     perm: torch.Tensor | None = None,           # [H] int32: out in this channel order (a projection's act-order)
     model_out: torch.Tensor | None = None,      # [T, H]: with perm, also receives the output in the model's order
-    perm_inverse: torch.Tensor | None = None,   # [H] int32: perm's inverse, for a store without the exchange
 ) -> None:
     """Semantics:
         x = x + extra if extra is not None                         (model dtype, as torch adds them)
@@ -95,10 +89,6 @@ def add_rms_norm(
     width = slice_width(sums, T, H)
     check_extra(extra, x, "x", contiguous=True)
     check_perm(perm, model_out, out, H)
-    scatter = perm is not None and perm_inverse is not None and sums is None
-    if scatter:
-        check_perm(perm_inverse, None, out, H)
-        perm = perm_inverse
     if T == 0:
         return
     pdl = extra_pdl(x.device, extra)
@@ -115,4 +105,4 @@ def add_rms_norm(
                                part_stride=part_stride, NPARTS=nparts,
                                perm_ptr=perm if perm is not None else out, PERM=perm is not None,
                                model_out_ptr=model_out if model_out is not None else out,
-                               MODEL_OUT=model_out is not None, SCATTER=scatter, **launch_args(pdl))
+                               MODEL_OUT=model_out is not None, **launch_args(pdl))

@@ -194,12 +194,10 @@ class LlamaModel:
         spec, lw = self.spec, self.weights.layers[i]
         perm, xp, model_x = self._ordered_x("qkv", lw.qkv, x, lora)
         sums = self._norm_sums(lw.qkv, x, perm is not None)
-        inverse = None if perm is None else lw.qkv.input_perm_inverse
         if pending is None:
-            add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, xp, sums=sums, perm=perm, model_out=model_x,
-                         perm_inverse=inverse)
+            add_rms_norm(h, None, lw.input_norm, spec.rms_norm_eps, xp, sums=sums, perm=perm, model_out=model_x)
         else:
-            self._add_norm(pending[0], h, lw.input_norm, xp, 1, sums, pending[1], perm, model_x, inverse)
+            self._add_norm(pending[0], h, lw.input_norm, xp, 1, sums, pending[1], perm, model_x)
         qkv, extra = self._project(i, "qkv", lw.qkv, x, lora, [spec.q_size, spec.kv_size, spec.kv_size], sums,
                                    defer=True, xp=xp)
         k_cache, v_cache = kv_caches[i]
@@ -218,8 +216,7 @@ class LlamaModel:
         o, extra = self._project(i, "o", lw.o, attn, lora, [spec.hidden_size], defer=local)
         perm, xp, model_x = self._ordered_x("gate_up", lw.gate_up, x, lora)
         sums = self._norm_sums(lw.gate_up, x, perm is not None)
-        inverse = None if perm is None else lw.gate_up.input_perm_inverse
-        self._add_norm(o, h, lw.post_norm, xp, 0, sums, extra, perm, model_x, inverse)     # h += o; x = norm(h)
+        self._add_norm(o, h, lw.post_norm, xp, 0, sums, extra, perm, model_x)     # h += o; x = norm(h)
         gate_up, extra = self._project(i, "gate_up", lw.gate_up, x, lora, [spec.intermediate_size] * 2, sums,
                                        defer=True, xp=xp)
         act = torch.empty(h.shape[0], spec.intermediate_size, dtype=h.dtype, device=h.device)
@@ -274,8 +271,7 @@ class LlamaModel:
 
     def _add_norm(self, delta: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                   slot: int, sums: torch.Tensor | None = None, extra: torch.Tensor | None = None,
-                  perm: torch.Tensor | None = None, model_out: torch.Tensor | None = None,
-                  perm_inverse: torch.Tensor | None = None) -> None:
+                  perm: torch.Tensor | None = None, model_out: torch.Tensor | None = None) -> None:
         """h += delta + extra (delta summed over the ranks under tensor parallelism, where there is no extra);
         out = norm(h) * weight, and `sums` (if any) out's slice sums (`kernels.rms_norm.add_rms_norm`; `perm`,
         `model_out`: out in a projection's channel order, `_ordered_x`)."""
@@ -287,7 +283,7 @@ class LlamaModel:
             assert perm is None, "the all-reduce + norm writes x in the model's order"
             self.reduce_add_norm(delta, h, weight, self.spec.rms_norm_eps, out, slot)
             return
-        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h, sums, extra, perm, model_out, perm_inverse)
+        add_rms_norm(delta, h, weight, self.spec.rms_norm_eps, out, h, sums, extra, perm, model_out)
 
     def _project(self, i: int, group: str, linear: Linear, x: torch.Tensor, lora: LoraBackend | None,
                  widths: list[int], x_sums: torch.Tensor | None = None, defer: bool = False,
