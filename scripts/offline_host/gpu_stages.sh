@@ -294,7 +294,7 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
         dir=.; [ "$t" = ab_tree ] && dir=ab_tree
         (cd "$dir" && python3 bench/quant_decode.py --batches "${BATCHES:-8,32,64}" ${AB_ARGS:-} \
           --commit "$([ "$t" = tree ] && echo "$commit" || echo ab_tree)" \
-          --out "$abs_out/quant_decode_${t}_$round.json") 2>&1 | grep -E "tpot|T= |rror" | tail -16 \
+          --out "$abs_out/quant_decode_${t}_$round.json") 2>&1 | grep -E "tpot|T= |rror" | tail -40 \
           | sed "s/^/$t $round: /" | tee -a "$out/$stage.log"
       done
     done ;;
