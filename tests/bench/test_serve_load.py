@@ -83,16 +83,16 @@ def test_workloads_assign_adapters_and_poisson_arrivals_grow():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steps", ["plain", "quantized", "sampled"])
+@pytest.mark.parametrize("steps", ["plain", "quantized_sampled"])
 def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path, steps):
-    """"plain": the CPU's default steps; "quantized": both sides on a 4-bit GPTQ act-order copy of the tiny model
-    (--quantize-bits, kept quantized, each input's channels in a random order); "sampled": every request with a
-    temperature and top-p, on overlapped steps (--async-scheduling, as a GPU serves by default), both sides."""
+    """"plain": the CPU's default steps; "quantized_sampled": both sides on a 4-bit GPTQ act-order copy of the tiny
+    model (--quantize-bits, kept quantized, each input's channels in a random order), every request with a
+    temperature and top-p, on overlapped steps (--async-scheduling, as a GPU serves by default)."""
     out = tmp_path / "serve_load.json"
     flags = {"plain": [],
-             "quantized": ["--quantize-bits", "4", "--quantize-group-size", "32", "--quantization", "keep",
-                           "--quantize-format", "gptq", "--act-order-seed", "1"],
-             "sampled": ["--async-scheduling", "--temperature", "0.8", "--top-p", "0.9"]}[steps]
+             "quantized_sampled": ["--quantize-bits", "4", "--quantize-group-size", "32", "--quantization", "keep",
+                                   "--quantize-format", "gptq", "--act-order-seed", "1",
+                                   "--async-scheduling", "--temperature", "0.8", "--top-p", "0.9"]}[steps]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--smoke", "--out", str(out), *flags],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -100,9 +100,10 @@ def test_smoke_run_serves_every_case_and_compares_with_the_engine(tmp_path, step
     assert res["errors"] == [] and res["served_exit_code"] == 0
     assert "model_s" in res["served_start_stages"] and res["served_start_stages"]["compute_serving_s"] > 0
     assert res["flags"]["output_len"] == 8 and len(res["adapters"]) == 4
-    assert (res["flags"]["temperature"], res["flags"]["top_p"]) == ((0.8, 0.9) if steps == "sampled" else (0.0, 1.0))
-    assert res["flags"]["async_scheduling"] is (True if steps == "sampled" else None)
-    if steps == "quantized":
+    sampled = steps == "quantized_sampled"
+    assert (res["flags"]["temperature"], res["flags"]["top_p"]) == ((0.8, 0.9) if sampled else (0.0, 1.0))
+    assert res["flags"]["async_scheduling"] is (True if sampled else None)
+    if sampled:
         assert res["model"].endswith("model-w4g32-gptq-ao1") and res["quantized_from"].endswith("tiny-model")
         assert json.loads((Path(res["model"]) / "config.json").read_text())["quantization_config"]["desc_act"]
     assert res["first_request"]["output_tokens"] == 8 and res["adapters_first_use"]["num_requests"] == 4
