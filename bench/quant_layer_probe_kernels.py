@@ -180,10 +180,12 @@ def _spin(ptr, target, NT: tl.constexpr):
 
 
 @triton.jit
-def _cta_sync(NT: tl.constexpr):
-    """`bar.sync 0` in assembly (the compiler's own barrier stops it software-pipelining the loop around it)."""
-    tl.inline_asm_elementwise("bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [tl.arange(0, NT)], dtype=tl.int32,
-                              is_pure=False, pack=1)
+def _cta_sync(on, NT: tl.constexpr):
+    """`bar.sync 0` where `on` (the same in every thread) is nonzero, in assembly (the compiler's own barrier
+    stops it software-pipelining the loop around it)."""
+    lane = tl.arange(0, NT)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p bar.sync 0; mov.b32 $0, $1; }", "=r,r,r",
+                              [lane, on + lane * 0], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -213,25 +215,19 @@ def _layers_flat(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
         e1 = e0 + n1
         e2 = e1 + n2
         T = e2 + n3
-        rows = tl.arange(0, BN)
-        cols = tl.arange(0, 32)
+        UW: tl.constexpr = BN * 32                 # a unit's words, contiguous: unit u of a weight at u * UW
+        tile = tl.arange(0, BN)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        j = 0                                      # the unit's place in its layer (carried: no division)
+        layer = 0
+        base = w_ptr                               # its layer's first word
         for it in tl.range(0, L * T, num_stages=STAGES):
-            layer = it // T
-            j = it - layer * T
             phase = (j >= e0).to(tl.int32) + (j >= e1).to(tl.int32) + (j >= e2).to(tl.int32)
             i = j - tl.where(phase == 0, 0, tl.where(phase == 1, e0, tl.where(phase == 2, e1, e2)))
-            W = tl.where(phase == 0, W0, tl.where(phase == 1, W1, tl.where(phase == 2, W2, W3)))
-            C = W // 32
             off = tl.where(phase == 0, 0, tl.where(phase == 1, O1, tl.where(phase == 2, O2, O3)))
-            u = pid + i * P
-            tile = u // C
-            chunk = u - tile * C
-            ptrs = (w_ptr + layer * LW + off + (tile * BN + rows).to(tl.int64)[:, None] * W + chunk * 32
-                    + cols[None, :])
-            words = tl.load(ptrs).to(tl.float32, bitcast=True)
+            words = tl.load(base + off + (pid + i * P).to(tl.int64) * UW + tile).to(tl.float32, bitcast=True)
             if BARRIER:
                 opens = i == 0
-                _cta_sync(NT)       # the program's work before the arrival is done (its stores, in a real kernel)
+                _cta_sync(opens.to(tl.int32), NT)   # the program's work before the arrival is done (its stores)
                 tl.atomic_add(bar_ptr, 1, mask=opens & ((layer > 0) | (phase > 0)), sem="release", scope="gpu")
                 if SMALL:       # after a small phase (before q/k/v, o, gate/up): the small programs' count
                     small = phase < 3
@@ -242,6 +238,11 @@ def _layers_flat(w_ptr, kv_ptr, out_ptr, tot_ptr, bar_ptr, P, L,
                     ptr = bar_ptr
                 target = tl.where(opens, target, 0)
                 gave_up = gave_up | (_spin(ptr, target, NT) < target)
+            j += 1
+            wrap = j == T
+            base += tl.where(wrap, LW, 0)
+            layer += wrap.to(tl.int32)
+            j = tl.where(wrap, 0, j)
             acc += words
     else:
         q = pid - P
