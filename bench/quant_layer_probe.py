@@ -20,7 +20,9 @@ words summed as floats, as in bench/quant_gemv_probe.py), over 32 layers of the 
   barriers      the barriers (and small phases) alone, no words;
   pipelined     one launch whose streaming programs (one an SM) run a single loop over all their units of the
                 step, software-pipelined `depth` - 1 units ahead through shared memory, so that the next phase's
-                words are in flight across the barrier; the small phases run on programs of their own.
+                words are in flight across the barrier; the small phases run on programs of their own. Its units
+                are read as contiguous blocks (unit u of a weight at u times a unit's words), addressed with no
+                division.
 
 Each runs without and with "small" phases, three a layer where few programs work (a norm: one program reads
 8 KB; the attention: eight programs read 256 KB each, 512 tokens of a KV head; the second norm), as in a real

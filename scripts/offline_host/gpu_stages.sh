@@ -257,10 +257,11 @@ print({x: d[x] for x in sorted(d) if x not in ('hash', 'name', 'target', 'shared
       -o -name "*.llir" -delete -o -name "*.ttgir" -delete 2>/dev/null ;;
   layer-probe-pipelined)      # the pipelined structure over its stages, beside the best chain and barrier configs
     timeout 250 python3 bench/quant_layer_probe.py --commit "$commit" --modes pipelined \
-      --configs "1,128,8,16,0,0;1,128,4,16,0,0;1,64,12,8,0,0;1,64,8,8,0,0;1,128,12,16,0,0" \
+      --configs "1,128,8,16,0,0;1,128,4,16,0,0;1,64,8,8,0,0;2,64,8,8,0,0;1,128,12,16,0,0;1,128,8,32,0,0;\
+2,128,4,16,0,0" \
       --out "$out/quant_layer_probe_pipelined.json" 2>&1 | tail -40 | tee "$out/$stage.log"
     timeout 200 python3 bench/quant_layer_probe.py --commit "$commit" --modes launches_early,preload_split,stream \
-      --configs "4,64,2,8,0,2;1,128,4,16,0,4" --out "$out/quant_layer_probe_pipelined_base.json" 2>&1 | tail -20 \
+      --configs "4,64,2,8,0,2;1,128,4,32,0,4" --out "$out/quant_layer_probe_pipelined_base.json" 2>&1 | tail -20 \
       | tee -a "$out/$stage.log" ;;
   layer-probe)
     timeout 500 python3 bench/quant_layer_probe.py --commit "$commit" --out "$out/quant_layer_probe.json" 2>&1 \
