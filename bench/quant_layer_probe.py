@@ -63,18 +63,18 @@ def shapes(smoke: bool) -> list[tuple[int, int]]:
     return [(n, k // 8) for n, k in SHAPES_8B.values()]
 
 
-def small_sizes(smoke: bool) -> tuple[int, int, int]:
-    return (1024, 2, 2048) if smoke else (NORM_WORDS, ATTN_PROGRAMS, ATTN_WORDS)
+def small_sizes(smoke: bool, attn_words: int) -> tuple[int, int, int]:
+    return (1024, 2, 2048) if smoke else (NORM_WORDS, ATTN_PROGRAMS, attn_words)
 
 
 class Step:
     """One step's buffers and its launches for a mode and config."""
 
-    def __init__(self, dev: torch.device, layers: int, smoke: bool):
+    def __init__(self, dev: torch.device, layers: int, smoke: bool, attn_words: int = ATTN_WORDS):
         self.dev, self.layers, self.smoke = dev, layers, smoke
         self.shapes = shapes(smoke)
         self.layer_words = sum(n * w for n, w in self.shapes)
-        self.norm_w, self.attn_p, self.attn_w = small_sizes(smoke)
+        self.norm_w, self.attn_p, self.attn_w = small_sizes(smoke, attn_words)
         self.kv_words = 2 * self.norm_w + self.attn_p * self.attn_w
         # randn floats seen as words: the sums stay finite; one spare layer for the last preload
         self.w = torch.randn((layers + 1) * self.layer_words, device=dev).view(torch.int32)
@@ -192,13 +192,16 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1), no barriers")
+    ap.add_argument("--attn-words", type=int, default=ATTN_WORDS,
+                    help="words each attention program reads a layer (a multiple of 1024; default %(default)s, a KV "
+                         "head's 512 tokens; 12288 is ~96 tokens, the engine benchmark's mean context)")
     ap.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
     ap.add_argument("--configs", default="", help="semicolon-separated per_sm,block_n,depth,warps,poll,early_units "
                     "(pipelined: depth is the stages)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     layers = 2 if args.smoke else args.layers
-    step = Step(dev, layers, args.smoke)
+    step = Step(dev, layers, args.smoke, args.attn_words)
     sms = 4 if args.smoke else torch.cuda.get_device_properties(dev).multi_processor_count
     bw = None if args.smoke else copy_bandwidth(dev, 2**31)
     res: dict = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(dev), "commit": args.commit,
