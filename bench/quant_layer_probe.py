@@ -186,6 +186,44 @@ def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int,
     return None
 
 
+def per_projection(step: Step, programs: int, bn: int, depth: int, warps: int, pre: int, out: torch.Tensor,
+                   tot: torch.Tensor) -> dict:
+    """Each projection's loads alone in a chain like the engine's, µs a layer: per layer a one-program norm launch
+    (8 KB) then the projection's launch (its first `pre` units read before its wait), less the norms alone, so
+    each figure is the projection's time from the end of the launch that writes its x (the engine trace's
+    `from_x_us`, bench/step_profile.py)."""
+    pdl = launch_args(step.dev.type == "cuda")
+    offs = step.starts()
+
+    def graph_us(fns: list) -> float:
+        for f in fns:
+            f()
+        if step.dev.type != "cuda":
+            return 0.0
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in fns:
+                f()
+        return median_replay_ms(g, 10) * 1e3
+
+    def norm(layer: int):
+        at = layer * step.kv_words
+        return lambda: _one_small[(1,)](step.kv[at:], tot, 1, step.norm_w, num_warps=4, **pdl)
+
+    def proj(layer: int, i: int):
+        (n, w), at = step.shapes[i], layer * step.layer_words + offs[i]
+        return lambda: _one_phase[(programs,)](step.w[at:], out, programs, n, w, BN=bn, D=depth, PRE=pre,
+                                               num_warps=warps, **pdl)
+
+    norms = graph_us([norm(layer) for layer in range(step.layers)])
+    res = {"norms_us": norms / step.layers}
+    for i, name in enumerate(SHAPES_8B):
+        fns = [f for layer in range(step.layers) for f in (norm(layer), proj(layer, i))]
+        res[name] = (graph_us(fns) - norms) / step.layers
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -196,6 +234,8 @@ def main() -> None:
                     help="words each attention program reads a layer (a multiple of 1024; default %(default)s, a KV "
                          "head's 512 tokens; 12288 is ~96 tokens, the engine benchmark's mean context)")
     ap.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
+    ap.add_argument("--per-projection", action="store_true",
+                    help="instead of the modes: each projection's loads alone after a norm, µs a layer (per_projection)")
     ap.add_argument("--configs", default="", help="semicolon-separated per_sm,block_n,depth,warps,poll,early_units "
                     "(pipelined: depth is the stages)")
     args = ap.parse_args()
@@ -216,6 +256,17 @@ def main() -> None:
         (1, 128, 4, 16, 0, 8), (1, 128, 4, 16, 2, 8), (1, 128, 4, 32, 0, 8)]
     if args.configs:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
+    if args.per_projection:
+        res["per_projection"] = []
+        for per_sm, bn, depth, warps, _, pre in configs:
+            out = torch.zeros(sms * per_sm * bn, device=dev)
+            tot = torch.zeros(1, device=dev)
+            row = dict(programs_per_sm=per_sm, block_n=bn, depth=depth, warps=warps, early_units=pre,
+                       **per_projection(step, sms * per_sm, bn, depth, warps, pre, out, tot))
+            res["per_projection"].append(row)
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        args.out.write_text(json.dumps(res, indent=1))
+        return
     for per_sm, bn, depth, warps, poll, pre in configs:
         programs = sms * per_sm
         for small in (False, True):

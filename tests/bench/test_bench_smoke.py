@@ -201,6 +201,19 @@ def test_quant_layer_probe_smoke(tmp_path):
     assert {(c["mode"], c["small"]) for c in cases} == {(m, s) for m in modes for s in (False, True)}
 
 
+def test_quant_layer_probe_per_projection_smoke(tmp_path):
+    """--per-projection: each projection's loads after a norm, a figure per projection (the norms' own time too)."""
+    out = tmp_path / "per.json"
+    proc = subprocess.run([sys.executable, "bench/quant_layer_probe.py", "--smoke", "--per-projection", "--out",
+                           str(out)], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert "cases" in res and res["cases"] == []
+    (row,) = res["per_projection"]
+    assert set(row) >= {"norms_us", "qkv", "o", "gate_up", "down", "block_n", "early_units"}
+
+
 @pytest.mark.parametrize("after_norm", [False, True])
 def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
     """The kernel sweep's configs at 16 rows run and match the fp32 reference; with --after-norm x is what an
