@@ -286,3 +286,24 @@ def test_lora_step_sweep_smoke(tmp_path):
             assert (launch, kernel, "default") in timed and (launch, kernel, "BLOCK_R=16" if kernel == "expand"
                                                              else "warps=2") in timed
     assert all("us" in r or "error" in r for r in rows) and len(rows) == 4 * (5 + 7)
+
+
+def test_one_row_config_ab_replaces_only_the_named_shapes_one_row_choice(monkeypatch):
+    """bench/one_row_config_ab.py: the named 8B shape's one-row config takes the given fields (and its split partials
+    and sums follow, as the engine asks pick_config each call); other rows and shapes keep pick_config's choice."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("one_row_config_ab", ROOT / "bench" / "one_row_config_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    qm = mod.quant_matmul
+    monkeypatch.setattr(qm, "pick_config", qm.pick_config)         # undone after the test
+    before = {t: qm.pick_config(t, 28672, 4096, 4, 132, 128) for t in (1, 8)}
+    down = qm.pick_config(1, 4096, 14336, 4, 132, 128)
+    mod.patch(mod.parse("gate_up=64,16,0,8"))
+    got = qm.pick_config(1, 28672, 4096, 4, 132, 128)
+    assert (got.block_n, got.split_k, got.tma_stages, got.num_warps) == (64, 16, 0, 8)
+    assert got.pair_codes == before[1].pair_codes                  # the rest of the choice kept
+    assert qm.pick_config(8, 28672, 4096, 4, 132, 128) == before[8]
+    assert qm.pick_config(1, 4096, 14336, 4, 132, 128) == down
+    with pytest.raises(SystemExit):
+        mod.parse("lm_head=64,1,0")
