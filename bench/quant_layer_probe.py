@@ -50,7 +50,7 @@ from quant_kernel_sweep import SHAPES_8B  # noqa: E402
 from kernels.pdl import launch_args  # noqa: E402
 from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from quant_layer_probe_kernels import (ATTN_PROGRAMS, ATTN_WORDS, NORM_WORDS, _layers, _layers_flat,  # noqa: E402
-                                       _one_phase, _one_small)
+                                       _one_phase, _one_small, _one_tile)
 
 MODES = ("launches", "launches_early", "persistent", "preload", "preload_split", "stream", "barriers", "pipelined")
 PERSISTENT = ("persistent", "preload", "preload_split", "barriers", "pipelined")
@@ -187,11 +187,12 @@ def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int,
 
 
 def per_projection(step: Step, programs: int, bn: int, depth: int, warps: int, pre: int, out: torch.Tensor,
-                   tot: torch.Tensor) -> dict:
+                   tot: torch.Tensor, grids: dict | None = None) -> dict:
     """Each projection's loads alone in a chain like the engine's, µs a layer: per layer a one-program norm launch
     (8 KB) then the projection's launch (its first `pre` units read before its wait), less the norms alone, so
     each figure is the projection's time from the end of the launch that writes its x (the engine trace's
-    `from_x_us`, bench/step_profile.py)."""
+    `from_x_us`, bench/step_profile.py). `grids` ({name: (block_n, split, warps)}): those projections read as the
+    engine's one-row kernels take them (`_one_tile`, its first `pre` blocks before the wait) instead."""
     pdl = launch_args(step.dev.type == "cuda")
     offs = step.starts()
 
@@ -213,15 +214,43 @@ def per_projection(step: Step, programs: int, bn: int, depth: int, warps: int, p
 
     def proj(layer: int, i: int):
         (n, w), at = step.shapes[i], layer * step.layer_words + offs[i]
+        name = list(SHAPES_8B)[i]
+        if grids and name in grids:
+            gbn, split, gwarps = grids[name]
+            return lambda: _one_tile[(n // gbn, split)](step.w[at:], out, n, w, BN=gbn, SPLIT=split, PRE=pre,
+                                                        num_warps=gwarps, **pdl)
         return lambda: _one_phase[(programs,)](step.w[at:], out, programs, n, w, BN=bn, D=depth, PRE=pre,
                                                num_warps=warps, **pdl)
+
+    def read_all(i: int) -> None:
+        """Every word of projection i, in every layer, read once (the launches' sums against the words')."""
+        (n, w), words = step.shapes[i], step.w[:step.layers * step.layer_words].view(step.layers, -1)
+        want = words[:, offs[i]:offs[i] + n * w].view(torch.float32).double().sum()
+        out.zero_()
+        for layer in range(step.layers):
+            proj(layer, i)()
+        got = out.double().sum()
+        assert torch.allclose(got, want, rtol=1e-3, atol=1.0), f"{list(SHAPES_8B)[i]}: read {got}, words {want}"
 
     norms = graph_us([norm(layer) for layer in range(step.layers)])
     res = {"norms_us": norms / step.layers}
     for i, name in enumerate(SHAPES_8B):
+        read_all(i)
         fns = [f for layer in range(step.layers) for f in (norm(layer), proj(layer, i))]
         res[name] = (graph_us(fns) - norms) / step.layers
     return res
+
+
+def engine_grids(step: Step, sms: int) -> dict:
+    """{name: (block_n, split, warps)}: pick_config's one-row choice for each 8B shape (the smoke run's shapes are
+    smaller; their grids are scaled to fit)."""
+    from kernels.quant_matmul import pick_config
+
+    grids = {}
+    for (name, (n, k)), (sn, sw) in zip(SHAPES_8B.items(), step.shapes):
+        cfg = pick_config(1, n, k, 4, sms, 128)
+        grids[name] = (min(cfg.block_n, sn), max(1, min(cfg.split_k, sw // 32)), cfg.num_warps)
+    return grids
 
 
 def main() -> None:
@@ -236,6 +265,9 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
     ap.add_argument("--per-projection", action="store_true",
                     help="instead of the modes: each projection's loads alone after a norm, µs a layer (per_projection)")
+    ap.add_argument("--engine-grids", action="store_true",
+                    help="with --per-projection: also each projection read on pick_config's one-row grid (block_n, "
+                         "split, warps), loads only")
     ap.add_argument("--configs", default="", help="semicolon-separated per_sm,block_n,depth,warps,poll,early_units "
                     "(pipelined: depth is the stages)")
     args = ap.parse_args()
@@ -259,12 +291,19 @@ def main() -> None:
     if args.per_projection:
         res["per_projection"] = []
         for per_sm, bn, depth, warps, _, pre in configs:
-            out = torch.zeros(sms * per_sm * bn, device=dev)
+            out = torch.zeros(max(sms * per_sm * bn, max(n for n, _ in step.shapes)), device=dev)   # `_one_tile`: a row
             tot = torch.zeros(1, device=dev)
             row = dict(programs_per_sm=per_sm, block_n=bn, depth=depth, warps=warps, early_units=pre,
                        **per_projection(step, sms * per_sm, bn, depth, warps, pre, out, tot))
-            res["per_projection"].append(row)
-            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            rows = [row]
+            if args.engine_grids:
+                grids = engine_grids(step, sms)
+                rows.append(dict(grids={k: list(v) for k, v in grids.items()}, early_units=pre,
+                                 **per_projection(step, sms * per_sm, bn, depth, warps, pre, out, tot, grids)))
+            for row in rows:
+                res["per_projection"].append(row)
+                print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
         args.out.write_text(json.dumps(res, indent=1))
         return
     for per_sm, bn, depth, warps, poll, pre in configs:

@@ -279,6 +279,29 @@ def _one_phase(w_ptr, out_ptr, P, N: tl.constexpr, W: tl.constexpr, BN: tl.const
 
 
 @triton.jit
+def _one_tile(w_ptr, out_ptr, N: tl.constexpr, W: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+              PRE: tl.constexpr, USE_PDL: tl.constexpr):
+    """One projection's words as the engine's one-row kernels take them: a program a [BN rows, a SPLIT-th of the
+    row's 32-word blocks] tile (grid N / BN x SPLIT), a block a loop step, its first PRE blocks read before the
+    wait."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    BLOCKS: tl.constexpr = W // 32
+    PER: tl.constexpr = (BLOCKS + SPLIT - 1) // SPLIT
+    b_lo = pid_k * PER
+    b_hi = tl.minimum(b_lo + PER, BLOCKS)
+    rows = pid_n * BN + tl.arange(0, BN)
+    base = w_ptr + rows.to(tl.int64)[:, None] * W + tl.arange(0, 32)[None, :]
+    acc = tl.zeros((BN, 32), tl.float32)
+    for i in tl.static_range(PRE):
+        ok = tl.full((BN, 32), b_lo + i, tl.int32) < b_hi
+        acc += tl.load(base + (b_lo + i) * 32, mask=ok, other=0).to(tl.float32, bitcast=True)
+    wait_then_release(USE_PDL)
+    for b in range(b_lo + PRE, b_hi):
+        acc += tl.load(base + b * 32).to(tl.float32, bitcast=True)
+    tl.atomic_add(out_ptr + rows, tl.sum(acc, 1))
+
+
+@triton.jit
 def _one_small(kv_ptr, tot_ptr, PROGRAMS: tl.constexpr, WORDS: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     wait_then_release(USE_PDL)

@@ -202,16 +202,19 @@ def test_quant_layer_probe_smoke(tmp_path):
 
 
 def test_quant_layer_probe_per_projection_smoke(tmp_path):
-    """--per-projection: each projection's loads after a norm, a figure per projection (the norms' own time too)."""
+    """--per-projection: each projection's loads after a norm, a figure per projection (the norms' own time too);
+    with --engine-grids also on pick_config's one-row grids. The script checks that every word was read once (one
+    block before the wait, the rest in the loop)."""
     out = tmp_path / "per.json"
-    proc = subprocess.run([sys.executable, "bench/quant_layer_probe.py", "--smoke", "--per-projection", "--out",
-                           str(out)], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
-                          text=True, timeout=280)
+    proc = subprocess.run([sys.executable, "bench/quant_layer_probe.py", "--smoke", "--per-projection",
+                           "--engine-grids", "--configs", "1,32,2,4,0,1", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert "cases" in res and res["cases"] == []
-    (row,) = res["per_projection"]
-    assert set(row) >= {"norms_us", "qkv", "o", "gate_up", "down", "block_n", "early_units"}
+    probe, engine = res["per_projection"]
+    assert set(probe) >= {"norms_us", "qkv", "o", "gate_up", "down", "block_n", "early_units"}
+    assert set(engine["grids"]) == {"qkv", "o", "gate_up", "down"} and "gate_up" in engine
 
 
 @pytest.mark.parametrize("after_norm", [False, True])
