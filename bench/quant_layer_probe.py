@@ -1,7 +1,7 @@
 """Whether one persistent launch a decode step could stream a 4-bit 8B's weights faster than a chain of launches.
 
-Issue 16's batch-1 goals leave ~40 us a layer; the engine takes ~54 (docs/quantization-performance.md, "What the batch-1
-goals need"). The one way left on paper is a persistent kernel: every program stays resident for the whole
+Issue 16's batch-1 goals leave ~40 us a layer; the engine takes ~53 (docs/quantization-performance.md, "The batch-1
+goals"). The one way left on paper is a persistent kernel: every program stays resident for the whole
 step, the phases of a layer are separated by grid barriers instead of launch boundaries, and programs that have
 nothing to do in a phase (a norm runs on one program, the attention on eight) read the next projection's first
 words meanwhile. This probe measures that structure before anyone builds it, with loads and no arithmetic (the
@@ -25,12 +25,18 @@ words summed as floats, as in bench/quant_gemv_probe.py), over 32 layers of the 
                 division.
 
 Each runs without and with "small" phases, three a layer where few programs work (a norm: one program reads
-8 KB; the attention: eight programs read 256 KB each, 512 tokens of a KV head; the second norm), as in a real
-layer. Within a phase a program takes every P-th unit ([block_n rows, 32 words]), `depth` units a load. The
-kernels are in bench/quant_layer_probe_kernels.py.
+8 KB; the attention: eight programs read 256 KB each, 512 tokens of a KV head, or `--attn-words` words; the
+second norm), as in a real layer. Within a phase a program takes every P-th unit ([block_n rows, 32 words]),
+`depth` units a load. The kernels are in bench/quant_layer_probe_kernels.py.
+
+`--per-projection` instead times each projection's loads alone after a one-program norm launch, per layer (the
+engine trace's "from its x" figure, bench/step_profile.py); with `--engine-grids` also on pick_config's one-row
+grids (a program a [block_n, K / split] tile).
 
     python3 bench/quant_layer_probe.py --commit "$(git rev-parse --short HEAD)" \
         --out bench/results/quant_layer_probe.json
+    python3 bench/quant_layer_probe.py --attn-words 12288 --per-projection --engine-grids \
+        --configs "4,64,2,8,0,2" --out per_projection.json   # the benchmark's ~96-token context
     TRITON_INTERPRET=1 python3 bench/quant_layer_probe.py --smoke --out /tmp/p.json   # the script on CPU, no barriers
 """
 from __future__ import annotations
