@@ -270,7 +270,8 @@ def main() -> None:
                          "head's 512 tokens; 12288 is ~96 tokens, the engine benchmark's mean context)")
     ap.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
     ap.add_argument("--per-projection", action="store_true",
-                    help="instead of the modes: each projection's loads alone after a norm, µs a layer (per_projection)")
+                    help="instead of the modes: each projection's loads alone after a norm, µs a layer "
+                         "(per_projection)")
     ap.add_argument("--engine-grids", action="store_true",
                     help="with --per-projection: also each projection read on pick_config's one-row grid (block_n, "
                          "split, warps), loads only")
