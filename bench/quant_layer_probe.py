@@ -52,9 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
-from quant_kernel_sweep import SHAPES_8B  # noqa: E402
+from quant_kernel_sweep import SHAPES_8B, graph_us  # noqa: E402
 from kernels.pdl import launch_args  # noqa: E402
-from compute_service.engine.cuda_graphs import median_replay_ms  # noqa: E402
 from quant_layer_probe_kernels import (ATTN_PROGRAMS, ATTN_WORDS, NORM_WORDS, _layers, _layers_flat,  # noqa: E402
                                        _one_phase, _one_small, _one_tile)
 
@@ -192,6 +191,16 @@ def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int,
     return None
 
 
+def replay_us(dev: torch.device, fns: list) -> float:
+    """µs of one replay of `fns` captured as one CUDA graph (`quant_kernel_sweep.graph_us`, which runs them once
+    first and gives the time a call); on the CPU they run once and take 0."""
+    if dev.type != "cuda":
+        for f in fns:
+            f()
+        return 0.0
+    return graph_us(fns) * len(fns)
+
+
 def per_projection(step: Step, programs: int, bn: int, depth: int, warps: int, pre: int, out: torch.Tensor,
                    tot: torch.Tensor, grids: dict | None = None) -> dict:
     """Each projection's loads alone in a chain like the engine's, µs a layer: per layer a one-program norm launch
@@ -201,18 +210,6 @@ def per_projection(step: Step, programs: int, bn: int, depth: int, warps: int, p
     engine's one-row kernels take them (`_one_tile`, its first `pre` blocks before the wait) instead."""
     pdl = launch_args(step.dev.type == "cuda")
     offs = step.starts()
-
-    def graph_us(fns: list) -> float:
-        for f in fns:
-            f()
-        if step.dev.type != "cuda":
-            return 0.0
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        return median_replay_ms(g, 10) * 1e3
 
     def norm(layer: int):
         at = layer * step.kv_words
@@ -238,12 +235,12 @@ def per_projection(step: Step, programs: int, bn: int, depth: int, warps: int, p
         got = out.double().sum()
         assert torch.allclose(got, want, rtol=1e-3, atol=1.0), f"{list(SHAPES_8B)[i]}: read {got}, words {want}"
 
-    norms = graph_us([norm(layer) for layer in range(step.layers)])
+    norms = replay_us(step.dev, [norm(layer) for layer in range(step.layers)])
     res = {"norms_us": norms / step.layers}
     for i, name in enumerate(SHAPES_8B):
         read_all(i)
         fns = [f for layer in range(step.layers) for f in (norm(layer), proj(layer, i))]
-        res[name] = (graph_us(fns) - norms) / step.layers
+        res[name] = (replay_us(step.dev, fns) - norms) / step.layers
     return res
 
 
@@ -341,12 +338,7 @@ def main() -> None:
                     step.bar[1].zero_()
                     continue
                 if not args.smoke:
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        for f in fns:
-                            f()
-                    us = median_replay_ms(g, 10) * 1e3
+                    us = replay_us(dev, fns)
                 row = dict(case, us=us, us_per_layer=us / layers, barrier_gave_up=bool(step.bar[1].item()))
                 res["cases"].append(row)
                 print(" ".join(f"{k}={v}" for k, v in case.items()), f"{us / layers:.2f} us a layer", flush=True)
