@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.host_ints import cdiv
-from kernels.pdl import launch_args, pdl_enabled, wait_then_release
-from kernels.quant_h2 import _f16_hi, _f16_lo, _f16x2
+from kernels.pdl import compiled, launch_args, pdl_enabled, wait_then_release
+from kernels.quant_h2 import _f16_hi, _f16_lo, _f16x2, sixteenths
 from kernels.quant_half_sums import slice_width
 
 BLOCK = 256                 # codes of the paired layout's block (x values a block of words multiplies)
@@ -90,33 +90,53 @@ def _f32_sum4(v, idx, AXIS: tl.constexpr):
 
 
 @triton.jit
-def store_x_pairs(v, row_ptr, k, first_block, count):
-    """Writes the form of v ([NB * 256] x values as stored, any float dtype: blocks first_block .. of the row, 0
-    past its end) into the row at row_ptr (int32, K = k features), for its first `count` blocks."""
-    NB: tl.constexpr = v.shape[0] // 256
-    x0, x1 = tl.split(tl.reshape(v.to(tl.float32), (NB * 128, 2)))      # each pair's two values
-    words = _f16x2((x0 * 0.0625).to(tl.float16), (x1 * 0.0625).to(tl.float16))
-    p = tl.arange(0, NB * 128)
-    tl.store(row_ptr + first_block * 128 + p, words, mask=p < count * 128)
-    # per column (block, half, 16 columns) over i in order, then per quad over its 4 columns in order
-    idx3 = tl.arange(0, 4)[None, :, None]
-    cols = _f16_sum4(tl.reshape(words, (NB * 2, 4, 16)), idx3, 1, False)                 # [NB * 2, 16]
-    nsum = _f16_sum4(tl.reshape(cols, (NB * 8, 4, 1)), idx3, 1, True)                    # [NB * 8, 1]
-    xcol = _f32_sum4(tl.reshape(x0 + x1, (NB * 2, 4, 16)), idx3, 1)
-    xt = _f32_sum4(tl.reshape(xcol, (NB * 8, 4, 1)), idx3, 1)
-    quads = tl.reshape(tl.join(nsum, xt.to(tl.int32, bitcast=True)), (NB * 16,))
-    q = tl.arange(0, NB * 16)
-    tl.store(row_ptr + k // 2 + first_block * 16 + q, quads, mask=q < count * 16)
+def quad_offsets(first_quad, NQ: tl.constexpr):
+    """[NQ, 4, 8]: the places in a row of x of the values of quads first_quad .. first_quad + NQ - 1, quad-major
+    (quad q = 8 b + 4 h + c: values 256 b + 128 h + 32 i + 8 c + e, e < 8 the column pairs 4 c .. 4 c + 3 of the
+    half's 16), the shape `store_x_pairs` takes. A kernel that computes x at these places (the SwiGLU) holds each
+    quad's values in one warp, with the 8 values of a pair-quarter together: its sums need no shared memory."""
+    q = first_quad + tl.arange(0, NQ)[:, None, None]
+    return (q // 4) * 128 + (q % 4) * 8 + tl.arange(0, 4)[None, :, None] * 32 + tl.arange(0, 8)[None, None, :]
 
 
 @triton.jit
-def _x_pairs_kernel(x_ptr, out_ptr, stride_x, K, NB: tl.constexpr, USE_PDL: tl.constexpr):
+def row_quads(v):
+    """[H / 32, 4, 8]: a whole row v ([BLOCK] in order, BLOCK a multiple of 256) rearranged quad-major
+    (`quad_offsets`)."""
+    NB: tl.constexpr = v.shape[0] // 256
+    return tl.reshape(tl.permute(tl.reshape(v, (NB * 2, 4, 4, 8)), (0, 2, 1, 3)), (NB * 8, 4, 8))
+
+
+@triton.jit
+def store_x_pairs(v, row_ptr, k, first_quad, count, ASM: tl.constexpr):
+    """Writes the form of v ([NQ, 4, 8]: the values of quads first_quad .. of x's row as stored, quad-major,
+    `quad_offsets`; any float dtype) into the row at row_ptr (int32; x of k features), its first `count` quads
+    (ASM: compiled, `kernels.quant_h2.sixteenths`)."""
+    NQ: tl.constexpr = v.shape[0]
+    lo, hi = tl.split(tl.reshape(v.to(tl.float32), (NQ, 4, 4, 2)))           # [NQ, 4 (i), 4 (column)]
+    words = sixteenths(lo, hi, ASM)
+    qi = tl.arange(0, NQ)
+    q = first_quad + qi[:, None, None]
+    p = (q // 4) * 64 + (q % 4) * 4 + tl.arange(0, 4)[None, :, None] * 16 + tl.arange(0, 4)[None, None, :]
+    tl.store(row_ptr + p, words, mask=(qi < count)[:, None, None])
+    # per column over i in order, then per quad over its 4 columns in order (the one-row kernel's order)
+    idx_i = tl.arange(0, 4)[None, :, None]
+    idx_c = tl.arange(0, 4)[None, :]
+    nsum = _f16_sum4(_f16_sum4(words, idx_i, 1, False), idx_c, 1, True)                 # [NQ]
+    xt = _f32_sum4(_f32_sum4(lo + hi, idx_i, 1), idx_c, 1)
+    quads = tl.join(nsum, xt.to(tl.int32, bitcast=True))                               # [NQ, 2]
+    two = tl.arange(0, 2)[None, :]
+    tl.store(row_ptr + k // 2 + 2 * (first_quad + qi[:, None]) + two, quads, mask=(qi < count)[:, None])
+
+
+@triton.jit
+def _x_pairs_kernel(x_ptr, out_ptr, stride_x, K, NB: tl.constexpr, USE_PDL: tl.constexpr, ASM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1) * NB
-    offs = first * 256 + tl.arange(0, NB * 256)
+    first = tl.program_id(1) * NB * 8
+    offs = quad_offsets(first, NB * 8)
     wait_then_release(USE_PDL)
     v = tl.load(x_ptr + t * stride_x + offs, mask=offs < K, other=0.0)
-    store_x_pairs(v, out_ptr + t * (K // 2 + K // 16), K, first, K // 256 - first)
+    store_x_pairs(v, out_ptr + t * (K // 2 + K // 16), K, first, K // 32 - first, ASM)
 
 
 def check_pairs(pairs: torch.Tensor, T: int, K: int, name: str = "x_pairs") -> None:
@@ -148,7 +168,7 @@ def x_pairs_into(x: torch.Tensor,      # [T, K] 16-bit, unit stride along K, K a
     check_pairs(out, T, K, "out")
     if T == 0:
         return
-    _x_pairs_kernel[(T, cdiv(K // BLOCK, BLOCKS))](x, out, x.stride(0), K, NB=BLOCKS, num_warps=4,
+    _x_pairs_kernel[(T, cdiv(K // BLOCK, BLOCKS))](x, out, x.stride(0), K, NB=BLOCKS, num_warps=4, ASM=compiled(),
                                                    **launch_args(pdl_enabled(x.device)))
 
 

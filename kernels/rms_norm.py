@@ -12,10 +12,10 @@ import triton.language as tl
 
 from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import next_pow2
-from kernels.pdl import launch_args, wait_then_release
+from kernels.pdl import compiled, launch_args, wait_then_release
 from kernels.perm import check_perm
 from kernels.quant_half_sums import store_slice_sums
-from kernels.quant_x_pairs import side_output, store_x_pairs
+from kernels.quant_x_pairs import row_quads, side_output, store_x_pairs
 from kernels.split_sum import SplitSum, load_input, summed_input
 
 
@@ -33,7 +33,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, 
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
                          SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False, part_stride=0,
                          NPARTS: tl.constexpr = 0, perm_ptr=None, PERM: tl.constexpr = False, model_out_ptr=None,
-                         MODEL_OUT: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                         MODEL_OUT: tl.constexpr = False, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -56,7 +56,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, 
     if SUMS:            # SUMS: the slices' width
         store_slice_sums(y, sums_ptr, t * (H // SUMS), H // SUMS, SUMS)
     if PAIRS:           # out in the one-row kernel's pairs form
-        store_x_pairs(y, sums_ptr + t * (H // 2 + H // 16), H, 0, H // 256)
+        store_x_pairs(row_quads(y), sums_ptr + t * (H // 2 + H // 16), H, 0, H // 32, ASM)
 
 
 def add_rms_norm(
@@ -110,4 +110,5 @@ def add_rms_norm(
                                part_stride=part_stride, NPARTS=nparts,
                                perm_ptr=perm if perm is not None else out, PERM=perm is not None,
                                model_out_ptr=model_out if model_out is not None else out,
-                               MODEL_OUT=model_out is not None, PAIRS=pairs, **launch_args(pdl))
+                               MODEL_OUT=model_out is not None, PAIRS=pairs, ASM=pairs and compiled(),
+                               **launch_args(pdl))

@@ -7,10 +7,10 @@ import triton.language as tl
 
 from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import cdiv, next_pow2
-from kernels.pdl import launch_args, wait_then_release
+from kernels.pdl import compiled, launch_args, wait_then_release
 from kernels.perm import check_perm
 from kernels.quant_half_sums import store_slice_sums
-from kernels.quant_x_pairs import side_output, store_x_pairs
+from kernels.quant_x_pairs import quad_offsets, side_output, store_x_pairs
 from kernels.split_sum import SplitSum, load_input, summed_input
 
 
@@ -18,9 +18,12 @@ from kernels.split_sum import SplitSum, load_input, summed_input
 def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
                      SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False, part_stride=0,
                      NPARTS: tl.constexpr = 0, perm_ptr=None, PERM: tl.constexpr = 0, model_out_ptr=None,
-                     MODEL_OUT: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                     MODEL_OUT: tl.constexpr = False, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if PAIRS:           # the program's values quad-major (`quant_x_pairs.quad_offsets`), for its pairs' sums
+        offs = quad_offsets(tl.program_id(1) * (BLOCK // 32), BLOCK // 32)
+    else:
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     src = offs          # the model's channel of each value here, and its place in out (perm_ptr: read before the
     dst = offs          # wait, it is the model's)
@@ -44,8 +47,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_
         first = tl.program_id(1) * (BLOCK // SUMS)
         store_slice_sums(y, sums_ptr, t * (inter // SUMS) + first, inter // SUMS - first, SUMS)
     if PAIRS:           # out in the one-row kernel's pairs form (BLOCK a multiple of its 256-wide block)
-        first = tl.program_id(1) * (BLOCK // 256)
-        store_x_pairs(y, sums_ptr + t * (inter // 2 + inter // 16), inter, first, inter // 256 - first)
+        first = tl.program_id(1) * (BLOCK // 32)
+        store_x_pairs(y, sums_ptr + t * (inter // 2 + inter // 16), inter, first, inter // 32 - first, ASM)
 
 
 def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate columns first, then up (or partials)
@@ -92,4 +95,5 @@ def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate colu
                                               EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts,
                                               perm_ptr=index, PERM=mode,
                                               model_out_ptr=model_out if model_out is not None else out,
-                                              MODEL_OUT=model_out is not None, PAIRS=pairs, **launch_args(pdl))
+                                              MODEL_OUT=model_out is not None, PAIRS=pairs,
+                                              ASM=pairs and compiled(), **launch_args(pdl))

@@ -31,9 +31,14 @@ def _weight(n: int, k: int, group: int, gen: torch.Generator):
     return q.to(DEVICE), s.to(DEVICE), o.to(DEVICE)
 
 
+WHERE = ["any", pytest.param("gpu", marks=pytest.mark.gpu)]     # "gpu": in the GPU suites (`-m gpu`) too
+
+
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("k", [256, 1280])
-def test_launch_writes_the_reference_form(k: int) -> None:
-    """Every pair word and quad sum as the reference computes them (1280: five blocks, a program's four and one)."""
+def test_launch_writes_the_reference_form(k: int, where: str) -> None:
+    """Every pair word and quad sum as the reference computes them (1280: five blocks, a program's four and one),
+    1e5 among the values (compiled, a multiply and a conversion to float16 written plainly overflowed there)."""
     x = _x(3, k, torch.Generator().manual_seed(k))
     got = x_pairs(x)
     assert got.shape == (3, pairs_width(k)) == (3, k // 2 + k // 16)
@@ -95,7 +100,8 @@ def test_the_rule_and_its_switch(cfg: QuantMatmulConfig, monkeypatch) -> None:
         pairs_mode()
 
 
-def test_producers_write_the_form() -> None:
+@pytest.mark.parametrize("where", WHERE)
+def test_producers_write_the_form(where: str) -> None:
     """The norm and the SwiGLU (from a split launch's partials, and gathering into an act-order) write their output's
     form where handed an int32 buffer, as the reference computes it from what they wrote."""
     from kernels.perm import gather_columns
