@@ -169,10 +169,6 @@ def quant_class_fn(model: Any, dtype: torch.dtype, device: torch.device) -> Call
             kw: dict[str, Any] = {"ordered": True} if ordered else {}
             if width:
                 kw["x_sums"] = torch.zeros(t, p.in_features // width, dtype=torch.float32, device=device)
-            elif sums_written and p.reads_pairs(t, dtype, ordered):     # one row: x's pairs form (`_x_sums`)
-                from kernels.quant_x_pairs import pairs_width
-
-                kw["x_sums"] = torch.zeros(t, pairs_width(p.in_features), dtype=torch.int32, device=device)
             # Keys only: the forward calls a projection as here but sums a split launch's partials in the next
             # kernel or in the launch depending on where its LoRA runs (`LlamaModel._project`), so these launches'
             # programs are not all ones a forward runs; the forwards' recordings hand the pool those.

@@ -81,11 +81,10 @@ def switch_names() -> tuple[str, ...]:
     from kernels.quant_matmul import TILE_TMA_ENV, TMA_ENV
     from kernels.quant_wgmma import ENV as ASYNC_DOTS_ENV
     from kernels.quant_wgmma import ONE_ROW_ENV, SYNC_ENV
-    from kernels.quant_x_pairs import ENV as X_PAIRS_ENV
     from compute_service.engine.quant_linear import DEFER_SPLIT_ENV
 
     return (PDL_ENV, *ENGINE_SWITCHES, FP16_PAIRS_ENV, TMA_ENV, TILE_TMA_ENV, ASYNC_DOTS_ENV, SYNC_ENV, ONE_ROW_ENV,
-            DEFER_SPLIT_ENV, X_PAIRS_ENV)
+            DEFER_SPLIT_ENV)
 
 
 def switch_parts() -> str:

@@ -117,22 +117,13 @@ def tile_value(ptr, g_a, g_b, offs_n, N, ASM: tl.constexpr):
 
 
 @triton.jit
-def x_words(x_ptr, b, offs_j, K, EVEN_K: tl.constexpr, READY: tl.constexpr = False):
+def x_words(x_ptr, b, offs_j, K, EVEN_K: tl.constexpr):
     """Block b's x for `_halves_step_h2`: four [32] int32 (two bfloat16 each), the x pairs of fields (0, 4) ..
-    (3, 7) of the block's words (x_ptr: the token row's x, 4-byte aligned). READY (x_ptr: the token's row of
-    `kernels.quant_x_pairs`' form): those pairs as float16 x / 16, then each column's quad sums ([32] each: the
-    negated float16 pair sum, int32 bits, and the float32 sum of x)."""
-    words = (_x_word(x_ptr, b * 128 + _paired_word(offs_j, 0), K, EVEN_K),
-             _x_word(x_ptr, b * 128 + _paired_word(offs_j, 1), K, EVEN_K),
-             _x_word(x_ptr, b * 128 + _paired_word(offs_j, 2), K, EVEN_K),
-             _x_word(x_ptr, b * 128 + _paired_word(offs_j, 3), K, EVEN_K))
-    if READY:
-        v = tl.load(x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + K // 4 + b * 8 + offs_j // 4)
-        xv = (words[0], words[1], words[2], words[3], v.to(tl.int32),
-              (v >> 32).to(tl.int32).to(tl.float32, bitcast=True))
-    else:
-        xv = words
-    return xv
+    (3, 7) of the block's words (x_ptr: the token row's x, 4-byte aligned)."""
+    return (_x_word(x_ptr, b * 128 + _paired_word(offs_j, 0), K, EVEN_K),
+            _x_word(x_ptr, b * 128 + _paired_word(offs_j, 1), K, EVEN_K),
+            _x_word(x_ptr, b * 128 + _paired_word(offs_j, 2), K, EVEN_K),
+            _x_word(x_ptr, b * 128 + _paired_word(offs_j, 3), K, EVEN_K))
 
 
 @triton.jit
@@ -142,14 +133,14 @@ def _x_word(x_ptr, p, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.constexpr, READY: tl.constexpr):
+def _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM: tl.constexpr):
     """`_halves_step` for bfloat16 x in 4-byte aligned rows, two codes an instruction (`kernels.quant_h2`): each
     thread's 4 neighbouring words of a row (32 codes, one group half) summed in one chain of float16 pairs, then
     their group scale (times 256: the sums are of q / 256) and offset (times their fp32 sum of x) applied in two
     FMAs. The scales and offsets are read here, in the words' layout (`tile_value`); a block's words and groups
     come from `_paired_block`, its x from `x_words` (xv), both requested a block ahead by the caller."""
     s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)
-    return h2_block(words, xv, s, o, acc, ASM, READY)
+    return h2_block(words, xv, s, o, acc, ASM)
 
 
 @triton.jit
@@ -159,24 +150,20 @@ def scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM: tl.constexpr):
 
 
 @triton.jit
-def h2_block(words, xv, s, o, acc, ASM: tl.constexpr, READY: tl.constexpr = False):
+def h2_block(words, xv, s, o, acc, ASM: tl.constexpr):
     """`_halves_step_h2`'s arithmetic on one block: words [BN, 32], its x (`x_words`), and its scales and offsets
-    in the words' layout (`tile_value`). READY: x's pairs and quad sums as `x_words` reads them ready-made."""
-    if READY:
-        h0, h1, h2, h3, nq, xq = xv
-        nsum4 = nq[None, :]
-        xt4 = xq[None, :]
-    else:
-        v0, v1, v2, v3 = xv
-        h0, t0 = h2_x(v0, ASM)
-        h1, t1 = h2_x(v1, ASM)
-        h2, t2 = h2_x(v2, ASM)
-        h3, t3 = h2_x(v3, ASM)
-        x_t = t0 + t1 + t2 + t3
-        # [1, 32]: in the words' 2-D layout (4 columns a thread); a [32] one may be laid out 1 element a thread
-        nsum4 = h2_quad_sum(h2_nsum(h0, h1, h2, h3, ASM)[None, :], False, ASM)
-        xt4 = h2_quad_sum(x_t[None, :], True, ASM)
-    return h2_acc4(acc, words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], nsum4, xt4, 256.0 * s, o, ASM)
+    in the words' layout (`tile_value`)."""
+    v0, v1, v2, v3 = xv
+    h0, t0 = h2_x(v0, ASM)
+    h1, t1 = h2_x(v1, ASM)
+    h2, t2 = h2_x(v2, ASM)
+    h3, t3 = h2_x(v3, ASM)
+    x_t = t0 + t1 + t2 + t3
+    # [1, 32]: in the words' 2-D layout (4 columns a thread); a [32] one may be laid out 1 element a thread
+    nsum4 = h2_quad_sum(h2_nsum(h0, h1, h2, h3, ASM)[None, :], False, ASM)
+    xt4 = h2_quad_sum(x_t[None, :], True, ASM)
+    acc = h2_acc4(acc, words, h0[None, :], h1[None, :], h2[None, :], h3[None, :], nsum4, xt4, 256.0 * s, o, ASM)
+    return acc
 
 
 @triton.jit
@@ -326,7 +313,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FENCE: tl.constexpr,
                       NUM_THREADS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ADD: tl.constexpr,
                       PAIRED: tl.constexpr, X32: tl.constexpr, ROWS: tl.constexpr = False,
-                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False, READY: tl.constexpr = False):
+                      H2: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """One token row per program (grid axis 1), BLOCK_N features (axis 0), a range of K blocks (axis 2).
     As a dependent launch (kernels/pdl.py) its first block of words is read before the wait (every
     program has at least one block: the wrapper sizes the splits so). ADD (an fp32 addend [T, N], the
@@ -336,8 +323,7 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
     each thread holds whole rows of a block (`_rows_step`; BLOCK_N / (32 num_warps) rows a thread).
     H2 (PAIRED, bfloat16 x in 4-byte aligned rows, 16-byte aligned words): `_halves_step_h2`, two blocks a loop
     step in two register sets, each block's words and x requested before the previous block's arithmetic. EVEN_N
-    (N a multiple of BLOCK_N): the H2 path reads its words unmasked. READY (H2, K a multiple of 256): x_ptr and
-    stride_x are x's rows in `kernels.quant_x_pairs`' form, read ready-made (`x_words`)."""
+    (N a multiple of BLOCK_N): the H2 path reads its words unmasked."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -372,18 +358,18 @@ def quant_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, part_ptr, l
         words, g_a, g_b = _paired_block(w_rows, b_lo, n_mask, GROUP, EVEN_N)
         if not ADD:
             wait_then_release(USE_PDL)
-        xv = x_words(x_base, b_lo, offs_j, K, EVEN_K, READY)
+        xv = x_words(x_base, b_lo, offs_j, K, EVEN_K)
         for it in range(0, (b_hi - b_lo) // 2):
             b = b_lo + 2 * it
             words1, g_a1, g_b1 = _paired_block(w_rows, b + 1, n_mask, GROUP, EVEN_N)
-            xv1 = x_words(x_base, b + 1, offs_j, K, EVEN_K, READY)
-            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM, READY)
+            xv1 = x_words(x_base, b + 1, offs_j, K, EVEN_K)
+            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
             b2 = tl.minimum(b + 2, b_hi - 1)
             words, g_a, g_b = _paired_block(w_rows, b2, n_mask, GROUP, EVEN_N)
-            xv = x_words(x_base, b2, offs_j, K, EVEN_K, READY)
-            acc = _halves_step_h2(words1, g_a1, g_b1, xv1, acc, offs_n, s_ptr, o_ptr, N, ASM, READY)
+            xv = x_words(x_base, b2, offs_j, K, EVEN_K)
+            acc = _halves_step_h2(words1, g_a1, g_b1, xv1, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if (b_hi - b_lo) % 2 == 1:
-            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM, READY)
+            acc = _halves_step_h2(words, g_a, g_b, xv, acc, offs_n, s_ptr, o_ptr, N, ASM)
         if ADD:
             wait_then_release(USE_PDL)
         total = tl.sum(acc, axis=1)

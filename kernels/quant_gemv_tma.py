@@ -39,11 +39,10 @@ def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           EVEN_K: tl.constexpr, FENCE: tl.constexpr, NUM_THREADS: tl.constexpr, ASM: tl.constexpr,
                           USE_PDL: tl.constexpr, ADD: tl.constexpr, STAGES: tl.constexpr,
-                          SCALES_AHEAD: tl.constexpr, READY: tl.constexpr = False):
+                          SCALES_AHEAD: tl.constexpr):
     """`quant_gemv_kernel`'s H2 path (one token row per program, grid axis 1; BLOCK_N features, axis 0; a range
     of K blocks, axis 2), its words read through w_desc (a [BLOCK_N, 32] box of the [N, words_per_row] int32
-    words, which w_ptr also points to, for the L2 requests before the wait). READY: x_ptr and stride_x are x's rows
-    in `kernels.quant_x_pairs`' form (`quant_gemv.x_words`)."""
+    words, which w_ptr also points to, for the L2 requests before the wait)."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, 32)
@@ -62,17 +61,17 @@ def quant_gemv_tma_kernel(x_ptr, w_desc, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
         s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)
     for b in tl.range(b_lo, b_hi, num_stages=STAGES):
         words = w_desc.load([pid_n * BLOCK_N, b * 32])
-        xv = x_words(x_base, b, offs_j, K, EVEN_K, READY)
+        xv = x_words(x_base, b, offs_j, K, EVEN_K)
         if SCALES_AHEAD:
             g_a1, g_b1 = half_groups(tl.minimum(b + 1, b_hi - 1), GROUP)
             s1, o1 = scale_tiles(s_ptr, o_ptr, g_a1, g_b1, offs_n, N, ASM)
-            acc = h2_block(words, xv, s, o, acc, ASM, READY)
+            acc = h2_block(words, xv, s, o, acc, ASM)
             s = s1
             o = o1
         else:
             g_a, g_b = half_groups(b, GROUP)
             s, o = scale_tiles(s_ptr, o_ptr, g_a, g_b, offs_n, N, ASM)
-            acc = h2_block(words, xv, s, o, acc, ASM, READY)
+            acc = h2_block(words, xv, s, o, acc, ASM)
     if ADD:
         wait_then_release(USE_PDL)
     one_row_out(tl.sum(acc, axis=1), offs_n, offs_n < N, m, pid_n, pid_k, split_k, T, N, stride_out, bias_ptr,

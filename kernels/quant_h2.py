@@ -55,25 +55,17 @@ def _f16x2(lo, hi):
 
 
 @triton.jit
-def sixteenths(x0, x1, ASM: tl.constexpr):
-    """int32: f16x2 of fp32 x0 / 16 (low half) and x1 / 16 (high half), each rounded to nearest. Compiled, in
-    assembly: written as a multiply and a conversion, the compiler may convert first and multiply in float16,
-    which overflows from |x| = 65520 (an H200 gave inf for 1e5 / 16)."""
+def h2_x(v, ASM: tl.constexpr):
+    """(f16x2 of the two bfloat16 x values in int32 v, divided by 16; the two values' fp32 sum)."""
+    x0 = (v << 16).to(tl.float32, bitcast=True)
+    x1 = (v & -65536).to(tl.float32, bitcast=True)
     if ASM:
         h = tl.inline_asm_elementwise("{ .reg .f32 a, b; mul.f32 a, $1, 0f3D800000; mul.f32 b, $2, 0f3D800000; "
                                       "cvt.rn.f16x2.f32 $0, b, a; }", "=r,f,f", [x0, x1],
                                       dtype=tl.int32, is_pure=True, pack=1)
     else:
         h = _f16x2((x0 * 0.0625).to(tl.float16), (x1 * 0.0625).to(tl.float16))
-    return h
-
-
-@triton.jit
-def h2_x(v, ASM: tl.constexpr):
-    """(f16x2 of the two bfloat16 x values in int32 v, divided by 16; the two values' fp32 sum)."""
-    x0 = (v << 16).to(tl.float32, bitcast=True)
-    x1 = (v & -65536).to(tl.float32, bitcast=True)
-    return sixteenths(x0, x1, ASM), x0 + x1
+    return h, x0 + x1
 
 
 @triton.jit

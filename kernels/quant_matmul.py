@@ -40,7 +40,6 @@ from kernels.quant_half_sums import check_sums, half_sums_into
 from kernels.quant_mma import quant_mma_kernel
 from kernels.quant_pack import PackedQuantWeight, block_k, paired_layout
 from kernels.quant_split import DEFER
-from kernels.quant_x_pairs import check_pairs, pairs_apply, pairs_mode
 from kernels.quant_wgmma import BLOCK_NS, DEQ_ROWS, quant_wgmma, runs_on
 
 
@@ -63,7 +62,6 @@ def quant_matmul(
     addend: torch.Tensor | None = None,     # [T, N] float32 contiguous, one-row kernel only (block_m == 1)
     x_sums: torch.Tensor | None = None,     # [T, K / width] float32: x's slice sums, where `sums_width` > 0
     defer_split: bool = False,              # split > 1: partials only (`kernels.split_sum`), out not written
-    x_pairs: torch.Tensor | None = None,    # [T, pairs_width(K)] int32: x ready for the one-row float16 pairs
 ) -> None:
     """Semantics (fp32 accumulation; IEEE fp32 products for float32 x):
         W = q * scales[:, k // G] + offsets[:, k // G]          # [N, K] in fp32, q unpacked from w.words
@@ -82,8 +80,6 @@ def quant_matmul(
     `defer_split` (where the launch splits K, `launch_split` > 1): `out` is not written; `partials`, as
     [split, T, N], hold the fp32 terms whose sum in that order is out before rounding (the first with the bias and
     the addend), for `kernels.split_sum.SplitSum`; `locks` are not used.
-    `x_pairs`: x in `kernels.quant_x_pairs`' form, written by the kernel that wrote x; the one-row float16-pairs
-    path (`reads_pairs`) reads it instead of x (the same output bit for bit), every other path ignores it.
     With an `addend` (one-row kernel) out also adds it before rounding, and it is left all zeros. The
     kernel is then meant to follow the launch that wrote the addend (the LoRA delta, into zeros): it reads
     x and the whole weight before waiting for that launch (kernels/pdl.py) and waits only to add it, so
@@ -156,17 +152,12 @@ def quant_matmul(
         x32 = (paired or cfg.thread_rows) and x.element_size() == 2 and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
         h2 = paired and x32 and x.dtype == torch.bfloat16 and _quad_words(w) and fp16_pairs_enabled()
         stages, ahead = tma_override() or (cfg.tma_stages, cfg.scales_ahead)
-        ready = h2 and x_pairs is not None and reads_pairs(cfg, w, x.dtype)
-        if ready:
-            check_pairs(x_pairs, T, K)
-            buffers = (x_pairs, *buffers[1:])
-            sizes = (T, N, K, x_pairs.stride(0), *sizes[4:])
         if h2 and stages > 0 and _tma_capable(x):
-            quant_gemv_tma_kernel[grid](buffers[0], _words_desc(w, cfg.block_n), w.words, *buffers[2:],
+            quant_gemv_tma_kernel[grid](x, _words_desc(w, cfg.block_n), w.words, *buffers[2:],
                                         addend if addend is not None else out, *sizes, GROUP=w.group_size,
                                         BLOCK_N=cfg.block_n, SPLIT=mode, HAS_BIAS=bias is not None,
                                         EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
-                                        ADD=addend is not None, STAGES=stages, SCALES_AHEAD=ahead, READY=ready,
+                                        ADD=addend is not None, STAGES=stages, SCALES_AHEAD=ahead,
                                         num_warps=cfg.num_warps, **pdl)
             return
         quant_gemv_kernel[grid](*buffers, addend if addend is not None else out, *sizes, GROUP=w.group_size,
@@ -174,7 +165,7 @@ def quant_matmul(
                                 EVEN_K=even_k, FENCE=asm, NUM_THREADS=32 * cfg.num_warps, ASM=asm,
                                 ADD=addend is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                 PAIRED=paired, X32=x32, ROWS=cfg.thread_rows, H2=h2,
-                                EVEN_N=h2 and N % cfg.block_n == 0, READY=ready, **pdl)
+                                EVEN_N=h2 and N % cfg.block_n == 0, **pdl)
     else:
         stages = _tile_stages(cfg) if pairs and paired else 0
         if stages > 0 and _tma_capable(x):      # the words by TMA, a half block a step (`kernels.quant_mma_tma`)
@@ -193,20 +184,6 @@ def quant_matmul(
                                PAIRED=paired, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                SCALE_WORDS=pairs and paired and N % 2 == 0 and w.scales.data_ptr() % 4 == 0,
                                **pdl)
-
-
-def reads_pairs(config: QuantMatmulConfig, w: PackedQuantWeight, x_dtype: torch.dtype) -> bool:
-    """Whether a call with this config reads `x_pairs` where given: the one-row float16-pairs path (4 bits in
-    groups of 128+, bfloat16 x) on K a multiple of 256, in the register-set kernel's programs of up to 64 features
-    (LORAPLEX_X_PAIRS, `kernels.quant_x_pairs.pairs_mode`: 0 never, all wherever the path runs). Elsewhere the form
-    was no faster (H200, the 8B's shapes, `bench/x_pairs_ab.py --sweep`): 128-feature programs of the register-set kernel hold ~250 registers with it
-    (~190 without) and ran q/k/v 5.6 -> 7.6 us; the TMA-read kernel on gate/up stayed at ~23 us."""
-    mode = pairs_mode()
-    stages = (tma_override() or (config.tma_stages, False))[0]
-    pays = mode == "all" or config.block_n <= 64 and stages == 0
-    return (mode != "0" and pays and config.block_m == 1 and not config.thread_rows
-            and paired_layout(w.bits, w.group_size) and x_dtype == torch.bfloat16 and _quad_words(w)
-            and fp16_pairs_enabled() and pairs_apply(w.in_features))
 
 
 def launch_split(config: QuantMatmulConfig, w: PackedQuantWeight) -> int:
@@ -300,4 +277,4 @@ def half_sums(x: torch.Tensor, width: int = 128) -> torch.Tensor:
 
 
 __all__ = ["QuantMatmulConfig", "dense_min_rows", "half_sums", "launch_split", "pair_codes_layout", "pick_config",
-           "quant_matmul", "reads_pairs", "sums_width"]
+           "quant_matmul", "sums_width"]

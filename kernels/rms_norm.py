@@ -12,10 +12,9 @@ import triton.language as tl
 
 from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import next_pow2
-from kernels.pdl import compiled, launch_args, wait_then_release
+from kernels.pdl import launch_args, wait_then_release
 from kernels.perm import check_perm
-from kernels.quant_half_sums import store_slice_sums
-from kernels.quant_x_pairs import row_quads, side_output, store_x_pairs
+from kernels.quant_half_sums import slice_width, store_slice_sums
 from kernels.split_sum import SplitSum, load_input, summed_input
 
 
@@ -33,7 +32,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, 
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
                          SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False, part_stride=0,
                          NPARTS: tl.constexpr = 0, perm_ptr=None, PERM: tl.constexpr = False, model_out_ptr=None,
-                         MODEL_OUT: tl.constexpr = False, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
+                         MODEL_OUT: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -55,8 +54,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, sums_ptr, 
     tl.store(out_ptr + t * H + offs, y, mask=mask)
     if SUMS:            # SUMS: the slices' width
         store_slice_sums(y, sums_ptr, t * (H // SUMS), H // SUMS, SUMS)
-    if PAIRS:           # out in the one-row kernel's pairs form
-        store_x_pairs(row_quads(y), sums_ptr + t * (H // 2 + H // 16), H, 0, H // 32, ASM)
 
 
 def add_rms_norm(
@@ -66,8 +63,7 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor,                # [T, H] normalised output
     residual_out: torch.Tensor | None = None,   # [T, H] receives x + residual (may alias residual)
-    sums: torch.Tensor | None = None,           # [T, H / width] float32: out's sums over each width-wide slice,
-                                                # or int32 [T, pairs_width(H)]: out's pairs form (quant_x_pairs)
+    sums: torch.Tensor | None = None,           # [T, H / width] float32: out's sums over each width-wide slice
     extra: torch.Tensor | None = None,          # [T, H] contiguous like x: added to x first
     perm: torch.Tensor | None = None,           # [H] int32: out in this channel order (a projection's act-order)
     model_out: torch.Tensor | None = None,      # [T, H]: with perm, also receives the output in the model's order
@@ -77,7 +73,6 @@ def add_rms_norm(
         s = (x + residual) if residual is not None else x          (model dtype); residual_out[:] = s
         out = weight * (s.float() * rsqrt(mean(s.float() ** 2, -1) + eps)).to(dtype)
         sums = out.float().reshape(T, H // width, width).sum(-1)   (width = H // sums.shape[1]; fp32, some order)
-        or, int32 sums: sums = kernels.quant_x_pairs.x_pairs(out)  (the one-row kernel's form of out)
     With `perm` (a permutation of the H channels, `QuantLinear.input_perm`): out[:, j] is the normalised row's
     channel perm[j] (so that an act-order projection reads out as it is, with no gather of its own), the sums
     are out's, and `model_out` (if given) receives the row in the model's order (for a LoRA launch's read).
@@ -91,7 +86,7 @@ def add_rms_norm(
         if residual_out is None or residual.shape != x.shape or residual_out.shape != x.shape \
                 or not residual.is_contiguous() or not residual_out.is_contiguous() or residual.dtype != x.dtype:
             raise ValueError("residual and residual_out must be contiguous tensors like x")
-    width, pairs = side_output(sums, T, H)
+    width = slice_width(sums, T, H)
     check_extra(extra, x, "x", contiguous=True)
     check_perm(perm, model_out, out, H)
     if T == 0:
@@ -110,5 +105,4 @@ def add_rms_norm(
                                part_stride=part_stride, NPARTS=nparts,
                                perm_ptr=perm if perm is not None else out, PERM=perm is not None,
                                model_out_ptr=model_out if model_out is not None else out,
-                               MODEL_OUT=model_out is not None, PAIRS=pairs, ASM=pairs and compiled(),
-                               **launch_args(pdl))
+                               MODEL_OUT=model_out is not None, **launch_args(pdl))

@@ -7,10 +7,9 @@ import triton.language as tl
 
 from kernels.addend import check_extra, extra_pdl, with_extra
 from kernels.host_ints import cdiv, next_pow2
-from kernels.pdl import compiled, launch_args, wait_then_release
+from kernels.pdl import launch_args, wait_then_release
 from kernels.perm import check_perm
-from kernels.quant_half_sums import store_slice_sums
-from kernels.quant_x_pairs import quad_offsets, side_output, store_x_pairs
+from kernels.quant_half_sums import slice_width, store_slice_sums
 from kernels.split_sum import SplitSum, load_input, summed_input
 
 
@@ -18,12 +17,9 @@ from kernels.split_sum import SplitSum, load_input, summed_input
 def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
                      SUMS: tl.constexpr = 0, extra_ptr=None, EXTRA: tl.constexpr = False, part_stride=0,
                      NPARTS: tl.constexpr = 0, perm_ptr=None, PERM: tl.constexpr = 0, model_out_ptr=None,
-                     MODEL_OUT: tl.constexpr = False, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
+                     MODEL_OUT: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
-    if PAIRS:           # the program's values quad-major (`quant_x_pairs.quad_offsets`), for its pairs' sums
-        offs = quad_offsets(tl.program_id(1) * (BLOCK // 32), BLOCK // 32)
-    else:
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     src = offs          # the model's channel of each value here, and its place in out (perm_ptr: read before the
     dst = offs          # wait, it is the model's)
@@ -46,15 +42,11 @@ def _silu_mul_kernel(gu_ptr, out_ptr, sums_ptr, inter, BLOCK: tl.constexpr, USE_
     if SUMS:            # SUMS: the slices' width, dividing BLOCK (not with PERM 2: this block is not out's)
         first = tl.program_id(1) * (BLOCK // SUMS)
         store_slice_sums(y, sums_ptr, t * (inter // SUMS) + first, inter // SUMS - first, SUMS)
-    if PAIRS:           # out in the one-row kernel's pairs form (BLOCK a multiple of its 256-wide block)
-        first = tl.program_id(1) * (BLOCK // 32)
-        store_x_pairs(y, sums_ptr + t * (inter // 2 + inter // 16), inter, first, inter // 32 - first, ASM)
 
 
 def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate columns first, then up (or partials)
              out: torch.Tensor,       # [T, I]
-             sums: torch.Tensor | None = None,   # [T, I / width] float32: out's sums over each width-wide slice,
-                                                 # or int32 [T, pairs_width(I)]: out's pairs form (quant_x_pairs)
+             sums: torch.Tensor | None = None,   # [T, I / width] float32: out's sums over each width-wide slice
              extra: torch.Tensor | None = None,  # [T, 2I] contiguous like gate_up: added to it first
              perm: torch.Tensor | None = None,   # [I] int32: out in this channel order (a projection's act-order)
              model_out: torch.Tensor | None = None,  # [T, I]: with perm, also receives out in the model's order
@@ -62,8 +54,7 @@ def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate colu
              ) -> None:
     """Semantics: gate_up = gate_up + extra if extra is not None   (model dtype, as torch adds them; not stored)
     out = F.silu(gate_up[:, :I]) * gate_up[:, I:]   (each op rounded to the model dtype);
-    sums = out.float().reshape(T, I // width, width).sum(-1)   (width = I // sums.shape[1]; fp32, some order),
-           or, int32 sums: sums = kernels.quant_x_pairs.x_pairs(out)   (the one-row kernel's form of out).
+    sums = out.float().reshape(T, I // width, width).sum(-1)   (width = I // sums.shape[1]; fp32, some order).
     With `perm` (`kernels.perm`): out[:, j] is the result's channel perm[j], the sums are out's, and `model_out`
     (if given) receives the result in the model's order. Where `inverse` is given too and no sums are asked, the
     kernel reads gate_up in its order and scatters out (one access out of order a value, where gathering makes
@@ -74,20 +65,19 @@ def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate colu
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     if out.shape != (T, inter) or not out.is_contiguous() or out.dtype != gate_up.dtype:
         raise ValueError(f"out must be contiguous [{T}, {inter}] of dtype {gate_up.dtype}")
-    width, pairs = side_output(sums, T, inter)
+    width = slice_width(sums, T, inter)
     check_extra(extra, gate_up, "gate_up", contiguous=True)
     check_perm(perm, model_out, out, inter)
     if inverse is not None:
         if perm is None:
             raise ValueError("inverse is perm's inverse: give perm too")
         check_perm(inverse, None, out, inter)
-    mode, index = (0, out) if perm is None else (2, inverse) if inverse is not None and not (width or pairs) \
-        else (1, perm)
+    mode, index = (0, out) if perm is None else (2, inverse) if inverse is not None and not width else (1, perm)
     if T == 0:
         return
     src, nparts, part_stride = summed_input(gate_up)
     # partials (several times the bytes of gate_up) over more programs: 4 times as many at one row
-    block = max(min(256 if nparts else 1024, next_pow2(inter)), width, 256 if pairs else 0)
+    block = max(min(256 if nparts else 1024, next_pow2(inter)), width)
     pdl = extra_pdl(gate_up.device, extra)
     _silu_mul_kernel[(T, cdiv(inter, block))](src, out, sums if sums is not None else out, inter, BLOCK=block,
                                               num_warps=4, SUMS=width,
@@ -95,5 +85,4 @@ def silu_mul(gate_up: torch.Tensor | SplitSum,   # [T, 2I] contiguous: gate colu
                                               EXTRA=extra is not None, part_stride=part_stride, NPARTS=nparts,
                                               perm_ptr=index, PERM=mode,
                                               model_out_ptr=model_out if model_out is not None else out,
-                                              MODEL_OUT=model_out is not None, PAIRS=pairs,
-                                              ASM=pairs and compiled(), **launch_args(pdl))
+                                              MODEL_OUT=model_out is not None, **launch_args(pdl))

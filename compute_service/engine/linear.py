@@ -86,10 +86,6 @@ class Linear:
         """0: a dense projection reads no sums of x (`QuantLinear.sums_width`)."""
         return 0
 
-    def reads_pairs(self, t: int, dtype: torch.dtype, ordered: bool = False) -> bool:
-        """False: a dense projection reads x alone (`QuantLinear.reads_pairs`)."""
-        return False
-
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None, beside_lora: bool = False,
                  split_out: bool = False, ordered: bool = False) -> torch.Tensor:
         """[T, N]; `addend` [T, N] float32 is added before rounding and left zero (`dense_linear`). `beside_lora`

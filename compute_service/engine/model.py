@@ -239,15 +239,10 @@ class LlamaModel:
 
     def _x_sums(self, linear: Linear, x: torch.Tensor, ordered: bool = False) -> torch.Tensor | None:
         """A buffer for the slice sums of x ([T, K]) that `linear` reads on its quantized pair-codes path
-        (`QuantLinear.sums_width`; `ordered`: x written in its stored order, `_ordered_x`), or for x's pairs form
-        where its one-row kernel reads that (`QuantLinear.reads_pairs`, int32), for the kernel that writes x to
-        fill (no launch of their own between the two); None where it reads neither."""
+        (`QuantLinear.sums_width`; `ordered`: x written in its stored order, `_ordered_x`), for the kernel that
+        writes x to fill (no launch of their own between the two); None where it reads none."""
         width = linear.sums_width(x.shape[0], x.dtype, ordered)
         if not width:
-            if linear.reads_pairs(x.shape[0], x.dtype, ordered):      # one row: x's pairs form, int32
-                from kernels.quant_x_pairs import pairs_width
-
-                return torch.empty(x.shape[0], pairs_width(x.shape[1]), dtype=torch.int32, device=x.device)
             return None
         return torch.empty(x.shape[0], x.shape[1] // width, dtype=torch.float32, device=x.device)
 

@@ -172,26 +172,12 @@ class QuantLinear:
                           async_one_row=self.async_one_row)
         return sums_width(cfg, self.packed, dtype)
 
-    def reads_pairs(self, t: int, dtype: torch.dtype, ordered: bool = False) -> bool:
-        """Whether a call on x ([t, K] of `dtype`) reads x in `kernels.quant_x_pairs`' form where it is handed one
-        (as `x_sums`, int32; `kernels.quant_matmul.reads_pairs`: one row on the register-set float16-pairs kernel
-        in 64-feature programs), which the kernel that writes x can write with it (the norms, the SwiGLU)."""
-        if not self.use_kernel or (self._perm is not None and not ordered) or t != 1 or t >= self.dense_min_tokens:
-            return False
-        from kernels.quant_matmul import pick_config, reads_pairs
-
-        n, k = self._shape
-        cfg = pick_config(t, n, k, self._bits, self.num_sms, self._group_size, dtype, async_dots=self.async_dots,
-                          async_one_row=self.async_one_row)
-        return reads_pairs(cfg, self.packed, dtype)
-
     def __call__(self, x: torch.Tensor, addend: torch.Tensor | None = None,
                  x_sums: torch.Tensor | None = None, beside_lora: bool = False,
                  split_out: bool = False, ordered: bool = False) -> torch.Tensor | SplitSum:
         """[T, N]. `addend` (float32, one row, `takes_addend`) is added before rounding and left zero; the call
         then follows the launch that wrote it (`kernels.quant_matmul.quant_matmul`'s condition). `x_sums`: x's
-        slice sums as `sums_width` asks for them ([T, K / width] float32), or x's pairs form where `reads_pairs`
-        (int32, `kernels.quant_x_pairs`), written with x. `beside_lora`: a LoRA
+        slice sums as `sums_width` asks for them ([T, K / width] float32), written with x. `beside_lora`: a LoRA
         launch runs beside this call on another stream (`LlamaModel._project`); the kernel's config leaves room
         for it (`pick_config`). `split_out`: where the kernel splits K (and `defer_split_enabled`), the output
         as its partials (`kernels.split_sum.SplitSum`), for a kernel that reads them (the norm, RoPE, SwiGLU)
@@ -229,11 +215,7 @@ class QuantLinear:
         if split > 1:
             partials = torch.empty(split, t, n, dtype=torch.float32, device=x.device)
         defer = split > 1 and may_defer
-        pairs = None
-        if x_sums is not None and x_sums.dtype == torch.int32:
-            pairs, x_sums = x_sums, None
-        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, defer_split=defer,
-                     x_pairs=pairs)
+        quant_matmul(x2, self.packed, bias, out, cfg, partials, self.locks, addend, x_sums, defer_split=defer)
         if defer:
             from kernels.split_sum import SplitSum
             return SplitSum(partials, x.dtype)

@@ -215,7 +215,7 @@ def test_the_kernel_switches_are_part_of_the_key(monkeypatch):
 
     assert {"LORAPLEX_PDL", "LORAPLEX_FP16_PAIRS", "LORAPLEX_H2_TMA", "LORAPLEX_TILE_TMA",
             "LORAPLEX_ASYNC_DOTS", "LORAPLEX_ASYNC_DOTS_SYNC",
-            "LORAPLEX_ASYNC_DOTS_ONE_ROW", "LORAPLEX_DEFER_SPLIT", "LORAPLEX_X_PAIRS"} <= set(switch_names())
+            "LORAPLEX_ASYNC_DOTS_ONE_ROW", "LORAPLEX_DEFER_SPLIT"} <= set(switch_names())
     for name in switch_names():
         monkeypatch.delenv(name, raising=False)
     plain = switch_parts()

@@ -22,10 +22,10 @@ DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(
 
 
 def _quantized_engine(folder, device: str, names=("qkv", "o", "gate_up"), bits: int = 4,
-                      group: int = 32, dtype: str = "float16") -> LLMEngine:
-    """An eager engine (float16 unless `dtype`) on the fused GPU-step path whose projections `names` run the
-    quantized kernels (the tiny llama's K = 64: down's 80 holds no groups of 32, left dense by default)."""
-    engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype=dtype, block_size=4,
+                      group: int = 32) -> LLMEngine:
+    """An eager float16 engine on the fused GPU-step path whose projections `names` run the quantized kernels
+    (the tiny llama's K = 64: down's 80 holds no groups of 32, left dense by default)."""
+    engine = LLMEngine(EngineConfig(model=str(folder), device=device, dtype="float16", block_size=4,
                                     max_num_batched_tokens=16, enforce_eager=True))
     engine.runner.decode_kernel = True              # the Triton decode kernel (on the CPU: interpreted)
     model = engine.runner.model

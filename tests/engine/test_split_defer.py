@@ -20,24 +20,19 @@ DIMS = dict(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=64)
 
 
-def random_llama(tmp_path_factory, name: str, dims: dict, seed: int):
-    """A llama of `dims` with N(0, 0.08) matrices (wide enough logits for greedy tokens to differ), saved."""
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**dims, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(**DIMS, rms_norm_eps=1e-5, tie_word_embeddings=False)).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim > 1:
                 p.normal_(0.0, 0.08)
-    folder = tmp_path_factory.mktemp(name)
+    folder = tmp_path_factory.mktemp("wide")
     model.save_pretrained(folder, safe_serialization=True)
     return folder
-
-
-@pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory):
-    return random_llama(tmp_path_factory, "wide", DIMS, 5)
 
 
 def _engine(folder, device: str):
