@@ -5,8 +5,9 @@ kernel sweep.
     ONE_ROW_CONFIGS="gate_up=128,8,2;down=64,16,0" python3 bench/one_row_config_ab.py --labels int4 --batches 1 \
         --no-kernels --out /tmp/ab.json
 
-ONE_ROW_CONFIGS: `name=block_n,split_k,tma_stages[,num_warps]` for any of qkv, o, gate_up, down (the 8B shapes,
-bench/quant_kernel_sweep.py's SHAPES_8B), separated by ";". For one row of those shapes `kernels.quant_matmul.
+ONE_ROW_CONFIGS: `name=block_n,split_k,tma_stages[,num_warps[,scales_ahead]]` for any of qkv, o, gate_up, down (the
+8B shapes, bench/quant_kernel_sweep.py's SHAPES_8B), separated by ";"; scales_ahead 1: the TMA-read kernel reads each
+block's scales and offsets a block ahead. For one row of those shapes `kernels.quant_matmul.
 pick_config` returns its own choice with those fields replaced (so the engine's launches, its split partials and the
 sums' widths follow), then bench/quant_decode.py runs with the other arguments. Unset or empty: pick_config as is.
 """
@@ -28,13 +29,14 @@ ENV = "ONE_ROW_CONFIGS"
 
 
 def parse(spec: str) -> dict[tuple[int, int], tuple[int, ...]]:
-    """{(N, K): (block_n, split_k, tma_stages[, num_warps])} from ONE_ROW_CONFIGS' text."""
+    """{(N, K): (block_n, split_k, tma_stages[, num_warps[, scales_ahead]])} from ONE_ROW_CONFIGS' text."""
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         name, _, vals = part.partition("=")
         fields = tuple(int(v) for v in vals.split(","))
-        if name not in SHAPES_8B or len(fields) not in (3, 4):
-            raise SystemExit(f"{ENV}: {part!r} is not name=block_n,split_k,tma_stages[,num_warps] for one of "
+        if name not in SHAPES_8B or len(fields) not in (3, 4, 5):
+            raise SystemExit(f"{ENV}: {part!r} is not name=block_n,split_k,tma_stages[,num_warps[,scales_ahead]] for "
+                             "one of "
                              f"{', '.join(SHAPES_8B)}")
         out[SHAPES_8B[name]] = fields
     return out
@@ -47,9 +49,10 @@ def patch(wanted: dict[tuple[int, int], tuple[int, ...]]) -> None:
     def pick_config(T, N, K, *args, **kwargs):
         cfg = picked(T, N, K, *args, **kwargs)
         if T == 1 and (N, K) in wanted:
-            bn, split, tma, *warps = wanted[(N, K)]
+            bn, split, tma, *rest = wanted[(N, K)]
             cfg = dataclasses.replace(cfg, block_n=bn, split_k=split, tma_stages=tma,
-                                      num_warps=warps[0] if warps else cfg.num_warps)
+                                      num_warps=rest[0] if rest else cfg.num_warps,
+                                      scales_ahead=bool(rest[1]) if len(rest) > 1 else cfg.scales_ahead)
         return cfg
     quant_matmul.pick_config = pick_config
 

@@ -308,5 +308,8 @@ def test_one_row_config_ab_replaces_only_the_named_shapes_one_row_choice(monkeyp
     assert got.pair_codes == before[1].pair_codes                  # the rest of the choice kept
     assert qm.pick_config(8, 28672, 4096, 4, 132, 128) == before[8]
     assert qm.pick_config(1, 4096, 14336, 4, 132, 128) == down
+    mod.patch(mod.parse("gate_up=128,4,3,4,1"))
+    got = qm.pick_config(1, 28672, 4096, 4, 132, 128)
+    assert (got.tma_stages, got.scales_ahead) == (3, True) and not before[1].scales_ahead
     with pytest.raises(SystemExit):
         mod.parse("lm_head=64,1,0")
