@@ -36,8 +36,7 @@ def parse(spec: str) -> dict[tuple[int, int], tuple[int, ...]]:
         fields = tuple(int(v) for v in vals.split(","))
         if name not in SHAPES_8B or len(fields) not in (3, 4, 5):
             raise SystemExit(f"{ENV}: {part!r} is not name=block_n,split_k,tma_stages[,num_warps[,scales_ahead]] for "
-                             "one of "
-                             f"{', '.join(SHAPES_8B)}")
+                             f"one of {', '.join(SHAPES_8B)}")
         out[SHAPES_8B[name]] = fields
     return out
 
