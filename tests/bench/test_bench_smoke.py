@@ -217,6 +217,19 @@ def test_quant_layer_probe_per_projection_smoke(tmp_path):
     assert set(engine["grids"]) == {"qkv", "o", "gate_up", "down"} and "gate_up" in engine
 
 
+def test_quant_step_arith_smoke(tmp_path):
+    """The chain and the persistent step, with the one-row arithmetic and with loads alone: the script checks the
+    products against the dequantized weights' (every unit once, its scales and x) and the words' sum."""
+    out = tmp_path / "arith.json"
+    proc = subprocess.run([sys.executable, "bench/quant_step_arith.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert {(c["mode"], c["arith"], c["early_units"]) for c in cases} == {
+        (m, a, e) for m in ("chain", "persistent") for a in (False, True) for e in (0, 2)}
+    assert all(c["err"] < (1e-2 if c["arith"] else 1.0) for c in cases)
+
+
 @pytest.mark.parametrize("after_norm", [False, True])
 def test_quant_kernel_sweep_smoke(tmp_path, after_norm):
     """The kernel sweep's configs at 16 rows run and match the fp32 reference; with --after-norm x is what an
