@@ -226,7 +226,7 @@ def test_quant_step_arith_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
     assert {(c["mode"], c["arith"], c["early_units"]) for c in cases} == {
-        (m, a, e) for m in ("chain", "persistent") for a in (False, True) for e in (0, 2)}
+        (m, a, e) for m in ("chain", "persistent") for a in (False, True) for e in (0, 1)}
     assert all(c["err"] < (1e-2 if c["arith"] else 1.0) for c in cases)
 
 
