@@ -2,17 +2,20 @@
 structures with loads alone (the one-launch `preload_split` 30.1 µs a layer for the 8B's four projections, the
 engine's chain of launches 32.3, the engine's kernels 41.4: docs/quantization-performance.md, "At the benchmark's
 context"); this probe runs the same two structures with the one-row kernel's arithmetic on every unit of words
-(`kernels.quant_gemv.h2_block`: float16 pairs, group scales and offsets read from memory, each unit's sums added
-to the output atomically) and without it, over 32 layers of the 8B's packed 4-bit q/k/v, o, gate/up and down:
+(`kernels.quant_gemv.h2_block`: float16 pairs, group scales and offsets read from memory; a program a contiguous
+range of a phase's units, a tile's sums added to the output atomically) and without it, over 32 layers of the 8B's
+packed 4-bit q/k/v, o, gate/up and down:
 
-  chain       one launch a projection (programmatic dependent launches), each program reading its first
-              `early_units` units before its wait (the layer probe's `launches_early`);
+  chain       one launch a projection (programmatic dependent launches), each program reading its first unit
+              before its wait where `early_units` is 1 (the layer probe's `launches_early`);
   persistent  one launch for the step, a grid barrier between projections, each program requesting its first
-              units of the next projection between arriving and waiting (`preload_split`).
+              unit of the next projection between arriving and waiting (`preload_split`).
 
-So `persistent` with the arithmetic, against the chain with it (which should come out near the engine's
-kernels), says what a persistent step would gain on the projections. No small phases (norms, attention): their
-cost in each structure is the layer probe's. The kernels are in bench/quant_step_arith_kernels.py.
+So `persistent` with the arithmetic, against the chain with it, says what the persistent structure gains on the
+projections once the arithmetic runs (measured: docs/quantization-performance.md, "The persistent step with the
+arithmetic, probed"; the chain here is above the engine's own kernels, whose per-projection configurations it
+does not reproduce). No small phases (norms, attention): their cost in each structure is the layer probe's. The
+kernels are in bench/quant_step_arith_kernels.py.
 
     python3 bench/quant_step_arith.py --commit "$(git rev-parse --short HEAD)" --out bench/results/quant_step_arith.json
     TRITON_INTERPRET=1 python3 bench/quant_step_arith.py --smoke --out /tmp/a.json   # CPU: tiny shapes, checked
@@ -118,7 +121,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--commit", default="")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 layers, the CPU interpreter; no figures")
-    ap.add_argument("--configs", default="", help="semicolon-separated per_sm,block_n,warps,early_units")
+    ap.add_argument("--configs", default="", help="semicolon-separated per_sm,block_n,warps,early_units (0 or 1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     nlayers = 2 if args.smoke else 32
