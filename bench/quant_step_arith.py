@@ -37,6 +37,7 @@ from run_header import gpu_run_header  # noqa: E402
 from kernels.pdl import launch_args  # noqa: E402
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
 from kernels.quant_pack import PackedQuantWeight  # noqa: E402
+from scripts.kernel_sass import programs_per_sm  # noqa: E402
 
 MODES = ("chain", "persistent")
 
@@ -90,7 +91,9 @@ class Step:
                           BN=bn, PRE=pre, ARITH=arith, ASM=self.asm, BARRIER=self.asm, NT=warps * 32,
                           num_warps=warps, grid=(programs,))
         k._init_handles()                  # loads the binary: its register count is known from then on
-        if k.n_regs * warps * 32 * per_sm > 65536 or (k.metadata.shared + 1024) * per_sm > 228 * 1024:
+        major, minor = torch.cuda.get_device_capability(self.dev)
+        fit = programs_per_sm(k.n_regs, k.metadata.shared, warps, 10 * major + minor)
+        if min(n for n in fit if n is not None) < per_sm:
             return f"{k.n_regs} registers, {k.metadata.shared} B shared a program"
         return None
 
