@@ -3,7 +3,8 @@
 projections, and loads alone on the engine's grid (`loads_kernel`): how fast each structure streams the words and
 what the arithmetic adds to it.
 
-    python3 bench/quant_ws_probe.py --out bench/results/quant_ws_probe.json [--shapes gate_up,down] [--quick]
+    python3 bench/quant_ws_probe.py --commit "$(git rev-parse --short HEAD)" --out bench/results/quant_ws_probe.json \
+        [--shapes gate_up,down] [--quick]
 
 Each figure is the median of CUDA-graph replays over packed random weights (groups of 128) whose copies span
 160 MB, so each launch reads its words from memory, not the L2; `engine_us` is taken before and after the sweeps.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -151,15 +151,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shapes", default="gate_up,down")
     ap.add_argument("--quick", action="store_true", help="fewer configs (one-block boxes, 2-3 stages)")
-    ap.add_argument("--commit", default=None)
+    ap.add_argument("--commit", default="", help="the commit measured, for the JSON (given, not looked up: a copy "
+                    "of the tree run elsewhere may carry another commit's git state)")
     args = ap.parse_args()
     if args.compile_only:
         args.out.write_text(compile_sm90(args.compile_only, args.sub))
         return
     dev = torch.device("cuda")
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip()
-    res = {**gpu_run_header(dev, commit), "cases": {}}
+    res = {**gpu_run_header(dev, args.commit), "cases": {}}
     gen = torch.Generator(device=dev).manual_seed(0)
     for name in args.shapes.split(","):
         n, k = SHAPES_8B[name]
