@@ -10,6 +10,10 @@
 #                    two calls, where one would come near the 10-minute limit
 #   suite-rest-b1    suite-rest-b's kernel-file and engine part, and suite-rest-b2 the rest of it (suite-rest-b with
 #                    the SmolLM2 tests came near the 10-minute limit)
+#   suite-kernels-3, suite-engine-quant, suite-engine-other, suite-smollm2: suite-rest-b1 in four calls (it overran
+#                    330 s without its kernel files and SmolLM2 files at 1fde228 on a fresh host): the other kernel
+#                    files in worker processes (73 s at 1fde228), the engine's test_quant*.py files, the rest of the
+#                    engine's files, and the files that read the default model (carry its parts first)
 #   serve-load       bench/serve_load.py, overlapped steps (the default), then --no-async-scheduling (both sides)
 #   cold             bench/cold_adapter.py, and bench/cold_adapter_burst.py with 0 and 4 conversion workers
 #   host-step        bench/engine_host_step.py on the GPU, plain and overlapped steps
@@ -115,8 +119,10 @@ mkdir -p "$out"
 kernels1="tests/kernels/test_shrink.py tests/kernels/test_expand.py"
 kernels2="tests/kernels/test_fused.py tests/kernels/test_quant_matmul.py"
 ignore="--ignore=tests/deploy --ignore=tests/gateway/test_http_openai.py --ignore=tests/gateway/test_tls.py"
-pytest_gpu() {      # the 20 slowest tests are logged too
-  python3 -m pytest -q -p no:cacheprovider -m gpu --durations=20 "$@" 2>&1 | tail -60 | tee "$out/$stage.log"
+pytest_gpu() {      # the 20 slowest tests are logged too; the log is written as the tests run (a call that
+  local rc          # runs out of time still brings back how far they got)
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --durations=20 "$@" > "$out/$stage.log" 2>&1
+  rc=$?; tail -60 "$out/$stage.log"; return $rc
 }
 # The kernel suites should be mostly Triton compiling a program per parametrized case, one core at a time:
 # spread over worker processes (pytest-xdist, in the bundle) sharing the GPU. Their tests are independent
@@ -126,6 +132,12 @@ pytest_gpu() {      # the 20 slowest tests are logged too
 not_kernels=""                                       # the rest: every test file but the kernel suites' files
 for f in $kernels1 $kernels2; do not_kernels="$not_kernels --ignore=$f"; done
 workers=""
+# The engine's test files that read the default model (SmolLM2), and --ignore for each of them
+model_files=$(grep -l "default_model_path\|smollm2\|SmolLM2" tests/engine/test_*.py | tr '\n' ' ')
+not_model=""
+for f in $model_files; do not_model="$not_model --ignore=$f"; done
+not_quant=""                                         # and for each of its test_quant*.py files
+for f in tests/engine/test_quant*.py; do not_quant="$not_quant --ignore=$f"; done
 python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-14}"
 # The 4-bit engine alone at batches $BATCHES (default $4, else 8,16,32) with switch $1 set to each of $2 in turn
 # (one lease): quant_decode_$3_<value>.json each
@@ -142,6 +154,10 @@ case "$stage" in
   suite-rest-a) pytest_gpu tests/compute_service tests/parallel ;;
   suite-rest-b) pytest_gpu tests $ignore $not_kernels --ignore=tests/compute_service --ignore=tests/parallel ;;
   suite-rest-b1) pytest_gpu tests/kernels tests/engine $not_kernels ;;
+  suite-kernels-3) pytest_gpu $workers tests/kernels $not_kernels ;;
+  suite-engine-quant) pytest_gpu tests/engine/test_quant*.py $not_model ;;
+  suite-engine-other) pytest_gpu tests/engine $not_model $not_quant ;;
+  suite-smollm2) pytest_gpu $model_files ;;
   suite-rest-b2) pytest_gpu tests $ignore $not_kernels --ignore=tests/compute_service --ignore=tests/parallel \
                    --ignore=tests/kernels --ignore=tests/engine ;;
   serve-load)
