@@ -120,8 +120,10 @@ kernels1="tests/kernels/test_shrink.py tests/kernels/test_expand.py"
 kernels2="tests/kernels/test_fused.py tests/kernels/test_quant_matmul.py"
 ignore="--ignore=tests/deploy --ignore=tests/gateway/test_http_openai.py --ignore=tests/gateway/test_tls.py"
 pytest_gpu() {      # the 20 slowest tests are logged too; the log is written as the tests run (a call that
-  local rc          # runs out of time still brings back how far they got)
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --durations=20 "$@" > "$out/$stage.log" 2>&1
+  local rc          # runs out of time still brings back how far they got); a test that hangs fails after
+                    # GPU_TEST_TIMEOUT seconds (default 300; the slowest took ~60 s on an H200) instead of the call
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --durations=20 --timeout="${GPU_TEST_TIMEOUT:-300}" "$@" \
+    > "$out/$stage.log" 2>&1
   rc=$?; tail -60 "$out/$stage.log"; return $rc
 }
 # The kernel suites should be mostly Triton compiling a program per parametrized case, one core at a time:

@@ -50,5 +50,5 @@ def test_a_stage_logs_pytest_directly_and_keeps_its_exit_status(tmp_path):
     """pytest's output goes straight to the stage's log (a call that runs out of time keeps it), and a failing
     run fails the stage."""
     args = _pytest_args("suite-engine-other", tmp_path, rc=1)
-    assert args[args.index("-m", 2) + 1] == "gpu"
+    assert args[args.index("-m", 2) + 1] == "gpu" and "--timeout=300" in args
     assert "collected by the fake" in (tmp_path / "out" / "suite-engine-other.log").read_text()
