@@ -133,13 +133,13 @@ pytest_gpu() {      # the 20 slowest tests are logged too; the log is written as
 # (2026-11-29, ec9eb97: 250 s, 183 s, 407 s).
 not_kernels=""                                       # the rest: every test file but the kernel suites' files
 for f in $kernels1 $kernels2; do not_kernels="$not_kernels --ignore=$f"; done
-workers=""
 # The engine's test files that read the default model (SmolLM2), and --ignore for each of them
 model_files=$(grep -l "default_model_path\|smollm2\|SmolLM2" tests/engine/test_*.py | tr '\n' ' ')
 not_model=""
 for f in $model_files; do not_model="$not_model --ignore=$f"; done
 not_quant=""                                         # and for each of its test_quant*.py files
 for f in tests/engine/test_quant*.py; do not_quant="$not_quant --ignore=$f"; done
+workers=""
 python3 -c "import xdist" 2>/dev/null && workers="-n ${GPU_TEST_WORKERS:-14}"
 # The 4-bit engine alone at batches $BATCHES (default $4, else 8,16,32) with switch $1 set to each of $2 in turn
 # (one lease): quant_decode_$3_<value>.json each
