@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from multi_lora import copy_bandwidth  # noqa: E402  (bench helpers)
 from quant_kernel_sweep import SHAPES_8B, graph_us  # noqa: E402
 from kernels.pdl import launch_args  # noqa: E402
-from scripts.kernel_sass import programs_per_sm as fitting  # noqa: E402
+from scripts.kernel_sass import not_resident  # noqa: E402
 from quant_layer_probe_kernels import (ATTN_PROGRAMS, ATTN_WORDS, NORM_WORDS, _layers, _layers_flat,  # noqa: E402
                                        _one_phase, _one_small, _one_tile)
 
@@ -184,12 +184,8 @@ def fits(step: Step, mode: str, small: bool, programs: int, bn: int, depth: int,
     else:
         k = _layers.warmup(step.w, step.kv, out, tot, step.bar, programs, step.layers, *flat,
                            **step.layers_kw(mode, small, bn, depth, warps, poll, pre), grid=(programs,))
-    k._init_handles()                  # loads the binary: its register count is known from then on
     major, minor = torch.cuda.get_device_capability(step.dev)
-    fit = fitting(k.n_regs, k.metadata.shared, warps, 10 * major + minor)
-    if min(n for n in fit if n is not None) < programs_per_sm:
-        return f"{k.n_regs} registers, {k.metadata.shared} B shared a program"
-    return None
+    return not_resident(k, warps, 10 * major + minor, programs_per_sm)
 
 
 def replay_us(dev: torch.device, fns: list) -> float:

@@ -37,7 +37,7 @@ from run_header import gpu_run_header  # noqa: E402
 from kernels.pdl import launch_args  # noqa: E402
 from kernels.quant_dequant import dequantize_packed  # noqa: E402
 from kernels.quant_pack import PackedQuantWeight  # noqa: E402
-from scripts.kernel_sass import programs_per_sm  # noqa: E402
+from scripts.kernel_sass import not_resident  # noqa: E402
 
 MODES = ("chain", "persistent")
 
@@ -90,12 +90,8 @@ class Step:
         k = layers.warmup(self.w, self.x, self.s, out, self.bar, programs, self.layers, *self.geometry(),
                           BN=bn, PRE=pre, ARITH=arith, ASM=self.asm, BARRIER=self.asm, NT=warps * 32,
                           num_warps=warps, grid=(programs,))
-        k._init_handles()                  # loads the binary: its register count is known from then on
         major, minor = torch.cuda.get_device_capability(self.dev)
-        fit = programs_per_sm(k.n_regs, k.metadata.shared, warps, 10 * major + minor)
-        if min(n for n in fit if n is not None) < per_sm:
-            return f"{k.n_regs} registers, {k.metadata.shared} B shared a program"
-        return None
+        return not_resident(k, warps, 10 * major + minor, per_sm)
 
     def reference(self) -> torch.Tensor:
         """out's sums with the arithmetic: every layer's four products of x, added by row (fp32)."""

@@ -169,6 +169,16 @@ def programs_per_sm(registers: int, shared: int, warps: int, arch: int) -> tuple
     return by_registers, by_shared
 
 
+def not_resident(kernel, warps: int, arch: int, per_sm: int) -> str | None:
+    """Why `per_sm` programs of a compiled kernel (a `warmup` result) cannot share one SM, or None: a persistent
+    grid that is not resident at once never opens its barriers."""
+    kernel._init_handles()             # loads the binary: its register count is known from then on
+    fit = programs_per_sm(kernel.n_regs, kernel.metadata.shared, warps, arch)
+    if min(n for n in fit if n is not None) < per_sm:
+        return f"{kernel.n_regs} registers, {kernel.metadata.shared} B shared a program"
+    return None
+
+
 def report(compiled, dump: Path | None, warps: int = 4, arch: int = 90) -> str:
     import triton
 

@@ -97,3 +97,22 @@ def test_the_launch_shared_memory_of_a_pipelined_loop_and_programs_an_sm():
     assert int(piped.group(1)) > int(plain.group(1))            # the pipeline's stages are buffers in shared memory
     for m in (plain, piped):                                     # 228 KiB an SM on sm_90, 1 KiB reserved each
         assert int(m.group(3)) == min(233472 // (int(m.group(1)) + 1024), 32), m.group(0)
+
+
+def test_not_resident_names_what_keeps_programs_off_an_sm():
+    """The probes' residency check: the kernel's binary is loaded first (its register count is only known then),
+    and the tighter of the register and shared-memory bounds decides."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from types import SimpleNamespace
+
+    from kernel_sass import not_resident
+
+    def compiled(regs: int, shared: int) -> SimpleNamespace:
+        k = SimpleNamespace(n_regs=None, metadata=SimpleNamespace(shared=shared))
+        k._init_handles = lambda: setattr(k, "n_regs", regs)
+        return k
+
+    assert not_resident(compiled(168, 73728), 4, 90, 3) is None
+    assert not_resident(compiled(176, 0), 4, 90, 3) == "176 registers, 0 B shared a program"
+    assert not_resident(compiled(128, 114688), 4, 90, 3) == "128 registers, 114688 B shared a program"
+    assert not_resident(compiled(128, 65536), 4, 75, 4) is None        # shared memory unknown there: registers only
