@@ -66,15 +66,22 @@ class Step:
     def geometry(self) -> list[int]:
         return [v for s in self.shapes for v in s] + self.starts[1:] + [self.layer_words]
 
+    def persistent_args(self, arith: bool, programs: int, bn: int, warps: int, pre: int,
+                        out: torch.Tensor) -> tuple[list, dict]:
+        """The persistent kernel's arguments: the same ones run and checked for residency (one compiled program)."""
+        return ([self.w, self.x, self.s, out, self.bar, programs, self.layers, *self.geometry()],
+                dict(BN=bn, PRE=pre, ARITH=arith, ASM=self.asm, BARRIER=self.asm, NT=warps * 32, num_warps=warps))
+
     def launches(self, mode: str, arith: bool, programs: int, bn: int, warps: int, pre: int,
                  out: torch.Tensor) -> list:
-        kw = dict(BN=bn, PRE=pre, ARITH=arith, ASM=self.asm, num_warps=warps)
         if mode == "persistent":
+            args, kw = self.persistent_args(arith, programs, bn, warps, pre, out)
+
             def run() -> None:
                 self.bar[0].zero_()
-                layers[(programs,)](self.w, self.x, self.s, out, self.bar, programs, self.layers,
-                                    *self.geometry(), BARRIER=self.asm, NT=warps * 32, **kw)
+                layers[(programs,)](*args, **kw)
             return [run]
+        kw = dict(BN=bn, PRE=pre, ARITH=arith, ASM=self.asm, num_warps=warps)
         pdl = launch_args(self.dev.type == "cuda")
         fns = []
         for layer in range(self.layers):
@@ -87,9 +94,8 @@ class Step:
     def resident(self, arith: bool, programs: int, per_sm: int, bn: int, warps: int, pre: int,
                  out: torch.Tensor) -> str | None:
         """Why the persistent grid could not be resident at once (its barriers would never open), or None."""
-        k = layers.warmup(self.w, self.x, self.s, out, self.bar, programs, self.layers, *self.geometry(),
-                          BN=bn, PRE=pre, ARITH=arith, ASM=self.asm, BARRIER=self.asm, NT=warps * 32,
-                          num_warps=warps, grid=(programs,))
+        args, kw = self.persistent_args(arith, programs, bn, warps, pre, out)
+        k = layers.warmup(*args, **kw, grid=(programs,))
         major, minor = torch.cuda.get_device_capability(self.dev)
         return not_resident(k, warps, 10 * major + minor, per_sm)
 
